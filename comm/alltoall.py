@@ -1,0 +1,71 @@
+"""`comm.all_to_all`: the one entry point the MoE dispatcher calls.
+
+Contract (R ranks in `group`; T_in = sum(in_splits), T_out = sum(out_splits)):
+    x [T_in, ...] rows grouped by destination rank  ->  y [T_out, ...] grouped by source rank.
+The result equals `torch.distributed.all_to_all_single` exactly for any splits, zeros and
+ranks that send or receive nothing included, and it is differentiable: the backward is the
+same exchange with the splits swapped. `algorithm` picks how the rows travel:
+    "flat" one all_to_all_single (the vendor collective)
+    "halo" hierarchical I (intra-node) || II (packed per remote node) -> III (redistribute)
+    "auto" the cheaper of the two under `cost_model`, decided identically on every rank
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from comm.flat import _split_device, flat_all_to_all, normalize_splits
+
+__all__ = ["ALGORITHMS", "all_to_all"]
+
+ALGORITHMS = ("flat", "halo", "auto")
+
+
+def all_to_all(
+    x: torch.Tensor,
+    in_splits: Sequence[int] | torch.Tensor,
+    group: dist.ProcessGroup | None,
+    algorithm: str = "flat",
+    topology: object | None = None,
+    out_splits: Sequence[int] | torch.Tensor | None = None,
+    cost_model: object | None = None,
+) -> tuple[torch.Tensor, list[int]]:
+    """Uneven all-to-all of the rows of `x`; returns (y, out_splits as list[int]).
+
+    `group` is the process group (None means the default group, as in torch.distributed).
+    `topology` describes the ranks of `group` in group-rank order (see `Topology.restrict`);
+    "halo" needs it, "auto" falls back to "flat" without it. `out_splits`, when the caller
+    already knows them, skips the split-size exchange of the flat path.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
+    if x.dim() < 1:
+        raise ValueError(f"x must have a row dimension, got a 0-d tensor of dtype {x.dtype}")
+    world = dist.get_world_size(group)
+    splits = normalize_splits(in_splits, world, "in_splits")
+    if sum(splits) != x.shape[0]:
+        raise ValueError(
+            f"in_splits {splits} sum to {sum(splits)} but x has {x.shape[0]} rows"
+        )
+    known_out = None if out_splits is None else normalize_splits(out_splits, world, "out_splits")
+    if algorithm == "flat" or (algorithm == "auto" and topology is None):
+        return flat_all_to_all(x, splits, group, known_out)
+    return _hierarchical_or_auto(
+        x, splits, group, algorithm, topology, known_out, cost_model, _split_device(x, group)
+    )
+
+
+def _hierarchical_or_auto(
+    x: torch.Tensor,
+    splits: list[int],
+    group: dist.ProcessGroup | None,
+    algorithm: str,
+    topology: object | None,
+    known_out: list[int] | None,
+    cost_model: object | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, list[int]]:
+    raise NotImplementedError("halo / auto land in the next step")

@@ -1,0 +1,133 @@
+"""Flat (single-hop) uneven all-to-all: the vendor collective with split handling and autograd.
+
+Layout (R ranks in `group`, rows of any trailing shape):
+    x [sum(in_splits), ...]   rows grouped by destination rank, destination 0 first
+    y [sum(out_splits), ...]  rows grouped by source rank, source 0 first
+    in_splits[d]  rows this rank sends to rank d      (list[int] or 1-D tensor, length R)
+    out_splits[s] rows this rank receives from rank s (= in_splits of rank s at index "me")
+
+The split sizes are exchanged first with one tiny `all_to_all_single` on an int64 tensor
+(skipped when the caller already knows `out_splits`), then the rows move with
+`torch.distributed.all_to_all_single`. The backward is the same exchange with the two split
+lists swapped, so gradients flow back to the rows that produced them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "FlatAllToAll",
+    "exchange_splits",
+    "flat_all_to_all",
+    "gather_split_matrix",
+    "normalize_splits",
+]
+
+Splits = Sequence[int] | torch.Tensor
+
+
+def normalize_splits(splits: Splits, world: int, name: str = "in_splits") -> list[int]:
+    """Return `splits` as a list of `world` non-negative python ints, or raise ValueError."""
+    if isinstance(splits, torch.Tensor):
+        if splits.dim() != 1:
+            raise ValueError(f"{name} must be a 1-D tensor, got shape {tuple(splits.shape)}")
+        if splits.is_floating_point() or splits.is_complex():
+            raise ValueError(f"{name} must hold integers, got dtype {splits.dtype}")
+        values = [int(v) for v in splits.tolist()]
+    else:
+        values = []
+        for v in splits:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must hold ints, got {v!r} in {list(splits)!r}")
+            values.append(int(v))
+    if len(values) != world:
+        raise ValueError(f"{name} has {len(values)} entries but the group has {world} ranks")
+    negative = [v for v in values if v < 0]
+    if negative:
+        raise ValueError(f"{name} must be >= 0, got {values}")
+    return values
+
+
+def _split_device(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.device:
+    # NCCL only moves device tensors; gloo moves CPU tensors. The split exchange follows x
+    # except when x lives on a device the backend cannot serve (gloo with CUDA x).
+    backend = dist.get_backend(group)
+    if backend == "gloo":
+        return torch.device("cpu")
+    return x.device
+
+
+def exchange_splits(
+    in_splits: list[int], group: dist.ProcessGroup | None, device: torch.device
+) -> list[int]:
+    """out_splits[s] = in_splits of rank s at my index: one int64 all_to_all_single."""
+    send = torch.tensor(in_splits, dtype=torch.int64, device=device)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return [int(v) for v in recv.tolist()]
+
+
+def gather_split_matrix(
+    in_splits: list[int], group: dist.ProcessGroup | None, device: torch.device
+) -> list[list[int]]:
+    """The full matrix S[s][d] (rows rank s sends to rank d), identical on every rank."""
+    world = dist.get_world_size(group)
+    send = torch.tensor(in_splits, dtype=torch.int64, device=device)
+    recv = torch.empty(world * len(in_splits), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(recv, send, group=group)
+    flat = [int(v) for v in recv.tolist()]
+    return [flat[s * world : (s + 1) * world] for s in range(world)]
+
+
+def _exchange_rows(
+    x: torch.Tensor,
+    in_splits: list[int],
+    out_splits: list[int],
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    x = x.contiguous()
+    y = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(
+        y, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group
+    )
+    return y
+
+
+class FlatAllToAll(torch.autograd.Function):
+    """y = all_to_all_single(x); dx = all_to_all_single(dy) with the splits swapped."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        in_splits: list[int],
+        out_splits: list[int],
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        ctx.in_splits = in_splits
+        ctx.out_splits = out_splits
+        ctx.group = group
+        return _exchange_rows(x, in_splits, out_splits, group)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_y: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None]:
+        grad_x = _exchange_rows(grad_y, ctx.out_splits, ctx.in_splits, ctx.group)
+        return grad_x, None, None, None
+
+
+def flat_all_to_all(
+    x: torch.Tensor,
+    in_splits: list[int],
+    group: dist.ProcessGroup | None,
+    out_splits: list[int] | None = None,
+) -> tuple[torch.Tensor, list[int]]:
+    """Flat uneven all-to-all on validated python split lists; see the module docstring."""
+    if out_splits is None:
+        out_splits = exchange_splits(in_splits, group, _split_device(x, group))
+    return FlatAllToAll.apply(x, in_splits, out_splits, group), out_splits

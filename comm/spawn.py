@@ -1,0 +1,101 @@
+"""Run a function on N local processes joined in one torch.distributed group.
+
+Used by the comm tests and the single-machine benchmark: it gives every rank the WORLD group
+explicitly (no global state in the callee), collects each rank's return value in the parent
+and re-raises a rank's exception there with its traceback. Rendezvous goes through a file in
+a fresh temporary directory, so concurrent runs on a shared machine never race for a port.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_local"]
+
+
+def _worker(
+    rank: int,
+    world: int,
+    init_file: str,
+    backend: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    # One intra-op thread per rank: up to 9 ranks share 2 cores in CI, and oversubscription
+    # makes collective timings and test runtimes erratic.
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world
+        )
+        try:
+            out = fn(rank, world, dist.group.WORLD, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:  # report every failure (incl. KeyboardInterrupt) to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+) -> list[Any]:
+    """Call `fn(rank, world_size, group, *args)` on `world_size` spawned processes.
+
+    `fn` must be importable by name (a module-level function). Returns the per-rank results
+    in rank order; raises RuntimeError with the first failing rank's traceback, or on timeout.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="comm-spawn-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, init_file, backend, fn, args, results),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        collected: dict[int, Any] = {}
+        failure: str | None = None
+        try:
+            for _ in range(world_size):
+                try:
+                    rank, ok, out = results.get(timeout=timeout_s)
+                except queue.Empty:
+                    failure = f"timed out after {timeout_s:.0f} s waiting for {world_size} ranks"
+                    break
+                if not ok:
+                    failure = f"rank {rank} failed:\n{out}"
+                    break
+                collected[rank] = out
+        finally:
+            for p in procs:
+                p.join(timeout=5.0 if failure is None else 0.5)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    if failure is not None:
+        raise RuntimeError(failure)
+    return [collected[r] for r in range(world_size)]

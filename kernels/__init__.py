@@ -1,0 +1,31 @@
+"""Grouped GEMM and token permutation for MoE experts: Triton on GPUs, a fast torch path on CPU.
+
+Public ops (contracts in ``DESIGN.md``):
+- ``grouped_gemm(x [M, K], w [E, K, N], offs [E] int32) -> [M, N]`` (torch._grouped_mm contract;
+  rows past offs[-1] are zero).
+- ``permute(x [T, D], topk_idx [T, k], num_experts) -> (x_sorted [T*k, D], counts [E], meta)``
+- ``unpermute(y_sorted [T*k, D], topk_w [T, k], meta) -> [T, D]``
+and their plain-torch references, which tests and benchmarks import.
+"""
+
+from __future__ import annotations
+
+from kernels.grouped_gemm import grouped_gemm, offsets_from_counts, reference_grouped_gemm
+from kernels.permute import (
+    PermuteMeta,
+    permute,
+    reference_permute,
+    reference_unpermute,
+    unpermute,
+)
+
+__all__ = [
+    "PermuteMeta",
+    "grouped_gemm",
+    "offsets_from_counts",
+    "permute",
+    "reference_grouped_gemm",
+    "reference_permute",
+    "reference_unpermute",
+    "unpermute",
+]

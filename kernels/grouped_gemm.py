@@ -1,0 +1,119 @@
+"""Grouped GEMM over token-sorted rows: the ``torch._grouped_mm`` contract, differentiable.
+
+Math, for experts e = 0..E-1 with row ranges [offs[e-1], offs[e]) (offs[-1] := 0):
+
+    y[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ w[e]
+    dx[offs[e-1]:offs[e]] = dy[offs[e-1]:offs[e]] @ w[e]^T        (the same grouped GEMM)
+    dw[e] = x[offs[e-1]:offs[e]]^T @ dy[offs[e-1]:offs[e]]        (a grouped reduction)
+
+Shape legend: M token-sorted rows (T*k after permute), K input features, N output features,
+E experts. ``offs`` is int32 [E], cumulative row ends (``torch.cumsum(counts, 0)``); any expert
+may own zero rows. Rows at or past ``offs[-1]`` belong to no expert: their output rows are ZERO
+(torch._grouped_mm leaves them undefined; zero costs one memset and keeps padding harmless) and
+they contribute nothing to dw. Accumulation is fp32 for every input dtype.
+
+Backends (``kernels/_backend.py``): Triton kernels (``_grouped_gemm_triton.py``) on CUDA/ROCm
+and under ``TRITON_INTERPRET=1``; the measured-fastest torch path on CPU (``_cpu.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._backend import resolve_backend
+
+__all__ = ["grouped_gemm", "reference_grouped_gemm", "offsets_from_counts"]
+
+
+def reference_grouped_gemm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Plain-torch grouped GEMM, one matmul per expert; the yardstick for every backend.
+
+    Computes in fp32 (fp64 for fp64 inputs) and returns x's dtype; rows past offs[-1] are zero. Differentiable through
+    ordinary autograd.
+    """
+    M, N = x_MK.shape[0], w_EKN.shape[2]
+    acc = torch.promote_types(x_MK.dtype, torch.float32)  # fp32 accumulation (fp64 stays fp64)
+    rows = []
+    start = 0
+    for e, end in enumerate(offs_E.tolist()):
+        rows.append(x_MK[start:end].to(acc) @ w_EKN[e].to(acc))
+        start = end
+    rows.append(x_MK.new_zeros(M - start, N, dtype=acc))
+    return torch.cat(rows).to(x_MK.dtype)
+
+
+def offsets_from_counts(counts_E: torch.Tensor) -> torch.Tensor:
+    """int32 cumulative row ends [E] from per-expert row counts [E] (the ``offs`` argument)."""
+    return torch.cumsum(counts_E, 0, dtype=torch.int32)
+
+
+def _check(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> None:
+    if x_MK.dim() != 2 or w_EKN.dim() != 3 or offs_E.dim() != 1:
+        raise ValueError(
+            f"grouped_gemm expects x [M, K], w [E, K, N], offs [E]; got x {tuple(x_MK.shape)}, "
+            f"w {tuple(w_EKN.shape)}, offs {tuple(offs_E.shape)}"
+        )
+    if x_MK.shape[1] != w_EKN.shape[1]:
+        raise ValueError(f"x has K={x_MK.shape[1]} columns but w has K={w_EKN.shape[1]} rows per expert")
+    if offs_E.shape[0] != w_EKN.shape[0]:
+        raise ValueError(f"offs has {offs_E.shape[0]} entries but w has E={w_EKN.shape[0]} experts")
+    if offs_E.dtype != torch.int32:
+        raise ValueError(f"offs must be int32 cumulative row ends, got dtype {offs_E.dtype}")
+    if x_MK.dtype != w_EKN.dtype:
+        raise ValueError(f"x dtype {x_MK.dtype} differs from w dtype {w_EKN.dtype}")
+    if x_MK.device != w_EKN.device or x_MK.device != offs_E.device:
+        raise ValueError(
+            f"x, w, offs must share a device; got {x_MK.device}, {w_EKN.device}, {offs_E.device}"
+        )
+    if offs_E.device.type == "cpu" and offs_E.numel() > 0:
+        # Value checks only where they are free (no device sync on GPU).
+        o = offs_E.tolist()
+        if any(b < a for a, b in zip(o, o[1:], strict=False)) or o[0] < 0 or o[-1] > x_MK.shape[0]:
+            raise ValueError(
+                f"offs must be non-decreasing in [0, M={x_MK.shape[0]}]; got {o[:8]}"
+                f"{' ...' if len(o) > 8 else ''} (last {o[-1]})"
+            )
+
+
+def _impl(backend: str):  # -> module with gmm, gmm_dx, gmm_dw
+    if backend == "triton":
+        from kernels import _grouped_gemm_triton as impl
+    else:
+        from kernels import _cpu as impl
+    return impl
+
+
+class _GroupedGemm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK, w_EKN, offs_E, backend):  # type: ignore[override]
+        ctx.save_for_backward(x_MK, w_EKN, offs_E)
+        ctx.backend = backend
+        return _impl(backend).gmm(x_MK, w_EKN, offs_E)
+
+    @staticmethod
+    def backward(ctx, dy_MN):  # type: ignore[override]
+        x_MK, w_EKN, offs_E = ctx.saved_tensors
+        impl = _impl(ctx.backend)
+        dy_MN = dy_MN.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            # dx = dy @ w^T per expert: the forward GEMM on a transposed view (no copy).
+            dx = impl.gmm_dx(dy_MN, w_EKN, offs_E)
+        if ctx.needs_input_grad[1]:
+            dw = impl.gmm_dw(x_MK, dy_MN, offs_E)
+        return dx, dw, None, None
+
+
+def grouped_gemm(
+    x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, *, backend: str | None = None
+) -> torch.Tensor:
+    """y [M, N]: rows offs[e-1]:offs[e] of x times w[e]; rows past offs[-1] are zero.
+
+    Differentiable in x and w. ``backend`` ("triton", "torch", "reference") overrides the
+    per-device choice, for benchmarks and tests.
+    """
+    _check(x_MK, w_EKN, offs_E)
+    name = resolve_backend(x_MK.device, backend)
+    if name == "reference":
+        return reference_grouped_gemm(x_MK, w_EKN, offs_E)
+    return _GroupedGemm.apply(x_MK, w_EKN, offs_E, name)

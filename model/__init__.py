@@ -1,0 +1,21 @@
+"""MoE transformer: config, presets, attention (GQA, MLA), router, experts, HF interop."""
+
+from __future__ import annotations
+
+from . import presets
+from .config import ModelConfig
+from .moe import GroupedExperts, LocalDispatcher, MoELayer, SwiGLU
+from .router import Router
+from .transformer import Block, MoETransformer
+
+__all__ = [
+    "Block",
+    "GroupedExperts",
+    "LocalDispatcher",
+    "ModelConfig",
+    "MoELayer",
+    "MoETransformer",
+    "Router",
+    "SwiGLU",
+    "presets",
+]

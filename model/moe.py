@@ -1,0 +1,121 @@
+"""The MoE feed-forward layer and its seam for expert parallelism.
+
+    topk_idx, topk_w = router(x)                    logical expert ids [T, K], weights [T, K]
+    slot_idx = expert2slot[topk_idx]                physical slots (migration remaps them)
+    x_sorted, counts, meta = permute(x, slot_idx)   rows grouped by slot, counts over E slots
+    x_loc, counts_loc, ctx = dispatcher.dispatch(x_sorted, counts)    (all-to-all under EP)
+    h = silu(x_loc W1[e]) * (x_loc W3[e]);  y_loc = h W2[e]           (grouped GEMMs)
+    y_sorted = dispatcher.combine(y_loc, ctx)
+    y = unpermute(y_sorted, topk_w, meta) (+ shared_experts(x))
+
+Single process: `LocalDispatcher` is the identity and this process holds all E slots. The
+trainer swaps `dispatcher` for an all-to-all one and shrinks `experts` to its E_local slots.
+
+Shape legend: B batch, S sequence, T = B*S tokens, D model, F expert ffn, E experts (slots),
+K top-k, M rows after dispatch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import grouped_gemm, permute, unpermute
+
+from .config import ModelConfig
+from .router import Router
+
+
+class SwiGLU(nn.Module):
+    """Dense gated FFN: w2(silu(w1 x) * w3 x). Used for dense layers and shared experts."""
+
+    def __init__(self, d_model: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d_model, ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(d_model, ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(ffn_dim, d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class GroupedExperts(nn.Module):
+    """E_local SwiGLU experts stacked for the grouped GEMM: w1, w3 [E, D, F], w2 [E, F, D]
+    (input dim first, so `grouped_gemm(x, w, offs)` takes them as they are)."""
+
+    def __init__(self, n_experts: int, d_model: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, d_model, ffn_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, d_model, ffn_dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, ffn_dim, d_model))
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    def forward(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Rows of x grouped by local expert, counts_E rows each -> [M, D]."""
+        if counts_E.shape != (self.num_experts,):
+            raise ValueError(
+                f"counts has shape {tuple(counts_E.shape)}, expected ({self.num_experts},) "
+                "(one entry per local expert)"
+            )
+        offs = torch.cumsum(counts_E, dim=0).to(torch.int32)
+        h = F.silu(grouped_gemm(x_MD, self.w1, offs)) * grouped_gemm(x_MD, self.w3, offs)
+        return grouped_gemm(h, self.w2, offs)
+
+
+class LocalDispatcher:
+    """Single-process dispatcher: every slot is local, so dispatch and combine are identities."""
+
+    def dispatch(
+        self, x_sorted: torch.Tensor, counts_E: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        return x_sorted, counts_E, None
+
+    def combine(self, y_sorted: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return y_sorted
+
+
+class MoELayer(nn.Module):
+    """Routed SwiGLU experts + optional shared expert(s); see the module docstring.
+
+    After each forward: `last_counts` [E] (detached tokens per LOGICAL expert, this process's
+    tokens only) and `last_aux_loss` (0-dim, differentiable; see `model.router`).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E = cfg.n_routed_experts
+        self.num_experts = E
+        self.router = Router(cfg)
+        self.experts = GroupedExperts(E, cfg.d_model, cfg.moe_ffn_dim)
+        self.shared_experts = SwiGLU(cfg.d_model, cfg.shared_ffn_dim) if cfg.shared_ffn_dim else None
+        # Qwen2-MoE gates the shared expert per token with sigmoid(x . g).
+        self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_expert_gate else None
+        self.register_buffer("expert2slot", torch.arange(E, dtype=torch.long))
+        self.dispatcher: Any = LocalDispatcher()
+        self.last_counts = torch.zeros(E, dtype=torch.long)
+        self.last_aux_loss = torch.zeros(())
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(B * S, D)
+        topk_idx, topk_w, aux = self.router.route(x_BSD)
+        self.last_aux_loss = aux
+        self.last_counts = torch.bincount(topk_idx.flatten(), minlength=self.num_experts).detach()
+        slot_idx = self.expert2slot[topk_idx]
+        x_sorted, counts, meta = permute(x_TD, slot_idx, self.num_experts)
+        x_loc, counts_loc, ctx = self.dispatcher.dispatch(x_sorted, counts)
+        y_loc = self.experts(x_loc, counts_loc)
+        y_sorted = self.dispatcher.combine(y_loc, ctx)
+        y = unpermute(y_sorted, topk_w, meta)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x_TD)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x_TD)) * shared
+            y = y + shared
+        return y.view(B, S, D)

@@ -1,0 +1,242 @@
+"""Pipeline schedules as data: `Action`s laid out on a unit-time timeline, one list per rank.
+
+A schedule is `dict[rank, list[Action | None]]`: slot t of rank r is what r does during time
+step t (`None` = idle). Every action takes one step. Sends and receives are *not* part of
+the schedule; `pipeline.analysis.derive_transfers` derives them from the data dependencies:
+
+    F(s, m) needs F(s-1, m)                     (activation of micro-batch m from stage s-1)
+    B(s, m) needs F(s, m) and B(s+1, m)         (output gradient from stage s+1)
+    W(s, m) needs B(s, m)                       (weight gradient, zero-bubble schedules only)
+
+A dependency is satisfied only by an action in an *earlier* step, so a timeline read step by
+step never waits on work that happens at the same time.
+
+Stages: with `n_virtual` = v virtual stages per rank there are S = p * v stages and stage s
+runs on rank s % p (the Megatron interleaved layout); without interleaving S = p, stage = rank.
+
+Legend: p ranks, m micro-batches, v virtual stages per rank, S = p * v stages.
+
+Builders (all pure, deterministic):
+    gpipe             all forwards, then all backwards
+    1f1b              p - r - 1 warm-up forwards on rank r, then one forward / one backward
+    interleaved-1f1b  Megatron's interleaved 1F1B over v chunks per rank (m % p == 0)
+    zb-h1             1F1B with the backward split into B (input grad) and W (weight grad);
+                      rank r defers W by r micro-batches so W fills the cool-down bubble
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["Action", "KINDS", "Schedule", "build", "schedule_names", "stage2rank", "n_stages"]
+
+KINDS = ("F", "B", "W")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One unit of work: `kind` ("F", "B" or "W") of `stage` on `microbatch`; str -> "2F0"."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Action kind {self.kind!r} is not one of {KINDS}")
+        if self.stage < 0 or self.microbatch < 0:
+            raise ValueError(
+                f"Action stage={self.stage}, microbatch={self.microbatch}: both must be >= 0"
+            )
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+Schedule = dict[int, list[Action | None]]
+
+
+def stage2rank(schedule: Schedule) -> dict[int, int]:
+    """Which rank runs each stage, read from the schedule; a stage on two ranks is an error."""
+    out: dict[int, int] = {}
+    for rank, slots in schedule.items():
+        for a in slots:
+            if a is None:
+                continue
+            prev = out.setdefault(a.stage, rank)
+            if prev != rank:
+                raise ValueError(f"stage {a.stage} appears on ranks {prev} and {rank} ({a})")
+    return out
+
+
+def n_stages(schedule: Schedule) -> int:
+    """Number of stages S (the highest stage index + 1)."""
+    return max((a.stage for slots in schedule.values() for a in slots if a is not None),
+               default=-1) + 1
+
+
+def dependencies(a: Action, n_stage: int) -> list[Action]:
+    """The actions `a` needs to have finished first (see the module docstring)."""
+    if a.kind == "F":
+        return [Action(a.stage - 1, "F", a.microbatch)] if a.stage > 0 else []
+    if a.kind == "B":
+        deps = [Action(a.stage, "F", a.microbatch)]
+        if a.stage < n_stage - 1:
+            deps.append(Action(a.stage + 1, "B", a.microbatch))
+        return deps
+    return [Action(a.stage, "B", a.microbatch)]
+
+
+def _place(orders: dict[int, list[Action]], n_stage: int) -> Schedule:
+    """Lay per-rank action orders onto the unit timeline, each action at its earliest step."""
+    done: dict[Action, int] = {}
+    out: Schedule = {r: [] for r in orders}
+    pos = dict.fromkeys(orders, 0)
+    total = sum(len(o) for o in orders.values())
+    t = 0
+    while len(done) < total:
+        placed = []
+        for r, order in orders.items():
+            if pos[r] < len(order):
+                a = order[pos[r]]
+                if all(done.get(d, t) < t for d in dependencies(a, n_stage)):
+                    placed.append((r, a))
+                    continue
+            out[r].append(None)
+        if not placed:
+            stuck = [str(o[pos[r]]) for r, o in orders.items() if pos[r] < len(o)]
+            raise RuntimeError(f"schedule order deadlocks at step {t}; blocked: {stuck}")
+        for r, a in placed:
+            out[r].append(a)
+            done[a] = t
+            pos[r] += 1
+        t += 1
+    return out
+
+
+def _check_common(n_ranks: int, n_microbatches: int) -> None:
+    if not isinstance(n_ranks, int) or n_ranks < 1:
+        raise ValueError(f"n_ranks={n_ranks!r} is invalid; need an int >= 1")
+    if not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise ValueError(f"n_microbatches={n_microbatches!r} is invalid; need an int >= 1")
+
+
+def _gpipe(p: int, m: int) -> Schedule:
+    orders = {
+        r: [Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)]
+        for r in range(p)
+    }
+    return _place(orders, p)
+
+
+def _one_f_one_b(p: int, m: int) -> Schedule:
+    orders = {}
+    for r in range(p):
+        # Rank r runs p - r - 1 forwards before its first backward can arrive; afterwards
+        # every backward frees the activations the next forward needs (peak p - r).
+        warm = min(p - r - 1, m)
+        o = [Action(r, "F", i) for i in range(warm)]
+        for i in range(m - warm):
+            o += [Action(r, "F", warm + i), Action(r, "B", i)]
+        o += [Action(r, "B", i) for i in range(m - warm, m)]
+        orders[r] = o
+    return _place(orders, p)
+
+
+def _interleaved(p: int, m: int, v: int) -> Schedule:
+    if not isinstance(v, int) or v < 1:
+        raise ValueError(f"n_virtual={v!r} is invalid; need an int >= 1")
+    if m % p:
+        valid = [k * p for k in range(1, 4)]
+        raise ValueError(
+            f"interleaved-1f1b needs n_microbatches divisible by n_ranks: "
+            f"n_microbatches={m}, n_ranks={p}; valid n_microbatches: {valid}, ..."
+        )
+    total = m * v
+
+    def nth(k: int, forward: bool, r: int) -> Action:
+        # Micro-batches go through the chunks in groups of p: chunk 0 for mbs 0..p-1, chunk 1
+        # for the same p, ...; backwards walk the chunks in reverse.
+        group, within = divmod(k, p * v)
+        chunk = within // p if forward else v - 1 - within // p
+        mb = group * p + within % p
+        return Action(chunk * p + r, "F" if forward else "B", mb)
+
+    orders = {}
+    for r in range(p):
+        warm = min(2 * (p - r - 1) + (v - 1) * p, total)
+        o = [nth(k, True, r) for k in range(warm)]
+        for i in range(total - warm):
+            o += [nth(warm + i, True, r), nth(i, False, r)]
+        o += [nth(k, False, r) for k in range(total - warm, total)]
+        orders[r] = o
+    return _place(orders, p * v)
+
+
+def _zb_h1(p: int, m: int) -> Schedule:
+    """1F1B order with B and W split; rank r runs W(i) only after B(i + r).
+
+    Lagging the weight gradients by r micro-batches lets the input gradients race down the
+    pipeline in the cool-down while the deferred W's fill what 1F1B leaves idle: with unit F,
+    B and W the makespan is 3m + p - 1 (the ZB-H1 optimum; 1F1B with split backward takes
+    3m + 2(p - 1)) and every rank holds at most p micro-batches, 1F1B's stage-0 peak.
+    """
+    orders = {}
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        o = [Action(r, "F", i) for i in range(warm)]
+        n_b = n_w = 0
+
+        def backward() -> None:
+            nonlocal n_b, n_w
+            o.append(Action(r, "B", n_b))
+            n_b += 1
+            if n_b - n_w > r:
+                o.append(Action(r, "W", n_w))
+                n_w += 1
+
+        for i in range(m - warm):
+            o.append(Action(r, "F", warm + i))
+            backward()
+        while n_b < m:
+            backward()
+        o += [Action(r, "W", i) for i in range(n_w, m)]
+        orders[r] = o
+    return _place(orders, p)
+
+
+_BUILDERS: dict[str, Callable[..., Schedule]] = {
+    "gpipe": _gpipe,
+    "1f1b": _one_f_one_b,
+    "interleaved-1f1b": _interleaved,
+    "zb-h1": _zb_h1,
+}
+
+
+def schedule_names() -> list[str]:
+    """Names accepted by `build`."""
+    return list(_BUILDERS)
+
+
+def build(name: str, n_ranks: int, n_microbatches: int, **kw: int) -> Schedule:
+    """Build schedule `name` for `n_ranks` pipeline ranks and `n_microbatches` micro-batches.
+
+    Keyword arguments: `n_virtual` (virtual stages per rank) for `interleaved-1f1b`
+    (default 2). Returns `{rank: [Action | None, ...]}` with all lists of equal length.
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown schedule {name!r}; valid: {schedule_names()}")
+    _check_common(n_ranks, n_microbatches)
+    allowed = {"n_virtual"} if name == "interleaved-1f1b" else set()
+    extra = set(kw) - allowed
+    if extra:
+        raise ValueError(
+            f"schedule {name!r} got unexpected options {sorted(extra)}; valid: {sorted(allowed)}"
+        )
+    if name == "interleaved-1f1b":
+        sched = _interleaved(n_ranks, n_microbatches, kw.get("n_virtual", 2))
+    else:
+        sched = _BUILDERS[name](n_ranks, n_microbatches)
+    length = max(len(s) for s in sched.values())
+    return {r: s + [None] * (length - len(s)) for r, s in sched.items()}

@@ -1,0 +1,52 @@
+"""Shared test set-up: determinism, hypothesis profile, and a torchrun launcher."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The CI machine has 2 shared cores: wall-clock deadlines would make property tests flaky.
+settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_train(args: list[str], nproc: int = 1, timeout: float = 600,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run train.py (through torchrun when nproc > 1) from the repository root."""
+    e = dict(os.environ)
+    e.pop("TRITON_INTERPRET", None)
+    e.update(env or {})
+    e.setdefault("OMP_NUM_THREADS", "1")
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "train.py", *args]
+    else:
+        cmd = [sys.executable, "train.py", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def train_runner():
+    return run_train

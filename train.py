@@ -1,0 +1,59 @@
+"""piper-moe trainer: one entrypoint for every layout, launched with torchrun.
+
+    # the default job (tiny preset, EP=2 x DP=2 on 4 CPU processes, gloo): what `make train` runs
+    torchrun --standalone --nproc-per-node 4 train.py --config configs/tiny.toml
+    # one process, no torchrun needed
+    python train.py --config configs/tiny.toml --parallel.ep=1 --train.steps=50
+    # override anything: --section.field=value; model fields go under --model.<field>
+    torchrun --standalone --nproc-per-node 4 train.py --config configs/tiny.toml \
+        --parallel.ep=4 --model.n_routed_experts=16 --data ./my_text_dir
+    # continue from the newest complete checkpoint in train.out_dir
+    torchrun --standalone --nproc-per-node 4 train.py --config configs/tiny.toml --resume
+    # multi-node (one agent per node; NCCL on GPUs, gloo on CPUs)
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
+        train.py --config configs/tiny.toml --parallel.ep=8
+
+`python train.py --help` lists every section and field.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main(argv: list[str]) -> int:
+    from trainer import Trainer, parse_args, prepare
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    try:
+        cfg = parse_args(argv)
+        prep = prepare(cfg, world, rank)  # every check on the request happens here, before any work
+    except ValueError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(threads)
+    if world > 1:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    try:
+        Trainer(prep).run()
+    except ValueError as e:  # e.g. a checkpoint that turns out unreadable while loading
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

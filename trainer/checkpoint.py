@@ -1,0 +1,222 @@
+"""Crash-safe distributed checkpoints with `torch.distributed.checkpoint` (DCP).
+
+Layout under `<out_dir>/checkpoints/`:
+    step_00000100/        a complete checkpoint: DCP shards + `.metadata` + `meta.json`
+    step_00000200.tmp/    a save in progress (or killed mid-write): never read, removed later
+    latest                text file naming the newest complete checkpoint (atomic os.replace)
+
+A save writes into `step_N.tmp/`; only after every rank finished and rank 0 wrote `meta.json`
+(fsync'ed) is the folder renamed to `step_N/` (an atomic rename) and `latest` updated. A crash at
+any point therefore leaves the previous complete checkpoint untouched and discoverable.
+
+Experts are stored by LOGICAL expert id (`model.<layer>.experts.w1.<e>`), not by rank or slot,
+so a checkpoint loads under any EP degree or expert placement; the placement (expert2slot of
+every MoE layer) lives in `meta.json` and is restored before the expert rows are read.
+Optimizer state (AdamW exp_avg / exp_avg_sq / step) uses the same keys under `optim.<kind>.`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from .parallel import is_expert_param
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "list_complete"]
+
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupt or from another model."""
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _moe_layers(model: nn.Module) -> dict[str, nn.Module]:
+    ids = {id(m) for m in model.moe_layers()}
+    return {name: m for name, m in model.named_modules() if id(m) in ids}
+
+
+def _expert_rows(model: nn.Module) -> dict[str, list[tuple[int, int]]]:
+    """For each expert param name: [(local row, logical expert)] held by this rank."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for lname, layer in _moe_layers(model).items():
+        E = layer.expert2slot.numel()
+        El = layer.experts.w1.shape[0]
+        lo = _slot_offset(layer, E, El)
+        slot2expert = torch.empty(E, dtype=torch.int64)
+        slot2expert[layer.expert2slot.cpu()] = torch.arange(E)
+        for pname, _ in layer.experts.named_parameters():
+            full = f"{lname}.experts.{pname}"
+            out[full] = [(j, int(slot2expert[lo + j])) for j in range(El)]
+    return out
+
+
+def _slot_offset(layer: nn.Module, E: int, El: int) -> int:
+    disp = layer.dispatcher
+    if El == E:
+        return 0
+    group = getattr(disp, "group", None)
+    return dist.get_rank(group) * El
+
+
+def _state(model: nn.Module, optim: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    rows = _expert_rows(model)
+    sd: dict[str, torch.Tensor] = {}
+    params = dict(model.named_parameters())
+    kinds = ("exp_avg", "exp_avg_sq")
+    for name, p in params.items():
+        st = optim.state.get(p, {}) if optim is not None else {}
+        if name in rows:
+            for j, e in rows[name]:
+                sd[f"model.{name}.{e}"] = p.data[j].clone()
+                for k in kinds:
+                    if k in st:
+                        sd[f"optim.{k}.{name}.{e}"] = st[k][j].clone()
+        else:
+            sd[f"model.{name}"] = p.data
+            for k in kinds:
+                if k in st:
+                    sd[f"optim.{k}.{name}"] = st[k]
+        if "step" in st:
+            sd[f"optim.step.{name}"] = torch.as_tensor(st["step"], dtype=torch.float32).clone()
+    for name, b in model.named_buffers():
+        if name.endswith("expert2slot") or name not in model.state_dict():
+            continue  # placement lives in meta.json; non-persistent buffers are recomputed
+        sd[f"buffer.{name}"] = b
+    return sd
+
+
+def list_complete(ckpt_root: Path) -> list[Path]:
+    if not ckpt_root.is_dir():
+        return []
+    return sorted(p for p in ckpt_root.iterdir() if p.is_dir() and _STEP_RE.match(p.name))
+
+
+def find_latest(ckpt_root: Path) -> Path | None:
+    done = [p for p in list_complete(ckpt_root) if (p / "meta.json").is_file()]
+    return done[-1] if done else None
+
+
+def save_checkpoint(root: str | Path, step: int, model: nn.Module, optim: torch.optim.Optimizer,
+                    meta: dict[str, Any], keep: int = 2, _before_commit=None) -> Path:
+    """Collective: every rank calls it. Returns the committed checkpoint folder.
+
+    `_before_commit(tmp_path)` is a fault-injection hook for tests (called on rank 0 after the
+    shards are written, before the commit rename).
+    """
+    root = Path(root)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    final = root / f"step_{step:08d}"
+    tmp = root / f"step_{step:08d}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("step_*.tmp"):  # leftovers of a killed save
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.mkdir()
+    _barrier()
+    dcp.save(_state(model, optim), checkpoint_id=str(tmp))
+    _barrier()
+    if rank == 0:
+        meta = dict(meta, step=step, placement={
+            name: layer.expert2slot.tolist() for name, layer in _moe_layers(model).items()})
+        if _before_commit is not None:
+            _before_commit(tmp)
+        _write_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
+        os.replace(tmp, final)
+        _write_atomic(root / "latest", final.name + "\n")
+        for old in list_complete(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(root)
+    _barrier()
+    return final
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    meta_file = path / "meta.json"
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    if not meta_file.is_file() or not (path / ".metadata").is_file():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is incomplete (missing meta.json or .metadata): it was "
+            f"probably interrupted while being written; complete checkpoints next to it: "
+            f"{[p.name for p in list_complete(path.parent) if (p / 'meta.json').is_file()]}")
+    try:
+        return json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r} has a corrupt meta.json: {e}") from None
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optim: torch.optim.Optimizer,
+                    expect_model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Collective. Restores placement, weights and optimizer state in place; returns meta."""
+    path = Path(path)
+    meta = read_meta(path)
+    if expect_model is not None and meta.get("model") != expect_model:
+        saved = meta.get("model") or {}
+        diff = sorted(k for k in set(saved) | set(expect_model) if saved.get(k) != expect_model.get(k))
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} belongs to another model: fields differ: "
+            + ", ".join(f"{k} (checkpoint {saved.get(k)!r}, run {expect_model.get(k)!r})" for k in diff[:8]))
+    layers = _moe_layers(model)
+    for name, slots in meta.get("placement", {}).items():
+        if name not in layers or len(slots) != layers[name].expert2slot.numel():
+            raise CheckpointError(f"checkpoint {str(path)!r}: placement of {name!r} does not fit this model")
+        layers[name].expert2slot.copy_(torch.tensor(slots, dtype=torch.int64))
+    # AdamW state must exist before DCP can load into it
+    for p in model.parameters():
+        st = optim.state[p]
+        if "exp_avg" not in st:
+            st["step"] = torch.zeros((), dtype=torch.float32)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    sd = _state(model, optim)
+    try:
+        dcp.load(sd, checkpoint_id=str(path))
+    except Exception as e:  # DCP raises several types for truncated or mismatched shards
+        raise CheckpointError(f"checkpoint {str(path)!r} could not be read ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); it is corrupt or from "
+                              f"another model") from None
+    rows = _expert_rows(model)
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        st = optim.state[p]
+        if name in rows:
+            for j, e in rows[name]:
+                p.data[j].copy_(sd[f"model.{name}.{e}"])
+                for k in ("exp_avg", "exp_avg_sq"):
+                    st[k][j].copy_(sd[f"optim.{k}.{name}.{e}"])
+        st["step"] = sd[f"optim.step.{name}"].clone()
+    return meta

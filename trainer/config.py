@@ -1,0 +1,251 @@
+"""Run configuration: one plain dataclass per concern, composed into `RunConfig`.
+
+Sources, later ones win: dataclass defaults -> TOML file (`--config FILE`) -> a plan file
+(`--plan FILE`, written by `python -m tuner plan`) -> CLI overrides `--section.field=value`.
+Convenience flags: `--data PATH` (= `--data.path=PATH`), `--resume [PATH]` (= `--train.resume`).
+
+The `[model]` section takes `preset = "<name>"` plus any `model.ModelConfig` field as an override.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ModelSection",
+    "ParallelConfig",
+    "CommConfig",
+    "DataConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "BalanceConfig",
+    "RunConfig",
+    "ConfigError",
+    "load_config",
+    "parse_args",
+]
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the message names the value and what is valid."""
+
+
+@dataclass
+class ModelSection:
+    preset: str = "tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1
+    ep: int = 1
+    dp: int = 0  # 0 = infer from the world size: world / (pp * ep)
+    schedule: str = "1f1b"
+    microbatches: int = 1  # pipeline micro-batches per step (only used with pp > 1)
+    n_virtual: int = 1
+
+
+@dataclass
+class CommConfig:
+    alltoall: str = "auto"  # flat | halo | auto
+    topology: str = ""  # optional TOML topology file; default: discovered
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # "" = the running interpreter's standard library sources
+    val_fraction: float = 0.005
+    seed: int = 1234
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass
+class BalanceConfig:
+    enabled: bool = False
+    threshold: float = 1.2
+    window: int = 10
+    cooldown: int = 20
+    max_swaps: int = 8
+    method: str = "default"
+    force_every: int = 0  # test hook: migrate every N steps regardless of imbalance
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    global_batch: int = 16  # sequences per optimizer step, summed over all data-parallel ranks
+    seq_len: int = 256
+    seed: int = 0
+    log_every: int = 1
+    eval_every: int = 50
+    eval_batches: int = 8  # validation batches of `global_batch` sequences
+    ckpt_every: int = 0  # 0 = only at the end
+    ckpt_keep: int = 2
+    stop_after: int = 0  # end this invocation after that many total steps (checkpointed); 0 = run to `steps`
+    out_dir: str = "runs/default"
+    resume: str = ""  # "" = no; "latest" = newest complete checkpoint in out_dir; or a path
+    dtype: str = "auto"  # auto = fp32 on CPU, bf16 autocast on GPU
+    peak_tflops: float = 0.0  # per device; 0 = known GPU peak, or a measured matmul rate on CPU
+    plot: bool = True
+    threads: int = 0  # torch intra-op threads per process; 0 = cores / local processes
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+
+
+def _coerce(section: str, name: str, value: Any, current: Any) -> Any:
+    """Convert a CLI string (or TOML value) to the type of the field's current value."""
+    if isinstance(current, bool):
+        if isinstance(value, bool):
+            return value
+        s = str(value).lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--{section}.{name}={value!r}: expected a boolean (true/false)")
+    if isinstance(current, int) and not isinstance(current, bool):
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"--{section}.{name}={value!r}: expected an integer") from None
+    if isinstance(current, float):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"--{section}.{name}={value!r}: expected a number") from None
+    return value if not isinstance(current, str) else str(value)
+
+
+def _parse_literal(text: str) -> Any:
+    """Parse a CLI model override value with TOML's scalar grammar (so 1e-3, true, "x" work)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _apply(cfg: RunConfig, section: str, name: str, value: Any, *, from_cli: bool) -> None:
+    if section not in _SECTIONS:
+        raise ConfigError(f"unknown config section {section!r}; valid: {', '.join(_SECTIONS)}")
+    sec = getattr(cfg, section)
+    if section == "model" and name != "preset":
+        cfg.model.overrides[name] = _parse_literal(value) if from_cli else value
+        return
+    names = [f.name for f in dataclasses.fields(sec)]
+    if name not in names:
+        raise ConfigError(f"unknown option {section}.{name}; valid: {', '.join(names)}")
+    setattr(sec, name, _coerce(section, name, value, getattr(sec, name)))
+
+
+def apply_dict(cfg: RunConfig, data: dict[str, Any], source: str) -> None:
+    for section, body in data.items():
+        if section not in _SECTIONS:
+            raise ConfigError(f"{source}: unknown section [{section}]; valid: {', '.join(_SECTIONS)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table, got {body!r}")
+        for name, value in body.items():
+            _apply(cfg, section, name, value, from_cli=False)
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+
+
+def parse_args(argv: list[str]) -> RunConfig:
+    """Build the run config from argv (see module docstring for precedence)."""
+    cfg = RunConfig()
+    files: list[tuple[str, str]] = []
+    overrides: list[tuple[str, str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            raise SystemExit(_help())
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --section.field=value")
+        key, eq, value = arg[2:].partition("=")
+        takes_value = key in ("config", "plan", "data")
+        if not eq and takes_value:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"--{key} needs a value")
+            value = argv[i + 1]
+            i += 1
+        if key in ("config", "plan"):
+            files.append((key, value))
+        elif key == "data":
+            overrides.append(("data", "path", value))
+        elif key == "resume":
+            overrides.append(("train", "resume", value if eq else "latest"))
+        elif "." in key:
+            if not eq:
+                raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
+            section, _, name = key.partition(".")
+            overrides.append((section, name, value))
+        else:
+            raise ConfigError(
+                f"unknown option --{key}; use --config FILE, --plan FILE, --data PATH, --resume, "
+                f"or --section.field=value with sections {', '.join(_SECTIONS)}"
+            )
+        i += 1
+    for kind, path in sorted(files, key=lambda f: f[0] == "plan"):  # config before plan
+        data = load_config(path)
+        if kind == "plan":
+            data = data.get("run", data)  # plan files keep the run config under [run.*]
+        apply_dict(cfg, data, path)
+    for section, name, value in overrides:
+        _apply(cfg, section, name, value, from_cli=True)
+    return cfg
+
+
+def _help() -> str:
+    lines = [
+        "usage: torchrun --nproc-per-node N train.py [--config FILE] [--plan FILE] [--data PATH]",
+        "                [--resume [PATH]] [--section.field=value ...]",
+        "",
+        "sections and fields (defaults):",
+    ]
+    for name in _SECTIONS:
+        sec = getattr(RunConfig(), name)
+        fields_ = ", ".join(f"{f.name}={getattr(sec, f.name)!r}" for f in dataclasses.fields(sec))
+        lines.append(f"  [{name}] {fields_}")
+    lines.append("  [model] also takes any model.ModelConfig field as an override")
+    return "\n".join(lines)

@@ -1,0 +1,354 @@
+"""The training run: validate the request, build the mesh and model, train, evaluate, checkpoint.
+
+Everything that can be wrong with the request (preset, overrides, mesh vs world size, EP vs
+expert count, data path, sequence length, resume checkpoint) is checked in `prepare()` before
+any process group work or training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .checkpoint import CheckpointError, find_latest, load_checkpoint, read_meta, save_checkpoint
+from .config import ConfigError, RunConfig
+from .data import Corpus, load_corpus
+from .mesh import Mesh, MeshError, valid_divisors
+from .parallel import GradSync, parallelize
+
+__all__ = ["Trainer", "prepare", "build_model_config", "log"]
+
+# bf16 dense matrix peak per device (REFERENCE.md section 3); unknown devices need --train.peak_tflops
+_GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "MI250X": 191.5, "MI250": 191.5}
+
+
+def log(msg: str, rank: int = 0) -> None:
+    """Print from global rank 0 only (one helper, so output is never interleaved)."""
+    if rank == 0:
+        print(msg, flush=True)
+
+
+def build_model_config(cfg: RunConfig):
+    from model import presets
+
+    try:
+        mcfg = presets.get(cfg.model.preset)
+    except KeyError as e:
+        raise ConfigError(str(e.args[0]) if e.args else str(e)) from None
+    if cfg.model.overrides:
+        valid = {f.name for f in dataclasses.fields(mcfg)}
+        bad = sorted(set(cfg.model.overrides) - valid)
+        if bad:
+            raise ConfigError(f"unknown model field(s) {bad}; valid ModelConfig fields: {sorted(valid)}")
+        try:
+            mcfg = dataclasses.replace(mcfg, **cfg.model.overrides)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"model overrides {cfg.model.overrides}: {e}") from None
+    return mcfg
+
+
+@dataclass
+class Prepared:
+    cfg: RunConfig
+    mcfg: Any
+    mesh: Mesh
+    corpus: Corpus
+    resume_path: Path | None
+
+
+def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
+    """All request validation, before any training work. Raises a ValueError subclass."""
+    mcfg = build_model_config(cfg)
+    par = cfg.parallel
+    mesh = Mesh.plan(world_size, rank, pp=par.pp, ep=par.ep, dp=par.dp)
+    if mesh.pp > 1:
+        raise MeshError(f"pp={mesh.pp}: pipeline parallel training is not wired into train.py yet; use pp=1")
+    E = mcfg.n_routed_experts
+    if E % mesh.ep:
+        raise MeshError(f"ep={mesh.ep} does not divide {E} experts of preset {cfg.model.preset!r}; "
+                        f"valid ep: {valid_divisors(E)}")
+    if cfg.comm.alltoall not in ("flat", "halo", "auto"):
+        raise ConfigError(f"comm.alltoall={cfg.comm.alltoall!r}; valid: flat, halo, auto")
+    t = cfg.train
+    if t.seq_len < 1 or t.seq_len > mcfg.max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} is outside what the model supports: "
+                          f"1..{mcfg.max_seq_len} (model max_seq_len)")
+    if t.global_batch < 1 or t.global_batch % mesh.n_data_shards:
+        raise ConfigError(f"train.global_batch={t.global_batch} must be a positive multiple of the "
+                          f"{mesh.n_data_shards} data shards (dp={mesh.dp} x ep={mesh.ep})")
+    if t.steps < 1:
+        raise ConfigError(f"train.steps={t.steps} must be >= 1")
+    if t.dtype not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"train.dtype={t.dtype!r}; valid: auto, fp32, bf16")
+    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)
+    corpus.check(t.seq_len, mcfg.vocab_size)
+    resume_path = None
+    if t.resume:
+        root = Path(t.out_dir) / "checkpoints"
+        if t.resume == "latest":
+            resume_path = find_latest(root)
+            if resume_path is None:
+                raise CheckpointError(f"--resume: no complete checkpoint under {str(root)!r}")
+        else:
+            resume_path = Path(t.resume)
+        meta = read_meta(resume_path)  # fails early on an incomplete/corrupt checkpoint
+        if meta.get("model") != dataclasses.asdict(mcfg):
+            saved = meta.get("model") or {}
+            now = dataclasses.asdict(mcfg)
+            diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+            raise CheckpointError(
+                f"checkpoint {str(resume_path)!r} belongs to another model: "
+                + ", ".join(f"{k} (checkpoint {saved.get(k)!r}, run {now.get(k)!r})" for k in diff[:8]))
+    return Prepared(cfg, mcfg, mesh, corpus, resume_path)
+
+
+def _peak_flops(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tf in _GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return tf * 1e12, f"{name} bf16 peak"
+        return 0.0, f"{name}: unknown peak (set --train.peak_tflops)"
+    # CPU: no published peak for an arbitrary host; measure this process's fp32 matmul rate.
+    a = torch.randn(512, 512)
+    a @ a
+    t0 = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t0 < 0.3:
+        a @ a
+        n += 1
+    rate = 2 * 512**3 * n / (time.perf_counter() - t0)
+    return rate, "measured fp32 matmul rate of this process"
+
+
+class Trainer:
+    def __init__(self, prep: Prepared):
+        self.cfg, self.mcfg, self.mesh, self.corpus = prep.cfg, prep.mcfg, prep.mesh, prep.corpus
+        self.resume_path = prep.resume_path
+        self.rank = self.mesh.rank
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        dt = self.cfg.train.dtype
+        self.autocast = self.device.type == "cuda" and dt in ("auto", "bf16")
+        self.out = Path(self.cfg.train.out_dir)
+        self.ckpt_root = self.out / "checkpoints"
+
+        from model import MoETransformer
+
+        torch.manual_seed(self.cfg.train.seed)  # same init on every rank == a 1-process run
+        self.model = MoETransformer(self.mcfg)
+        self.mesh.build_groups()
+        algo = self.cfg.comm.alltoall
+        parallelize(self.model, self.mesh, alltoall=algo)
+        self.model.to(self.device)
+        self.sync = GradSync(self.model, self.mesh)
+        o = self.cfg.optim
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        self.optim = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+        self.step = 0
+        self.peak, self.peak_src = (self.cfg.train.peak_tflops * 1e12, "--train.peak_tflops") \
+            if self.cfg.train.peak_tflops > 0 else _peak_flops(self.device)
+        self.flops_per_token = self.mcfg.flops_per_token(self.cfg.train.seq_len)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        o, total = self.cfg.optim, self.cfg.train.steps
+        if step < o.warmup_steps:
+            return o.lr * (step + 1) / o.warmup_steps
+        frac = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+        return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
+
+    def _allreduce_mean(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.mesh.stage_group is not None:
+            dist.all_reduce(t, group=self.mesh.stage_group)
+            t /= self.mesh.n_data_shards
+        return t.tolist()
+
+    def _forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+            logits = self.model(tokens)
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return ce, self.model.aux_loss()
+
+    def _expert_counts(self) -> list[torch.Tensor]:
+        counts = [layer.last_counts.detach().to(torch.float64) for layer in self.model.moe_layers()]
+        if not counts:
+            return []
+        flat = torch.stack(counts)
+        if self.mesh.stage_group is not None:
+            dist.all_reduce(flat, group=self.mesh.stage_group)
+        return list(flat)
+
+    def _imbalance(self, counts: list[torch.Tensor]) -> float:
+        """max EP-rank load / mean EP-rank load, averaged over MoE layers (1.0 when ep == 1)."""
+        vals = []
+        for layer, c in zip(self.model.moe_layers(), counts, strict=True):
+            E = c.numel()
+            rank_of = layer.expert2slot.cpu() // (E // self.mesh.ep)
+            load = torch.zeros(self.mesh.ep, dtype=torch.float64).index_add_(0, rank_of, c.cpu())
+            vals.append(float(load.max() / load.mean().clamp_min(1e-9)))
+        return sum(vals) / len(vals) if vals else 1.0
+
+    # -- phases --------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        t = self.cfg.train
+        self.model.train()
+        tokens, targets = self.corpus.batch(self.step, t.global_batch, t.seq_len, self.mesh.data_idx,
+                                            self.mesh.n_data_shards, self.cfg.data.seed)
+        tokens, targets = tokens.to(self.device), targets.to(self.device)
+        t0 = time.perf_counter()
+        ce, aux = self._forward_loss(tokens, targets)
+        (ce + aux).backward()
+        self.sync.sync()
+        norm = self.sync.clip(self.cfg.optim.grad_clip)
+        lr = self.lr_at(self.step)
+        for g in self.optim.param_groups:
+            g["lr"] = lr
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        counts = self._expert_counts()
+        for layer, c in zip(self.model.moe_layers(), counts, strict=True):
+            layer.router.update_bias(c.to(self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        loss, aux_v = self._allreduce_mean([float(ce), float(aux)])
+        self.step += 1
+        tok_s = t.global_batch * t.seq_len / dt
+        mfu = self.flops_per_token * tok_s / (self.peak * self.mesh.world_size) if self.peak else 0.0
+        return {"step": self.step, "loss": loss, "aux_loss": aux_v, "lr": lr, "grad_norm": norm,
+                "tokens_per_s": tok_s, "mfu": mfu, "imbalance": self._imbalance(counts),
+                "step_time_s": dt}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        t = self.cfg.train
+        self.model.eval()
+        total = 0.0
+        for v in range(t.eval_batches):
+            tokens, targets = self.corpus.batch(v, t.global_batch, t.seq_len, self.mesh.data_idx,
+                                                self.mesh.n_data_shards, self.cfg.data.seed, "val")
+            ce, _ = self._forward_loss(tokens.to(self.device), targets.to(self.device))
+            total += float(ce)
+        return self._allreduce_mean([total / t.eval_batches])[0]
+
+    def save(self) -> Path:
+        meta = {"model": dataclasses.asdict(self.mcfg), "run": self.cfg.to_dict(),
+                "mesh": {"pp": self.mesh.pp, "dp": self.mesh.dp, "ep": self.mesh.ep}}
+        return save_checkpoint(self.ckpt_root, self.step, self.model, self.optim, meta,
+                               keep=self.cfg.train.ckpt_keep)
+
+    def resume(self, path: Path) -> None:
+        meta = load_checkpoint(path, self.model, self.optim, dataclasses.asdict(self.mcfg))
+        self.step = int(meta["step"])
+
+    # -- the run -------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        t = self.cfg.train
+        metrics_path = self.out / "metrics.jsonl"
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+        if self.resume_path is not None:
+            self.resume(self.resume_path)
+            log(f"resumed from {self.resume_path} at step {self.step}", self.rank)
+        if self.rank == 0:
+            _truncate_metrics(metrics_path, self.step)
+        log(f"{self.mesh.describe()} | model {self.cfg.model.preset}: "
+            f"{self.mcfg.num_params() / 1e6:.2f}M params ({self.mcfg.num_active_params() / 1e6:.2f}M "
+            f"active) | data {self.corpus.source}: {len(self.corpus.train):,} train / "
+            f"{len(self.corpus.val):,} val tokens | MFU vs {self.peak_src} "
+            f"({self.peak / 1e9:.1f} GFLOP/s per process)", self.rank)
+        history: list[dict[str, Any]] = []
+        t_start = time.perf_counter()
+        start_step = self.step
+        last_val = float("nan")
+        end = min(t.steps, t.stop_after) if t.stop_after > 0 else t.steps
+        while self.step < end:
+            m = self.train_step()
+            if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
+                last_val = m["val_loss"] = self.evaluate()
+            if self.step == t.steps:
+                last_val = m["val_loss"] = self.evaluate()
+            history.append(m)
+            if self.rank == 0:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(m) + "\n")
+                if self.step % t.log_every == 0 or "val_loss" in m or self.step == t.steps:
+                    elapsed = time.perf_counter() - t_start
+                    eta = elapsed / (self.step - start_step) * (t.steps - self.step)
+                    log(_format(m, t.steps, eta), self.rank)
+            if t.ckpt_every and self.step % t.ckpt_every == 0 and self.step < t.steps:
+                self.save()
+        ckpt = self.save()
+        if self.step < t.steps:
+            log(f"stopped after step {self.step} of {t.steps} (--train.stop_after); checkpoint "
+                f"{ckpt}; continue with --resume", self.rank)
+        else:
+            log(f"done: {self.step} steps, final val loss {last_val:.4f} nats/token, checkpoint "
+                f"{ckpt}", self.rank)
+        if self.rank == 0 and t.plot:
+            _plot(metrics_path, self.out / "loss.png")
+        return {"val_loss": last_val, "history": history}
+
+
+def _format(m: dict[str, Any], total: int, eta: float) -> str:
+    width = 20
+    done = int(width * m["step"] / total)
+    bar = "#" * done + "-" * (width - done)
+    s = (f"[{bar}] {m['step']:>5}/{total} | loss {m['loss']:.4f} | aux {m['aux_loss']:.4f} | "
+         f"lr {m['lr']:.2e} | {m['tokens_per_s'] / 1e3:.1f}k tok/s | MFU {100 * m['mfu']:.1f}% | "
+         f"imbalance {m['imbalance']:.2f} | eta {eta:.0f}s")
+    if "val_loss" in m:
+        s += f" | val {m['val_loss']:.4f}"
+    return s
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """On resume, drop metric rows of steps the resumed run will redo."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _plot(metrics_path: Path, png: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no loss plot", file=sys.stderr)
+        return
+    rows = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", lw=1)
+    val = [r for r in rows if "val_loss" in r]
+    ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.axhline(math.log(256), color="gray", ls=":", lw=1, label="uniform (ln 256)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / byte)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
