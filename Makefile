@@ -1,7 +1,7 @@
 # The two commands: `make train` and `make test`. Both create/reuse .venv and install what is
-# needed. On a CPU-only machine torch==2.13.0 installs from local disk; a python that already
-# has a torch (e.g. a CUDA/ROCm build on a cluster) keeps it (VENV_FLAGS=--system-site-packages
-# lets the venv see it).
+# needed. On a CPU-only machine torch==2.13.0 installs from local disk; when $(PYTHON) already
+# has a torch (e.g. a CUDA/ROCm build on a cluster) the venv is created with
+# --system-site-packages and keeps that torch.
 PYTHON ?= python3
 VENV ?= .venv
 VENV_FLAGS ?=
@@ -12,7 +12,10 @@ STAMP := $(VENV)/.installed
 .PHONY: train test test-all lint gpu-check clean-venv
 
 $(PY):
-	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	@if [ -z "$(VENV_FLAGS)" ] && $(PYTHON) -c "import torch" 2>/dev/null; then \
+	  echo "[setup] $(PYTHON) already has torch: the venv will see it (--system-site-packages)"; \
+	  $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else $(PYTHON) -m venv $(VENV_FLAGS) $(VENV); fi
 
 $(STAMP): $(PY) pyproject.toml
 	@if ! $(PY) -c "import torch" 2>/dev/null; then \
@@ -36,3 +39,8 @@ lint: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# GPU tier: compiled Triton kernels in bf16, autotuning of one preset, both kernel benchmarks.
+# One command, < 8 minutes on one GPU; every result lands in one folder.
+gpu-check: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH bash benchmarks/gpu_check.sh $(OUT_DIR)

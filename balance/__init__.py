@@ -2,11 +2,30 @@
 
 Pure planning (:func:`plan_swaps`, :func:`apply_swaps`) is CPU-side and torch-free; only
 :func:`migrate` and the optional all-reduce in :class:`Monitor` touch ``torch.distributed``.
+
+Wiring in a trainer (per EP group; ``expert2slot[l]`` is layer l's ``[E]`` map that the
+dispatcher uses, ``w1[l], w2[l], w3[l]`` that layer's ``[S, ...]`` expert weights)::
+
+    mon = Monitor(n_layers, E, ep_size, MigrationPolicy(...), group=ep_group)
+    ...every step:
+    mon.record(counts_LE)                       # logical-expert token counts of this step
+    e2r = [placement_of(m, ep_size) for m in expert2slot]
+    for layer, swaps in mon.plan(step, e2r).items():
+        res = migrate(swaps, expert2slot[layer],
+                      expert_state_tensors([w1[layer], w2[layer], w3[layer]], optimizer),
+                      ep_group)
+        expert2slot[layer] = res.expert2slot    # save it in checkpoints with mon.state_dict()
 """
 
 from __future__ import annotations
 
-from balance.migrate import MigrationResult, migrate, permute_slots, placement_of
+from balance.migrate import (
+    MigrationResult,
+    expert_state_tensors,
+    migrate,
+    permute_slots,
+    placement_of,
+)
 from balance.monitor import MigrationPolicy, Monitor
 from balance.placement import (
     Swap,
@@ -32,6 +51,7 @@ __all__ = [
     "as_load",
     "as_placement",
     "count_moves",
+    "expert_state_tensors",
     "greedy_repack",
     "imbalance",
     "lower_bound",

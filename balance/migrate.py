@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from balance.placement import Swap
 
-__all__ = ["MigrationResult", "migrate", "permute_slots", "placement_of"]
+__all__ = ["MigrationResult", "expert_state_tensors", "migrate", "permute_slots", "placement_of"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,29 @@ def permute_slots(expert2slot: Any, swaps: Sequence[Swap], n_ranks: int) -> list
             )
         new[a], new[b] = new[b], new[a]
     return new
+
+
+def expert_state_tensors(
+    params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer | None = None
+) -> list[torch.Tensor | None]:
+    """Per-slot tensors of expert parameters: each param, its ``.grad``, its optimizer state.
+
+    ``params`` are this rank's expert parameters, each ``[S, ...]`` (e.g. the w1/w2/w3 of one
+    layer). For each, in order: the parameter, its grad (None if not allocated) and every
+    state tensor of ``optimizer`` with the parameter's shape, sorted by state key (Adam:
+    ``exp_avg``, ``exp_avg_sq``); scalars such as Adam's ``step`` are shared by all slots and
+    stay. Ranks with identical models and optimizers get identical list structures, which
+    :func:`migrate` relies on.
+    """
+    out: list[torch.Tensor | None] = []
+    for p in params:
+        out += [p, p.grad]
+        state = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for key in sorted(state, key=str):
+            v = state[key]
+            if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                out.append(v)
+    return out
 
 
 def _global_rank(group: Any, r: int) -> int:

@@ -42,6 +42,7 @@ class MigrationPolicy:
     max_swaps: int = 8  # T: most swaps per layer per event
     method: str = "minmax"  # a balance.METHODS entry
     min_gain: float = 0.02  # minimum relative drop of the max rank load to execute a plan
+    tolerance: float = 0.01  # minmax: accept a max this much above the best for fewer moves
 
     def __post_init__(self) -> None:
         if not self.threshold >= 1.0:
@@ -56,6 +57,8 @@ class MigrationPolicy:
             raise ValueError(f"unknown method {self.method!r}; valid: {', '.join(METHODS)}")
         if not 0.0 <= self.min_gain < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {self.min_gain}")
+        if not self.tolerance >= 0.0:
+            raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
 
 
 class Monitor:
@@ -175,7 +178,9 @@ class Monitor:
         out: dict[int, list[Swap]] = {}
         for i in self.due(step, expert2rank):
             p = placements[i]
-            swaps = plan_swaps(w[i], p, self.n_ranks, pol.max_swaps, pol.method)
+            swaps = plan_swaps(
+                w[i], p, self.n_ranks, pol.max_swaps, pol.method, tolerance=pol.tolerance
+            )
             before = np.bincount(p, weights=w[i], minlength=self.n_ranks).max()
             q = np.asarray(apply_swaps(p, swaps))
             after = np.bincount(q, weights=w[i], minlength=self.n_ranks).max()

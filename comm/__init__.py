@@ -1,12 +1,43 @@
-"""comm: topology, flat and HALO all-to-all, single-machine launch helpers.
+"""comm: topology, flat and HALO all-to-all, cost model, single-machine launch helpers.
 
-Public API: `all_to_all` (DESIGN.md contract), `flat_all_to_all`, `run_local`.
+Public API:
+    all_to_all(x, in_splits, group, algorithm="flat"|"halo"|"auto", topology=None)
+    Topology (uniform / from_file / discover / restrict / summary)
+    halo_plan, RankPlan, Message (the pure plan), CostModel, choose_algorithm
+    run_local (N local gloo processes), python -m comm.emulate (emulated cluster)
 """
 
 from __future__ import annotations
 
 from comm.alltoall import ALGORITHMS, all_to_all
+from comm.cost import CostModel, choose_algorithm, predict_flat, predict_halo
+from comm.discover import decode_slingshot_mac, discover, topology_from_records
 from comm.flat import FlatAllToAll, flat_all_to_all
+from comm.halo import HaloAllToAll, halo_all_to_all
+from comm.halo_plan import Message, RankPlan, halo_plan
 from comm.spawn import run_local
+from comm.topology import Topology
+from comm.topology_file import dump_topology, load_topology
 
-__all__ = ["ALGORITHMS", "FlatAllToAll", "all_to_all", "flat_all_to_all", "run_local"]
+__all__ = [
+    "ALGORITHMS",
+    "CostModel",
+    "FlatAllToAll",
+    "HaloAllToAll",
+    "Message",
+    "RankPlan",
+    "Topology",
+    "all_to_all",
+    "choose_algorithm",
+    "decode_slingshot_mac",
+    "discover",
+    "dump_topology",
+    "flat_all_to_all",
+    "halo_all_to_all",
+    "halo_plan",
+    "load_topology",
+    "predict_flat",
+    "predict_halo",
+    "run_local",
+    "topology_from_records",
+]

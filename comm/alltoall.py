@@ -17,7 +17,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from comm.flat import _split_device, flat_all_to_all, normalize_splits
+from comm.cost import CostModel, choose_algorithm
+from comm.flat import _split_device, flat_all_to_all, gather_split_matrix, normalize_splits
+from comm.halo import halo_all_to_all
+from comm.topology import Topology
 
 __all__ = ["ALGORITHMS", "all_to_all"]
 
@@ -29,9 +32,9 @@ def all_to_all(
     in_splits: Sequence[int] | torch.Tensor,
     group: dist.ProcessGroup | None,
     algorithm: str = "flat",
-    topology: object | None = None,
+    topology: Topology | None = None,
     out_splits: Sequence[int] | torch.Tensor | None = None,
-    cost_model: object | None = None,
+    cost_model: CostModel | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """Uneven all-to-all of the rows of `x`; returns (y, out_splits as list[int]).
 
@@ -68,4 +71,37 @@ def _hierarchical_or_auto(
     cost_model: object | None,
     device: torch.device,
 ) -> tuple[torch.Tensor, list[int]]:
-    raise NotImplementedError("halo / auto land in the next step")
+    if not isinstance(topology, Topology):
+        raise ValueError(
+            f"algorithm={algorithm!r} needs topology=comm.Topology(...), got {topology!r}"
+        )
+    world = dist.get_world_size(group)
+    if topology.world_size != world:
+        raise ValueError(
+            f"topology describes {topology.world_size} ranks but the group has {world}; "
+            "pass topology.restrict(dist.get_process_group_ranks(group))"
+        )
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise ValueError(f"cost_model must be a comm.CostModel, got {cost_model!r}")
+    # HALO's relays need every rank's splits: one all-gather of R*R ints replaces the
+    # all_to_all of R ints that the flat path uses.
+    S = gather_split_matrix(splits, group, device)
+    rank = dist.get_rank(group)
+    if known_out is not None and known_out != [S[s][rank] for s in range(world)]:
+        raise ValueError(
+            f"out_splits {known_out} disagree with what the peers send "
+            f"{[S[s][rank] for s in range(world)]}"
+        )
+    if algorithm == "auto":
+        row_bytes = x.element_size() * _row_numel(x)
+        algorithm = choose_algorithm(S, row_bytes, topology, cost_model or CostModel())
+    if algorithm == "flat":
+        return flat_all_to_all(x, splits, group, [S[s][rank] for s in range(world)])
+    return halo_all_to_all(x, S, topology, group)
+
+
+def _row_numel(x: torch.Tensor) -> int:
+    n = 1
+    for size in x.shape[1:]:
+        n *= size
+    return n

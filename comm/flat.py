@@ -25,6 +25,7 @@ __all__ = [
     "flat_all_to_all",
     "gather_split_matrix",
     "normalize_splits",
+    "reference_all_to_all",
 ]
 
 Splits = Sequence[int] | torch.Tensor
@@ -77,10 +78,9 @@ def gather_split_matrix(
     """The full matrix S[s][d] (rows rank s sends to rank d), identical on every rank."""
     world = dist.get_world_size(group)
     send = torch.tensor(in_splits, dtype=torch.int64, device=device)
-    recv = torch.empty(world * len(in_splits), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(recv, send, group=group)
-    flat = [int(v) for v in recv.tolist()]
-    return [flat[s * world : (s + 1) * world] for s in range(world)]
+    rows = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(rows, send, group=group)
+    return [[int(v) for v in row.tolist()] for row in rows]
 
 
 def _exchange_rows(
@@ -131,3 +131,15 @@ def flat_all_to_all(
     if out_splits is None:
         out_splits = exchange_splits(in_splits, group, _split_device(x, group))
     return FlatAllToAll.apply(x, in_splits, out_splits, group), out_splits
+
+
+def reference_all_to_all(xs: Sequence[torch.Tensor], S: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Plain-torch definition, one process: y_d = cat over s of x_s's rows for d.
+
+    xs[s] is rank s's input, S[s][d] the rows it sends to d; returns every rank's output.
+    """
+    ys = []
+    for d in range(len(xs)):
+        parts = [x.narrow(0, sum(S[s][:d]), S[s][d]) for s, x in enumerate(xs)]
+        ys.append(torch.cat(parts))
+    return ys

@@ -166,7 +166,7 @@ def halo_plan(S: Sequence[Sequence[int]], topo: Topology) -> list[RankPlan]:
             if r == me:
                 continue
             srcs = [s for s in range(R) if node[s] != node[me] and relay[(s, node[me])] == r]
-            segs = _coalesce([(y_off[me][s], S[s][me]) for s in reversed(srcs)])
+            segs = _coalesce([(y_off[me][s], S[s][me]) for s in srcs])
             if segs:
                 relay_recvs.append(Message(r, segs))
         plans.append(

@@ -54,15 +54,23 @@ def run_local(
     *args: Any,
     backend: str = "gloo",
     timeout_s: float = 120.0,
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Call `fn(rank, world_size, group, *args)` on `world_size` spawned processes.
 
-    `fn` must be importable by name (a module-level function). Returns the per-rank results
+    `fn` must be importable by name (a module-level function). `start_method="spawn"`
+    gives each rank a fresh interpreter (slower; use it where a fork server is unwanted). Returns the per-rank results
     in rank order; raises RuntimeError with the first failing rank's traceback, or on timeout.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # The fork server imports torch once and forks every rank from that clean process:
+        # ~0.1 s per rank instead of a 2-5 s torch import each (9 ranks on 2 loaded cores).
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "comm"])
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="comm-spawn-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")

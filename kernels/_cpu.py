@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 
-def gmm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+def gmm_loop(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """y = x @ w[e] per expert row range; rows past offs[-1] zero."""
     M, N = x_MK.shape[0], w_EKN.shape[2]
     y = torch.empty(M, N, dtype=x_MK.dtype, device=x_MK.device)
@@ -27,7 +27,8 @@ def gmm_dx(dy_MN: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> to
     return gmm(dy_MN, w_EKN.transpose(1, 2), offs_E)
 
 
-def gmm_dw(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+
+def gmm_dw_loop(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """dw[e] = x[rows e]^T @ dy[rows e]; zero for experts without rows."""
     E, K, N = offs_E.shape[0], x_MK.shape[1], dy_MN.shape[1]
     dw = torch.empty(E, K, N, dtype=x_MK.dtype, device=x_MK.device)
@@ -39,6 +40,10 @@ def gmm_dw(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_E: torch.Tensor) -> tor
             dw[e].zero_()
         start = end
     return dw
+
+
+gmm = gmm_loop
+gmm_dw = gmm_dw_loop
 
 
 def gather_rows(x_TD: torch.Tensor, sorted2flat_S: torch.Tensor, k: int) -> torch.Tensor:

@@ -64,7 +64,11 @@ class MLAttention(nn.Module):
         super().__init__()
         D, H = cfg.d_model, cfg.n_heads
         self.n_heads = H
-        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.nope, self.rope_dim, self.v_dim = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+        )
         self.kv_lora_rank = cfg.kv_lora_rank
         self.interleave = cfg.rope_interleave
         qk = cfg.qk_head_dim

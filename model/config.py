@@ -128,6 +128,8 @@ class ModelConfig:
                     raise ValueError(f"attention='mla' needs {f} >= 1, got {getattr(self, f)}")
             if self.qk_rope_head_dim % 2:
                 raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+            if self.qk_norm:
+                raise ValueError("qk_norm=True is only supported with attention='gqa'")
             if self.q_lora_rank is not None and self.q_lora_rank < 1:
                 raise ValueError(f"q_lora_rank={self.q_lora_rank} must be None or >= 1")
         if self.rope_scaling != "none" and self.rope_original_max_seq_len < 1:
@@ -150,7 +152,9 @@ class ModelConfig:
                     f"{self.n_routed_experts}; valid: {_divisors(self.n_routed_experts)}"
                 )
             if not 1 <= self.topk_group <= self.n_group:
-                raise ValueError(f"topk_group={self.topk_group} must be in 1..n_group={self.n_group}")
+                raise ValueError(
+                    f"topk_group={self.topk_group} must be in 1..n_group={self.n_group}"
+                )
             per_group = self.n_routed_experts // self.n_group
             if self.top_k > self.topk_group * per_group:
                 raise ValueError(
@@ -158,7 +162,9 @@ class ModelConfig:
                     "experts a token may choose from"
                 )
             if self.n_group > 1 and self.group_score == "top2_sum" and per_group < 2:
-                raise ValueError(f"group_score='top2_sum' needs >= 2 experts per group, got {per_group}")
+                raise ValueError(
+                    f"group_score='top2_sum' needs >= 2 experts per group, got {per_group}"
+                )
         if any(not self.is_moe_layer(i) for i in range(self.n_layers)) and self.dense_ffn_dim < 1:
             raise ValueError(
                 f"layers {[i for i in range(self.n_layers) if not self.is_moe_layer(i)]} are "
@@ -166,10 +172,13 @@ class ModelConfig:
             )
         if self.shared_ffn_dim < 0 or (self.shared_expert_gate and self.shared_ffn_dim == 0):
             raise ValueError(
-                f"shared_ffn_dim={self.shared_ffn_dim} must be >= 0 (and > 0 with shared_expert_gate)"
+                f"shared_ffn_dim={self.shared_ffn_dim} must be >= 0 "
+                "(and > 0 with shared_expert_gate)"
             )
         if self.init_std <= 0 or self.rms_norm_eps <= 0:
-            raise ValueError(f"init_std={self.init_std} and rms_norm_eps={self.rms_norm_eps} must be > 0")
+            raise ValueError(
+                f"init_std={self.init_std} and rms_norm_eps={self.rms_norm_eps} must be > 0"
+            )
 
     # ------------------------------------------------------------------ structure
     def is_moe_layer(self, i: int) -> bool:
@@ -272,7 +281,9 @@ class ModelConfig:
         if self.attention == "mla":
             norms += self.n_layers * (self.kv_lora_rank + (self.q_lora_rank or 0))
         matmul -= norms + self.n_layers * self._bias_params()
-        attn = 6 * self.n_layers * seq_len * self.n_heads * (self.qk_head_dim + self.attn_v_head_dim)
+        attn = (
+            6 * self.n_layers * seq_len * self.n_heads * (self.qk_head_dim + self.attn_v_head_dim)
+        )
         return float(6 * matmul + attn)
 
     def _bias_params(self) -> int:
@@ -324,5 +335,5 @@ def _choice(name: str, value: str, valid: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not supported; valid: {', '.join(valid)}")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -3,10 +3,7 @@
 Supported `model_type`s: mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3, kimi_k2
 (DeepSeek-V3 format), llama4 / llama4_text (text model only).
 
-State dicts: both the per-expert checkpoint layout (`...experts.3.w1.weight`,
-`...experts.3.gate_proj.weight`) and transformers >= 5's fused tensors (`experts.gate_up_proj`
-[E, 2F, D], `experts.down_proj` [E, D, F]) load. HF Linear weights are [out, in]; our grouped
-expert weights are [E, in, out], hence the transposes.
+State dicts: `convert_hf_state_dict` (in `model.hf_weights`, re-exported here).
 
 Llama-4 note: MoETransformer reproduces Llama-4's parameter shapes and counts, not its exact
 numerics (it lacks NoPE layers, chunked attention, attention temperature tuning, the weightless
@@ -15,16 +12,19 @@ L2 q/k norm and the router weight applied to the expert input); its state dicts 
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from .config import ModelConfig
+from .hf_weights import convert_hf_state_dict
 
 SUPPORTED_MODEL_TYPES = (
-    "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2", "llama4",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "kimi_k2",
+    "llama4",
     "llama4_text",
 )
 
@@ -88,16 +88,21 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         d = {**d["text_config"], "model_type": "llama4_text"}
         mt = "llama4_text"
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type={mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ValueError(
+            f"model_type={mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     c = _common(d)
     if mt == "mixtral":
         if d.get("sliding_window") is not None:
-            raise ValueError(f"Mixtral sliding_window={d['sliding_window']} is not supported; use null")
+            raise ValueError(
+                f"Mixtral sliding_window={d['sliding_window']} is not supported; use null"
+            )
         c.update(
             head_dim=d.get("head_dim") or c["d_model"] // c["n_heads"],
             n_routed_experts=int(d["num_local_experts"]),
             moe_ffn_dim=int(d["intermediate_size"]),
-            router="softmax", norm_topk_prob=True,
+            router="softmax",
+            norm_topk_prob=True,
             aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
         )
     elif mt in ("qwen2_moe", "qwen3_moe"):
@@ -107,7 +112,9 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         c.update(
             head_dim=d.get("head_dim") or c["d_model"] // c["n_heads"],
             qk_norm=qwen3,
-            attn_qkv_bias=bool(d.get("attention_bias", False)) if qwen3 else bool(d.get("qkv_bias", True)),
+            attn_qkv_bias=bool(d.get("attention_bias", False))
+            if qwen3
+            else bool(d.get("qkv_bias", True)),
             attn_out_bias=bool(d.get("attention_bias", False)) if qwen3 else False,
             n_routed_experts=int(d["num_experts"]),
             moe_ffn_dim=int(d["moe_intermediate_size"]),
@@ -119,25 +126,40 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
             aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
         )
         if not qwen3 and d.get("shared_expert_intermediate_size"):
-            c.update(n_shared_experts=1, shared_ffn_dim=int(d["shared_expert_intermediate_size"]),
-                     shared_expert_gate=True)
+            c.update(
+                n_shared_experts=1,
+                shared_ffn_dim=int(d["shared_expert_intermediate_size"]),
+                shared_expert_gate=True,
+            )
     elif mt in ("deepseek_v2", "deepseek_v3", "kimi_k2"):
         if int(d.get("moe_layer_freq", 1)) != 1:
-            raise ValueError(f"DeepSeek moe_layer_freq={d['moe_layer_freq']} is not supported; only 1")
+            raise ValueError(
+                f"DeepSeek moe_layer_freq={d['moe_layer_freq']} is not supported; only 1"
+            )
         method = d.get("topk_method", "noaux_tc" if mt != "deepseek_v2" else "greedy")
         methods = {"greedy": "max", "group_limited_greedy": "max", "noaux_tc": "top2_sum"}
         if method not in methods:
-            raise ValueError(f"topk_method={method!r} is not supported; valid: {', '.join(methods)}")
+            raise ValueError(
+                f"topk_method={method!r} is not supported; valid: {', '.join(methods)}"
+            )
         grouped = method != "greedy"
         n_shared = int(d.get("n_shared_experts") or 0)
         bias = bool(d.get("attention_bias", False))
         c.update(
-            n_kv_heads=c["n_heads"], attention="mla", attn_qkv_bias=bias, attn_out_bias=bias,
-            q_lora_rank=d.get("q_lora_rank"), kv_lora_rank=int(d["kv_lora_rank"]),
-            qk_nope_head_dim=int(d["qk_nope_head_dim"]), qk_rope_head_dim=int(d["qk_rope_head_dim"]),
-            v_head_dim=int(d["v_head_dim"]), rope_interleave=bool(d.get("rope_interleave", True)),
-            n_routed_experts=int(d["n_routed_experts"]), moe_ffn_dim=int(d["moe_intermediate_size"]),
-            n_shared_experts=n_shared, shared_ffn_dim=n_shared * int(d["moe_intermediate_size"]),
+            n_kv_heads=c["n_heads"],
+            attention="mla",
+            attn_qkv_bias=bias,
+            attn_out_bias=bias,
+            q_lora_rank=d.get("q_lora_rank"),
+            kv_lora_rank=int(d["kv_lora_rank"]),
+            qk_nope_head_dim=int(d["qk_nope_head_dim"]),
+            qk_rope_head_dim=int(d["qk_rope_head_dim"]),
+            v_head_dim=int(d["v_head_dim"]),
+            rope_interleave=bool(d.get("rope_interleave", True)),
+            n_routed_experts=int(d["n_routed_experts"]),
+            moe_ffn_dim=int(d["moe_intermediate_size"]),
+            n_shared_experts=n_shared,
+            shared_ffn_dim=n_shared * int(d["moe_intermediate_size"]),
             dense_ffn_dim=int(d["intermediate_size"]),
             first_k_dense=int(d.get("first_k_dense_replace") or 0),
             router=d.get("scoring_func", "softmax" if mt == "deepseek_v2" else "sigmoid"),
@@ -156,16 +178,21 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         moe_layers = d.get("moe_layers")
         if moe_layers is not None and list(moe_layers) != list(range(step - 1, n, step)):
             raise ValueError(
-                f"Llama-4 moe_layers={moe_layers} is not every {step}-th layer; only that is supported"
+                f"Llama-4 moe_layers={moe_layers} is not every {step}-th layer "
+                f"(layers {list(range(step - 1, n, step))}); only that pattern is supported"
             )
         c.update(
             head_dim=d.get("head_dim") or c["d_model"] // c["n_heads"],
             attn_qkv_bias=bool(d.get("attention_bias", False)),
             attn_out_bias=bool(d.get("attention_bias", False)),
-            n_routed_experts=int(d["num_local_experts"]), moe_ffn_dim=int(d["intermediate_size"]),
-            n_shared_experts=1, shared_ffn_dim=int(d["intermediate_size"]),
+            n_routed_experts=int(d["num_local_experts"]),
+            moe_ffn_dim=int(d["intermediate_size"]),
+            n_shared_experts=1,
+            shared_ffn_dim=int(d["intermediate_size"]),
             dense_ffn_dim=int(d.get("intermediate_size_mlp", 0)) if step > 1 else 0,
-            moe_every=step, router="sigmoid", norm_topk_prob=False,
+            moe_every=step,
+            router="sigmoid",
+            norm_topk_prob=False,
             aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
         )
     cfg = ModelConfig(**c)
@@ -176,161 +203,107 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
 def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     """A transformers config dict for `cfg` (to build the reference model in tests)."""
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ValueError(
+            f"model_type={model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     d: dict[str, Any] = dict(
-        model_type=model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-        initializer_range=cfg.init_std, num_experts_per_tok=cfg.top_k, rope_theta=cfg.rope_theta,
+        model_type=model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std,
+        num_experts_per_tok=cfg.top_k,
+        rope_theta=cfg.rope_theta,
     )
     if cfg.rope_scaling != "none":
-        s: dict[str, Any] = dict(rope_type=cfg.rope_scaling, factor=cfg.rope_factor,
-                                 original_max_position_embeddings=cfg.rope_original_max_seq_len)
+        s: dict[str, Any] = dict(
+            rope_type=cfg.rope_scaling,
+            factor=cfg.rope_factor,
+            original_max_position_embeddings=cfg.rope_original_max_seq_len,
+        )
         if cfg.rope_scaling == "yarn":
-            s.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
-                     mscale=cfg.rope_mscale, mscale_all_dim=cfg.rope_mscale_all_dim)
+            s.update(
+                beta_fast=cfg.rope_beta_fast,
+                beta_slow=cfg.rope_beta_slow,
+                mscale=cfg.rope_mscale,
+                mscale_all_dim=cfg.rope_mscale_all_dim,
+            )
         else:
-            s.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor)
+            s.update(
+                low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor
+            )
         d["rope_scaling"] = s
     if model_type == "mixtral":
-        d.update(head_dim=cfg.head_dim, num_local_experts=cfg.n_routed_experts,
-                 intermediate_size=cfg.moe_ffn_dim, router_aux_loss_coef=cfg.aux_loss_coef,
-                 sliding_window=None)
+        d.update(
+            head_dim=cfg.head_dim,
+            num_local_experts=cfg.n_routed_experts,
+            intermediate_size=cfg.moe_ffn_dim,
+            router_aux_loss_coef=cfg.aux_loss_coef,
+            sliding_window=None,
+        )
     elif model_type in ("qwen2_moe", "qwen3_moe"):
-        d.update(head_dim=cfg.head_dim, num_experts=cfg.n_routed_experts,
-                 moe_intermediate_size=cfg.moe_ffn_dim, intermediate_size=cfg.dense_ffn_dim,
-                 decoder_sparse_step=cfg.moe_every, mlp_only_layers=list(cfg.dense_layers),
-                 norm_topk_prob=cfg.norm_topk_prob, router_aux_loss_coef=cfg.aux_loss_coef,
-                 use_sliding_window=False)
+        d.update(
+            head_dim=cfg.head_dim,
+            num_experts=cfg.n_routed_experts,
+            moe_intermediate_size=cfg.moe_ffn_dim,
+            intermediate_size=cfg.dense_ffn_dim,
+            decoder_sparse_step=cfg.moe_every,
+            mlp_only_layers=list(cfg.dense_layers),
+            norm_topk_prob=cfg.norm_topk_prob,
+            router_aux_loss_coef=cfg.aux_loss_coef,
+            use_sliding_window=False,
+        )
         if model_type == "qwen3_moe":
             d["attention_bias"] = cfg.attn_qkv_bias
         else:
             d.update(qkv_bias=cfg.attn_qkv_bias, shared_expert_intermediate_size=cfg.shared_ffn_dim)
     elif model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2"):
-        method = "greedy" if cfg.n_group == 1 and cfg.router == "softmax" else (
-            "group_limited_greedy" if cfg.group_score == "max" else "noaux_tc")
-        d.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
-                 qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-                 v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave,
-                 n_routed_experts=cfg.n_routed_experts, moe_intermediate_size=cfg.moe_ffn_dim,
-                 n_shared_experts=cfg.n_shared_experts, intermediate_size=cfg.dense_ffn_dim,
-                 first_k_dense_replace=cfg.first_k_dense, scoring_func=cfg.router,
-                 norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
-                 n_group=cfg.n_group, topk_group=cfg.topk_group, topk_method=method,
-                 aux_loss_alpha=cfg.aux_loss_coef, attention_bias=cfg.attn_qkv_bias,
-                 num_nextn_predict_layers=cfg.n_mtp_layers, moe_layer_freq=1)
+        method = (
+            "greedy"
+            if cfg.n_group == 1 and cfg.router == "softmax"
+            else ("group_limited_greedy" if cfg.group_score == "max" else "noaux_tc")
+        )
+        d.update(
+            q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            rope_interleave=cfg.rope_interleave,
+            n_routed_experts=cfg.n_routed_experts,
+            moe_intermediate_size=cfg.moe_ffn_dim,
+            n_shared_experts=cfg.n_shared_experts,
+            intermediate_size=cfg.dense_ffn_dim,
+            first_k_dense_replace=cfg.first_k_dense,
+            scoring_func=cfg.router,
+            norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            topk_method=method,
+            aux_loss_alpha=cfg.aux_loss_coef,
+            attention_bias=cfg.attn_qkv_bias,
+            num_nextn_predict_layers=cfg.n_mtp_layers,
+            moe_layer_freq=1,
+        )
     else:
-        d.update(model_type="llama4_text", head_dim=cfg.head_dim, num_local_experts=cfg.n_routed_experts,
-                 intermediate_size=cfg.moe_ffn_dim, intermediate_size_mlp=cfg.dense_ffn_dim,
-                 interleave_moe_layer_step=cfg.moe_every, router_aux_loss_coef=cfg.aux_loss_coef,
-                 attention_bias=cfg.attn_qkv_bias)
+        d.update(
+            model_type="llama4_text",
+            head_dim=cfg.head_dim,
+            num_local_experts=cfg.n_routed_experts,
+            intermediate_size=cfg.moe_ffn_dim,
+            intermediate_size_mlp=cfg.dense_ffn_dim,
+            interleave_moe_layer_step=cfg.moe_every,
+            router_aux_loss_coef=cfg.aux_loss_coef,
+            attention_bias=cfg.attn_qkv_bias,
+        )
     return d
 
 
-# ---------------------------------------------------------------------- state dicts
-_ATTN = {
-    "q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "q_norm": "q_norm",
-    "k_norm": "k_norm", "q_a_proj": "wq_a", "q_a_layernorm": "q_norm", "q_b_proj": "wq_b",
-    "kv_a_proj_with_mqa": "wkv_a", "kv_a_layernorm": "kv_norm", "kv_b_proj": "wkv_b",
-}
-_MLP = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
-_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^experts\.(\d+)\.(\w+)\.weight$")
-
-
-def convert_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename / stack / transpose a transformers state dict into MoETransformer's layout.
-
-    Rotary tables are dropped; layers >= cfg.n_layers (DeepSeek-V3's MTP module in the
-    original checkpoint) are dropped; any other unknown key raises ValueError."""
-    if cfg.extra.get("model_type") == "llama4_text":
-        raise ValueError("Llama-4 state dicts are not supported (see model.hf docstring)")
-    out: dict[str, torch.Tensor] = {}
-    per_expert: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    unknown: list[str] = []
-    for key, t in sd.items():
-        if "rotary_emb" in key:
-            continue
-        if key in ("model.embed_tokens.weight", "embed_tokens.weight"):
-            out["embed.weight"] = t
-        elif key in ("model.norm.weight", "norm.weight"):
-            out["norm.weight"] = t
-        elif key == "lm_head.weight":
-            out["lm_head.weight"] = t
-        elif (m := _LAYER.match(key)) is not None:
-            i, rest = int(m.group(1)), m.group(2)
-            if i >= cfg.n_layers:
-                continue
-            if not _convert_layer(i, rest, t, out, per_expert):
-                unknown.append(key)
-        else:
-            unknown.append(key)
-    if unknown:
-        raise ValueError(f"unrecognised state-dict keys (first 10 of {len(unknown)}): {unknown[:10]}")
-    for (i, proj), by_e in per_expert.items():
-        E = cfg.n_routed_experts
-        if sorted(by_e) != list(range(E)):
-            raise ValueError(f"layer {i} {proj}: expected experts 0..{E - 1}, got {sorted(by_e)}")
-        # HF [F, D] (gate/up) or [D, F] (down) per expert -> ours [E, in, out]
-        out[f"layers.{i}.ffn.experts.{_MLP[proj]}"] = torch.stack([by_e[e].t() for e in range(E)])
-    for i in (f"layers.{j}.ffn" for j in cfg.moe_layer_ids):
-        if f"{i}.expert2slot" not in out:
-            out[f"{i}.expert2slot"] = torch.arange(cfg.n_routed_experts)
-        if f"{i}.router.e_score_correction_bias" not in out:
-            out[f"{i}.router.e_score_correction_bias"] = torch.zeros(cfg.n_routed_experts)
-    if cfg.tie_embeddings:
-        out["lm_head.weight"] = out["embed.weight"]
-    return out
-
-
-def _convert_layer(
-    i: int, rest: str, t: torch.Tensor, out: dict[str, torch.Tensor],
-    per_expert: dict[tuple[int, str], dict[int, torch.Tensor]],
-) -> bool:
-    """Store the per-layer HF tensor `rest` of layer i under our name; False if unknown."""
-    p = f"layers.{i}."
-    if rest == "input_layernorm.weight":
-        out[p + "attn_norm.weight"] = t
-        return True
-    if rest == "post_attention_layernorm.weight":
-        out[p + "ffn_norm.weight"] = t
-        return True
-    if rest.startswith("self_attn."):
-        mod, _, leaf = rest[len("self_attn."):].partition(".")
-        if mod not in _ATTN:
-            return False
-        out[p + f"attn.{_ATTN[mod]}.{leaf}"] = t
-        return True
-    for prefix in ("mlp.", "block_sparse_moe."):
-        if rest.startswith(prefix):
-            rest = rest[len(prefix):]
-            break
-    else:
-        return False
-    mod, _, leaf = rest.partition(".")
-    f = p + "ffn."
-    if mod in ("gate_proj", "up_proj", "down_proj"):  # dense layer, same [out, in] Linear
-        out[f + f"{_MLP[mod]}.{leaf}"] = t
-    elif rest == "gate.weight":
-        out[f + "router.weight"] = t
-    elif rest == "gate.e_score_correction_bias":
-        out[f + "router.e_score_correction_bias"] = t
-    elif mod in ("shared_experts", "shared_expert"):
-        sub, _, leaf = leaf.partition(".")
-        if sub not in _MLP:
-            return False
-        out[f + f"shared_experts.{_MLP[sub]}.{leaf}"] = t
-    elif rest == "shared_expert_gate.weight":
-        out[f + "shared_gate.weight"] = t
-    elif rest == "experts.gate_up_proj":  # transformers >= 5 fused [E, 2F, D], gate rows first
-        gate, up = t.chunk(2, dim=1)
-        out[f + "experts.w1"] = gate.transpose(1, 2).contiguous()
-        out[f + "experts.w3"] = up.transpose(1, 2).contiguous()
-    elif rest == "experts.down_proj":  # [E, D, F]
-        out[f + "experts.w2"] = t.transpose(1, 2).contiguous()
-    elif (m := _EXPERT.match(rest)) is not None and m.group(2) in _MLP:
-        per_expert.setdefault((i, m.group(2)), {})[int(m.group(1))] = t
-    else:
-        return False
-    return True
+__all__ = ["SUPPORTED_MODEL_TYPES", "config_from_hf", "config_to_hf", "convert_hf_state_dict"]

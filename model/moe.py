@@ -64,8 +64,14 @@ class GroupedExperts(nn.Module):
                 "(one entry per local expert)"
             )
         offs = torch.cumsum(counts_E, dim=0).to(torch.int32)
-        h = F.silu(grouped_gemm(x_MD, self.w1, offs)) * grouped_gemm(x_MD, self.w3, offs)
-        return grouped_gemm(h, self.w2, offs)
+        # autocast does not reach inside custom autograd ops: cast to its dtype here so the
+        # expert GEMMs run in bf16 under the trainer's GPU autocast like every nn.Linear.
+        dev = x_MD.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_MD.dtype
+        x_MD = x_MD.to(dtype)
+        w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
+        h = F.silu(grouped_gemm(x_MD, w1, offs)) * grouped_gemm(x_MD, w3, offs)
+        return grouped_gemm(h, w2, offs)
 
 
 class LocalDispatcher:
@@ -93,7 +99,9 @@ class MoELayer(nn.Module):
         self.num_experts = E
         self.router = Router(cfg)
         self.experts = GroupedExperts(E, cfg.d_model, cfg.moe_ffn_dim)
-        self.shared_experts = SwiGLU(cfg.d_model, cfg.shared_ffn_dim) if cfg.shared_ffn_dim else None
+        self.shared_experts = (
+            SwiGLU(cfg.d_model, cfg.shared_ffn_dim) if cfg.shared_ffn_dim else None
+        )
         # Qwen2-MoE gates the shared expert per token with sigmoid(x . g).
         self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_expert_gate else None
         self.register_buffer("expert2slot", torch.arange(E, dtype=torch.long))
@@ -112,7 +120,7 @@ class MoELayer(nn.Module):
         x_loc, counts_loc, ctx = self.dispatcher.dispatch(x_sorted, counts)
         y_loc = self.experts(x_loc, counts_loc)
         y_sorted = self.dispatcher.combine(y_loc, ctx)
-        y = unpermute(y_sorted, topk_w, meta)
+        y = unpermute(y_sorted, topk_w.to(y_sorted.dtype), meta)
         if self.shared_experts is not None:
             shared = self.shared_experts(x_TD)
             if self.shared_gate is not None:

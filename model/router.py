@@ -37,7 +37,11 @@ class Router(nn.Module):
         self.kind = cfg.router
         self.norm_topk_prob = cfg.norm_topk_prob
         self.routed_scaling_factor = cfg.routed_scaling_factor
-        self.n_group, self.topk_group, self.group_score = cfg.n_group, cfg.topk_group, cfg.group_score
+        self.n_group, self.topk_group, self.group_score = (
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.group_score,
+        )
         self.aux_loss_coef = cfg.aux_loss_coef
         self.bias_update_rate = cfg.bias_update_rate
         self.weight = nn.Parameter(torch.empty(E, cfg.d_model))
@@ -77,7 +81,9 @@ class Router(nn.Module):
             return s_BSE.new_zeros(())
         p = s_BSE if self.kind == "softmax" else s_BSE / (s_BSE.sum(-1, keepdim=True) + 1e-20)
         counts_BE = torch.zeros(B, E, device=s_BSE.device, dtype=torch.float32)
-        counts_BE.scatter_add_(1, idx_BSK.reshape(B, -1), torch.ones_like(counts_BE[:, :1]).expand(B, S * self.top_k))
+        counts_BE.scatter_add_(
+            1, idx_BSK.reshape(B, -1), torch.ones_like(counts_BE[:, :1]).expand(B, S * self.top_k)
+        )
         f_BE = counts_BE / (S * self.top_k)
         P_BE = p.mean(dim=1)
         return self.aux_loss_coef * E * (f_BE * P_BE).sum(dim=-1).mean()
@@ -102,6 +108,8 @@ class Router(nn.Module):
         counts_E: per-logical-expert token counts, already summed over every rank that routes
         with this router (the caller all-reduces them)."""
         if counts_E.shape != (self.num_experts,):
-            raise ValueError(f"counts_E has shape {tuple(counts_E.shape)}, expected ({self.num_experts},)")
+            raise ValueError(
+                f"counts_E has shape {tuple(counts_E.shape)}, expected ({self.num_experts},)"
+            )
         c = counts_E.to(self.e_score_correction_bias.device, torch.float32)
         self.e_score_correction_bias += self.bias_update_rate * torch.sign(c.mean() - c)

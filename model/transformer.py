@@ -9,6 +9,9 @@ Model code is rank-agnostic: expert parallelism replaces each MoELayer's `dispat
 `experts` from outside; pipeline parallelism may run `embed`, slices of `layers`, `norm` and
 `lm_head` separately (all public attributes).
 
+Llama-4 configs build with Llama-4's exact parameter shapes, but not its numerics (no NoPE
+layers, chunked attention, temperature tuning, L2 q/k norm or input-side router weights).
+
 Shape legend: B batch, S sequence, D model, V vocab.
 """
 
@@ -36,7 +39,9 @@ class Block(nn.Module):
         self.attn = build_attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
         self.is_moe = cfg.is_moe_layer(layer_id)
-        self.ffn: nn.Module = MoELayer(cfg) if self.is_moe else SwiGLU(cfg.d_model, cfg.dense_ffn_dim)
+        self.ffn: nn.Module = (
+            MoELayer(cfg) if self.is_moe else SwiGLU(cfg.d_model, cfg.dense_ffn_dim)
+        )
 
     def forward(self, h_BSD: torch.Tensor) -> torch.Tensor:
         h_BSD = h_BSD + self.attn(self.attn_norm(h_BSD))
@@ -108,7 +113,9 @@ class MoETransformer(nn.Module):
             )
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(
+        self, tokens: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(ce_loss, aux_loss) for one batch; the training objective is their sum."""
         ce, aux = self(tokens, targets)
         return ce, aux
@@ -128,6 +135,6 @@ class MoETransformer(nn.Module):
     def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load a transformers-format state dict (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3,
         Kimi-K2): per-expert checkpoint keys or transformers' fused 3D expert tensors."""
-        from .hf import convert_hf_state_dict
+        from .hf_weights import convert_hf_state_dict
 
         self.load_state_dict(convert_hf_state_dict(sd, self.cfg), strict=strict)

@@ -26,6 +26,7 @@ __all__ = [
     "bubble_fraction",
     "bubble_from_spans",
     "peak_inflight",
+    "peak_activation_bytes",
 ]
 
 Costs = Mapping[str, float] | Callable[[Action], float]
@@ -305,3 +306,32 @@ def peak_inflight(schedule: Schedule) -> dict[int, int]:
         out[rank] = peak
     return out
 
+
+
+def peak_activation_bytes(
+    schedule: Schedule, bytes_per_stage: Mapping[int, float]
+) -> dict[int, float]:
+    """Per rank, the peak of saved-activation bytes alive at once when one micro-batch
+    through stage s keeps `bytes_per_stage[s]` alive (the same walk as `peak_inflight`,
+    weighted; equal to peak_inflight x bytes when every stage of a rank weighs the same)."""
+    split = {a.stage for slots in schedule.values() for a in slots if a is not None and a.kind == "W"}
+    missing = sorted(set(stage2rank(schedule)) - set(bytes_per_stage))
+    if missing:
+        raise ValueError(f"bytes_per_stage lacks stages {missing}")
+    out = {}
+    for rank, slots in schedule.items():
+        live = peak = 0.0
+        alive: set[tuple[int, int]] = set()
+        for a in slots:
+            if a is None:
+                continue
+            key = (a.stage, a.microbatch)
+            if a.kind == "F":
+                alive.add(key)
+                live += bytes_per_stage[a.stage]
+            elif (a.kind == "W" or a.stage not in split) and key in alive:
+                alive.discard(key)
+                live -= bytes_per_stage[a.stage]
+            peak = max(peak, live)
+        out[rank] = peak
+    return out

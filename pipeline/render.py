@@ -34,7 +34,7 @@ def format_table(schedule: Schedule) -> str:
             row.append("." if a is None else str(a))
         cells.append(row)
     width = max(len(c) for row in cells for c in row)
-    step_w = len(str(max(length - 1, 0))) + 1
+    step_w = max(4, len(str(max(length - 1, 0))))
     lines = []
     for i, row in enumerate(cells):
         label = "step".rjust(step_w) if i == 0 else f"{i - 1}".rjust(step_w)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from comm import all_to_all, run_local
+from comm.flat import reference_all_to_all
 
 pytestmark = pytest.mark.multiproc
 
@@ -41,12 +42,7 @@ def _inputs(S: list[list[int]], width: int, seed: int) -> list[torch.Tensor]:
 
 
 def reference(xs: list[torch.Tensor], S: list[list[int]], me: int) -> torch.Tensor:
-    """Rows every source sends to `me`, in source order: plain slicing, no communication."""
-    parts = []
-    for s, x in enumerate(xs):
-        start = sum(S[s][:me])
-        parts.append(x[start : start + S[s][me]])
-    return torch.cat(parts)
+    return reference_all_to_all(xs, S)[me]
 
 
 CASES = ["random", "zeros", "silent_sender", "deaf_receiver", "all_empty", "self_only"]

@@ -1,4 +1,9 @@
-"""Every bad request stops with one clear message before any training step (exit code 2)."""
+"""Every bad request stops with one clear message before any training step.
+
+Most cases call the trainer's validation (`parse_args` + `prepare`) in-process, which is exactly
+what train.py runs before it starts any process group or step; two cases go through train.py
+(one process and torchrun) to check the exit status, stderr and that nothing was trained.
+"""
 
 from __future__ import annotations
 
@@ -7,80 +12,84 @@ import json
 import pytest
 
 from conftest import run_train
+from trainer import parse_args, prepare
 
 
-def _fails(tmp_path, args, needle, nproc=1):
-    out = tmp_path / "run"
-    r = run_train(["--config", "configs/tiny.toml", f"--train.out_dir={out}", "--train.steps=2",
-                   "--parallel.ep=1", *args], nproc=nproc, timeout=300)
-    assert r.returncode != 0, r.stdout + r.stderr
-    assert needle in r.stderr, r.stderr
-    assert not (out / "metrics.jsonl").exists()  # no training step ran
-    return r
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("d") / "t.txt"
+    p.write_bytes(b"def f(x):\n    return x + 1\n" * 2000)
+    return str(p)
 
 
-def test_unknown_preset(tmp_path):
-    r = _fails(tmp_path, ["--model.preset=mixtral-9x9b"], "mixtral-9x9b")
-    assert "tiny" in r.stderr and "deepseek-v3" in r.stderr  # lists the valid names
-
-
-def test_ep_not_dividing_experts(tmp_path):
-    _fails(tmp_path, ["--parallel.ep=3", "--parallel.dp=0"], "not divisible by pp=1 x ep=3")
-
-
-def test_ep_not_dividing_experts_world_ok(tmp_path):
-    # world 1 with --model.n_routed_experts=6 and ep=4 ... world must match first; use world-free
-    # check: 8 experts, ep=3 under 3 processes
-    _fails(tmp_path, ["--parallel.ep=3", "--train.global_batch=3"], "ep=3 does not divide 8 experts",
-           nproc=3)
-
-
-def test_world_size_mismatch(tmp_path):
-    _fails(tmp_path, ["--parallel.ep=2", "--parallel.dp=2"],
-           "world size 1 does not match the mesh pp=1 x dp=2 x ep=2 = 4")
-
-
-def test_missing_data(tmp_path):
-    _fails(tmp_path, ["--data", str(tmp_path / "nope.txt")], "does not exist")
-
-
-def test_seq_too_long(tmp_path):
-    _fails(tmp_path, ["--train.seq_len=100000"], "train.seq_len=100000 is outside what the model supports")
-
-
-def test_unknown_model_field(tmp_path):
-    _fails(tmp_path, ["--model.d_modle=64"], "unknown model field(s) ['d_modle']")
-
-
-def test_incomplete_checkpoint(tmp_path):
+def _ck(tmp_path, meta: str | None, metadata: bytes | None, shard: bytes | None = None):
     ck = tmp_path / "ck" / "step_00000005"
     ck.mkdir(parents=True)
-    (ck / "__0_0.distcp").write_bytes(b"garbage")
-    _fails(tmp_path, [f"--resume={ck}"], "is incomplete")
+    if meta is not None:
+        (ck / "meta.json").write_text(meta)
+    if metadata is not None:
+        (ck / ".metadata").write_bytes(metadata)
+    if shard is not None:
+        (ck / "__0_0.distcp").write_bytes(shard)
+    return ck
 
 
-def test_corrupt_checkpoint_meta(tmp_path):
-    ck = tmp_path / "ck" / "step_00000005"
-    ck.mkdir(parents=True)
-    (ck / ".metadata").write_bytes(b"\x00\x01")
-    (ck / "meta.json").write_text("{not json")
-    _fails(tmp_path, [f"--resume={ck}"], "corrupt meta.json")
+CASES = {
+    "unknown preset": (["--model.preset=mixtral-9x9b"], 1, ["mixtral-9x9b", "tiny", "deepseek-v3"]),
+    "ep does not divide experts": (["--parallel.ep=3", "--train.global_batch=3"], 3,
+                                   ["ep=3 does not divide 8 experts", "valid ep: [1, 2, 4, 8]"]),
+    "world size vs mesh": (["--parallel.ep=2", "--parallel.dp=2"], 1,
+                           ["world size 1 does not match the mesh pp=1 x dp=2 x ep=2 = 4"]),
+    "world not divisible": (["--parallel.ep=4"], 6, ["world size 6 is not divisible by pp=1 x ep=4"]),
+    "missing data": (["--data=/no/such/file.txt"], 1, ["data path '/no/such/file.txt' does not exist"]),
+    "sequence too long": (["--train.seq_len=100000"], 1,
+                          ["train.seq_len=100000 is outside what the model supports: 1..256"]),
+    "unknown model field": (["--model.d_modle=64"], 1, ["unknown model field(s) ['d_modle']"]),
+    "bad model value": (["--model.top_k=9"], 1, ["top_k"]),
+    "batch vs shards": (["--parallel.ep=2", "--train.global_batch=3"], 2,
+                        ["train.global_batch=3 must be a positive multiple of the 2 data shards"]),
+    "bad alltoall": (["--comm.alltoall=fast"], 1, ["comm.alltoall='fast'; valid: flat, halo, auto"]),
+    "pipeline not wired": (["--parallel.pp=2"], 2, ["pp=2"]),
+}
 
 
-def test_checkpoint_of_another_model(tmp_path):
-    ck = tmp_path / "ck" / "step_00000005"
-    ck.mkdir(parents=True)
-    (ck / ".metadata").write_bytes(b"\x00")
-    (ck / "meta.json").write_text(json.dumps({"step": 5, "model": {"d_model": 4096}}))
-    _fails(tmp_path, [f"--resume={ck}"], "belongs to another model")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_request(name, text_file):
+    argv, world, needles = CASES[name]
+    with pytest.raises(ValueError) as e:
+        cfg = parse_args(["--config", "configs/tiny.toml", "--parallel.ep=1", f"--data={text_file}",
+                          *argv])
+        prepare(cfg, world, 0)
+    for n in needles:
+        assert n in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("arg, needle", [
-    ("--train.global_batch=3", "must be a positive multiple of the 1 data shards") ,
-    ("--comm.alltoall=fast", "comm.alltoall='fast'; valid: flat, halo, auto"),
-])
-def test_other_bad_values(tmp_path, arg, needle):
-    if "global_batch=3" in arg:
-        _fails(tmp_path, ["--train.global_batch=0"], "train.global_batch=0 must be a positive multiple")
+@pytest.mark.parametrize("kind", ["incomplete", "corrupt meta", "another model", "no checkpoint"])
+def test_bad_checkpoint(kind, tmp_path, text_file):
+    if kind == "incomplete":
+        ck, needle = _ck(tmp_path, None, None, b"garbage"), "is incomplete"
+    elif kind == "corrupt meta":
+        ck, needle = _ck(tmp_path, "{not json", b"\x00\x01"), "corrupt meta.json"
+    elif kind == "another model":
+        ck = _ck(tmp_path, json.dumps({"step": 5, "model": {"d_model": 4096}}), b"\x00")
+        needle = "belongs to another model: fields differ: d_model (checkpoint 4096, run 128)"
     else:
-        _fails(tmp_path, [arg], needle)
+        ck, needle = "latest", "no complete checkpoint under"
+    cfg = parse_args(["--config", "configs/tiny.toml", "--parallel.ep=1", f"--data={text_file}",
+                      f"--train.out_dir={tmp_path / 'out'}", f"--resume={ck}"])
+    with pytest.raises(ValueError) as e:
+        prepare(cfg, 1, 0)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_train_py_reports_and_exits(tmp_path, text_file):
+    """End to end: train.py prints one `error:` line on rank 0 and exits 2, nothing trained."""
+    out = tmp_path / "run"
+    r = run_train(["--config", "configs/tiny.toml", f"--train.out_dir={out}", f"--data={text_file}",
+                   "--parallel.ep=3"], nproc=3, timeout=300)
+    assert r.returncode != 0
+    assert r.stderr.count("error: ep=3 does not divide 8 experts") == 1, r.stderr
+    assert not out.exists()
+    r = run_train(["--config", "configs/tiny.toml", f"--train.out_dir={out}", "--model.preset=nope"])
+    assert r.returncode == 2 and "error: unknown model preset 'nope'; valid: " in r.stderr, r.stderr
+    assert not out.exists()

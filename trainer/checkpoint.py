@@ -24,6 +24,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -130,7 +132,9 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optim: torch.
             shutil.rmtree(final)
         tmp.mkdir()
     _barrier()
-    dcp.save(_state(model, optim), checkpoint_id=str(tmp))
+    with warnings.catch_warnings():  # single-process runs are intended, not a misconfiguration
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(_state(model, optim), checkpoint_id=str(tmp))
     _barrier()
     if rank == 0:
         meta = dict(meta, step=step, placement={
@@ -179,17 +183,27 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(path)!r} has a corrupt meta.json: {e}") from None
 
 
+def check_same_model(path: Path, meta: dict[str, Any], expect: dict[str, Any]) -> None:
+    """Raise CheckpointError naming the differing model fields (values present on both sides first)."""
+    saved = meta.get("model") or {}
+    if saved == expect:
+        return
+    both = sorted(k for k in set(saved) & set(expect) if saved[k] != expect[k])
+    only = sorted(set(saved) ^ set(expect))
+    parts = [f"{k} (checkpoint {saved[k]!r}, run {expect[k]!r})" for k in both]
+    if only:
+        parts.append(f"{len(only)} fields present on one side only (e.g. {only[:3]})")
+    raise CheckpointError(f"checkpoint {str(path)!r} belongs to another model: fields differ: "
+                          + ", ".join(parts[:8]))
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optim: torch.optim.Optimizer,
                     expect_model: dict[str, Any] | None = None) -> dict[str, Any]:
     """Collective. Restores placement, weights and optimizer state in place; returns meta."""
     path = Path(path)
     meta = read_meta(path)
-    if expect_model is not None and meta.get("model") != expect_model:
-        saved = meta.get("model") or {}
-        diff = sorted(k for k in set(saved) | set(expect_model) if saved.get(k) != expect_model.get(k))
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} belongs to another model: fields differ: "
-            + ", ".join(f"{k} (checkpoint {saved.get(k)!r}, run {expect_model.get(k)!r})" for k in diff[:8]))
+    if expect_model is not None:
+        check_same_model(path, meta, expect_model)
     layers = _moe_layers(model)
     for name, slots in meta.get("placement", {}).items():
         if name not in layers or len(slots) != layers[name].expert2slot.numel():
@@ -204,7 +218,9 @@ def load_checkpoint(path: str | Path, model: nn.Module, optim: torch.optim.Optim
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     sd = _state(model, optim)
     try:
-        dcp.load(sd, checkpoint_id=str(path))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(sd, checkpoint_id=str(path))
     except Exception as e:  # DCP raises several types for truncated or mismatched shards
         raise CheckpointError(f"checkpoint {str(path)!r} could not be read ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}); it is corrupt or from "

@@ -1,0 +1,218 @@
+"""Grouped GEMM throughput: Triton vs torch._grouped_mm vs a per-expert loop vs one dense GEMM.
+
+Shapes are the expert GEMMs (x [M, D] @ w1 [E, D, F]) of model presets (default Mixtral-8x7B,
+Qwen3-235B-A22B, DeepSeek-V3) with M = tokens * top_k rows, split over experts either evenly
+("balanced") or by a Zipf law over a random expert order ("zipf"). The dense GEMM has the same
+FLOPs ([M, D] @ [D, F]): the roof a grouped GEMM is measured against. Ops: "fwd" (x @ w) and
+"dw" (per-expert x^T dy, the weight gradient).
+
+GPU (the claims): ``python benchmarks/bench_grouped_gemm.py [--out DIR]``.
+CPU (how kernels/_cpu.py picked its path; shapes shrunk by --shrink):
+``python benchmarks/bench_grouped_gemm.py --allow-cpu --shrink 8 --tokens 1024``.
+Writes JSON rows to DIR/bench_grouped_gemm.jsonl and a plot DIR/bench_grouped_gemm.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kernels import _cpu, grouped_gemm  # noqa: E402
+
+DEFAULT_PRESETS = ["mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3"]
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+    return f"cpu:{platform.processor() or platform.machine()}:{torch.get_num_threads()}threads"
+
+
+def expert_counts(M: int, E: int, dist: str, zipf_s: float, gen: torch.Generator) -> torch.Tensor:
+    """Rows per expert summing to M: even split, or Zipf(s) over a random expert order."""
+    if dist == "balanced":
+        c = torch.full((E,), M // E, dtype=torch.long)
+        c[: M - int(c.sum())] += 1
+        return c
+    ranks = torch.randperm(E, generator=gen).double() + 1.0
+    p = ranks.pow(-zipf_s)
+    c = torch.floor(p / p.sum() * M).long()
+    c[int(torch.argmax(p))] += M - int(c.sum())
+    return c
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def padded_bmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Candidate: scatter rows into [E, max_count, K], one bmm, gather back (pads zeros)."""
+    ends = offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    counts = ends - starts
+    E, C = w.shape[0], int(counts.max())
+    expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts)
+    dst = expert * C + torch.arange(int(ends[-1]), device=x.device) - starts[expert]
+    buf = x.new_zeros(E * C, x.shape[1]).index_copy_(0, dst, x[: int(ends[-1])])
+    y = x.new_zeros(x.shape[0], w.shape[2])
+    y[: int(ends[-1])] = torch.bmm(buf.view(E, C, -1), w).view(E * C, -1).index_select(0, dst)
+    return y
+
+
+def methods(device: torch.device, op: str) -> dict[str, Callable]:
+    """name -> fn(x, w_or_dy, offs) for this device and op."""
+    if op == "fwd":
+        m: dict[str, Callable] = {}
+        if device.type == "cuda":
+            m["triton"] = lambda x, w, o: grouped_gemm(x, w, o, backend="triton")
+        else:
+            m["ours-cpu"] = lambda x, w, o: grouped_gemm(x, w, o, backend="torch")
+            m["padded-bmm"] = padded_bmm
+        m["torch._grouped_mm"] = lambda x, w, o: torch._grouped_mm(x, w, offs=o)
+        m["loop"] = _cpu.gmm_loop
+        return m
+    m = {}
+    if device.type == "cuda":
+        from kernels import _grouped_gemm_triton as tri
+        m["triton"] = tri.gmm_dw
+    else:
+        m["ours-cpu"] = _cpu.gmm_dw
+    m["torch._grouped_mm"] = lambda x, dy, o: torch._grouped_mm(x.t(), dy, offs=o)
+    m["loop"] = _cpu.gmm_dw_loop
+    return m
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
+    from model import presets  # lazy: only the shapes come from the model package
+
+    gen = torch.Generator().manual_seed(0)
+    rows, sha, dev = [], git_sha(), device_name(device)
+    for name in args.presets:
+        cfg = presets.get(name)
+        D, F = cfg.d_model // args.shrink, cfg.moe_ffn_dim // args.shrink
+        E, k = cfg.n_routed_experts, cfg.top_k
+        M = args.tokens * k
+        for dist in ("balanced", "zipf"):
+            counts = expert_counts(M, E, dist, args.zipf_s, gen)
+            offs = torch.cumsum(counts, 0, dtype=torch.int32).to(device)
+            x = torch.randn(M, D, device=device, dtype=dtype)
+            w = torch.randn(E, D, F, device=device, dtype=dtype) / D**0.5
+            dy = torch.randn(M, F, device=device, dtype=dtype)
+            flops = 2.0 * M * D * F
+            dense_w = w[0].contiguous()
+            t_dense = time_fn(lambda: x @ dense_w, device, args.warmup, args.repeats)
+            for op in ("fwd", "dw"):
+                second = w if op == "fwd" else dy
+                for meth, fn in methods(device, op).items():
+                    try:
+                        t = time_fn(lambda fn=fn, s=second: fn(x, s, offs), device, args.warmup,
+                                    args.repeats)
+                    except (RuntimeError, NotImplementedError) as exc:  # e.g. _grouped_mm needs sm90
+                        print(f"  skip {meth} {op} {name}/{dist}: {str(exc).splitlines()[0][:90]}")
+                        continue
+                    rows.append(dict(
+                        bench="grouped_gemm", preset=name, dist=dist, op=op, method=meth,
+                        M=M, K=D, N=F, E=E, max_rows=int(counts.max()), dtype=str(dtype),
+                        seconds=t, tflops=flops / t / 1e12, vs_dense=t_dense / t,
+                        dense_seconds=t_dense, device=dev, git=sha, shrink=args.shrink,
+                    ))
+                    r = rows[-1]
+                    print(f"{name:16s} {dist:8s} {op:3s} {meth:18s} M={M:6d} K={D:5d} N={F:5d} "
+                          f"E={E:3d} {t * 1e3:9.2f} ms {r['tflops']:7.2f} TFLOPS "
+                          f"{r['vs_dense']:5.2f}x dense", flush=True)
+            del x, w, dy
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fwd = [r for r in rows if r["op"] == "fwd"]
+    cases = sorted({(r["preset"], r["dist"]) for r in fwd}, key=str)
+    meths = sorted({r["method"] for r in fwd})
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / max(1, len(meths))
+    for i, m in enumerate(meths):
+        vals = [next((r["vs_dense"] for r in fwd if (r["preset"], r["dist"]) == c
+                      and r["method"] == m), 0.0) for c in cases]
+        ax.bar([j + i * width for j in range(len(cases))], vals, width, label=m)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+    ax.set_xticklabels([f"{p}\n{d}" for p, d in cases], fontsize=8)
+    ax.set_ylabel("throughput / dense GEMM of equal FLOPs")
+    ax.set_title(f"grouped GEMM forward, {fwd[0]['device'] if fwd else ''}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS)
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per step (rows = tokens * top_k)")
+    p.add_argument("--shrink", type=int, default=1, help="divide d_model and moe_ffn_dim (CPU runs)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--zipf-s", type=float, default=1.2)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--allow-cpu", action="store_true", help="run on CPU (fp32) instead of failing")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print("bench_grouped_gemm.py needs a CUDA/ROCm GPU (pass --allow-cpu to compare the CPU "
+              "paths instead)", file=sys.stderr)
+        return 2
+    rows = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "bench_grouped_gemm.jsonl", "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    if rows:
+        plot(rows, args.out / "bench_grouped_gemm.png")
+    print(f"wrote {len(rows)} rows to {args.out / 'bench_grouped_gemm.jsonl'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Execute a HALO plan over torch.distributed point-to-point ops, with autograd.
+
+Per call (see `comm.halo_plan` for the layout algebra):
+    batch 1: receives of phases I and II, then sends of phase II, then sends of phase I
+    local copies x -> y while batch 1 is in flight
+    wait for phase II (phase I keeps flowing), then
+    batch 2: receives of phase III, then sends of phase III (stage -> y), stage -> y copies
+    wait for everything, scatter multi-segment receives into y.
+Every phase posts all of its receives before any of its sends: gloo's TCP transport
+serialises the two directions of a rank pair when a rank sends to a peer before it has
+posted the receive from that peer. Ops go through `batch_isend_irecv`, which NCCL runs as one
+group (no ordering deadlock between ranks) and gloo runs in list order. Tags keep the phases
+apart on gloo; NCCL ignores tags but matches in posting order, which every rank shares.
+The backward runs the plan of the transposed split matrix on the output gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from comm.halo_plan import Message, RankPlan, halo_plan, transpose
+from comm.topology import Topology
+
+__all__ = ["HaloAllToAll", "halo_all_to_all", "halo_exchange"]
+
+_TAG_INTRA, _TAG_INTER, _TAG_RELAY = 41, 42, 43
+
+
+@dataclass
+class _Recv:
+    message: Message
+    buffer: torch.Tensor  # the landing tensor (a view of the target or a temporary)
+    scatter: bool  # True when rows must be copied into the target's segments afterwards
+
+
+def _global(group: dist.ProcessGroup | None, rank: int) -> int:
+    if group is None or group is dist.group.WORLD:
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
+def _pack(buf: torch.Tensor, m: Message) -> torch.Tensor:
+    if len(m.segments) == 1:
+        start, n = m.segments[0]
+        return buf.narrow(0, start, n)
+    return torch.cat([buf.narrow(0, start, n) for start, n in m.segments])
+
+
+def _post_recv(target: torch.Tensor, m: Message) -> _Recv:
+    if len(m.segments) == 1:
+        start, n = m.segments[0]
+        return _Recv(m, target.narrow(0, start, n), False)
+    return _Recv(m, target.new_empty((m.rows, *target.shape[1:])), True)
+
+
+def _run_batch(
+    recvs: list[_Recv],
+    sends: list[tuple[torch.Tensor, int]],
+    tag: list[int],
+    group: dist.ProcessGroup | None,
+) -> list[dist.Work]:
+    """Post receives then sends; `tag` gives one tag per op in that order."""
+    ops = [
+        dist.P2POp(dist.irecv, r.buffer, _global(group, r.message.peer), group, t)
+        for r, t in zip(recvs, tag, strict=False)
+    ]
+    ops += [
+        dist.P2POp(dist.isend, buf, _global(group, peer), group, t)
+        for (buf, peer), t in zip(sends, tag[len(recvs):], strict=True)
+    ]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def halo_exchange(
+    x: torch.Tensor, plan: RankPlan, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Move the rows of x [plan.x_rows, ...] per `plan`; returns y [plan.y_rows, ...]."""
+    if x.shape[0] != plan.x_rows:
+        raise ValueError(f"x has {x.shape[0]} rows, the plan expects {plan.x_rows}")
+    x = x.contiguous()
+    trailing = x.shape[1:]
+    y = x.new_empty((plan.y_rows, *trailing))
+    stage = x.new_empty((plan.stage_rows, *trailing))
+
+    intra = [_post_recv(y, m) for m in plan.intra_recvs]
+    inter = [_post_recv(stage, m) for m in plan.inter_recvs]
+    sends = [(_pack(x, m), m.peer) for m in plan.inter_sends]
+    sends += [(_pack(x, m), m.peer) for m in plan.intra_sends]
+    tags = [_TAG_INTRA] * len(intra) + [_TAG_INTER] * (len(inter) + len(plan.inter_sends))
+    tags += [_TAG_INTRA] * len(plan.intra_sends)
+    works = _run_batch(intra + inter, sends, tags, group)
+    for (src, _), (dst, n) in plan.self_copies:
+        y.narrow(0, dst, n).copy_(x.narrow(0, src, n))
+
+    # Phase III needs the stage buffer complete. With gloo each op has its own Work, so only
+    # the phase II receives are awaited here and phase I keeps flowing; NCCL returns one
+    # Work per batch, in which case this waits for phase I too (it is on NVLink, short).
+    # A gloo Work must be waited exactly once (a second wait on a receive blocks for a new
+    # message), so the awaited ones leave the pending list.
+    n_intra, n_inter = len(intra), len(inter)
+    if len(works) == n_intra + n_inter + len(sends):
+        for w in works[n_intra : n_intra + n_inter]:
+            w.wait()
+        works = works[:n_intra] + works[n_intra + n_inter :]
+    else:
+        for w in works:
+            w.wait()
+        works = []
+    relay = [_post_recv(y, m) for m in plan.relay_recvs]
+    relay_sends = [(_pack(stage, m), m.peer) for m in plan.relay_sends]
+    works += _run_batch(
+        relay, relay_sends, [_TAG_RELAY] * (len(relay) + len(relay_sends)), group
+    )
+    for (src, _), (dst, n) in plan.stage_copies:
+        y.narrow(0, dst, n).copy_(stage.narrow(0, src, n))
+    for w in works:
+        w.wait()
+    for r in intra + relay:
+        if r.scatter:
+            offset = 0
+            for start, n in r.message.segments:
+                y.narrow(0, start, n).copy_(r.buffer.narrow(0, offset, n))
+                offset += n
+    return y
+
+
+class HaloAllToAll(torch.autograd.Function):
+    """y = HALO(x; S); dx = HALO(dy; S^T): the mirrored exchange."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        S: list[list[int]],
+        topo: Topology,
+        rank: int,
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        ctx.S, ctx.topo, ctx.rank, ctx.group = S, topo, rank, group
+        return halo_exchange(x, halo_plan(S, topo)[rank], group)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_y: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None, None]:
+        plan = halo_plan(transpose(ctx.S), ctx.topo)[ctx.rank]
+        return halo_exchange(grad_y, plan, ctx.group), None, None, None, None
+
+
+def halo_all_to_all(
+    x: torch.Tensor,
+    S: list[list[int]],
+    topo: Topology,
+    group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, list[int]]:
+    """HALO all-to-all given the full split matrix S (identical on every rank)."""
+    world = dist.get_world_size(group)
+    if topo.world_size != world:
+        raise ValueError(
+            f"topology describes {topo.world_size} ranks but the group has {world}; pass "
+            "topology.restrict(dist.get_process_group_ranks(group))"
+        )
+    rank = dist.get_rank(group)
+    return HaloAllToAll.apply(x, S, topo, rank, group), [S[s][rank] for s in range(world)]

@@ -1,0 +1,243 @@
+"""Network builders: Frontier (node + Dragonfly), DGX rail-optimised fat tree, the emulator,
+and a generic two-level cluster. Facts from REFERENCE.md 3; anything unpublished (latencies,
+PCIe on DGX, spine count, the share of non-minimal Dragonfly routes) is a parameter.
+
+Frontier Dragonfly (per group = cabinet): 32 switches all-to-all (one 25 GB/s link per
+ordered pair), 4 nodes per switch (16 NIC ports), 128 nodes per group; 4 global links of
+25 GB/s between every pair of groups. Global link i between groups A and B sits on switch
+(j * 4 + i) % 32 of A, j being B's index among A's peer groups: spreads each group's
+global ports evenly over its switches (the real port map is not published).
+Routes: minimal = local hop, global link, local hop (ECMP over the 4 global links);
+a fraction `nonminimal` of every flow takes Valiant paths: inside a group via each of the
+other 30 switches, between groups via each intermediate group (when there are >= 3 groups).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from comm.netsim.network import FabricPart, FabricPaths, Network, NetworkBuilder, Path
+from comm.netsim.nodes import GB, assemble, frontier_template, star_template
+
+__all__ = ["dgx_fat_tree", "emulator", "frontier", "frontier_node", "generic"]
+
+FRONTIER_NODES_PER_SWITCH = 4
+FRONTIER_SWITCHES_PER_GROUP = 32
+FRONTIER_GLOBAL_LINKS = 4
+SLINGSHOT_BW = 25 * GB
+
+
+def _check_fraction(name: str, v: float) -> None:
+    if not 0.0 <= v <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {v}")
+
+
+def frontier(
+    nodes: int,
+    nonminimal: float = 0.0,
+    if_efficiency: float = 0.75,
+    link_latency: float = 0.0,
+    groups: int | None = None,
+    sites: list[int] | None = None,
+    scale: list[float] | None = None,
+) -> Network:
+    """Frontier nodes on a Dragonfly. `groups` machine groups (default: just enough for
+    `nodes`); node v sits in group v // 128 on switch (v % 128) // 4 of that group.
+    Frontier has 74 groups: 4 x 25 GB/s to each of 73 others against 128 x 100 GB/s of
+    injection is the published 1.75:1 taper. sites/scale: see `assemble` (lumping)."""
+    _check_fraction("nonminimal", nonminimal)
+    npg = FRONTIER_NODES_PER_SWITCH * FRONTIER_SWITCHES_PER_GROUP
+    need = -(-nodes // npg) if isinstance(nodes, int) and nodes > 0 else 1
+    groups = need if groups is None else groups
+    if groups < need:
+        raise ValueError(f"{nodes} nodes need >= {need} groups of {npg}, got groups={groups}")
+    n_sw = groups * FRONTIER_SWITCHES_PER_GROUP
+    names = [f"g{s // FRONTIER_SWITCHES_PER_GROUP}.sw{s % FRONTIER_SWITCHES_PER_GROUP}"
+             for s in range(n_sw)]
+
+    def nic2switch(v: int, k: int) -> int:
+        return v // FRONTIER_NODES_PER_SWITCH
+
+    def wire(b: NetworkBuilder, sw: list[int]) -> FabricPaths:
+        return _dragonfly_wire(b, sw, groups, nonminimal, link_latency)
+
+    return assemble(f"frontier-{nodes}n", frontier_template(if_efficiency, latency=link_latency),
+                    nodes, names, nic2switch, SLINGSHOT_BW, link_latency, wire,
+                    nodes_per_group=npg, sites=sites, scale=scale)
+
+
+def frontier_node(if_efficiency: float = 0.75, link_latency: float = 0.0) -> Network:
+    """One Frontier node (8 GCDs, Infinity Fabric, 4 NICs on one switch)."""
+    return frontier(1, if_efficiency=if_efficiency, link_latency=link_latency)
+
+
+def _dragonfly_wire(b: NetworkBuilder, sw: list[int], groups: int, nonminimal: float,
+                    latency: float) -> FabricPaths:
+    S, H = FRONTIER_SWITCHES_PER_GROUP, FRONTIER_GLOBAL_LINKS
+    local = np.full((groups, S, S), -1, dtype=np.int64)
+    for g in range(groups):
+        for a in range(S):
+            for c in range(S):
+                if a != c:
+                    local[g, a, c] = b.link(sw[g * S + a], sw[g * S + c], SLINGSHOT_BW, latency)
+    gate = np.zeros((groups, max(groups, 1), H), dtype=np.int64)  # gate[A, B, i] switch in A
+    glink = np.full((groups, max(groups, 1), H), -1, dtype=np.int64)  # A -> B link id
+    for A in range(groups):
+        peers = [B for B in range(groups) if B != A]
+        for j, B in enumerate(peers):
+            for i in range(H):
+                gate[A, B, i] = (j * H + i) % S
+    for A in range(groups):
+        for B in range(groups):
+            if A != B:
+                for i in range(H):
+                    glink[A, B, i] = b.link(sw[A * S + gate[A, B, i]], sw[B * S + gate[B, A, i]],
+                                            SLINGSHOT_BW, latency)
+
+    def hop(g: int, p: int, q: int) -> tuple[int, ...]:
+        return () if p == q else (int(local[g, p, q]),)
+
+    def intra(g: int, la: int, lc: int) -> list[Path]:
+        out = [((int(local[g, la, lc]),), 1.0 - nonminimal)]
+        mids = [u for u in range(S) if u not in (la, lc)]
+        out += [(hop(g, la, u) + hop(g, u, lc), nonminimal / len(mids)) for u in mids]
+        return [p for p in out if p[1] > 0]
+
+    def shares(A: int, B: int) -> tuple[list[int], float, float]:
+        """Intermediate groups, share of each minimal and of each Valiant global choice."""
+        vias = [C for C in range(groups) if C not in (A, B)]
+        if not vias:
+            return vias, 1.0 / H, 0.0
+        return vias, (1.0 - nonminimal) / H, nonminimal / (len(vias) * H)
+
+    def src_part(A: int, la: int, B: int) -> list[Path]:
+        """Hops inside the source group from switch la to the gates of every route."""
+        vias, m, v = shares(A, B)
+        out = [(hop(A, la, gate[A, B, i]), m) for i in range(H)]
+        out += [(hop(A, la, gate[A, C, i]), v) for C in vias for i in range(H)]
+        return [p for p in out if p[1] > 0]
+
+    def core(A: int, B: int) -> list[Path]:
+        """Global links (and the hop across the intermediate group) from A to B."""
+        vias, m, v = shares(A, B)
+        out = [((int(glink[A, B, i]),), m) for i in range(H)]
+        out += [((int(glink[A, C, i]),) + hop(C, gate[C, A, i], gate[C, B, i])
+                 + (int(glink[C, B, i]),), v) for C in vias for i in range(H)]
+        return [p for p in out if p[1] > 0]
+
+    def dst_part(B: int, lc: int, A: int) -> list[Path]:
+        vias, m, v = shares(A, B)
+        out = [(hop(B, gate[B, A, i], lc), m) for i in range(H)]
+        out += [(hop(B, gate[B, C, i], lc), v) for C in vias for i in range(H)]
+        return [p for p in out if p[1] > 0]
+
+    def paths(a: int, c: int) -> list[FabricPart]:
+        A, la = divmod(a, S)
+        B, lc = divmod(c, S)
+        if A == B:
+            return [(("intra", A, la, lc), lambda: intra(A, la, lc))]
+        return [(("src", A, la, B), lambda: src_part(A, la, B)),
+                (("core", A, B), lambda: core(A, B)),
+                (("dst", B, lc, A), lambda: dst_part(B, lc, A))]
+
+    return paths
+
+
+def dgx_fat_tree(
+    nodes: int,
+    hbm: str = "h100",
+    nvlink_bw: float = 450 * GB,
+    nic_bw: float = 50 * GB,
+    pcie_bw: float | None = None,
+    spines: int = 8,
+    taper: float = 1.0,
+    link_latency: float = 0.0,
+    nodes_per_su: int = 32,
+    sites: list[int] | None = None,
+    scale: list[float] | None = None,
+) -> Network:
+    """DGX H100/H200 nodes (8 GPUs on NVSwitch, 8 NICs, one per GPU) on a rail-optimised fat
+    tree: per scalable unit of `nodes_per_su` nodes one leaf per rail; leaves reach each of
+    `spines` spines with capacity nodes_per_su * nic_bw / (spines * taper). Cross-rail and
+    cross-SU traffic goes leaf -> spine -> leaf (no PXN forwarding is modelled)."""
+    if hbm not in ("h100", "h200"):
+        raise ValueError(f"hbm must be 'h100' or 'h200', got {hbm!r}")
+    if spines < 1 or not taper >= 1.0:
+        raise ValueError(f"need spines >= 1 and taper >= 1, got spines={spines}, taper={taper}")
+    rails = 8
+    n_su = -(-nodes // nodes_per_su) if isinstance(nodes, int) and nodes > 0 else 1
+    leaves = [f"su{u}.leaf{r}" for u in range(n_su) for r in range(rails)]
+    names = leaves + [f"spine{s}" for s in range(spines)]
+    up_bw = nodes_per_su * nic_bw / (spines * taper)
+
+    def nic2switch(v: int, k: int) -> int:
+        return (v // nodes_per_su) * rails + k
+
+    def wire(b: NetworkBuilder, sw: list[int]) -> FabricPaths:
+        L = len(leaves)
+        up = [[b.link(sw[a], sw[L + s], up_bw, link_latency) for s in range(spines)]
+              for a in range(L)]
+        dn = [[b.link(sw[L + s], sw[a], up_bw, link_latency) for s in range(spines)]
+              for a in range(L)]
+        return lambda a, c: [(("pair", a, c),
+                              lambda: [((up[a][s], dn[c][s]), 1.0 / spines)
+                                       for s in range(spines)])]
+
+    template = star_template(8, 8, nvlink_bw, pcie_bw, link_latency)
+    return assemble(f"dgx-{hbm}-{nodes}n", template, nodes, names, nic2switch, nic_bw,
+                    link_latency, wire, sites=sites, scale=scale)
+
+
+def emulator(
+    nodes: int,
+    ranks_per_node: int,
+    mbit: float = 100.0,
+    loopback_bw: float | None = None,
+    link_latency: float = 0.0,
+    sites: list[int] | None = None,
+    scale: list[float] | None = None,
+) -> Network:
+    """The emulated cluster: each node one NIC shaped to `mbit` Mbit/s per direction on one
+    bridge; its ranks (processes) share that NIC. loopback_bw (bytes/s per rank) models
+    same-node transfers; None leaves them unmodelled (instant)."""
+    if not mbit > 0:
+        raise ValueError(f"mbit must be > 0, got {mbit}")
+    template = star_template(ranks_per_node, 1, loopback_bw, None, 0.0, hub="lo")
+    return assemble(f"emulator-{nodes}x{ranks_per_node}-{mbit:g}mbit", template, nodes,
+                    ["bridge"], lambda v, k: 0, mbit * 1e6 / 8, link_latency,
+                    lambda b, sw: lambda a, c: [],  # one bridge: no switch-to-switch hop
+                    sites=sites, scale=scale)
+
+
+def generic(
+    nodes: int,
+    gpus_per_node: int,
+    nics_per_node: int,
+    nic_bw: float,
+    intra_bw: float | None,
+    nodes_per_switch: int,
+    taper: float = 1.0,
+    gpu_nic_bw: float | None = None,
+    link_latency: float = 0.0,
+    sites: list[int] | None = None,
+    scale: list[float] | None = None,
+) -> Network:
+    """A cluster from a few numbers: GPUs on a node switch (intra_bw each), NICs of nic_bw
+    to a leaf of nodes_per_switch nodes, leaves to one core with per-leaf uplinks of
+    nodes_per_switch * nics_per_node * nic_bw / taper per direction."""
+    if nodes_per_switch < 1 or not taper > 0:
+        raise ValueError(f"need nodes_per_switch >= 1 and taper > 0, got "
+                         f"{nodes_per_switch}, {taper}")
+    n_leaf = -(-nodes // nodes_per_switch) if isinstance(nodes, int) and nodes > 0 else 1
+    names = [f"leaf{i}" for i in range(n_leaf)] + ["core"]
+    up_bw = nodes_per_switch * nics_per_node * nic_bw / taper
+
+    def wire(b: NetworkBuilder, sw: list[int]) -> FabricPaths:
+        up = [b.link(sw[i], sw[n_leaf], up_bw, link_latency) for i in range(n_leaf)]
+        dn = [b.link(sw[n_leaf], sw[i], up_bw, link_latency) for i in range(n_leaf)]
+        return lambda a, c: [(("pair", a, c), lambda: [((up[a], dn[c]), 1.0)])]
+
+    template = star_template(gpus_per_node, nics_per_node, intra_bw, gpu_nic_bw, link_latency)
+    return assemble(f"generic-{nodes}n", template, nodes, names,
+                    lambda v, k: v // nodes_per_switch, nic_bw, link_latency, wire,
+                    sites=sites, scale=scale)

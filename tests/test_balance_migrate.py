@@ -1,0 +1,174 @@
+"""migrate() on real gloo process groups against a single-process permutation of full tensors.
+
+Every rank builds the same full ``[E, ...]`` tensors from a seed and keeps its ``[S, ...]``
+slice; after a migration its slice must equal the matching rows of the full tensor permuted
+in one process (``full_new[new_slot[e]] = full[old_slot[e]]``), bit for bit. The Adam case
+also continues training after the move and compares with an unmigrated single-process run.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from balance import (
+    MigrationPolicy,
+    Monitor,
+    Swap,
+    expert_state_tensors,
+    migrate,
+    permute_slots,
+    placement_of,
+    plan_swaps,
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _reference_map(old: list[int], swaps: list[Swap]) -> list[int]:
+    new = list(old)
+    for s in swaps:
+        new[s.expert_a], new[s.expert_b] = new[s.expert_b], new[s.expert_a]
+    return new
+
+
+def _permute_full(full: torch.Tensor, old: list[int], new: list[int]) -> torch.Tensor:
+    out = torch.empty_like(full)
+    for o, n in zip(old, new, strict=True):
+        out[n] = full[o]
+    return out
+
+
+def _check_plans(rank: int, world: int, group: object, members: list[int]) -> None:
+    """Several plans in sequence on ``group`` (``members`` = its global ranks)."""
+    me = members.index(rank)
+    n = len(members)
+    e = 4 * n
+    slots = e // n
+    gen = torch.Generator().manual_seed(0)
+    fulls = [
+        torch.randn(e, 3, 5, generator=gen),  # a weight
+        torch.randn(e, 7, generator=gen).to(torch.float64),  # another dtype
+        torch.randint(0, 100, (e,), generator=gen),  # 1-D, int64
+    ]
+    local = [f[me * slots : (me + 1) * slots].clone() for f in fulls]
+    e2s = torch.randperm(e, generator=gen)
+    load = torch.rand(e, generator=gen) * 100
+
+    def chain(place: list[int]) -> list[Swap]:
+        # Expert 0 moves twice but lands once; with 2 ranks the pair swaps back (no net move).
+        b = next(x for x in range(e) if place[x] != place[0])
+        c = next((x for x in range(e) if place[x] not in (place[0], place[b])), b)
+        return [Swap(0, b), Swap(0, c)] if c != b else [Swap(0, b), Swap(0, b)]
+
+    planners = [
+        lambda place: plan_swaps(load, place, n, None, "greedy-repack"),
+        chain,
+        lambda place: plan_swaps(load, place, n, 3, "minmax"),
+        lambda place: [],
+    ]
+    for planner in planners:
+        plan = planner(placement_of(e2s, n))
+        old = e2s.tolist()
+        ref_new = _reference_map(old, plan)
+        tensors = [local[0], None, local[1], local[2]]
+        res = migrate(plan, e2s, tensors, group)
+        assert res.expert2slot.tolist() == ref_new
+        fulls = [_permute_full(f, old, ref_new) for f in fulls]
+        for t, f in zip(local, fulls, strict=True):
+            assert torch.equal(t, f[me * slots : (me + 1) * slots])
+        row_bytes = sum(f[0].numel() * f.element_size() for f in fulls)
+        out_rows = sum(1 for o, m in zip(old, ref_new, strict=True) if o // slots == me != m // slots)
+        assert res.bytes_sent == out_rows * row_bytes
+        assert res.moved_experts == sum(o != m for o, m in zip(old, ref_new, strict=True))
+        e2s = res.expert2slot
+
+
+def _check_adam(rank: int, world: int) -> None:
+    """Weights, grads and Adam moments travel together: training continues identically."""
+    e, d, slots = 4 * world, 6, 4
+    gen = torch.Generator().manual_seed(1)
+    w0 = torch.randn(e, d, generator=gen)
+    grads = [torch.randn(e, d, generator=gen) for _ in range(3)]
+    ref = torch.nn.Parameter(w0.clone())  # single process, logical order, never migrated
+    ref_opt = torch.optim.Adam([ref], lr=0.1)
+    e2s = torch.arange(e)
+    p = torch.nn.Parameter(w0[rank * slots : (rank + 1) * slots].clone())
+    opt = torch.optim.Adam([p], lr=0.1)
+
+    def step(g_logical: torch.Tensor) -> None:
+        ref.grad = g_logical.clone()
+        ref_opt.step()
+        # This rank's slot s holds the logical expert whose slot is rank*slots + s.
+        slot2expert = torch.empty(e, dtype=torch.long)
+        slot2expert[e2s] = torch.arange(e)
+        p.grad = g_logical[slot2expert[rank * slots : (rank + 1) * slots]].clone()
+        opt.step()
+
+    step(grads[0])
+    load = torch.arange(e, dtype=torch.float64) ** 2  # hot experts all on the last rank
+    swaps = plan_swaps(load, placement_of(e2s, world), world, 3)
+    assert swaps
+    st = opt.state[p]
+    tensors = expert_state_tensors([p], opt)
+    assert len(tensors) == 4 and tensors[2] is st["exp_avg"] and tensors[3] is st["exp_avg_sq"]
+    res = migrate(swaps, e2s, tensors, dist.group.WORLD)
+    e2s = res.expert2slot
+    for g in grads[1:]:
+        step(g)
+    slot2expert = torch.empty(e, dtype=torch.long)
+    slot2expert[e2s] = torch.arange(e)
+    mine = slot2expert[rank * slots : (rank + 1) * slots]
+    torch.testing.assert_close(p.detach(), ref.detach()[mine], rtol=0, atol=0)
+    torch.testing.assert_close(st["exp_avg_sq"], ref_opt.state[ref]["exp_avg_sq"][mine], rtol=0, atol=0)
+
+
+def _check_monitor_group(rank: int, world: int) -> None:
+    mon = Monitor(2, 8, 2, MigrationPolicy(window=2), group=dist.group.WORLD)
+    for step in range(3):
+        mon.record(torch.full((2, 8), float(rank + step)))
+    # Sum over ranks of (rank + step) for the last 2 steps (1, 2).
+    expect = sum(r + s for r in range(world) for s in (1, 2))
+    assert torch.equal(torch.as_tensor(mon.load()), torch.full((2, 8), float(expect), dtype=torch.float64))
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        _check_plans(rank, world, dist.group.WORLD, list(range(world)))
+        _check_adam(rank, world)
+        _check_monitor_group(rank, world)
+        # A subgroup that leaves rank 0 out: peers must be translated to global ranks.
+        members = list(range(1, world))
+        sub = dist.new_group(members)
+        if rank in members:
+            _check_plans(rank, world, sub, members)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_migrate_matches_single_process_permutation() -> None:
+    # One spawn of 3 processes covers the world group (3 ranks, so chains cross three ranks)
+    # and a 2-rank subgroup; each extra spawn costs seconds of torch imports on 2 cores.
+    mp.spawn(_worker, args=(3, _free_port()), nprocs=3, join=True)
+
+
+def test_permute_slots_and_errors() -> None:
+    assert permute_slots([0, 1, 2, 3], [Swap(0, 2)], 2) == [2, 1, 0, 3]
+    assert placement_of(torch.tensor([3, 0, 1, 2]), 2) == [1, 0, 0, 1]
+    with pytest.raises(ValueError, match="both experts are on rank 0"):
+        permute_slots([0, 1, 2, 3], [Swap(0, 1)], 2)
+    with pytest.raises(ValueError, match="permutation of 0..3"):
+        permute_slots([0, 1, 1, 3], [], 2)
+    with pytest.raises(ValueError, match="cannot be split evenly over n_ranks=3"):
+        placement_of([0, 1, 2, 3], 3)

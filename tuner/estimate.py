@@ -1,0 +1,291 @@
+"""The analytic resource model: per-stage memory, step time breakdown and MFU of one layout.
+
+Memory of pipeline rank r (bytes):
+    state        sum over its layers and parts of params x (weight + grad + master + optimizer)
+                 bytes; routed experts E/EP per rank, everything else replicated over EP;
+                 embedding on the first stage, final norm + lm_head on the last
+    activations  peak_inflight(schedule)[r] x the largest per-micro-batch activation of one of
+                 its chunks (see `tuner.counts`), + one layer's working set when recomputing,
+                 + the last stage's logits (bf16 and fp32 for the loss) for one micro-batch
+    buffers      all-to-all send/receive rows, P2P send/receive, one DDP gradient bucket
+Under the published assumptions (MHA, no embeddings/norms/router/shared/dense, 16 B/param,
+1F1B, attention replicated over EP, scores stored) the state + activations of stage i equal
+REFERENCE.md 1.1's M(i); tests/test_tuner_estimate.py checks it.
+
+Step time (seconds), for the busiest rank:
+    per micro-batch and chunk: forward + 2 x forward (backward) [+ recompute] compute at the
+    platform's GEMM / grouped-GEMM / attention efficiency; 4 all-to-alls per MoE layer (6 with
+    full recompute); P2P of the activation and its gradient; none overlapped unless the
+    `Assumptions` say so
+    pipeline  busy / (1 - bubble_fraction(schedule, F=1, B=2)) (W=B=1 for zb-h1): the unit
+              bubble scaled to the slowest rank
+    + DP gradient all-reduce (ring) + optimizer update (memory bound: 2 x state bytes / HBM)
+MFU = model.flops_per_token(s) x tokens per step / (step time x GPUs x peak).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from model import ModelConfig
+from pipeline import bubble_fraction, build, peak_inflight
+from tuner.comms import GroupPlacement, allreduce_time, alltoall_time, p2p_time, placement
+from tuner.counts import LayerCounts, chunk_layers, head_params, layer_counts
+from tuner.layout import PUBLISHED_PRECISION, Assumptions, ParallelPlan, PrecisionPolicy
+from tuner.platform import Platform
+
+__all__ = ["Estimate", "StageMemory", "estimate", "stage_memory", "schedule_stats"]
+
+_GEMM_PARTS = ("attention", "router", "shared_experts", "dense_ffn")
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one pipeline rank (every EP/DP rank of a stage holds the same)."""
+
+    rank: int
+    layers: tuple[int, ...]
+    params: int
+    weights: float
+    grads: float
+    optimizer: float  # fp32 master copy + optimizer moments
+    activations: float
+    buffers: float
+    state_by_part: dict[str, float] = field(default_factory=dict)
+    act_by_part: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.buffers
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Prediction for one (model, layout, platform)."""
+
+    model: str
+    platform: str
+    plan: ParallelPlan
+    stages: tuple[StageMemory, ...]
+    time: dict[str, float]  # compute, alltoall, p2p, bubble, dp_sync, optimizer
+    step_time: float
+    model_flops: float  # per step, all GPUs
+    tflops_per_gpu: float
+    mfu: float
+    usable_hbm: float
+    notes: tuple[str, ...] = ()
+
+    @property
+    def peak_memory(self) -> float:
+        return max(s.total for s in self.stages)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory <= self.usable_hbm
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.plan.global_batch * self.plan.seq_len / self.step_time
+
+
+@functools.lru_cache(maxsize=4096)
+def schedule_stats(name: str, pp: int, microbatches: int, n_virtual: int) -> tuple[float, tuple[int, ...]]:
+    """(bubble fraction with F=1, B=2 (B=W=1 for zb-h1), peak in-flight micro-batches per rank)."""
+    kw = {"n_virtual": n_virtual} if name == "interleaved-1f1b" else {}
+    sched = build(name, pp, microbatches, **kw)
+    costs = {"F": 1.0, "B": 1.0, "W": 1.0} if name == "zb-h1" else {"F": 1.0, "B": 2.0}
+    bubble = bubble_fraction(sched, costs) if pp > 1 else 0.0
+    peaks = peak_inflight(sched)
+    return bubble, tuple(peaks[r] for r in range(pp))
+
+
+def _kind_counts(cfg: ModelConfig, ep: int, seq: int, flash: bool) -> dict[bool, LayerCounts]:
+    """All MoE layers are alike, as are all dense ones: count one of each."""
+    out: dict[bool, LayerCounts] = {}
+    for i in range(cfg.n_layers):
+        moe = cfg.is_moe_layer(i)
+        if moe not in out:
+            out[moe] = layer_counts(cfg, i, ep, seq, flash)
+    return out
+
+
+def _check(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions) -> None:
+    E = cfg.n_routed_experts
+    if E and E % plan.ep:
+        raise ValueError(f"ep={plan.ep} does not divide {E} experts of {cfg.name}; valid: "
+                         f"{[d for d in range(1, E + 1) if E % d == 0]}")
+    if not E and plan.ep != 1:
+        raise ValueError(f"{cfg.name} has no routed experts; ep={plan.ep} must be 1")
+    if asm.attention == "sharded" and plan.global_batch % (plan.dp * plan.ep * plan.microbatches):
+        raise ValueError(
+            f"global_batch={plan.global_batch} is not divisible by dp={plan.dp} x ep={plan.ep} x "
+            f"microbatches={plan.microbatches}: each EP rank needs whole sequences"
+        )
+
+
+def _rank_chunks(cfg: ModelConfig, plan: ParallelPlan) -> list[list[list[int]]]:
+    chunks = chunk_layers(cfg.n_layers, plan.pp, plan.n_virtual)
+    return [[chunks[s] for s in range(r, len(chunks), plan.pp)] for r in range(plan.pp)]
+
+
+def _layer_act(lc: LayerCounts, ckpt: str, t_attn: float, t_exp: float, D: int) -> dict[str, float]:
+    """Activation elements of one layer for one micro-batch on one rank, per part."""
+    if ckpt == "full":
+        return {"attention": D * t_attn}
+    table = lc.act_selective if ckpt == "selective" else lc.act
+    return {p: v * (t_exp if p == "experts" else t_attn) for p, v in table.items()}
+
+
+def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
+                 precision: PrecisionPolicy = PUBLISHED_PRECISION,
+                 assumptions: Assumptions = Assumptions()) -> list[StageMemory]:
+    """Per pipeline rank memory breakdown (see the module docstring)."""
+    _check(cfg, plan, assumptions)
+    D, pb = cfg.d_model, precision
+    kinds = _kind_counts(cfg, plan.ep, plan.seq_len, assumptions.flash_attention)
+    t_attn = plan.attention_tokens(assumptions.attention)
+    t_exp = plan.expert_tokens * assumptions.routing_imbalance
+    _, inflight = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
+    emb, head = head_params(cfg)
+    out = []
+    for r, chunks in enumerate(_rank_chunks(cfg, plan)):
+        params: dict[str, float] = {}
+        layers = [i for c in chunks for i in c]
+        for i in layers:
+            for p, n in kinds[cfg.is_moe_layer(i)].params.items():
+                params[p] = params.get(p, 0) + n
+        if r == 0:
+            params["embedding"] = emb
+        if r == plan.pp - 1:
+            params["head"] = head
+        # Activations: the largest chunk times the micro-batches alive at the peak.
+        act: dict[str, float] = {}
+        best = -1.0
+        for c in chunks:
+            per: dict[str, float] = {}
+            for i in c:
+                lc = kinds[cfg.is_moe_layer(i)]
+                for p, v in _layer_act(lc, plan.checkpointing, t_attn, t_exp, D).items():
+                    per[p] = per.get(p, 0.0) + v * pb.activation_bytes
+            if sum(per.values()) > best:
+                best, act = sum(per.values()), per
+        act = {p: v * inflight[r] for p, v in act.items()}
+        if plan.checkpointing != "none":
+            # Recomputing a layer rebuilds its full activations for one micro-batch.
+            work = max(sum(_layer_act(kinds[cfg.is_moe_layer(i)], "none", t_attn, t_exp, D).values())
+                       for i in layers)
+            act["recompute"] = work * pb.activation_bytes
+        if r == plan.pp - 1:
+            act["logits"] = t_attn * cfg.vocab_size * (pb.activation_bytes + 4)
+        has_moe = any(cfg.is_moe_layer(i) for i in layers)
+        buffers = 0.0
+        if has_moe and plan.ep > 1:
+            buffers += 2 * cfg.top_k * t_exp * D * pb.activation_bytes
+        if plan.pp > 1:
+            buffers += 2 * t_attn * D * pb.activation_bytes
+        if plan.dp * plan.ep > 1:
+            buffers += assumptions.grad_bucket_bytes
+        n = sum(params.values())
+        out.append(StageMemory(
+            rank=r, layers=tuple(layers), params=int(n), weights=n * pb.weight_bytes,
+            grads=n * pb.grad_bytes, optimizer=n * (pb.master_bytes + pb.optimizer_bytes),
+            activations=sum(act.values()), buffers=buffers,
+            state_by_part={p: v * pb.state_bytes for p, v in params.items()}, act_by_part=act,
+        ))
+    return out
+
+
+def _groups(plan: ParallelPlan, gpn: int, attention: str) -> tuple[dict[str, GroupPlacement], bool]:
+    """The EP group, the group replicated grads are reduced over ("rep"), the expert-grad DP
+    group, and whether some pipeline hop crosses nodes."""
+    pp, dp, ep = plan.pp, plan.dp, plan.ep
+    rep_size = dp * ep if attention == "sharded" else dp
+    if plan.ep_placement == "local":
+        g = {"ep": placement(ep, 1, gpn), "dp": placement(dp, ep, gpn),
+             "rep": placement(rep_size, 1 if attention == "sharded" else ep, gpn)}
+    else:
+        stage_per_node = min(dp, gpn) if pp > 1 else min(dp * ep, gpn)
+        g = {"ep": placement(ep, pp * dp, gpn), "dp": placement(dp, 1, gpn),
+             "rep": GroupPlacement(rep_size, min(rep_size, stage_per_node))}
+    # A pipeline whose stages do not all fit in one node crosses nodes somewhere.
+    span = pp * (dp * ep if plan.ep_placement == "local" else dp)
+    return g, span > gpn
+
+
+def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platform,
+             precision: PrecisionPolicy = PUBLISHED_PRECISION,
+             assumptions: Assumptions = Assumptions()) -> Estimate:
+    """Memory, step time and MFU of `parallel_cfg` for `model_cfg` on `platform`."""
+    cfg, plan, pf, asm = model_cfg, parallel_cfg, platform, assumptions
+    stages = stage_memory(cfg, plan, pf, precision, asm)
+    D, ab = cfg.d_model, precision.activation_bytes
+    kinds = _kind_counts(cfg, plan.ep, plan.seq_len, asm.flash_attention)
+    t_attn = plan.attention_tokens(asm.attention)
+    t_exp = plan.expert_tokens * asm.routing_imbalance
+    bubble, _ = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
+    groups, pp_inter = _groups(plan, pf.gpus_per_node, asm.attention)
+    gemm = pf.peak_flops * pf.gemm_efficiency
+    a2a_one = alltoall_time(cfg.top_k * t_exp * D * ab, groups["ep"], plan.alltoall, pf,
+                            asm.vendor_alltoall_efficiency) * (1 - asm.alltoall_overlap)
+    n_a2a = 6 if plan.checkpointing == "full" else 4
+    hop = p2p_time(t_attn * D * ab, pp_inter, pf) if plan.pp > 1 else 0.0
+
+    def layer_fwd(lc: LayerCounts) -> tuple[float, float]:
+        """(forward seconds, of which FFN seconds) of one layer for one micro-batch."""
+        t = sum(lc.fwd_flops.get(p, 0.0) for p in _GEMM_PARTS) * t_attn / gemm
+        t += lc.fwd_flops["attn_core"] * t_attn / (pf.peak_flops * pf.attention_efficiency)
+        ffn = lc.fwd_flops.get("experts", 0.0) * t_exp / (pf.peak_flops * pf.grouped_gemm_efficiency)
+        ffn += (lc.fwd_flops.get("shared_experts", 0.0) + lc.fwd_flops.get("dense_ffn", 0.0)) * t_attn / gemm
+        return t + ffn, ffn
+
+    per_rank = []
+    for r, chunks in enumerate(_rank_chunks(cfg, plan)):
+        comp = a2a = p2p = 0.0
+        for s_local, c in enumerate(chunks):
+            fwd = rec = 0.0
+            for i in c:
+                lc = kinds[cfg.is_moe_layer(i)]
+                f, ffn = layer_fwd(lc)
+                fwd += f
+                if plan.checkpointing == "full":
+                    rec += f
+                elif plan.checkpointing == "selective":
+                    rec += ffn * 2 / 3  # gate and up projections, not the down projection
+                if lc.is_moe:
+                    a2a += n_a2a * a2a_one
+            stage = s_local * plan.pp + r
+            if stage == plan.pp * plan.n_virtual - 1:
+                fwd += 2.0 * cfg.vocab_size * D * t_attn / gemm
+            comp += 3 * fwd + rec
+            p2p += 2 * hop * (1 - asm.p2p_overlap)
+        per_rank.append((comp * plan.microbatches, a2a * plan.microbatches, p2p * plan.microbatches))
+    busiest = max(range(plan.pp), key=lambda r: sum(per_rank[r]))
+    busy = sum(per_rank[busiest])
+    pipe = busy / (1.0 - bubble)
+
+    dp_sync = 0.0
+    for sm in stages:
+        rep = sum(v for p, v in sm.state_by_part.items() if p != "experts") / precision.state_bytes
+        exp = sm.state_by_part.get("experts", 0.0) / precision.state_bytes
+        t = allreduce_time(rep * precision.grad_bytes, groups["rep"], pf)
+        t += allreduce_time(exp * precision.grad_bytes, groups["dp"], pf)
+        dp_sync = max(dp_sync, t * (1 - asm.dp_overlap))
+    optim = max(2 * (sm.weights + sm.grads + sm.optimizer) for sm in stages) / pf.hbm_bandwidth
+    step = pipe + dp_sync + optim
+    time = {"compute": per_rank[busiest][0], "alltoall": per_rank[busiest][1],
+            "p2p": per_rank[busiest][2], "bubble": pipe - busy, "dp_sync": dp_sync,
+            "optimizer": optim}
+    flops = cfg.flops_per_token(plan.seq_len) * plan.global_batch * plan.seq_len
+    tflops = flops / (step * plan.n_gpus)
+    notes = (
+        f"attention {asm.attention} over EP; flash attention {asm.flash_attention}",
+        f"overlap: all-to-all {asm.alltoall_overlap:.0%}, P2P {asm.p2p_overlap:.0%}, "
+        f"DP {asm.dp_overlap:.0%}; routing imbalance {asm.routing_imbalance}",
+        "bubble from the unit-cost schedule scaled to the slowest rank",
+    )
+    return Estimate(
+        model=cfg.name, platform=pf.name, plan=plan, stages=tuple(stages), time=time,
+        step_time=step, model_flops=flops, tflops_per_gpu=tflops / 1e12,
+        mfu=tflops / pf.peak_flops, usable_hbm=pf.usable_hbm, notes=notes,
+    )

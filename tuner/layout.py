@@ -1,0 +1,161 @@
+"""What the analytic model is asked about: a parallel layout, a precision policy, assumptions.
+
+`ParallelPlan` is one point of the planner's search space: the PP x DP x EP degrees, the
+pipeline schedule and micro-batching, the all-to-all algorithm, activation checkpointing and
+where EP groups sit. `PrecisionPolicy` says how many bytes each parameter costs in training
+(the published default is 16: bf16 weight and gradient, fp32 master copy and two Adam
+moments). `Assumptions` collects the modelling choices that are not facts of the platform
+(overlap, routing balance, flash attention) so that each is visible and can be changed.
+
+Batch algebra (b = global batch in sequences, M micro-batches, s sequence length):
+    sequences per micro-batch of one EP group     b / (DP * M)
+    attention tokens per rank per micro-batch     s * b / (DP * M * EP)   ("sharded", as trained)
+                                                  s * b / (DP * M)        ("replicated", published)
+    routed token copies per rank per micro-batch  k * s * b / (DP * M * EP)   (balanced routing)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "ALLTOALL_ALGORITHMS",
+    "Assumptions",
+    "CHECKPOINTING",
+    "EP_PLACEMENTS",
+    "ParallelPlan",
+    "PrecisionPolicy",
+    "SCHEDULES",
+]
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
+ALLTOALL_ALGORITHMS = ("flat", "halo")
+CHECKPOINTING = ("none", "selective", "full")
+EP_PLACEMENTS = ("local", "spread")
+ATTENTION_MODES = ("sharded", "replicated")
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Bytes per parameter of each training-state part, and bytes per activation element."""
+
+    weight_bytes: int = 2
+    grad_bytes: int = 2
+    master_bytes: int = 4  # fp32 master weights (0 when training in fp32 without a copy)
+    optimizer_bytes: int = 8  # Adam: two fp32 moments
+    activation_bytes: int = 2
+
+    @property
+    def state_bytes(self) -> int:
+        return self.weight_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
+
+
+PUBLISHED_PRECISION = PrecisionPolicy()
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Modelling choices; each default is stated with its reason.
+
+    flash_attention: the model calls scaled_dot_product_attention, whose fused kernels do not
+        keep the s x s score matrix; False keeps 2 elements per score (the published 4bHs^2).
+    alltoall_overlap, p2p_overlap, dp_overlap: share of that communication hidden behind
+        compute. 0 by default: the trainer issues them between compute steps.
+    routing_imbalance: tokens of the busiest EP rank / mean. 1.0 = balanced (the published
+        lower bound); migration keeps it near 1 in practice.
+    vendor_alltoall_efficiency: share of the link rates the vendor all-to-all reaches
+        (unknown; HALO's published 1.2-9x gains say it can be well below 1 at scale).
+    grad_bucket_bytes: DDP's default 25 MiB gradient bucket, held once per rank.
+    """
+
+    flash_attention: bool = True
+    alltoall_overlap: float = 0.0
+    p2p_overlap: float = 0.0
+    dp_overlap: float = 0.0
+    routing_imbalance: float = 1.0
+    vendor_alltoall_efficiency: float = 1.0
+    grad_bucket_bytes: int = 25 * 2**20
+    attention: str = "sharded"  # "sharded" (EP ranks see different tokens) | "replicated"
+
+    def __post_init__(self) -> None:
+        for f in ("alltoall_overlap", "p2p_overlap", "dp_overlap"):
+            v = getattr(self, f)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{f}={v} must be in [0, 1]")
+        if self.routing_imbalance < 1.0:
+            raise ValueError(f"routing_imbalance={self.routing_imbalance} must be >= 1 (max / mean)")
+        if not 0.0 < self.vendor_alltoall_efficiency <= 1.0:
+            raise ValueError(f"vendor_alltoall_efficiency={self.vendor_alltoall_efficiency} must be in (0, 1]")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention={self.attention!r}; valid: {', '.join(ATTENTION_MODES)}")
+        if self.grad_bucket_bytes < 0:
+            raise ValueError(f"grad_bucket_bytes={self.grad_bucket_bytes} must be >= 0")
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """One layout: degrees, schedule, micro-batching and communication choices."""
+
+    pp: int
+    ep: int
+    dp: int
+    microbatches: int
+    global_batch: int
+    seq_len: int
+    schedule: str = "1f1b"
+    n_virtual: int = 1
+    alltoall: str = "flat"
+    checkpointing: str = "none"
+    ep_placement: str = "local"
+
+    def __post_init__(self) -> None:
+        for f in ("pp", "ep", "dp", "microbatches", "global_batch", "seq_len", "n_virtual"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f}={v!r} must be an int >= 1")
+        for f, valid in (("schedule", SCHEDULES), ("alltoall", ALLTOALL_ALGORITHMS),
+                         ("checkpointing", CHECKPOINTING), ("ep_placement", EP_PLACEMENTS)):
+            if getattr(self, f) not in valid:
+                raise ValueError(f"{f}={getattr(self, f)!r}; valid: {', '.join(valid)}")
+        if self.schedule == "interleaved-1f1b":
+            if self.n_virtual < 2:
+                raise ValueError(f"interleaved-1f1b needs n_virtual >= 2, got {self.n_virtual}")
+            if self.microbatches % self.pp:
+                raise ValueError(
+                    f"interleaved-1f1b needs microbatches divisible by pp: microbatches="
+                    f"{self.microbatches}, pp={self.pp}; valid: multiples of {self.pp}"
+                )
+        elif self.n_virtual != 1:
+            raise ValueError(f"n_virtual={self.n_virtual} only applies to interleaved-1f1b; use 1")
+        if self.global_batch % (self.dp * self.microbatches):
+            raise ValueError(
+                f"global_batch={self.global_batch} is not divisible by dp={self.dp} x "
+                f"microbatches={self.microbatches} = {self.dp * self.microbatches}"
+            )
+
+    @property
+    def n_gpus(self) -> int:
+        return self.pp * self.dp * self.ep
+
+    @property
+    def group_sequences(self) -> float:
+        """Sequences in one micro-batch of one EP group."""
+        return self.global_batch / (self.dp * self.microbatches)
+
+    def attention_tokens(self, attention: str = "sharded") -> float:
+        """Tokens each rank runs attention (and other replicated layers) on per micro-batch."""
+        per_group = self.group_sequences * self.seq_len
+        return per_group / self.ep if attention == "sharded" else per_group
+
+    @property
+    def expert_tokens(self) -> float:
+        """Tokens whose routed copies land on one rank per micro-batch (balanced), before x k."""
+        return self.group_sequences * self.seq_len / self.ep
+
+    def replace(self, **changes: Any) -> ParallelPlan:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,136 @@
+"""`python -m tuner plan`: search, explain infeasible requests, write the plan and launch files.
+
+A request that cannot be served ends in `PlanError` with a message that says what would work:
+a GPU count that does not fill nodes names the two nearest usable counts; a model that does
+not fit names the smallest GPU count (doubling) at which its leanest layout fits, and the
+memory that layout would need on the requested count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from model import ModelConfig
+from tuner.layout import Assumptions, PrecisionPolicy
+from tuner.platform import Platform
+from tuner.search import Evaluator, SearchResult, optuna_search
+from tuner.space import SearchSpace, check_gpu_count
+
+__all__ = ["PlanError", "PlanRequest", "PlanOutput", "leanest_memory", "run_plan"]
+
+
+class PlanError(ValueError):
+    """A planning request that cannot be served; the message says what would."""
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: str
+    platform: str
+    n_gpus: int
+    seq_len: int
+    global_batch: int
+    trials: int = 300
+    seed: int = 0
+    storage: str | None = None  # e.g. sqlite:///study.db; None = in memory
+
+
+@dataclass
+class PlanOutput:
+    result: SearchResult
+    space: SearchSpace
+    plan_path: Path | None = None
+    sbatch_path: Path | None = None
+    plot_path: Path | None = None
+    launch: list[str] | None = None
+
+
+def leanest_memory(cfg: ModelConfig, platform: Platform, n_gpus: int, global_batch: int,
+                   seq_len: int, precision: PrecisionPolicy = PrecisionPolicy(),
+                   assumptions: Assumptions = Assumptions()) -> tuple[float, dict] | None:
+    """Smallest peak memory of any structurally valid layout with the memory-leanest choices
+    (full recompute, one sequence per micro-batch, 1F1B), and that layout's point."""
+    space = SearchSpace.default(cfg, platform, n_gpus, global_batch, seq_len, mbs=(1,))
+    ev = Evaluator(space, cfg, platform, precision, assumptions)
+    best: tuple[float, dict] | None = None
+    for pp in space.choices["pp"]:
+        for ep in space.choices["ep"]:
+            pt = {"pp": pp, "ep": ep, "mbs": 1, "schedule": "1f1b", "alltoall": "flat",
+                  "checkpointing": "full", "placement": "local"}
+            c = ev(pt)
+            if c.peak_memory is not None and (best is None or c.peak_memory < best[0]):
+                best = (c.peak_memory, pt)
+    return best
+
+
+def _explain_no_fit(cfg: ModelConfig, platform: Platform, req: PlanRequest) -> str:
+    lean = leanest_memory(cfg, platform, req.n_gpus, req.global_batch, req.seq_len)
+    usable = platform.usable_hbm / 1e9
+    if lean is None:
+        return (f"no layout of {req.n_gpus} GPUs satisfies the structural constraints for "
+                f"{cfg.name} with global batch {req.global_batch}: choose a global batch that is a "
+                f"multiple of {req.n_gpus} (so every data shard gets whole sequences)")
+    msg = (f"{cfg.name} does not fit on {req.n_gpus} x {platform.name} GPUs: its leanest layout "
+           f"(pp={lean[1]['pp']}, ep={lean[1]['ep']}, full recompute, 1 sequence per micro-batch) "
+           f"needs {lean[0] / 1e9:.1f} GB per GPU, usable HBM is {usable:.1f} GB")
+    n = req.n_gpus
+    for _ in range(12):
+        n *= 2
+        try:
+            check_gpu_count(n, platform)
+            got = leanest_memory(cfg, platform, n, max(req.global_batch, n), req.seq_len)
+        except ValueError:
+            continue
+        if got is not None and got[0] <= platform.usable_hbm:
+            return msg + (f". It would fit on {n} GPUs (pp={got[1]['pp']}, ep={got[1]['ep']}: "
+                          f"{got[0] / 1e9:.1f} GB)")
+    return msg + ". No GPU count up to 4096x the request fits: reduce seq_len or the model"
+
+
+def run_plan(cfg: ModelConfig, platform: Platform, req: PlanRequest, out_dir: Path | None,
+             precision: PrecisionPolicy = PrecisionPolicy(),
+             assumptions: Assumptions = Assumptions()) -> PlanOutput:
+    """Search the layouts of `req`; write plan, sbatch script and plot under `out_dir`."""
+    from tuner.report import launch_lines, plan_toml, plot_frontier, sbatch_script
+
+    try:
+        check_gpu_count(req.n_gpus, platform)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    if req.global_batch < 1 or req.seq_len < 1:
+        raise PlanError(f"global batch {req.global_batch} and seq {req.seq_len} must be >= 1")
+    if req.seq_len > cfg.max_seq_len:
+        raise PlanError(f"seq {req.seq_len} exceeds {cfg.name}'s max_seq_len {cfg.max_seq_len}")
+    space = SearchSpace.default(cfg, platform, req.n_gpus, req.global_batch, req.seq_len)
+    # The leanest layout decides "cannot fit at all" before any trial runs.
+    lean = leanest_memory(cfg, platform, req.n_gpus, req.global_batch, req.seq_len,
+                          precision, assumptions)
+    if lean is None or lean[0] > platform.usable_hbm:
+        raise PlanError(_explain_no_fit(cfg, platform, req))
+    ev = Evaluator(space, cfg, platform, precision, assumptions)
+    name = f"{cfg.name}|{platform.name}|{req.n_gpus}|s{req.seq_len}|b{req.global_batch}"
+    # The leanest layout goes first, so a study always holds at least one feasible layout.
+    result = optuna_search(ev, req.trials, seed=req.seed, storage=req.storage, study_name=name,
+                           enqueue=[lean[1]])
+    if result.best is None:
+        raise PlanError(_explain_no_fit(cfg, platform, req))
+    out = PlanOutput(result, space)
+    if out_dir is None:
+        return out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{cfg.name}-{platform.name}-{req.n_gpus}"
+    best = result.best.estimate
+    assert best is not None
+    request = {"model": cfg.name, "platform": platform.name, "gpus": req.n_gpus,
+               "seq_len": req.seq_len, "global_batch": req.global_batch, "trials": result.trials}
+    out.plan_path = out_dir / f"{stem}.toml"
+    out.plan_path.write_text(plan_toml(best, cfg.name, request))
+    out.launch = launch_lines(out.plan_path, req.n_gpus, platform)
+    if platform.launcher == "slurm":
+        out.sbatch_path = out_dir / f"{stem}.sbatch"
+        out.sbatch_path.write_text(sbatch_script(out.plan_path, req.n_gpus, platform, f"piper-{stem}"))
+        out.launch.append(f"sbatch {out.sbatch_path}")
+    out.plot_path = plot_frontier(result.ranked, platform.usable_hbm, out_dir / f"{stem}.png",
+                                  f"{cfg.name} on {req.n_gpus} x {platform.name}")
+    return out

@@ -1,0 +1,145 @@
+"""What the planner hands back: a ranked table, a plot, a plan file and its launch lines.
+
+The plan file is TOML that `train.py --plan FILE` applies like a config file: the run config
+lives under `[run.<section>]` (model, parallel, comm, train); `[plan]` records the request and
+the prediction, plus the choices train.py has no option for yet (activation checkpointing,
+EP placement), so that a measured run can be compared with what was predicted.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from tuner.estimate import Estimate
+from tuner.platform import Platform
+from tuner.search import Candidate
+
+__all__ = ["format_table", "plan_toml", "launch_lines", "sbatch_script", "plot_frontier"]
+
+_COLS = ("#", "pp", "ep", "dp", "M", "mbs", "schedule", "a2a", "ckpt", "place", "mem GB",
+         "step s", "compute", "all2all", "p2p", "bubble", "dp sync", "MFU %", "TFLOPS")
+
+
+def _row(i: int, c: Candidate) -> list[str]:
+    e = c.estimate
+    assert e is not None
+    p, t = e.plan, e.time
+    sched = p.schedule + (f":{p.n_virtual}" if p.n_virtual > 1 else "")
+    return [str(i), str(p.pp), str(p.ep), str(p.dp), str(p.microbatches), str(c.point["mbs"]),
+            sched, p.alltoall, p.checkpointing, p.ep_placement, f"{e.peak_memory / 1e9:.1f}",
+            f"{e.step_time:.2f}", f"{t['compute']:.2f}", f"{t['alltoall']:.2f}", f"{t['p2p']:.2f}",
+            f"{t['bubble']:.2f}", f"{t['dp_sync']:.2f}", f"{100 * e.mfu:.1f}",
+            f"{e.tflops_per_gpu:.1f}"]
+
+
+def format_table(ranked: list[Candidate], top: int = 10) -> str:
+    """Fixed-width table of the best `top` candidates (times in seconds per step)."""
+    rows = [list(_COLS)] + [_row(i + 1, c) for i, c in enumerate(ranked[:top])]
+    widths = [max(len(r[j]) for r in rows) for j in range(len(_COLS))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def plan_toml(e: Estimate, model_name: str, request: dict[str, object]) -> str:
+    """The plan file for estimate `e` (see the module docstring)."""
+    p = e.plan
+    sections: dict[str, dict[str, object]] = {
+        "plan": {
+            **request,
+            "checkpointing": p.checkpointing, "ep_placement": p.ep_placement,
+            "predicted_step_time_s": round(e.step_time, 4),
+            "predicted_mfu": round(e.mfu, 4),
+            "predicted_tflops_per_gpu": round(e.tflops_per_gpu, 2),
+            "predicted_peak_memory_gb": round(e.peak_memory / 1e9, 2),
+            **{f"predicted_{k}_s": round(v, 4) for k, v in e.time.items()},
+        },
+        "run.model": {"preset": model_name},
+        "run.parallel": {"pp": p.pp, "ep": p.ep, "dp": p.dp, "schedule": p.schedule,
+                         "microbatches": p.microbatches, "n_virtual": p.n_virtual},
+        "run.comm": {"alltoall": p.alltoall},
+        "run.train": {"global_batch": p.global_batch, "seq_len": p.seq_len},
+    }
+    out = [f"# Written by `python -m tuner plan`; run with: train.py --plan <this file>",
+           "# [plan] is the request and the prediction; [run.*] is applied like a config file."]
+    for name, body in sections.items():
+        out.append(f"\n[{name}]")
+        out += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
+    return "\n".join(out) + "\n"
+
+
+def launch_lines(plan_path: Path, n_gpus: int, platform: Platform, port: int = 29500) -> list[str]:
+    """Exact torchrun command lines: one per node for several nodes, one line otherwise."""
+    g = platform.gpus_per_node
+    plan = shlex.quote(str(plan_path))
+    if n_gpus <= g:
+        return [f"torchrun --standalone --nnodes 1 --nproc-per-node {n_gpus} train.py --plan {plan}"]
+    nodes = n_gpus // g
+    return [
+        f"# on each of the {nodes} nodes, with NODE_RANK = 0..{nodes - 1} and MASTER_ADDR = node 0:",
+        f"torchrun --nnodes {nodes} --nproc-per-node {g} --node-rank $NODE_RANK "
+        f"--master-addr $MASTER_ADDR --master-port {port} train.py --plan {plan}",
+    ]
+
+
+def sbatch_script(plan_path: Path, n_gpus: int, platform: Platform, job_name: str,
+                  account: str = "<PROJECT>", hours: int = 2, port: int = 29500) -> str:
+    """A Slurm batch script that starts one torchrun per node (Frontier-style `srun`)."""
+    g = platform.gpus_per_node
+    nodes = max(1, n_gpus // g)
+    per_node = min(n_gpus, g)
+    plan = shlex.quote(str(plan_path))
+    return f"""#!/bin/bash
+#SBATCH --job-name={job_name}
+#SBATCH --account={account}
+#SBATCH --nodes={nodes}
+#SBATCH --time={hours:02d}:00:00
+#SBATCH --output={job_name}-%j.out
+# {platform.description or platform.name}: {nodes} node(s) x {per_node} GPUs = {n_gpus}
+set -euo pipefail
+export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_PORT={port}
+srun --nodes={nodes} --ntasks-per-node=1 --gpus-per-node={per_node} bash -c \\
+  'torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {per_node} --node-rank "$SLURM_NODEID" \\
+     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" train.py --plan {plan}'
+"""
+
+
+def plot_frontier(cands: list[Candidate], usable_hbm: float, path: Path, title: str) -> Path:
+    """Predicted MFU against peak memory of every evaluated layout, with the feasible
+    frontier (best MFU reachable at or below each memory) and the HBM limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = sorted((c.estimate.peak_memory / 1e9, 100 * c.estimate.mfu) for c in cands if c.estimate)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if pts:
+        ax.scatter([m for m, _ in pts], [u for _, u in pts], s=14, alpha=0.6, label="evaluated layouts")
+        front, best = [], -1.0
+        for m, u in pts:
+            if u > best:
+                best = u
+                front.append((m, u))
+        ax.step([m for m, _ in front], [u for _, u in front], where="post", color="C3",
+                label="feasible frontier")
+    ax.axvline(usable_hbm / 1e9, color="k", ls="--", lw=1, label="usable HBM")
+    ax.set_xlabel("predicted peak memory per GPU (GB)")
+    ax.set_ylabel("predicted MFU (%)")
+    ax.set_title(title)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,130 @@
+"""The planner's search space, its constraints, and exhaustive enumeration.
+
+A point is a dict of categorical choices: pp, ep, mbs (sequences per rank per micro-batch),
+schedule ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b:v"), alltoall, checkpointing,
+placement. DP and the micro-batch count follow: DP = N / (PP * EP), M = b / (DP * EP * mbs).
+
+Constraints, checked in this order before anything is evaluated (Piper's, REFERENCE 1.5,
+plus what the schedules need):
+    PP * EP divides N            EP divides E            PP * v <= L
+    EP <= gpus_per_node * nodes_per_domain               DP * EP * mbs divides b
+    interleaving needs PP >= 2 and M % PP == 0           peak memory <= usable HBM
+The memory constraint needs the memory model but not the time model: it is checked by
+`tuner.estimate.stage_memory` alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from model import ModelConfig
+from tuner.layout import ALLTOALL_ALGORITHMS, CHECKPOINTING, EP_PLACEMENTS, ParallelPlan
+from tuner.platform import Platform
+
+__all__ = ["SearchSpace", "Point", "divisors", "check_gpu_count"]
+
+Point = dict[str, Any]
+SCHEDULE_CHOICES = ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b:2", "interleaved-1f1b:4")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_gpu_count(n_gpus: int, platform: Platform) -> None:
+    """A mesh fills whole nodes (or part of one node): anything else is refused clearly."""
+    g = platform.gpus_per_node
+    if n_gpus < 1:
+        raise ValueError(f"--gpus {n_gpus}: need at least 1 GPU")
+    if n_gpus > g and n_gpus % g:
+        lo, hi = n_gpus // g * g, (n_gpus // g + 1) * g
+        raise ValueError(
+            f"--gpus {n_gpus} does not fill whole {platform.name} nodes of {g} GPUs; the mesh "
+            f"needs a multiple of {g} above one node: use {lo} or {hi}"
+        )
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Categorical choices for one request (model, platform, N GPUs, batch, sequence)."""
+
+    n_gpus: int
+    global_batch: int
+    seq_len: int
+    n_layers: int
+    n_experts: int
+    max_ep: int
+    choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def default(cls, cfg: ModelConfig, platform: Platform, n_gpus: int, global_batch: int,
+                seq_len: int, mbs: tuple[int, ...] = (1, 2, 4, 8)) -> SearchSpace:
+        check_gpu_count(n_gpus, platform)
+        E = max(cfg.n_routed_experts, 1)
+        choices = {
+            "pp": tuple(d for d in divisors(n_gpus) if d <= cfg.n_layers),
+            "ep": tuple(d for d in divisors(n_gpus) if E % d == 0 and d <= platform.max_ep),
+            "mbs": tuple(mbs),
+            "schedule": SCHEDULE_CHOICES,
+            "alltoall": ALLTOALL_ALGORITHMS,
+            "checkpointing": CHECKPOINTING,
+            "placement": EP_PLACEMENTS,
+        }
+        return cls(n_gpus, global_batch, seq_len, cfg.n_layers, E, platform.max_ep, choices)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for c in self.choices.values():
+            n *= len(c)
+        return n
+
+    def points(self) -> Iterator[Point]:
+        """Every combination, in a fixed order."""
+        names = list(self.choices)
+        for combo in itertools.product(*(self.choices[n] for n in names)):
+            yield dict(zip(names, combo, strict=True))
+
+    def reject(self, pt: Point) -> str | None:
+        """Why `pt` violates a structural constraint, or None if it satisfies them all."""
+        N, pp, ep, mbs = self.n_gpus, pt["pp"], pt["ep"], pt["mbs"]
+        name, _, v = pt["schedule"].partition(":")
+        v = int(v or 1)
+        if N % (pp * ep):
+            return f"pp={pp} x ep={ep} does not divide {N} GPUs"
+        if self.n_experts % ep:
+            return f"ep={ep} does not divide {self.n_experts} experts"
+        if ep > self.max_ep:
+            return f"ep={ep} exceeds one locality domain ({self.max_ep} GPUs)"
+        if pp * v > self.n_layers:
+            return f"pp={pp} x v={v} exceeds {self.n_layers} layers"
+        dp = N // (pp * ep)
+        if self.global_batch % (dp * ep * mbs):
+            return f"dp={dp} x ep={ep} x mbs={mbs} does not divide global batch {self.global_batch}"
+        m = self.global_batch // (dp * ep * mbs)
+        if name == "interleaved-1f1b" and (pp < 2 or m % pp):
+            return f"interleaving needs pp >= 2 and microbatches={m} divisible by pp={pp}"
+        if pp == 1 and name != "1f1b":
+            return "without a pipeline every schedule is 1f1b (gradient accumulation)"
+        if ep == 1 and (pt["alltoall"] != "flat" or pt["placement"] != "local"):
+            return "ep=1 has no all-to-all: only the flat/local variant is kept"
+        return None
+
+    def to_plan(self, pt: Point) -> ParallelPlan:
+        """The layout of a point that passed `reject`."""
+        name, _, v = pt["schedule"].partition(":")
+        dp = self.n_gpus // (pt["pp"] * pt["ep"])
+        return ParallelPlan(
+            pp=pt["pp"], ep=pt["ep"], dp=dp,
+            microbatches=self.global_batch // (dp * pt["ep"] * pt["mbs"]),
+            global_batch=self.global_batch, seq_len=self.seq_len, schedule=name,
+            n_virtual=int(v or 1), alltoall=pt["alltoall"], checkpointing=pt["checkpointing"],
+            ep_placement=pt["placement"],
+        )
+
+    @staticmethod
+    def key(pt: Point) -> tuple:
+        return tuple(sorted(pt.items()))
