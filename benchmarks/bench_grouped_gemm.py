@@ -118,47 +118,52 @@ def methods(device: torch.device, op: str) -> dict[str, Callable]:
     return m
 
 
+def bench_case(name: str, dist: str, counts: torch.Tensor, D: int, F: int, dtype: torch.dtype,
+               device: torch.device, args: argparse.Namespace, meta: dict) -> list[dict]:
+    """Every method on one (preset, distribution) problem; dense GEMM timed alongside."""
+    M, E = int(counts.sum()), counts.numel()
+    offs = torch.cumsum(counts, 0, dtype=torch.int32).to(device)
+    x = torch.randn(M, D, device=device, dtype=dtype)
+    w = torch.randn(E, D, F, device=device, dtype=dtype) / D**0.5
+    dy = torch.randn(M, F, device=device, dtype=dtype)
+    dense_w = w[0].contiguous()
+    flops = 2.0 * M * D * F
+    t_dense = time_fn(lambda: x @ dense_w, device, args.warmup, args.repeats)
+    rows = []
+    for op in ("fwd", "dw"):
+        second = w if op == "fwd" else dy
+        for meth, fn in methods(device, op).items():
+            try:
+                t = time_fn(lambda fn=fn, s=second: fn(x, s, offs), device, args.warmup, args.repeats)
+            except (RuntimeError, NotImplementedError) as exc:  # e.g. _grouped_mm needs sm90
+                print(f"  skip {meth} {op} {name}/{dist}: {str(exc).splitlines()[0][:90]}")
+                continue
+            r = dict(bench="grouped_gemm", preset=name, dist=dist, op=op, method=meth, M=M, K=D,
+                     N=F, E=E, max_rows=int(counts.max()), dtype=str(dtype), seconds=t,
+                     tflops=flops / t / 1e12, vs_dense=t_dense / t, dense_seconds=t_dense, **meta)
+            rows.append(r)
+            print(f"{name:16s} {dist:8s} {op:3s} {meth:18s} M={M:6d} K={D:5d} N={F:5d} E={E:3d} "
+                  f"{t * 1e3:9.2f} ms {r['tflops']:7.2f} TFLOPS {r['vs_dense']:5.2f}x dense", flush=True)
+    return rows
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
     from model import presets  # lazy: only the shapes come from the model package
 
     gen = torch.Generator().manual_seed(0)
-    rows, sha, dev = [], git_sha(), device_name(device)
+    meta = dict(device=device_name(device), git=git_sha(), shrink=args.shrink)
+    rows: list[dict] = []
     for name in args.presets:
         cfg = presets.get(name)
         D, F = cfg.d_model // args.shrink, cfg.moe_ffn_dim // args.shrink
-        E, k = cfg.n_routed_experts, cfg.top_k
-        M = args.tokens * k
+        M = args.tokens * cfg.top_k
         for dist in ("balanced", "zipf"):
-            counts = expert_counts(M, E, dist, args.zipf_s, gen)
-            offs = torch.cumsum(counts, 0, dtype=torch.int32).to(device)
-            x = torch.randn(M, D, device=device, dtype=dtype)
-            w = torch.randn(E, D, F, device=device, dtype=dtype) / D**0.5
-            dy = torch.randn(M, F, device=device, dtype=dtype)
-            flops = 2.0 * M * D * F
-            dense_w = w[0].contiguous()
-            t_dense = time_fn(lambda: x @ dense_w, device, args.warmup, args.repeats)
-            for op in ("fwd", "dw"):
-                second = w if op == "fwd" else dy
-                for meth, fn in methods(device, op).items():
-                    try:
-                        t = time_fn(lambda fn=fn, s=second: fn(x, s, offs), device, args.warmup,
-                                    args.repeats)
-                    except (RuntimeError, NotImplementedError) as exc:  # e.g. _grouped_mm needs sm90
-                        print(f"  skip {meth} {op} {name}/{dist}: {str(exc).splitlines()[0][:90]}")
-                        continue
-                    rows.append(dict(
-                        bench="grouped_gemm", preset=name, dist=dist, op=op, method=meth,
-                        M=M, K=D, N=F, E=E, max_rows=int(counts.max()), dtype=str(dtype),
-                        seconds=t, tflops=flops / t / 1e12, vs_dense=t_dense / t,
-                        dense_seconds=t_dense, device=dev, git=sha, shrink=args.shrink,
-                    ))
-                    r = rows[-1]
-                    print(f"{name:16s} {dist:8s} {op:3s} {meth:18s} M={M:6d} K={D:5d} N={F:5d} "
-                          f"E={E:3d} {t * 1e3:9.2f} ms {r['tflops']:7.2f} TFLOPS "
-                          f"{r['vs_dense']:5.2f}x dense", flush=True)
-            del x, w, dy
+            counts = expert_counts(M, cfg.n_routed_experts, dist, args.zipf_s, gen)
+            rows += bench_case(name, dist, counts, D, F, dtype, device, args, meta)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # DeepSeek-V3 weights alone are 7.5 GB in bf16
     return rows
 
 

@@ -6,8 +6,10 @@ compute with no sleeps. Per schedule:
 
   bubble     measured: 1 - busy / (p x makespan) from the runtime's per-action wall-clock
              spans, median over `repeats` timed steps after `warmup`; predicted: (a)
-             `bubble_fraction(schedule)` (unit costs) and (b) `bubble_fraction(schedule,
-             costs)` with per-(stage, kind) median action times measured in the same run.
+             `bubble_fraction(schedule)` (unit costs), (b) `bubble_fraction(schedule, costs)`
+             with per-(stage, kind) median action times of the same run, (c) the same with
+             every action's own duration in that step (replay), gap = median of per-step
+             differences measured - replay.
   memory     measured: peak bytes of tensors saved for backward that are alive at once on a
              rank during one step, counted exactly with saved_tensors_hooks (unique storages,
              parameters excluded); predicted: the peak_inflight walk weighted by the saved
@@ -172,6 +174,13 @@ def _analyse(name: str, kw: dict, p: int, m: int, res: list[dict]) -> dict:
         for s in rep:
             by[(s.action.stage, s.action.kind)].append(s.end - s.start)
     cost = {key: statistics.median(v) for key, v in by.items()}
+    # Replay of each timed step with its own action durations: what the schedule predicts
+    # for exactly the compute that ran; the gap to the measurement is P2P latency, runtime
+    # overhead and preemption on a shared machine.
+    replay = []
+    for rep in runs[0]["spans"]:
+        dur = {sp.action: sp.end - sp.start for sp in rep}
+        replay.append(pipeline.bubble_fraction(sched, costs=lambda a, dur=dur: dur[a]))
     inflight = pipeline.peak_inflight(sched)
     s2r = pipeline.stage2rank(sched)
     per_stage = {s: b for r in range(p) for s, b in runs[r]["per_mb_bytes"].items()}
@@ -184,6 +193,9 @@ def _analyse(name: str, kw: dict, p: int, m: int, res: list[dict]) -> dict:
         "bubble_pred_unit": pipeline.bubble_fraction(sched),
         "bubble_pred_costs": pipeline.bubble_fraction(
             sched, costs=lambda a: cost[(a.stage, a.kind)]),
+        "bubble_pred_replay": statistics.median(replay),
+        "bubble_gap_replay_pp": 100 * statistics.median(
+            [b - r for b, r in zip(bubbles, replay, strict=True)]),
         "cost_ms": {f"{s}{kd}": round(1e3 * c, 3) for (s, kd), c in sorted(cost.items())},
         "peak_inflight": [inflight[r] for r in range(p)],
         "act_bytes_pred": pred_bytes, "act_bytes_measured": meas_bytes,
@@ -200,9 +212,13 @@ def _plots(rows: list[dict], out: Path, stamp: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
     labels = [f"{r['schedule']}\np={r['ranks']} m={r['microbatches']}" for r in rows]
     xs = range(len(rows))
-    ax1.bar([x - 0.2 for x in xs], [r["bubble_pred_costs"] for r in rows], 0.4,
-            label="predicted (measured costs)")
-    ax1.bar([x + 0.2 for x in xs], [r["bubble_measured"] for r in rows], 0.4, label="measured")
+    ax1.bar([x - 0.3 for x in xs], [r["bubble_pred_unit"] for r in rows], 0.2,
+            label="predicted (unit costs)")
+    ax1.bar([x - 0.1 for x in xs], [r["bubble_pred_costs"] for r in rows], 0.2,
+            label="predicted (median costs)")
+    ax1.bar([x + 0.1 for x in xs], [r["bubble_pred_replay"] for r in rows], 0.2,
+            label="predicted (replay)")
+    ax1.bar([x + 0.3 for x in xs], [r["bubble_measured"] for r in rows], 0.2, label="measured")
     ax1.set_xticks(list(xs), labels, fontsize=6, rotation=90)
     ax1.set_ylabel("bubble fraction")
     ax1.legend(fontsize=7)
@@ -251,19 +267,19 @@ def main() -> None:
             for name, kw in SCHEDULES:
                 if name in res[0]:
                     rows.append(_analyse(name, kw, p, m, res))
-    hdr = (f"{'schedule':<17}{'p':>3}{'m':>3} {'bubble meas':>11} {'pred(cost)':>10} "
-           f"{'pred(unit)':>10} {'d(pp)':>6}  {'act MiB meas/pred per rank':<40}")
+    hdr = (f"{'schedule':<17}{'p':>3}{'m':>3} {'bubble meas':>11} {'unit':>6} {'cost':>6} "
+           f"{'replay':>6} {'gap pp':>6}  {'act MiB meas/pred per rank':<40}")
     print(hdr)
     print("-" * len(hdr))
     with open(args.out / "pipeline.jsonl", "a") as f:
         for r in rows:
-            dpp = 100 * (r["bubble_measured"] - r["bubble_pred_costs"])
             mem = " ".join(f"{a / 2**20:.2f}/{b / 2**20:.2f}"
                            for a, b in zip(r["act_bytes_measured"], r["act_bytes_pred"],
                                            strict=True))
             print(f"{r['schedule']:<17}{r['ranks']:>3}{r['microbatches']:>3} "
-                  f"{r['bubble_measured']:>11.3f} {r['bubble_pred_costs']:>10.3f} "
-                  f"{r['bubble_pred_unit']:>10.3f} {dpp:>+6.1f}  {mem:<40}")
+                  f"{r['bubble_measured']:>11.3f} {r['bubble_pred_unit']:>6.3f} "
+                  f"{r['bubble_pred_costs']:>6.3f} {r['bubble_pred_replay']:>6.3f} "
+                  f"{r['bubble_gap_replay_pp']:>+6.1f}  {mem:<40}")
             row = {k: v for k, v in r.items() if not k.startswith("_")}
             row.update(git_sha=sha, device=device, time=stamp, config=cfg)
             f.write(json.dumps(row) + "\n")

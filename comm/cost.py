@@ -85,6 +85,8 @@ def predict_halo(S: list[list[int]], row_bytes: int, topo: Topology, model: Cost
     relayed = [0.0] * R  # bytes each relay forwards to other ranks of its node
     relay_peers: list[set[int]] = [set() for _ in range(R)]
     net_msgs, t_intra = 0, 0.0
+    relay = [[relay_rank(topo, s, m) if m != node[s] else s for m in range(topo.num_nodes)]
+             for s in range(R)]
     for s, row in enumerate(S):
         per_node: dict[int, float] = {}
         lb, lm = 0.0, 0
@@ -95,12 +97,12 @@ def predict_halo(S: list[list[int]], row_bytes: int, topo: Topology, model: Cost
                 lb, lm = lb + rows * row_bytes, lm + 1
             else:
                 per_node[node[d]] = per_node.get(node[d], 0.0) + rows * row_bytes
-                r = relay_rank(topo, s, node[d])
+                r = relay[s][node[d]]
                 if r != d:
                     relayed[r] += rows * row_bytes
                     relay_peers[r].add(d)
         for m, b in per_node.items():
-            r = relay_rank(topo, s, m)
+            r = relay[s][m]
             out[(node[s], nic[s])] = out.get((node[s], nic[s]), 0.0) + b
             inn[(m, nic[r])] = inn.get((m, nic[r]), 0.0) + b
         net_msgs = max(net_msgs, len(per_node))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from comm.halo_plan import Message, RankPlan, halo_plan, transpose
+from comm.halo_plan import Message, RankPlan, rank_plan, transpose
 from comm.topology import Topology
 
 __all__ = ["HaloAllToAll", "halo_all_to_all", "halo_exchange"]
@@ -140,13 +140,13 @@ class HaloAllToAll(torch.autograd.Function):
         group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
         ctx.S, ctx.topo, ctx.rank, ctx.group = S, topo, rank, group
-        return halo_exchange(x, halo_plan(S, topo)[rank], group)
+        return halo_exchange(x, rank_plan(S, topo, rank), group)
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_y: torch.Tensor
     ) -> tuple[torch.Tensor, None, None, None, None]:
-        plan = halo_plan(transpose(ctx.S), ctx.topo)[ctx.rank]
+        plan = rank_plan(transpose(ctx.S), ctx.topo, ctx.rank)
         return halo_exchange(grad_y, plan, ctx.group), None, None, None, None
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from comm.topology import Topology
 
-__all__ = ["Message", "RankPlan", "halo_plan", "relay_rank", "transpose"]
+__all__ = ["Message", "RankPlan", "halo_plan", "rank_plan", "relay_rank", "transpose"]
 
 Segment = tuple[int, int]  # (first row, number of rows) inside one buffer
 
@@ -94,13 +94,13 @@ def _coalesce(segments: list[Segment]) -> tuple[Segment, ...]:
 
 def relay_rank(topo: Topology, src: int, node: int) -> int:
     """The rank of `node` that receives `src`'s packed phase-II message (see module doc)."""
-    src_node, nic = topo.rank2node[src], topo.rank2nic[src]
-    same_nic = [r for r in topo.node_ranks(src_node) if topo.rank2nic[r] == nic]
-    position = same_nic.index(src)
-    nics = sorted({topo.rank2nic[r] for r in topo.node_ranks(node)})
-    target_nic = nics[sorted({topo.rank2nic[r] for r in topo.node_ranks(src_node)}).index(nic)
-                      % len(nics)]
-    candidates = [r for r in topo.node_ranks(node) if topo.rank2nic[r] == target_nic]
+    src_ranks, dst_ranks = topo.node_ranks(topo.rank2node[src]), topo.node_ranks(node)
+    nic = topo.rank2nic[src]
+    src_nics = sorted({topo.rank2nic[r] for r in src_ranks})
+    dst_nics = sorted({topo.rank2nic[r] for r in dst_ranks})
+    target_nic = dst_nics[src_nics.index(nic) % len(dst_nics)]
+    position = [r for r in src_ranks if topo.rank2nic[r] == nic].index(src)
+    candidates = [r for r in dst_ranks if topo.rank2nic[r] == target_nic]
     return candidates[position % len(candidates)]
 
 
@@ -118,77 +118,87 @@ def _validate(S: Sequence[Sequence[int]], topo: Topology) -> list[list[int]]:
 def halo_plan(S: Sequence[Sequence[int]], topo: Topology) -> list[RankPlan]:
     """One RankPlan per rank; every send has the matching receive on its peer."""
     S = _validate(S, topo)
-    R = topo.world_size
-    x_off = [[sum(S[s][:d]) for d in range(R)] for s in range(R)]
-    y_off = [[sum(S[k][d] for k in range(s)) for s in range(R)] for d in range(R)]
-    node = topo.rank2node
-    nodes = range(topo.num_nodes)
-    relay = {(s, m): relay_rank(topo, s, m) for s in range(R) for m in nodes if m != node[s]}
-    # stage_off[(s, d)] = where relay(s, node[d]) keeps s's rows for d.
-    stage_off: dict[tuple[int, int], int] = {}
-    stage_rows = [0] * R
-    inter_recvs: list[list[Message]] = [[] for _ in range(R)]
-    inter_sends: list[list[Message]] = [[] for _ in range(R)]
-    for s in range(R):
-        for m in nodes:
-            if m == node[s]:
-                continue
-            r = relay[(s, m)]
-            dests = topo_ranks_sorted(topo, m)
-            rows = sum(S[s][d] for d in dests)
-            if rows == 0:
-                continue
-            inter_sends[s].append(Message(r, _coalesce([(x_off[s][d], S[s][d]) for d in dests])))
-            inter_recvs[r].append(Message(s, ((stage_rows[r], rows),)))
-            for d in dests:
-                stage_off[(s, d)] = stage_rows[r]
-                stage_rows[r] += S[s][d]
-    plans = []
-    for me in range(R):
-        mine = topo_ranks_sorted(topo, node[me])
-        intra_sends = [Message(d, ((x_off[me][d], S[me][d]),)) for d in mine
-                       if d != me and S[me][d]]
-        intra_recvs = [Message(s, ((y_off[me][s], S[s][me]),)) for s in mine
-                       if s != me and S[s][me]]
-        self_copies = [((x_off[me][me], S[me][me]), (y_off[me][me], S[me][me]))] \
-            if S[me][me] else []
-        relayed = [s for s in range(R) if node[s] != node[me] and relay[(s, node[me])] == me]
-        relay_sends, stage_copies = [], []
+    return [_rank_plan(S, topo, me) for me in range(topo.world_size)]
+
+
+def rank_plan(S: Sequence[Sequence[int]], topo: Topology, me: int) -> RankPlan:
+    """The plan of rank `me` alone: O(R * ranks per node) work, what each rank runs."""
+    if not 0 <= me < topo.world_size:
+        raise ValueError(f"rank {me} out of range 0..{topo.world_size - 1}")
+    return _rank_plan(_validate(S, topo), topo, me)
+
+
+def _prefix(values: Sequence[int]) -> list[int]:
+    out, total = [], 0
+    for v in values:
+        out.append(total)
+        total += v
+    return out
+
+
+def _rank_plan(S: list[list[int]], topo: Topology, me: int) -> RankPlan:
+    R, node = topo.world_size, topo.rank2node
+    mine = sorted(topo.node_ranks(node[me]))  # ascending rank: the packing order
+    x_off = _prefix(S[me])  # x_off[d] in my input
+    y_off = _prefix([S[s][me] for s in range(R)])  # y_off[s] in my output
+    remote = [s for s in range(R) if node[s] != node[me]]
+    relay_of = {s: relay_rank(topo, s, node[me]) for s in remote}  # who relays s into my node
+
+    self_copies = ((x_off[me], S[me][me]), (y_off[me], S[me][me]))
+    intra_sends = [Message(d, ((x_off[d], S[me][d]),)) for d in mine if d != me and S[me][d]]
+    intra_recvs = [Message(s, ((y_off[s], S[s][me]),)) for s in mine if s != me and S[s][me]]
+
+    inter_sends = []
+    for m in range(topo.num_nodes):
+        if m == node[me]:
+            continue
+        dests = sorted(topo.node_ranks(m))
+        segs = _coalesce([(x_off[d], S[me][d]) for d in dests])
+        if segs:
+            inter_sends.append(Message(relay_rank(topo, me, m), segs))
+
+    # My stage buffer: packed messages of the sources I relay, ascending source rank, each
+    # holding rows for my node's ranks in ascending rank order.
+    inter_recvs, stage_off, stage_rows = [], {}, 0
+    for s in remote:
+        if relay_of[s] != me:
+            continue
+        rows = sum(S[s][d] for d in mine)
+        if rows == 0:
+            continue
+        inter_recvs.append(Message(s, ((stage_rows, rows),)))
         for d in mine:
-            pieces = [(stage_off[(s, d)], S[s][d]) for s in relayed if S[s][d]]
-            if d == me:
-                stage_copies = [((stage_off[(s, d)], S[s][d]), (y_off[d][s], S[s][d]))
-                                for s in relayed if S[s][d]]
-            elif pieces:
-                relay_sends.append(Message(d, _coalesce(pieces)))
-        relay_recvs = []
-        for r in mine:
-            if r == me:
-                continue
-            srcs = [s for s in range(R) if node[s] != node[me] and relay[(s, node[me])] == r]
-            segs = _coalesce([(y_off[me][s], S[s][me]) for s in srcs])
-            if segs:
-                relay_recvs.append(Message(r, segs))
-        plans.append(
-            RankPlan(
-                rank=me,
-                x_rows=sum(S[me]),
-                y_rows=sum(S[s][me] for s in range(R)),
-                stage_rows=stage_rows[me],
-                out_splits=tuple(S[s][me] for s in range(R)),
-                self_copies=tuple(self_copies),
-                intra_sends=tuple(intra_sends),
-                intra_recvs=tuple(intra_recvs),
-                inter_sends=tuple(inter_sends[me]),
-                inter_recvs=tuple(inter_recvs[me]),
-                stage_copies=tuple(stage_copies),
-                relay_sends=tuple(relay_sends),
-                relay_recvs=tuple(relay_recvs),
-            )
-        )
-    return plans
-
-
-def topo_ranks_sorted(topo: Topology, node: int) -> list[int]:
-    """Ranks of `node` in ascending rank order (the order packed messages use)."""
-    return sorted(topo.node_ranks(node))
+            stage_off[(s, d)] = stage_rows
+            stage_rows += S[s][d]
+    relayed = [s for s in remote if relay_of[s] == me]
+    relay_sends, stage_copies = [], []
+    for d in mine:
+        if d == me:
+            stage_copies = [((stage_off[(s, d)], S[s][d]), (y_off[s], S[s][d]))
+                            for s in relayed if S[s][d]]
+            continue
+        segs = _coalesce([(stage_off[(s, d)], S[s][d]) for s in relayed if S[s][d]])
+        if segs:
+            relay_sends.append(Message(d, segs))
+    relay_recvs = []
+    for r in mine:
+        if r == me:
+            continue
+        segs = _coalesce([(y_off[s], S[s][me]) for s in remote if relay_of[s] == r])
+        if segs:
+            relay_recvs.append(Message(r, segs))
+    return RankPlan(
+        rank=me,
+        x_rows=sum(S[me]),
+        y_rows=sum(S[s][me] for s in range(R)),
+        stage_rows=stage_rows,
+        out_splits=tuple(S[s][me] for s in range(R)),
+        self_copies=(self_copies,) if S[me][me] else (),
+        intra_sends=tuple(intra_sends),
+        intra_recvs=tuple(intra_recvs),
+        inter_sends=tuple(inter_sends),
+        inter_recvs=tuple(inter_recvs),
+        stage_copies=tuple(stage_copies),
+        relay_sends=tuple(relay_sends),
+        relay_recvs=tuple(relay_recvs),
+    )

@@ -14,7 +14,7 @@ behind one switch) > node > NIC > rank. A node lives in one domain, a domain in 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,11 @@ class Topology:
     rank2group: tuple[int, ...]
     rank2nic: tuple[int, ...]  # NIC index inside the rank's node
     node_names: tuple[str, ...] = ()
+    # node -> its ranks in local order; derived once here because plans look it up O(R^2)
+    # times per call.
+    _node2ranks: tuple[tuple[int, ...], ...] = field(
+        default=(), init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         fields = {
@@ -53,8 +58,11 @@ class Topology:
         nodes = sorted(set(self.rank2node))
         if nodes != list(range(len(nodes))):
             raise ValueError(f"node ids must be 0..{len(nodes) - 1} without gaps, got {nodes}")
+        by_node: dict[int, list[int]] = {n: [] for n in nodes}
+        for r in range(world):
+            by_node[self.rank2node[r]].append(r)
         for n in nodes:
-            ranks = [r for r in range(world) if self.rank2node[r] == n]
+            ranks = by_node[n]
             locals_ = sorted(self.rank2local[r] for r in ranks)
             if locals_ != list(range(len(ranks))):
                 raise ValueError(
@@ -75,6 +83,10 @@ class Topology:
                     f"domain {self.rank2domain[r]} appears in network groups {g} and "
                     f"{self.rank2group[r]}; a domain must sit in one group"
                 )
+        node2ranks = tuple(
+            tuple(sorted(by_node[n], key=lambda r: self.rank2local[r])) for n in nodes
+        )
+        object.__setattr__(self, "_node2ranks", node2ranks)
         names = tuple(self.node_names)
         object.__setattr__(self, "node_names", names)
         if names and len(names) != len(nodes):
@@ -87,14 +99,13 @@ class Topology:
 
     @property
     def num_nodes(self) -> int:
-        return max(self.rank2node) + 1
+        return len(self._node2ranks)
 
     def node_ranks(self, node: int) -> tuple[int, ...]:
         """Ranks of `node` in local-index order."""
         if not 0 <= node < self.num_nodes:
             raise ValueError(f"node {node} out of range; valid nodes 0..{self.num_nodes - 1}")
-        ranks = [r for r in range(self.world_size) if self.rank2node[r] == node]
-        return tuple(sorted(ranks, key=lambda r: self.rank2local[r]))
+        return self._node2ranks[node]
 
     def ranks_per_node(self) -> tuple[int, ...]:
         return tuple(len(self.node_ranks(n)) for n in range(self.num_nodes))
@@ -137,7 +148,7 @@ class Topology:
             divisors = [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0]
             raise ValueError(
                 f"nics_per_node={nics} must divide gpus_per_node={gpus_per_node}; "
-                f"valid: {divisors}"
+                f"valid: {', '.join(map(str, divisors))}"
             )
         world = nodes * gpus_per_node
         node = [r // gpus_per_node for r in range(world)]

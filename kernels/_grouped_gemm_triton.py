@@ -35,7 +35,7 @@ def _gmm_kernel(
     stride_we, stride_wk, stride_wn,
     stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ALLOW_TF32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -64,7 +64,7 @@ def _gmm_kernel(
                             mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 b = tl.load(w_base + ks[:, None] * stride_wk + cols64[None, :] * stride_wn,
                             mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                acc = tl.dot(a, b, acc, allow_tf32=ALLOW_TF32)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
             tl.store(y_ptr + rows64[:, None] * stride_ym + cols64[None, :] * stride_yn,
                      acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
         tile_base += n_tiles
@@ -83,7 +83,7 @@ def _gmm_dw_kernel(
     stride_dym, stride_dyn,
     stride_we, stride_wk, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ALLOW_TF32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     tiles_k = tl.cdiv(K, BLOCK_K)
@@ -106,7 +106,7 @@ def _gmm_dw_kernel(
                     mask=k_ok[:, None] & row_ok[None, :], other=0.0)
         b = tl.load(dy_ptr + rows64[:, None] * stride_dym + cols[None, :] * stride_dyn,
                     mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, allow_tf32=ALLOW_TF32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
     tl.store(dw_ptr + e * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn,
              acc.to(dw_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
 
@@ -121,9 +121,12 @@ def _num_programs_cap(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _allow_tf32(dtype: torch.dtype) -> bool:
-    # Follow torch's own switch so fp32 grouped GEMMs round like fp32 torch.matmul does.
-    return dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+def _input_precision(dtype: torch.dtype) -> str:
+    # fp32 follows torch's own switch, so fp32 grouped GEMMs round like fp32 torch.matmul
+    # (exact fp32 by default; MI250X has no tf32 at all). 16-bit inputs are exact either way.
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
 
 
 def gmm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, *, op: str = "fwd",
@@ -146,7 +149,7 @@ def gmm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, *, op: st
         w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        ALLOW_TF32=_allow_tf32(x_MK.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        INPUT_PRECISION=_input_precision(x_MK.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
 
@@ -172,6 +175,6 @@ def gmm_dw(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_E: torch.Tensor, *, con
         dy_MN.stride(0), dy_MN.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        ALLOW_TF32=_allow_tf32(x_MK.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        INPUT_PRECISION=_input_precision(x_MK.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dw

@@ -46,28 +46,31 @@ PINNED = GemmConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=
 def gemm_configs(op: str, N: int, K: int, E: int, elem_bytes: int = 2) -> list[GemmConfig]:
     """Autotune candidates for ``op`` ("fwd", "dx", "dw") on an (N, K, E) problem; default first.
 
-    Many experts (E >= 64) mean few rows per expert, so smaller BLOCK_M wastes less on partial
-    tiles; N or K below 128 make 128-wide tiles mostly masked.
+    Kept short (about 8-12) so tuning one preset stays within a minute or two of compiles:
+    many experts (E >= 64) mean few rows per expert, so a 32-row BLOCK_M joins the list (less
+    waste on partial tiles); N <= 64 drops the wide N tiles that would be mostly masked;
+    4-byte inputs get a 32-deep K block so stages fit in shared memory.
     """
     if op not in OPS:
         raise ValueError(f"op={op!r} is unknown; valid: {', '.join(OPS)}")
+    for name, v in (("N", N), ("K", K), ("E", E), ("elem_bytes", elem_bytes)):
+        if v < 1:
+            raise ValueError(f"{name}={v} must be >= 1")
     small_m = E >= 64
+    bms = (32, 64, 128) if small_m else (64, 128)
+    bns = (64,) if N <= 64 else (128, 256)
+    bk = 64 if elem_bytes <= 2 else 32
     out: list[GemmConfig] = []
-    bms = (64, 128) if not small_m else (32, 64, 128)
     for bm in bms:
-        for bn in (64, 128, 256):
-            if bn > 64 and N <= 64:
-                continue
-            for bk in (32, 64):
-                for warps, stages in ((4, 3), (8, 3), (8, 4)):
-                    if bm * bn >= 128 * 256 and warps == 4:
-                        continue  # a 128x256 fp32 accumulator does not fit 4 warps' registers
-                    c = GemmConfig(bm, bn, bk, warps, stages)
-                    # 200 KB leaves headroom under H100/H200 (228 KB) and MI250X-sized LDS is
-                    # handled by Triton's own pipelining limits.
-                    if c.smem_bytes(elem_bytes) <= 200 * 1024:
-                        out.append(c)
-    default = GemmConfig(64 if small_m else 128, 128, 64 if elem_bytes <= 2 else 32, 8, 3)
+        for bn in bns:
+            for warps, stages in ((4, 4), (8, 3)):
+                if bm * bn >= 128 * 256 and warps == 4:
+                    continue  # a 128x256 fp32 accumulator spills with 4 warps
+                c = GemmConfig(bm, bn, bk, warps, stages)
+                # 200 KB leaves headroom under H100/H200's 228 KB of shared memory per SM.
+                if c.smem_bytes(elem_bytes) <= 200 * 1024:
+                    out.append(c)
+    default = GemmConfig(64 if small_m else 128, min(128, bns[0]), bk, 8, 3)
     return [default] + [c for c in out if c != default]
 
 
@@ -114,12 +117,13 @@ def store(path: Path, device: torch.device, winners: dict[str, GemmConfig]) -> N
     _load.cache_clear()
 
 
-def pick(op: str, dtype: torch.dtype, N: int, K: int, E: int, device: torch.device) -> GemmConfig:
+def pick(op: str, dtype: torch.dtype, N: int, K: int, E: int, device: torch.device,
+         cache_path: Path | None = None) -> GemmConfig:
     """The config a launch uses: pinned, else the stored winner, else the default candidate."""
     s = settings()
     if s.pin_config or s.interpret:
         return PINNED
-    stored = _load(str(default_cache_path())).get(device_key(device), {})
+    stored = _load(str(cache_path or default_cache_path())).get(device_key(device), {})
     hit = stored.get(problem_key(op, dtype, N, K, E))
     if hit is not None:
         return GemmConfig(**hit)

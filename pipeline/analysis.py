@@ -164,7 +164,7 @@ def _check_comm(schedule: Schedule) -> None:
     plans = {r: comm_plan(schedule, r) for r in schedule}
     where = _steps(schedule)
     for r, ops in plans.items():
-        for op, peer, x in ops:
+        for op, _, x in ops:
             if op == "recv" and where[x.consumer][1] <= x.step:
                 raise ValueError(f"{x.consumer} on rank {r} uses {x.producer} before it is sent")
     for a in schedule:

@@ -18,9 +18,10 @@ for equal micro-batches and a mean-reduced loss). Grads accumulate; zero them be
 
 Split backward (stages that have W actions, e.g. `zb-h1`): B computes only the input
 gradient (`torch.autograd.grad(..., retain_graph=True)`) and sends it upstream; W later
-computes the parameter gradients (`torch.autograd.backward(..., inputs=params)`), freeing the
-graph. On a stage whose input needs no gradient (stage 0 fed with token ids) B has nothing to
-compute and W does the whole backward.
+computes the parameter gradients from the gradients B recorded at the graph nodes where the
+weight paths branch off (`pipeline.split_backward`), so W does not repeat B's work; the graph
+is freed after W. On a stage whose input needs no gradient (stage 0 fed with token ids) B
+has nothing to compute and W does the whole backward.
 
 Auxiliary losses (e.g. the MoE load-balancing term): pass `aux_fn(stage, module, output) ->
 Tensor | None`. It is called right after each stage forward; a returned scalar is scaled by
@@ -46,6 +47,7 @@ from torch import nn
 
 from pipeline.analysis import Span, Transfer, comm_plan, derive_transfers, validate
 from pipeline.schedule import Action, Schedule, n_stages, stage2rank
+from pipeline.split_backward import WeightWork, backward_input, backward_weight
 
 __all__ = ["PipelineRuntime"]
 
@@ -221,10 +223,12 @@ class PipelineRuntime:
             grads = [None]
         x_needs = isinstance(x, torch.Tensor) and x.requires_grad
         if s in self.split:
-            dx = None
+            params = list(self.stages[s].parameters())
             if x_needs:
-                (dx,) = torch.autograd.grad(outs, [x], grads, retain_graph=True, allow_unused=True)
-            self._stash[(s, m)] = (x, outs, grads)
+                dx, work = backward_input(outs, grads, x, params)
+            else:
+                dx, work = None, WeightWork([], plain=(outs, grads))
+            self._stash[(s, m)] = (x, work)
         else:
             torch.autograd.backward(outs, grads)
             dx = x.grad if x_needs else None
@@ -235,10 +239,8 @@ class PipelineRuntime:
             self._hand_off(a, Action(s - 1, "B", m), dx)
 
     def _weight(self, a: Action) -> None:
-        _, outs, grads = self._stash.pop((a.stage, a.microbatch))
-        params = [p for p in self.stages[a.stage].parameters() if p.requires_grad]
-        if params:
-            torch.autograd.backward(outs, grads, inputs=params)
+        _, work = self._stash.pop((a.stage, a.microbatch))
+        backward_weight(work, list(self.stages[a.stage].parameters()))
 
     # -- public ---------------------------------------------------------------------------
 

@@ -174,6 +174,25 @@ def _interleaved(p: int, m: int, v: int) -> Schedule:
     return _place(orders, p * v)
 
 
+def _zb_h1_order(r: int, p: int, m: int) -> list[Action]:
+    """Rank r's ZB-H1 order: 1F1B's F/B sequence, with W(i) right after B(i + r)."""
+    warm = min(p - r - 1, m)
+    fwd = [Action(r, "F", i) for i in range(m)]
+    # The F/B interleaving of 1F1B: `warm` forwards, then (F, B) pairs, then the last B's.
+    fb = fwd[:warm]
+    for i in range(m - warm):
+        fb += [fwd[warm + i], Action(r, "B", i)]
+    fb += [Action(r, "B", i) for i in range(m - warm, m)]
+    order = []
+    n_w = 0
+    for a in fb:
+        order.append(a)
+        if a.kind == "B" and a.microbatch + 1 - n_w > r:
+            order.append(Action(r, "W", n_w))
+            n_w += 1
+    return order + [Action(r, "W", i) for i in range(n_w, m)]
+
+
 def _zb_h1(p: int, m: int) -> Schedule:
     """1F1B order with B and W split; rank r runs W(i) only after B(i + r).
 
@@ -182,28 +201,7 @@ def _zb_h1(p: int, m: int) -> Schedule:
     B and W the makespan is 3m + p - 1 (the ZB-H1 optimum; 1F1B with split backward takes
     3m + 2(p - 1)) and every rank holds at most p micro-batches, 1F1B's stage-0 peak.
     """
-    orders = {}
-    for r in range(p):
-        warm = min(p - r - 1, m)
-        o = [Action(r, "F", i) for i in range(warm)]
-        n_b = n_w = 0
-
-        def backward() -> None:
-            nonlocal n_b, n_w
-            o.append(Action(r, "B", n_b))
-            n_b += 1
-            if n_b - n_w > r:
-                o.append(Action(r, "W", n_w))
-                n_w += 1
-
-        for i in range(m - warm):
-            o.append(Action(r, "F", warm + i))
-            backward()
-        while n_b < m:
-            backward()
-        o += [Action(r, "W", i) for i in range(n_w, m)]
-        orders[r] = o
-    return _place(orders, p)
+    return _place({r: _zb_h1_order(r, p, m) for r in range(p)}, p)
 
 
 _BUILDERS: dict[str, Callable[..., Schedule]] = {

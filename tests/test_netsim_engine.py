@@ -133,3 +133,16 @@ def test_bad_inputs_raise():
         simulate(net, tr, np.arange(3))
     with pytest.raises(ValueError, match="deps"):
         Traffic([0], [1], [1.0], [0], ("a",), ((0,),))
+
+
+def test_emulator_groups_share_the_global_link():
+    """4 nodes x 1 rank in 2 groups, NICs X, global link Z < X: the 4 cross-group flows of
+    each direction share Z, T = 4 b / Z; the in-group flows end at b / (X - 2 Z / 4)."""
+    X_mbit, Z_mbit, b = 100.0, 40.0, 1e6
+    net = emulator(4, 1, mbit=X_mbit, groups=2, global_mbit=Z_mbit)
+    tr = flat_all_to_all(uniform_splits(4, b))
+    res = simulate(net, tr, np.arange(4))
+    X, Z = X_mbit * 1e6 / 8, Z_mbit * 1e6 / 8
+    assert res.time == pytest.approx(4 * b / Z, rel=1e-9)
+    local = ((tr.src // 2) == (tr.dst // 2)) & (tr.src != tr.dst)
+    np.testing.assert_allclose(res.flow_end[local], b / (X - 2 * Z / 4), rtol=1e-9)

@@ -80,7 +80,7 @@ def test_dragonfly_structure():
     assert net.nic2switch[4 * 5] == 1  # node 5 sits on switch 1 of group 0
 
 
-@pytest.mark.parametrize("nonminimal", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("nonminimal", [0.0, 0.3, 1.0, "balanced"])
 def test_dragonfly_routes_conserve_flow(nonminimal):
     net = frontier(384, nonminimal=nonminimal)  # three groups: Valiant paths exist
     rng = np.random.default_rng(0)
@@ -95,7 +95,8 @@ def test_dragonfly_routes_conserve_flow(nonminimal):
     ends = {k: (group[net.link_src[k]], group[net.link_dst[k]]) for k in r.link_fractions(0)}
     glob = sum(v for k, v in r.link_fractions(0).items()
                if None not in ends[k] and ends[k][0] != ends[k][1])
-    assert glob == pytest.approx(1.0 + nonminimal)  # Valiant paths cross two
+    f = 0.5 if nonminimal == "balanced" else nonminimal  # balanced, 3 groups: (3-2)/(3-1)
+    assert glob == pytest.approx(1.0 + f)  # Valiant paths cross two
 
 
 def test_dgx_rail_routing():

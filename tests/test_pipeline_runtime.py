@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -56,29 +57,54 @@ def _aux(stage: int, module: nn.Module, y: torch.Tensor) -> torch.Tensor:
     return AUX * y.pow(2).mean()
 
 
-def _worker(rank: int, world: int) -> dict[str, dict]:
-    out = {}
+def _run(name: str, kw: dict, rank: int, world: int, group: dist.ProcessGroup | None) -> dict:
     xs, ys = _data()
-    for name, kw in SCHEDULES:
-        sched = pipeline.build(name, world, M, **kw)
-        model = _model()
-        split = _split(pipeline.n_stages(sched))
-        mine = {s: nn.Sequential(*[model[i] for i in split[s]])
-                for s, r in pipeline.stage2rank(sched).items() if r == rank}
-        rt = pipeline.PipelineRuntime(sched, mine, F.cross_entropy, act_shape=(MB, D),
-                                      aux_fn=_aux)
-        losses = rt.step(xs, ys)
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        # A second step must reproduce the losses: no state leaks from one step to the next.
-        model.zero_grad()
-        again = rt.step(xs, ys)
-        out[name] = {
-            "losses": losses,
-            "again": again,
-            "grads": grads,
-            "spans": rt.gather_spans(),
-            "aux": rt.last_aux,
-        }
+    sched = pipeline.build(name, world, M, **kw)
+    model = _model()
+    split = _split(pipeline.n_stages(sched))
+    mine = {s: nn.Sequential(*[model[i] for i in split[s]])
+            for s, r in pipeline.stage2rank(sched).items() if r == rank}
+    rt = pipeline.PipelineRuntime(sched, mine, F.cross_entropy, act_shape=(MB, D),
+                                  aux_fn=_aux, group=group)
+    losses = rt.step(xs, ys)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # A second step must reproduce the losses: no state leaks from one step to the next.
+    model.zero_grad()
+    again = rt.step(xs, ys)
+    return {"losses": losses, "again": again, "grads": grads, "spans": rt.gather_spans(),
+            "aux": rt.last_aux}
+
+
+def _bad_inputs(rank: int, world: int) -> list[str]:
+    """Messages of the ValueErrors a misconfigured runtime raises (checked in the parent)."""
+    sched = pipeline.build("1f1b", world, M)
+    stage = {rank: nn.Linear(D, D)}
+    attempts = [
+        lambda: pipeline.PipelineRuntime(sched, {rank + 1: nn.Linear(D, D)}, F.mse_loss, (MB, D)),
+        lambda: pipeline.PipelineRuntime(pipeline.build("1f1b", world + 1, M), stage,
+                                         F.mse_loss, (MB, D)),
+    ]
+    if rank in (0, world - 1):  # the ranks that own inputs / targets check their counts
+        attempts.append(lambda: pipeline.PipelineRuntime(sched, stage, F.mse_loss, (MB, D)).step(
+            [torch.zeros(MB, D)] * (M - 1), [torch.zeros(MB, D)] * (M - 1)))
+    msgs = []
+    for attempt in attempts:
+        try:
+            attempt()
+        except ValueError as e:
+            msgs.append(str(e))
+        else:
+            msgs.append("no error")
+    return msgs
+
+
+def _worker(rank: int, world: int) -> dict[str, dict]:
+    out = {name: _run(name, kw, rank, world, None) for name, kw in SCHEDULES}
+    # Every stage on one rank (p = 1, 3 virtual stages): the hand-offs stay in memory.
+    # new_group is collective, so every rank creates every singleton group.
+    singles = [dist.new_group([r]) for r in range(world)]
+    out["local"] = _run("interleaved-1f1b", {"n_virtual": 3}, 0, 1, singles[rank])
+    out["bad"] = _bad_inputs(rank, world)
     return out
 
 
@@ -148,3 +174,26 @@ def test_spans_follow_schedule(runs: tuple[int, list[dict]], name: str) -> None:
             assert end[d] <= s.start, f"{s.action} started before {d} ended"
     measured = pipeline.bubble_from_spans(spans, world)
     assert 0.0 <= measured < 1.0
+
+
+def test_all_stages_on_one_rank(runs: tuple[int, list[dict]]) -> None:
+    """p = 1 with 3 virtual stages: activations and gradients hand off in memory."""
+    _, results = runs
+    ref_losses, ref_grads = _reference(3)
+    for res in results:
+        r = res["local"]
+        torch.testing.assert_close(torch.stack(r["losses"]), torch.stack(ref_losses),
+                                   rtol=1e-5, atol=1e-6)
+        for n, g in ref_grads.items():
+            torch.testing.assert_close(r["grads"][n], g, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_bad_inputs_raise_clear_errors(runs: tuple[int, list[dict]]) -> None:
+    world, results = runs
+    for rank, res in enumerate(results):
+        wrong_stage, wrong_world, *wrong_count = res["bad"]
+        assert f"got modules for stages [{rank + 1}]" in wrong_stage
+        assert f"runs stages [{rank}] here" in wrong_stage
+        assert f"schedule has {world + 1} ranks but the PP group has {world}" in wrong_world
+        if rank in (0, world - 1):
+            assert f"needs {M}" in wrong_count[0] and f"got {M - 1}" in wrong_count[0]

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pipeline
-from pipeline import Action, build, bubble_fraction, peak_inflight, validate
+from pipeline import Action, bubble_fraction, build, peak_inflight, validate
 
 ranks = st.integers(1, 6)
 mbs = st.integers(1, 10)
@@ -177,3 +177,20 @@ def test_table_trace_and_plot(tmp_path) -> None:
     assert {e["tid"] for e in xs} == {0, 1, 2}
     pipeline.plot_timeline(spans, tmp_path / "t.png", title="zb-h1")
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@given(p=ranks, m=mbs, name=st.sampled_from(["gpipe", "1f1b", "zb-h1"]),
+       nbytes=st.integers(1, 10**6))
+def test_activation_bytes_is_weighted_inflight(p: int, m: int, name: str, nbytes: int) -> None:
+    sched = build(name, p, m)
+    weighted = pipeline.peak_activation_bytes(sched, dict.fromkeys(range(p), nbytes))
+    assert weighted == {r: k * nbytes for r, k in peak_inflight(sched).items()}
+
+
+def test_activation_bytes_uneven_stages() -> None:
+    # Interleaved, 1 rank, 2 chunks, 1 micro-batch: F0 F1 then B1 B0; both chunks alive
+    # together at the peak, so the peak is the sum, not 2 x the larger chunk.
+    sched = build("interleaved-1f1b", 1, 1, n_virtual=2)
+    assert pipeline.peak_activation_bytes(sched, {0: 3.0, 1: 5.0}) == {0: 8.0}
+    with pytest.raises(ValueError, match=r"lacks stages \[1\]"):
+        pipeline.peak_activation_bytes(sched, {0: 3.0})

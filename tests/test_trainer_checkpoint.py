@@ -8,11 +8,9 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT
 
 CHILD = textwrap.dedent("""

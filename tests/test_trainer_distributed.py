@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_train
 
 pytestmark = pytest.mark.multiproc

@@ -21,17 +21,14 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
-
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-
-from .parallel import is_expert_param
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "list_complete"]
 
@@ -135,10 +132,15 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optim: torch.
     with warnings.catch_warnings():  # single-process runs are intended, not a misconfiguration
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(_state(model, optim), checkpoint_id=str(tmp))
+    # each pipeline stage knows only its own layers' placement: gather them all for meta.json
+    placement = {name: layer.expert2slot.tolist() for name, layer in _moe_layers(model).items()}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts: list[dict] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(parts, placement)
+        placement = {k: v for part in parts for k, v in part.items()}
     _barrier()
     if rank == 0:
-        meta = dict(meta, step=step, placement={
-            name: layer.expert2slot.tolist() for name, layer in _moe_layers(model).items()})
+        meta = dict(meta, step=step, placement=dict(sorted(placement.items())))
         if _before_commit is not None:
             _before_commit(tmp)
         _write_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
@@ -205,10 +207,13 @@ def load_checkpoint(path: str | Path, model: nn.Module, optim: torch.optim.Optim
     if expect_model is not None:
         check_same_model(path, meta, expect_model)
     layers = _moe_layers(model)
-    for name, slots in meta.get("placement", {}).items():
-        if name not in layers or len(slots) != layers[name].expert2slot.numel():
-            raise CheckpointError(f"checkpoint {str(path)!r}: placement of {name!r} does not fit this model")
-        layers[name].expert2slot.copy_(torch.tensor(slots, dtype=torch.int64))
+    placement = meta.get("placement", {})
+    for name, layer in layers.items():  # this rank's MoE layers (one pipeline stage's under PP)
+        slots = placement.get(name)
+        if slots is None or len(slots) != layer.expert2slot.numel():
+            raise CheckpointError(f"checkpoint {str(path)!r}: no placement of {len(layer.expert2slot)} "
+                                  f"experts for {name!r}; it is from another model")
+        layer.expert2slot.copy_(torch.tensor(slots, dtype=torch.int64))
     # AdamW state must exist before DCP can load into it
     for p in model.parameters():
         st = optim.state[p]

@@ -48,6 +48,7 @@ class ParallelConfig:
     schedule: str = "1f1b"
     microbatches: int = 1  # pipeline micro-batches per step (only used with pp > 1)
     n_virtual: int = 1
+    layer_split: str = ""  # layers per stage, e.g. "3,5"; "" = even split
 
 
 @dataclass

@@ -33,6 +33,7 @@ from .config import ConfigError, RunConfig
 from .data import Corpus, load_corpus
 from .mesh import Mesh, MeshError, valid_divisors
 from .parallel import GradSync, parallelize
+from .pipe import build_stages, ce_loss, moe_aux, pp_eval_forward, split_layers
 
 __all__ = ["Trainer", "prepare", "build_model_config", "log"]
 
@@ -80,7 +81,7 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     par = cfg.parallel
     mesh = Mesh.plan(world_size, rank, pp=par.pp, ep=par.ep, dp=par.dp)
     if mesh.pp > 1:
-        raise MeshError(f"pp={mesh.pp}: pipeline parallel training is not wired into train.py yet; use pp=1")
+        _check_pipeline(cfg, mcfg, mesh)
     E = mcfg.n_routed_experts
     if E % mesh.ep:
         raise MeshError(f"ep={mesh.ep} does not divide {E} experts of preset {cfg.model.preset!r}; "
@@ -112,6 +113,31 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
         meta = read_meta(resume_path)  # fails early on an incomplete/corrupt checkpoint
         check_same_model(resume_path, meta, mcfg.to_dict())
     return Prepared(cfg, mcfg, mesh, corpus, resume_path)
+
+
+def _check_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh) -> None:
+    import pipeline
+
+    par = cfg.parallel
+    if mcfg.tie_embeddings:
+        raise ConfigError("tie_embeddings=True with pp > 1 is not supported (the embedding and the "
+                          "head would live on different stages); use pp=1 or untied embeddings")
+    if par.n_virtual < 1 or (par.n_virtual > 1 and par.schedule != "interleaved-1f1b"):
+        raise ConfigError(f"parallel.n_virtual={par.n_virtual}: values > 1 need "
+                          f"parallel.schedule='interleaved-1f1b' (got {par.schedule!r})")
+    split_layers(mcfg.n_layers, mesh.pp * par.n_virtual, par.layer_split)
+    per_shard = cfg.train.global_batch // max(1, mesh.n_data_shards)
+    if par.microbatches < 1 or per_shard % par.microbatches:
+        raise ConfigError(
+            f"parallel.microbatches={par.microbatches} must divide the {per_shard} sequences each "
+            f"data shard gets per step (train.global_batch={cfg.train.global_batch} / "
+            f"{mesh.n_data_shards} shards); valid: {valid_divisors(per_shard)}")
+    kw = {"n_virtual": par.n_virtual} if par.schedule == "interleaved-1f1b" else {}
+    try:
+        pipeline.build(par.schedule, mesh.pp, par.microbatches, **kw)
+    except ValueError as e:
+        raise ConfigError(f"parallel.schedule={par.schedule!r} with pp={mesh.pp}, "
+                          f"microbatches={par.microbatches}: {e}") from None
 
 
 def _peak_flops(device: torch.device) -> tuple[float, str]:
@@ -156,7 +182,13 @@ class Trainer:
         self.mesh.build_groups()
         algo = self.cfg.comm.alltoall
         parallelize(self.model, self.mesh, alltoall=algo)
+        self.stages: dict = {}
+        if self.mesh.pp > 1:
+            self._build_pipeline()
         self.model.to(self.device)
+        self._counts: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.moe_layers()):
+            layer.register_forward_hook(self._count_hook(i))
         self.sync = GradSync(self.model, self.mesh)
         o = self.cfg.optim
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
@@ -170,6 +202,29 @@ class Trainer:
             if self.cfg.train.peak_tflops > 0 else _peak_flops(self.device)
         self.flops_per_token = self.mcfg.flops_per_token(self.cfg.train.seq_len)
 
+    def _build_pipeline(self) -> None:
+        import pipeline
+
+        par, t = self.cfg.parallel, self.cfg.train
+        n_stages = self.mesh.pp * par.n_virtual
+        self.bounds = split_layers(self.mcfg.n_layers, n_stages, par.layer_split)
+        self.stages = build_stages(self.model, self.mesh.pp, self.mesh.pp_idx, par.n_virtual,
+                                   self.bounds, self.autocast)
+        kw = {"n_virtual": par.n_virtual} if par.schedule == "interleaved-1f1b" else {}
+        self.schedule = pipeline.build(par.schedule, self.mesh.pp, par.microbatches, **kw)
+        self.n_stages = n_stages
+        per_shard = t.global_batch // self.mesh.n_data_shards
+        self.act_shape = (per_shard // par.microbatches, t.seq_len, self.mcfg.d_model)
+        self.runtime = pipeline.PipelineRuntime(
+            self.schedule, self.stages, ce_loss, self.act_shape, group=self.mesh.pp_group,
+            device=self.device, aux_fn=moe_aux)
+
+    def _count_hook(self, i: int):
+        def hook(module, args, output):
+            c = module.last_counts.detach().to(torch.float64)
+            self._counts[i] = self._counts[i] + c if i in self._counts else c
+        return hook
+
     # -- helpers -------------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
         o, total = self.cfg.optim, self.cfg.train.steps
@@ -179,9 +234,11 @@ class Trainer:
         return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
 
     def _allreduce_mean(self, values: list[float]) -> list[float]:
+        """Sum over every rank, / number of data shards: the global-batch mean of per-shard
+        values (ranks that do not hold a quantity, e.g. the CE off the last stage, pass 0)."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.mesh.stage_group is not None:
-            dist.all_reduce(t, group=self.mesh.stage_group)
+        if self.mesh.world_size > 1:
+            dist.all_reduce(t)
             t /= self.mesh.n_data_shards
         return t.tolist()
 
@@ -192,10 +249,12 @@ class Trainer:
         return ce, self.model.aux_loss()
 
     def _expert_counts(self) -> list[torch.Tensor]:
-        counts = [layer.last_counts.detach().to(torch.float64) for layer in self.model.moe_layers()]
-        if not counts:
+        """Tokens per logical expert of this step (all micro-batches), summed over the stage's
+        data shards; one tensor per MoE layer this rank holds."""
+        n = len(self.model.moe_layers())
+        if n == 0:
             return []
-        flat = torch.stack(counts)
+        flat = torch.stack([self._counts[i] for i in range(n)]).to(self.device)
         if self.mesh.stage_group is not None:
             dist.all_reduce(flat, group=self.mesh.stage_group)
         return list(flat)
@@ -208,7 +267,10 @@ class Trainer:
             rank_of = layer.expert2slot.cpu() // (E // self.mesh.ep)
             load = torch.zeros(self.mesh.ep, dtype=torch.float64).index_add_(0, rank_of, c.cpu())
             vals.append(float(load.max() / load.mean().clamp_min(1e-9)))
-        return sum(vals) / len(vals) if vals else 1.0
+        agg = torch.tensor([sum(vals), len(vals)], dtype=torch.float64, device=self.device)
+        if self.mesh.pp_group is not None:  # every stage holds different MoE layers
+            dist.all_reduce(agg, group=self.mesh.pp_group)
+        return float(agg[0] / agg[1]) if agg[1] > 0 else 1.0
 
     # -- phases --------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -218,8 +280,17 @@ class Trainer:
                                             self.mesh.n_data_shards, self.cfg.data.seed)
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         t0 = time.perf_counter()
-        ce, aux = self._forward_loss(tokens, targets)
-        (ce + aux).backward()
+        self._counts = {}
+        if self.stages:
+            M = self.cfg.parallel.microbatches
+            first, last = 0 in self.stages, self.n_stages - 1 in self.stages
+            losses = self.runtime.step(list(tokens.chunk(M)) if first else None,
+                                       list(targets.chunk(M)) if last else None)
+            ce = torch.stack(losses).mean() if last else torch.zeros(())
+            aux = torch.tensor(sum(self.runtime.last_aux.values()) / M)
+        else:
+            ce, aux = self._forward_loss(tokens, targets)
+            (ce + aux).backward()
         self.sync.sync()
         norm = self.sync.clip(self.cfg.optim.grad_clip)
         lr = self.lr_at(self.step)
@@ -249,8 +320,15 @@ class Trainer:
         for v in range(t.eval_batches):
             tokens, targets = self.corpus.batch(v, t.global_batch, t.seq_len, self.mesh.data_idx,
                                                 self.mesh.n_data_shards, self.cfg.data.seed, "val")
-            ce, _ = self._forward_loss(tokens.to(self.device), targets.to(self.device))
-            total += float(ce)
+            tokens, targets = tokens.to(self.device), targets.to(self.device)
+            if self.stages:
+                ce = pp_eval_forward(self.stages, self.mesh.pp, self.n_stages, self.mesh.pp_ranks(),
+                                     tokens, targets, (tokens.shape[0], *self.act_shape[1:]),
+                                     self.device)
+                total += ce or 0.0
+            else:
+                ce, _ = self._forward_loss(tokens, targets)
+                total += float(ce)
         return self._allreduce_mean([total / t.eval_batches])[0]
 
     def save(self) -> Path:

@@ -32,7 +32,13 @@ from model import ModelConfig
 from pipeline import bubble_fraction, build, peak_inflight
 from tuner.comms import GroupPlacement, allreduce_time, alltoall_time, p2p_time, placement
 from tuner.counts import LayerCounts, chunk_layers, head_params, layer_counts
-from tuner.layout import PUBLISHED_PRECISION, Assumptions, ParallelPlan, PrecisionPolicy
+from tuner.layout import (
+    DEFAULT_ASSUMPTIONS,
+    PUBLISHED_PRECISION,
+    Assumptions,
+    ParallelPlan,
+    PrecisionPolicy,
+)
 from tuner.platform import Platform
 
 __all__ = ["Estimate", "StageMemory", "estimate", "stage_memory", "schedule_stats"]
@@ -139,7 +145,7 @@ def _layer_act(lc: LayerCounts, ckpt: str, t_attn: float, t_exp: float, D: int) 
 
 def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                  precision: PrecisionPolicy = PUBLISHED_PRECISION,
-                 assumptions: Assumptions = Assumptions()) -> list[StageMemory]:
+                 assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> list[StageMemory]:
     """Per pipeline rank memory breakdown (see the module docstring)."""
     _check(cfg, plan, assumptions)
     D, pb = cfg.d_model, precision
@@ -215,7 +221,7 @@ def _groups(plan: ParallelPlan, gpn: int, attention: str) -> tuple[dict[str, Gro
 
 def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platform,
              precision: PrecisionPolicy = PUBLISHED_PRECISION,
-             assumptions: Assumptions = Assumptions()) -> Estimate:
+             assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> Estimate:
     """Memory, step time and MFU of `parallel_cfg` for `model_cfg` on `platform`."""
     cfg, plan, pf, asm = model_cfg, parallel_cfg, platform, assumptions
     stages = stage_memory(cfg, plan, pf, precision, asm)

@@ -23,6 +23,8 @@ from typing import Any
 __all__ = [
     "ALLTOALL_ALGORITHMS",
     "Assumptions",
+    "DEFAULT_ASSUMPTIONS",
+    "PUBLISHED_PRECISION",
     "CHECKPOINTING",
     "EP_PLACEMENTS",
     "ParallelPlan",
@@ -92,6 +94,9 @@ class Assumptions:
             raise ValueError(f"attention={self.attention!r}; valid: {', '.join(ATTENTION_MODES)}")
         if self.grad_bucket_bytes < 0:
             raise ValueError(f"grad_bucket_bytes={self.grad_bucket_bytes} must be >= 0")
+
+
+DEFAULT_ASSUMPTIONS = Assumptions()
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from model import ModelConfig
-from tuner.layout import Assumptions, PrecisionPolicy
+from tuner.layout import DEFAULT_ASSUMPTIONS, PUBLISHED_PRECISION, Assumptions, PrecisionPolicy
 from tuner.platform import Platform
 from tuner.search import Evaluator, SearchResult, optuna_search
 from tuner.space import SearchSpace, check_gpu_count
@@ -47,8 +47,8 @@ class PlanOutput:
 
 
 def leanest_memory(cfg: ModelConfig, platform: Platform, n_gpus: int, global_batch: int,
-                   seq_len: int, precision: PrecisionPolicy = PrecisionPolicy(),
-                   assumptions: Assumptions = Assumptions()) -> tuple[float, dict] | None:
+                   seq_len: int, precision: PrecisionPolicy = PUBLISHED_PRECISION,
+                   assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> tuple[float, dict] | None:
     """Smallest peak memory of any structurally valid layout with the memory-leanest choices
     (full recompute, one sequence per micro-batch, 1F1B), and that layout's point."""
     space = SearchSpace.default(cfg, platform, n_gpus, global_batch, seq_len, mbs=(1,))
@@ -89,8 +89,8 @@ def _explain_no_fit(cfg: ModelConfig, platform: Platform, req: PlanRequest) -> s
 
 
 def run_plan(cfg: ModelConfig, platform: Platform, req: PlanRequest, out_dir: Path | None,
-             precision: PrecisionPolicy = PrecisionPolicy(),
-             assumptions: Assumptions = Assumptions()) -> PlanOutput:
+             precision: PrecisionPolicy = PUBLISHED_PRECISION,
+             assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> PlanOutput:
     """Search the layouts of `req`; write plan, sbatch script and plot under `out_dir`."""
     from tuner.report import launch_lines, plan_toml, plot_frontier, sbatch_script
 

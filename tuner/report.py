@@ -69,7 +69,7 @@ def plan_toml(e: Estimate, model_name: str, request: dict[str, object]) -> str:
         "run.comm": {"alltoall": p.alltoall},
         "run.train": {"global_batch": p.global_batch, "seq_len": p.seq_len},
     }
-    out = [f"# Written by `python -m tuner plan`; run with: train.py --plan <this file>",
+    out = ["# Written by `python -m tuner plan`; run with: train.py --plan <this file>",
            "# [plan] is the request and the prediction; [run.*] is applied like a config file."]
     for name, body in sections.items():
         out.append(f"\n[{name}]")

@@ -11,13 +11,16 @@ Sizes take K/M/G suffixes (powers of 1024). `--bytes` is what every rank sends e
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from comm.netsim.engine import simulate
+from comm.netsim.lumped import lumped_all_to_all
 from comm.netsim.network import Network
 from comm.netsim.topologies import dgx_fat_tree, emulator, frontier, generic
 from comm.netsim.traffic import PLACEMENTS, flat_all_to_all, halo_all_to_all, place, uniform_splits
@@ -50,7 +53,7 @@ class Case:
     placement: str
     algo: str
     bytes_per_pair: int
-    nonminimal: float
+    nonminimal: float | str
     message_gap: float
     message_overhead: float
     time_s: float
@@ -62,39 +65,51 @@ class Case:
     sim_s: float
 
 
-def build_network(args: argparse.Namespace, machine_nodes: int) -> Network:
+def build_network(args: argparse.Namespace, machine_nodes: int) -> Callable[..., Network]:
+    """A builder of the machine: call it for the full network, or with sites=/scale= for
+    a lumped one (`comm.netsim.lumped`)."""
     if args.topology == "frontier":
-        return frontier(machine_nodes, nonminimal=args.nonminimal, link_latency=args.latency)
+        return functools.partial(frontier, machine_nodes, nonminimal=args.nonminimal,
+                                 link_latency=args.latency, groups=args.groups_in_machine)
     if args.topology == "dgx":
-        return dgx_fat_tree(machine_nodes, taper=args.taper, link_latency=args.latency)
+        return functools.partial(dgx_fat_tree, machine_nodes, taper=args.taper,
+                                 link_latency=args.latency)
     if args.topology == "emulator":
-        return emulator(machine_nodes, args.ranks_per_node, mbit=args.mbit,
-                        link_latency=args.latency)
-    return generic(machine_nodes, args.ranks_per_node, args.nics_per_node,
-                   nic_bw=args.nic_gbs * 1e9, intra_bw=args.intra_gbs * 1e9,
-                   nodes_per_switch=args.nodes_per_switch, taper=args.taper,
-                   link_latency=args.latency)
+        return functools.partial(emulator, machine_nodes, args.ranks_per_node, mbit=args.mbit,
+                                 link_latency=args.latency)
+    return functools.partial(generic, machine_nodes, args.ranks_per_node, args.nics_per_node,
+                             nic_bw=args.nic_gbs * 1e9, intra_bw=args.intra_gbs * 1e9,
+                             nodes_per_switch=args.nodes_per_switch, taper=args.taper,
+                             link_latency=args.latency)
 
 
-def run_case(net: Network, nodes: int, placement: str, algo: str, bytes_per_pair: int,
-             message_gap: float = 0.0, message_overhead: float = 0.0, seed: int = 0,
-             groups: int | None = None, nonminimal: float = 0.0) -> Case:
-    """Place `nodes` nodes, build the traffic of `algo` and simulate it."""
+def run_case(build: Callable[..., Network], net: Network, nodes: int, placement: str,
+             algo: str, bytes_per_pair: int, message_gap: float = 0.0,
+             message_overhead: float = 0.0, seed: int = 0, groups: int | None = None,
+             nonminimal: float | str = 0.0, lump: bool = True) -> Case:
+    """Place `nodes` nodes of `net` (= build()), make the traffic of `algo`, simulate it;
+    lump=True merges interchangeable nodes first (exact for these uniform splits)."""
     if algo not in ALGOS:
         raise ValueError(f"algo {algo!r} is not one of {ALGOS}")
     t0 = time.perf_counter()
     rank2gpu, topo = place(net, nodes, placement, groups=groups, seed=seed)
     R = len(rank2gpu)
-    S = uniform_splits(R, bytes_per_pair)
-    traffic = flat_all_to_all(S) if algo == "flat" else halo_all_to_all(S, topo)
-    del S
-    res = simulate(net, traffic, rank2gpu, message_overhead=message_overhead,
+    if lump:
+        sim_net, traffic, sim_r2g = lumped_all_to_all(build, net, rank2gpu, topo, algo,
+                                                      bytes_per_pair)
+    else:
+        S = uniform_splits(R, bytes_per_pair)
+        traffic = flat_all_to_all(S) if algo == "flat" else halo_all_to_all(S, topo)
+        sim_net, sim_r2g = net, rank2gpu
+        del S
+    res = simulate(sim_net, traffic, sim_r2g, message_overhead=message_overhead,
                    message_gap=message_gap)
     sent = bytes_per_pair * (R - 1)
     return Case(net.name.split("-")[0], nodes, R, placement, algo, bytes_per_pair, nonminimal,
                 message_gap, message_overhead, res.time,
                 sent / res.time / 1e9 if res.time > 0 else float("inf"), res.phase_end,
-                res.flows, res.classes, res.events, time.perf_counter() - t0)
+                int(traffic.mult[traffic.src != traffic.dst].sum()) if lump else res.flows,
+                res.classes, res.events, time.perf_counter() - t0)
 
 
 def format_table(cases: list[Case]) -> str:
@@ -109,6 +124,10 @@ def format_table(cases: list[Case]) -> str:
     return "\n".join(rows)
 
 
+def _fraction_or_balanced(text: str) -> float | str:
+    return text if text == "balanced" else float(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m comm.netsim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,11 +137,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="nodes in the machine (default: the largest job)")
     p.add_argument("--placement", choices=PLACEMENTS, default="packed")
     p.add_argument("--groups", type=int, default=None, help="spread over this many groups")
+    p.add_argument("--groups-in-machine", type=int, default=None,
+                   help="Frontier Dragonfly groups (Valiant paths need >= 3; Frontier: 74)")
+    p.add_argument("--no-lump", action="store_true",
+                   help="simulate every rank (default: lump interchangeable nodes, exact)")
     p.add_argument("--seed", type=int, default=0, help="random placement seed")
     p.add_argument("--algos", default="flat,halo")
     p.add_argument("--bytes", nargs="+", default=["1M"], help="bytes per rank pair")
-    p.add_argument("--nonminimal", type=float, default=0.0,
-                   help="Dragonfly share of non-minimal (Valiant) routes (unpublished)")
+    p.add_argument("--nonminimal", type=_fraction_or_balanced, default=0.0,
+                   help="Dragonfly share of non-minimal (Valiant) routes, or 'balanced' "
+                        "(unpublished; see comm.netsim.topologies)")
     p.add_argument("--gap", type=float, default=0.0, help="serial seconds per posted message")
     p.add_argument("--overhead", type=float, default=0.0, help="seconds before a message starts")
     p.add_argument("--latency", type=float, default=0.0, help="seconds per link")
@@ -145,15 +169,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--algos {bad} not in {ALGOS}")
     sizes = [parse_size(s) for s in args.bytes]
     machine = args.machine_nodes or max(args.nodes)
-    net = build_network(args, machine)
+    build = build_network(args, machine)
+    net = build()
     cases = []
+    print(format_table([]), flush=True)
     for n in args.nodes:
         for b in sizes:
             for a in algos:
-                cases.append(run_case(net, n, args.placement, a, b, args.gap, args.overhead,
-                                      args.seed, args.groups, args.nonminimal))
+                cases.append(run_case(build, net, n, args.placement, a, b, args.gap,
+                                      args.overhead, args.seed, args.groups, args.nonminimal,
+                                      lump=not args.no_lump))
                 print(format_table(cases[-1:]).splitlines()[-1], flush=True)
-    print(format_table(cases))
     if args.json:
         with open(args.json, "a") as f:
             for c in cases:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["K_SEGMENTS", "Network", "NetworkBuilder", "Routes", "ecmp_paths"]
+__all__ = ["K_SEGMENTS", "Network", "NetworkBuilder", "Routes", "ecmp_paths", "flatten_paths"]
 
 K_SEGMENTS = 7  # up, injection, 3 fabric parts, ejection, down (intra-node: the first only)
 FABRIC_PARTS = 3
@@ -161,7 +161,7 @@ class Network:
             assert len(parts) <= FABRIC_PARTS, f"fabric route has {len(parts)} parts"
             for j, (key, make) in enumerate(parts):
                 if key not in key2seg:
-                    ls, fs = _flatten(make())
+                    ls, fs = flatten_paths(make())
                     if not len(ls):
                         key2seg[key] = 0
                         continue
@@ -181,7 +181,7 @@ class Network:
         return Routes(segs, seg_ptr, seg_link, seg_frac, seg_latency)
 
 
-def _flatten(paths: Sequence[Path]) -> tuple[np.ndarray, np.ndarray]:
+def flatten_paths(paths: Sequence[Path]) -> tuple[np.ndarray, np.ndarray]:
     """Merge paths into one (link, fraction) list; a link on several paths sums fractions."""
     acc: dict[int, float] = {}
     total = 0.0
@@ -237,7 +237,10 @@ class NetworkBuilder:
     def __init__(self, name: str) -> None:
         self.name = name
         self.vertex_names: list[str] = []
-        self.links: list[tuple[int, int, float, float]] = []
+        # Links in chunks of arrays (src, dst, capacity, latency): builders add thousands
+        # of links at once (a 74-group Dragonfly has ~95k), one Python call per link is slow.
+        self._chunks: list[tuple[np.ndarray, ...]] = []
+        self.num_links = 0
         self.seg_links: list[tuple[np.ndarray, np.ndarray]] = [(np.zeros(0, np.int64),
                                                                 np.zeros(0))]
 
@@ -245,38 +248,56 @@ class NetworkBuilder:
         self.vertex_names.append(name)
         return len(self.vertex_names) - 1
 
-    def link(self, u: int, v: int, capacity: float, latency: float) -> int:
-        if not capacity > 0:
-            raise ValueError(f"link {self.vertex_names[u]}->{self.vertex_names[v]} needs "
-                             f"capacity > 0 bytes/s, got {capacity}")
+    def links(self, u: np.ndarray, v: np.ndarray, capacity: float | np.ndarray,
+              latency: float) -> np.ndarray:
+        """Directed links u[i] -> v[i]; returns their ids."""
+        u = np.atleast_1d(np.asarray(u, dtype=np.int64))
+        v = np.atleast_1d(np.asarray(v, dtype=np.int64))
+        cap = np.broadcast_to(np.asarray(capacity, dtype=np.float64), u.shape)
+        if u.size and not cap.min() > 0:
+            bad = int(np.argmin(cap))
+            raise ValueError(f"link {self.vertex_names[u[bad]]}->{self.vertex_names[v[bad]]} "
+                             f"needs capacity > 0 bytes/s, got {cap[bad]}")
         if latency < 0:
             raise ValueError(f"link latency must be >= 0 s, got {latency}")
-        self.links.append((u, v, float(capacity), float(latency)))
-        return len(self.links) - 1
+        self._chunks.append((u, v, cap.copy(), np.full(u.shape, float(latency))))
+        ids = np.arange(self.num_links, self.num_links + u.size)
+        self.num_links += u.size
+        return ids
+
+    def link(self, u: int, v: int, capacity: float, latency: float) -> int:
+        return int(self.links(np.array([u]), np.array([v]), capacity, latency)[0])
 
     def duplex(self, u: int, v: int, capacity: float, latency: float) -> tuple[int, int]:
         """Two directed links u->v and v->u of the same capacity (per direction)."""
-        return self.link(u, v, capacity, latency), self.link(v, u, capacity, latency)
+        ids = self.links(np.array([u, v]), np.array([v, u]), capacity, latency)
+        return int(ids[0]), int(ids[1])
 
     def segment(self, paths: Sequence[Path]) -> int:
         """A new segment over `paths`; an empty path list is segment 0."""
         if not paths or all(not links for links, _ in paths):
             return 0
-        self.seg_links.append(_flatten(paths))
+        return self.segment_arrays(*flatten_paths(paths))
+
+    def segment_arrays(self, links: np.ndarray, fracs: np.ndarray) -> int:
+        """A new segment from (link ids, fractions) arrays; empty arrays give segment 0."""
+        if not len(links):
+            return 0
+        self.seg_links.append((links, fracs))
         return len(self.seg_links) - 1
 
     def build(self, **fields: object) -> Network:
-        src, dst, cap, lat = (np.array(c) for c in zip(*self.links, strict=True)) \
-            if self.links else (np.zeros(0),) * 4
+        cols = [np.concatenate([c[i] for c in self._chunks]) if self._chunks else np.zeros(0)
+                for i in range(4)]
         lengths = [len(ls) for ls, _ in self.seg_links]
         seg_ptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         return Network(
             name=self.name,
             vertex_names=tuple(self.vertex_names),
-            link_src=np.asarray(src, dtype=np.int64),
-            link_dst=np.asarray(dst, dtype=np.int64),
-            capacity=np.asarray(cap, dtype=np.float64),
-            latency=np.asarray(lat, dtype=np.float64),
+            link_src=cols[0].astype(np.int64),
+            link_dst=cols[1].astype(np.int64),
+            capacity=cols[2].astype(np.float64),
+            latency=cols[3].astype(np.float64),
             seg_ptr=seg_ptr,
             seg_link=np.concatenate([ls for ls, _ in self.seg_links]).astype(np.int64),
             seg_frac=np.concatenate([fs for _, fs in self.seg_links]).astype(np.float64),

@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from comm.netsim.network import FabricPaths, Network, NetworkBuilder, ecmp_paths
+from comm.netsim.network import (
+    FabricPaths,
+    Network,
+    NetworkBuilder,
+    ecmp_paths,
+    flatten_paths,
+)
 
 __all__ = ["FRONTIER_IF_LINKS", "NodeTemplate", "assemble", "frontier_template", "star_template"]
 
@@ -131,8 +137,11 @@ def _template_routes(t: NodeTemplate) -> tuple[dict, dict, dict]:
     return intra, up, down
 
 
-def _shift(paths: list, base: int) -> list:
-    return [(tuple(base + lk for lk in links), frac) for links, frac in paths]
+def _arrays(paths: list) -> tuple[np.ndarray, np.ndarray]:
+    """Template paths as (local link ids, fractions), shifted per node by adding a base."""
+    if not paths or all(not links for links, _ in paths):
+        return np.zeros(0, np.int64), np.zeros(0)
+    return flatten_paths(paths)
 
 
 def assemble(
@@ -165,7 +174,8 @@ def assemble(
         raise ValueError(f"nic_bw must be > 0 bytes/s, got {nic_bw}")
     b = NetworkBuilder(name)
     sw_vertex = [b.vertex(s) for s in switches]
-    intra_t, up_t, down_t = _template_routes(template)
+    intra_t, up_t, down_t = (
+        {key: _arrays(p) for key, p in table.items()} for table in _template_routes(template))
     G, N = template.gpus, template.nics
     nodes = len(sites)
     intra = np.zeros((nodes, G, G), dtype=np.int64)
@@ -176,15 +186,15 @@ def assemble(
         first = len(b.vertex_names)
         for i in range(template.num_vertices):
             b.vertex(f"n{v}.{template.vertex_name(i)}")
-        base = len(b.links)
+        base = b.num_links
         for a, c, cap, lat in template.edges:
             b.duplex(first + a, first + c, cap * scale[v], lat)
-        for (ga, gb), paths in intra_t.items():
-            intra[v, ga, gb] = b.segment(_shift(paths, base))
+        for (ga, gb), (ls, fs) in intra_t.items():
+            intra[v, ga, gb] = b.segment_arrays(ls + base, fs)
         for g in range(G):
             if g in up_t:
-                up[v * G + g] = b.segment(_shift(up_t[g], base))
-                down[v * G + g] = b.segment(_shift(down_t[g], base))
+                up[v * G + g] = b.segment_arrays(up_t[g][0] + base, up_t[g][1])
+                down[v * G + g] = b.segment_arrays(down_t[g][0] + base, down_t[g][1])
         for k in range(N):
             w = node_nic2switch(sites[v], k)
             nic2switch[v * N + k] = w

@@ -10,6 +10,10 @@ global ports evenly over its switches (the real port map is not published).
 Routes: minimal = local hop, global link, local hop (ECMP over the 4 global links);
 a fraction `nonminimal` of every flow takes Valiant paths: inside a group via each of the
 other 30 switches, between groups via each intermediate group (when there are >= 3 groups).
+The real share is set by Slingshot's adaptive routing and is not published;
+nonminimal="balanced" spreads every flow evenly over all minimal and one-intermediate
+paths (30/31 non-minimal inside a group, (G-2)/(G-1) between groups), an oblivious
+stand-in for adaptive routing on a loaded network.
 """
 
 from __future__ import annotations
@@ -27,14 +31,16 @@ FRONTIER_GLOBAL_LINKS = 4
 SLINGSHOT_BW = 25 * GB
 
 
-def _check_fraction(name: str, v: float) -> None:
-    if not 0.0 <= v <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {v}")
+def _check_fraction(name: str, v: float | str) -> None:
+    if v == "balanced":
+        return
+    if isinstance(v, str) or not 0.0 <= v <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1] or 'balanced', got {v!r}")
 
 
 def frontier(
     nodes: int,
-    nonminimal: float = 0.0,
+    nonminimal: float | str = 0.0,
     if_efficiency: float = 0.75,
     link_latency: float = 0.0,
     groups: int | None = None,
@@ -71,15 +77,13 @@ def frontier_node(if_efficiency: float = 0.75, link_latency: float = 0.0) -> Net
     return frontier(1, if_efficiency=if_efficiency, link_latency=link_latency)
 
 
-def _dragonfly_wire(b: NetworkBuilder, sw: list[int], groups: int, nonminimal: float,
+def _dragonfly_wire(b: NetworkBuilder, sw: list[int], groups: int, nonminimal: float | str,
                     latency: float) -> FabricPaths:
     S, H = FRONTIER_SWITCHES_PER_GROUP, FRONTIER_GLOBAL_LINKS
+    sw_v = np.asarray(sw, dtype=np.int64).reshape(groups, S)
     local = np.full((groups, S, S), -1, dtype=np.int64)
-    for g in range(groups):
-        for a in range(S):
-            for c in range(S):
-                if a != c:
-                    local[g, a, c] = b.link(sw[g * S + a], sw[g * S + c], SLINGSHOT_BW, latency)
+    g_, a_, c_ = np.nonzero(~np.eye(S, dtype=bool)[None].repeat(groups, 0))
+    local[g_, a_, c_] = b.links(sw_v[g_, a_], sw_v[g_, c_], SLINGSHOT_BW, latency)
     gate = np.zeros((groups, max(groups, 1), H), dtype=np.int64)  # gate[A, B, i] switch in A
     glink = np.full((groups, max(groups, 1), H), -1, dtype=np.int64)  # A -> B link id
     for A in range(groups):
@@ -87,20 +91,20 @@ def _dragonfly_wire(b: NetworkBuilder, sw: list[int], groups: int, nonminimal: f
         for j, B in enumerate(peers):
             for i in range(H):
                 gate[A, B, i] = (j * H + i) % S
-    for A in range(groups):
-        for B in range(groups):
-            if A != B:
-                for i in range(H):
-                    glink[A, B, i] = b.link(sw[A * S + gate[A, B, i]], sw[B * S + gate[B, A, i]],
-                                            SLINGSHOT_BW, latency)
+    A_, B_, i_ = np.nonzero(~np.eye(groups, dtype=bool)[:, :, None].repeat(H, 2))
+    glink[A_, B_, i_] = b.links(sw_v[A_, gate[A_, B_, i_]], sw_v[B_, gate[B_, A_, i_]],
+                                SLINGSHOT_BW, latency)
 
     def hop(g: int, p: int, q: int) -> tuple[int, ...]:
         return () if p == q else (int(local[g, p, q]),)
 
+    balanced = nonminimal == "balanced"
+
     def intra(g: int, la: int, lc: int) -> list[Path]:
-        out = [((int(local[g, la, lc]),), 1.0 - nonminimal)]
         mids = [u for u in range(S) if u not in (la, lc)]
-        out += [(hop(g, la, u) + hop(g, u, lc), nonminimal / len(mids)) for u in mids]
+        f = len(mids) / (len(mids) + 1) if balanced else float(nonminimal)
+        out = [((int(local[g, la, lc]),), 1.0 - f)]
+        out += [(hop(g, la, u) + hop(g, u, lc), f / len(mids)) for u in mids]
         return [p for p in out if p[1] > 0]
 
     def shares(A: int, B: int) -> tuple[list[int], float, float]:
@@ -108,7 +112,8 @@ def _dragonfly_wire(b: NetworkBuilder, sw: list[int], groups: int, nonminimal: f
         vias = [C for C in range(groups) if C not in (A, B)]
         if not vias:
             return vias, 1.0 / H, 0.0
-        return vias, (1.0 - nonminimal) / H, nonminimal / (len(vias) * H)
+        f = len(vias) / (len(vias) + 1) if balanced else float(nonminimal)
+        return vias, (1.0 - f) / H, f / (len(vias) * H)
 
     def src_part(A: int, la: int, B: int) -> list[Path]:
         """Hops inside the source group from switch la to the gates of every route."""
@@ -194,19 +199,42 @@ def emulator(
     mbit: float = 100.0,
     loopback_bw: float | None = None,
     link_latency: float = 0.0,
+    groups: int = 1,
+    global_mbit: float | None = None,
+    nic_efficiency: float = 1.0,
     sites: list[int] | None = None,
     scale: list[float] | None = None,
 ) -> Network:
-    """The emulated cluster: each node one NIC shaped to `mbit` Mbit/s per direction on one
-    bridge; its ranks (processes) share that NIC. loopback_bw (bytes/s per rank) models
-    same-node transfers; None leaves them unmodelled (instant)."""
+    """The emulated cluster of `comm.emulate`: each node one NIC shaped to `mbit` Mbit/s per
+    direction on its group's bridge; its ranks (processes) share that NIC and talk to each
+    other over unshaped local routes (loopback_bw None: not modelled, instant). With
+    groups > 1, node i sits in group i * groups // nodes and every group bridge reaches
+    one core bridge over a link of global_mbit Mbit/s per direction. nic_efficiency: the
+    share of the shaped rate the ranks' payload gets (TCP/IP framing, gloo, tbf bursts);
+    1.0 is the ideal, a value below it is a calibration to measure, not a fact."""
     if not mbit > 0:
         raise ValueError(f"mbit must be > 0, got {mbit}")
+    _check_fraction("nic_efficiency", nic_efficiency)
+    if nic_efficiency == 0:
+        raise ValueError("nic_efficiency must be > 0")
+    if not 1 <= groups <= nodes or (groups > 1 and not (global_mbit or 0) > 0):
+        raise ValueError(f"need 1 <= groups <= nodes={nodes} and global_mbit > 0 when "
+                         f"groups > 1, got groups={groups}, global_mbit={global_mbit}")
+    names = [f"bridge{k}" for k in range(groups)] + (["core"] if groups > 1 else [])
+
+    def wire(b: NetworkBuilder, sw: list[int]) -> FabricPaths:
+        if groups == 1:
+            return lambda a, c: []  # one bridge: no switch-to-switch hop
+        bw = float(global_mbit) * 1e6 / 8
+        up = [b.link(sw[k], sw[groups], bw, link_latency) for k in range(groups)]
+        dn = [b.link(sw[groups], sw[k], bw, link_latency) for k in range(groups)]
+        return lambda a, c: [(("pair", a, c), lambda: [((up[a], dn[c]), 1.0)])]
+
     template = star_template(ranks_per_node, 1, loopback_bw, None, 0.0, hub="lo")
     return assemble(f"emulator-{nodes}x{ranks_per_node}-{mbit:g}mbit", template, nodes,
-                    ["bridge"], lambda v, k: 0, mbit * 1e6 / 8, link_latency,
-                    lambda b, sw: lambda a, c: [],  # one bridge: no switch-to-switch hop
-                    sites=sites, scale=scale)
+                    names, lambda v, k: v * groups // nodes, mbit * 1e6 / 8 * nic_efficiency,
+                    link_latency,
+                    wire, sites=sites, scale=scale)
 
 
 def generic(

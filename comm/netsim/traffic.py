@@ -152,7 +152,9 @@ def place(net: Network, nodes: int, how: str = "packed", groups: int | None = No
     topo = Topology(
         rank2node=tuple(int(v) for v in np.repeat(np.arange(nodes), g)),
         rank2local=tuple(int(v) for v in np.tile(np.arange(g), nodes)),
-        rank2domain=tuple(int(v) for v in net.nic2switch[np.maximum(nic, 0)]),
+        # A node's locality domain: the switch of its first NIC (Frontier: its only switch;
+        # DGX: the rail-0 leaf, i.e. its scalable unit).
+        rank2domain=tuple(int(v) for v in np.repeat(net.nic2switch[chosen * _nics(net)], g)),
         rank2group=tuple(int(v) for v in np.repeat(chosen // npg, g)),
         rank2nic=tuple(int(v) for v in np.where(nic >= 0, nic % max(1, _nics(net)), 0)),
     )

@@ -1,0 +1,213 @@
+"""Flat vs HALO vs auto all-to-all on the namespace-emulated cluster (comm.emulate).
+
+    .venv/bin/python benchmarks/bench_alltoall.py                  # the issue's two setups
+    .venv/bin/python benchmarks/bench_alltoall.py --setups 4x2@1000 --sizes 1K,256K,4M
+
+A setup `NxG@M` is N nodes x G ranks per node with M Mbit/s per node NIC. For every message
+size S (bytes per rank pair) and split pattern (balanced: every pair S; skewed: rank d gets
+weight 1/(1 + (d - s) mod R) from rank s, scaled so the mean pair is S), each algorithm runs
+warm-up + repeats; a repeat is barrier -> exchange -> max over ranks of the elapsed time, and
+the median repeat is reported. Numbers per row:
+    algbw_MBps   bytes each rank sends to other ranks (max over ranks) / time
+    vs_flat      time / flat time, measured in the same run (<= 1 means not slower)
+    nic_frac     time the shaped NICs need at least (busiest node direction / rate) / time
+Results are appended to benchmarks/results/alltoall.jsonl (git SHA, device) and plotted in
+benchmarks/results/alltoall.png. Inside each emulated node this script runs as a torchrun
+worker (--worker); the driver never touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+ROW_BYTES = 1024  # one row = 256 fp32 values
+ALGORITHMS = ("flat", "halo", "auto")
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1024, "M": 1024**2}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def split_matrix(R: int, pair_bytes: int, pattern: str) -> list[list[int]]:
+    rows = max(1, pair_bytes // ROW_BYTES)
+    if pattern == "balanced":
+        return [[rows] * R for _ in range(R)]
+    weights = [[1.0 / (1 + (d - s) % R) for d in range(R)] for s in range(R)]
+    return [[max(0, round(rows * R * w / sum(ws))) for w in ws] for ws in weights]
+
+
+def nic_bound_s(S: list[list[int]], G: int, mbit: float) -> float:
+    """Busiest node NIC direction / shaped rate: no algorithm moving these bytes beats it."""
+    R = len(S)
+    nodes = R // G
+    out = [0] * nodes
+    inn = [0] * nodes
+    for s in range(R):
+        for d in range(R):
+            if s // G != d // G:
+                out[s // G] += S[s][d] * ROW_BYTES
+                inn[d // G] += S[s][d] * ROW_BYTES
+    return max(out + inn) / (mbit * 1e6 / 8)
+
+
+# ---- worker (runs under torchrun inside the emulated cluster) ---------------------------
+def worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from comm import CostModel, Topology, all_to_all
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    group = dist.group.WORLD
+    rank, R = dist.get_rank(), dist.get_world_size()
+    topo = Topology.discover(group)
+    G = R // topo.num_nodes
+    mbit = float(os.environ["PIPER_EMU_NIC_MBIT"])
+    model = CostModel(nic_bandwidth=mbit * 1e6 / 8 / G)  # one emulated NIC per node
+    rows_out = []
+    for pattern in args.patterns:
+        for size in args.sizes:
+            S = split_matrix(R, size, pattern)
+            x = torch.randn(sum(S[rank]), ROW_BYTES // 4)
+            samples: dict[str, list[float]] = {a: [] for a in ALGORITHMS}
+            # Algorithms alternate inside each repeat, so drifting load on the shared
+            # machine hits all of them alike instead of whichever ran last.
+            for i in range(args.warmup + args.repeats):
+                for algorithm in ALGORITHMS:
+                    dist.barrier(group)
+                    t0 = time.perf_counter()
+                    all_to_all(x, S[rank], group, algorithm, topology=topo, cost_model=model)
+                    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
+                    if i >= args.warmup:
+                        samples[algorithm].append(dt.item())
+            times = {a: statistics.median(v) for a, v in samples.items()}
+            sent = max(sum(S[s]) - S[s][s] for s in range(R)) * ROW_BYTES
+            bound = nic_bound_s(S, G, mbit)
+            for algorithm, t in times.items():
+                rows_out.append({
+                    "nodes": topo.num_nodes, "gpus_per_node": G, "nic_mbit": mbit,
+                    "pattern": pattern, "pair_bytes": size, "algorithm": algorithm,
+                    "time_s": t, "algbw_MBps": sent / t / 1e6, "vs_flat": t / times["flat"],
+                    "nic_frac": bound / t, "repeats": args.repeats,
+                })
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(rows_out))
+    dist.destroy_process_group()
+    return 0
+
+
+# ---- driver ----------------------------------------------------------------------------
+def git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                             capture_output=True, text=True)
+        return out.stdout.strip() or "uncommitted"
+    except OSError:
+        return "unknown"
+
+
+def run_setup(setup: str, sizes: list[int], args: argparse.Namespace) -> list[dict]:
+    shape, mbit = setup.split("@")
+    nodes, gpus = (int(v) for v in shape.split("x"))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, "-m", "comm.emulate", "--nodes", str(nodes), "--gpus-per-node",
+               str(gpus), "--nic-mbit", mbit, "--timeout-s", str(args.timeout_s), "--",
+               sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out),
+               "--sizes", ",".join(map(str, sizes)), "--patterns", ",".join(args.patterns),
+               "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+        if rc != 0 or not out.exists():
+            print(f"setup {setup} failed with exit status {rc}", file=sys.stderr)
+            return []
+        return json.loads(out.read_text())
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    setups = sorted({(r["nodes"], r["gpus_per_node"], r["nic_mbit"]) for r in rows})
+    fig, axes = plt.subplots(1, len(setups), figsize=(6 * len(setups), 4), squeeze=False)
+    for ax, (n, g, m) in zip(axes[0], setups, strict=True):
+        for pattern, style in (("balanced", "-"), ("skewed", "--")):
+            for algorithm in ALGORITHMS:
+                pts = sorted((r["pair_bytes"], r["nic_frac"]) for r in rows
+                             if (r["nodes"], r["gpus_per_node"], r["nic_mbit"]) == (n, g, m)
+                             and r["pattern"] == pattern and r["algorithm"] == algorithm)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o",
+                            label=f"{algorithm} {pattern}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes per rank pair")
+        ax.set_ylabel("fraction of the shaped-NIC bound")
+        ax.set_title(f"{n} nodes x {g} ranks, {m:g} Mbit/s NIC (emulated)")
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--setups", default="8x2@100,4x2@1000",
+                   help="comma list of NODESxGPUS@MBIT")
+    p.add_argument("--sizes", default=None, help="bytes per pair, e.g. 1K,256K,16M "
+                   "(default: 1K..1M at <= 100 Mbit/s, 1K..16M above: 16 MB x 14 peers at "
+                   "100 Mbit/s would take 36 s per repeat)")
+    p.add_argument("--patterns", default="balanced,skewed")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeout-s", type=float, default=900)
+    args = p.parse_args()
+    args.patterns = args.patterns.split(",")
+    if args.worker:
+        args.sizes = [int(v) for v in args.sizes.split(",")]
+        return worker(args)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    meta = {"git_sha": git_sha(), "device": f"{platform.node()} {platform.processor() or 'cpu'}"
+            f" ({os.cpu_count()} cores), emulated NICs", "time": time.strftime("%FT%T")}
+    rows = []
+    for setup in args.setups.split(","):
+        mbit = float(setup.split("@")[1])
+        default = "1K,16K,256K,1M" if mbit <= 100 else "1K,16K,256K,1M,4M,16M"
+        sizes = [parse_size(s) for s in (args.sizes or default).split(",")]
+        rows += [{**meta, **r} for r in run_setup(setup, sizes, args)]
+    with open(RESULTS / "alltoall.jsonl", "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    print(f"{'setup':<12} {'pattern':<9} {'pair':>8} {'algo':<5} {'time ms':>9} "
+          f"{'algbw MB/s':>10} {'vs flat':>8} {'NIC frac':>8}")
+    for r in rows:
+        setup = f"{r['nodes']}x{r['gpus_per_node']}@{r['nic_mbit']:g}"
+        print(f"{setup:<12} {r['pattern']:<9} {r['pair_bytes']:>8} {r['algorithm']:<5} "
+              f"{r['time_s'] * 1e3:>9.2f} {r['algbw_MBps']:>10.2f} {r['vs_flat']:>8.3f} "
+              f"{r['nic_frac']:>8.3f}")
+    if rows:
+        plot(rows, RESULTS / "alltoall.png")
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

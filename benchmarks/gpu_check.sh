@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One command for the scarce GPU time (issue 3, `make gpu-check`): the GPU test tier (compiled
+# Triton kernels, fp16 + bf16), autotuning of one preset, and both benchmarks, every result in
+# one folder. Budget: under 8 minutes on one GPU; each step has its own time limit so one hang
+# cannot eat the rest, and a failed step does not stop the later ones.
+#
+#   benchmarks/gpu_check.sh [OUT_DIR]     (default benchmarks/results/gpu-<date>)
+#   PRESET=qwen3-30b-a3b PY=python benchmarks/gpu_check.sh /tmp/run1
+#
+# OUT_DIR gets: env.txt, summary.txt (one line per step with its exit status and seconds),
+# <step>.log for every step, gpu-tests.xml (JUnit), autotune-cache.json, bench_*.jsonl/.png.
+# Exit status: 0 when every step passed, 1 otherwise, 2 when no GPU is visible.
+set -u -o pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${1:-$ROOT/benchmarks/results/gpu-$(date +%Y%m%d-%H%M%S)}"
+PRESET="${PRESET:-mixtral-8x7b}"
+if [ -z "${PY:-}" ]; then
+  if [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; else PY="$(command -v python3 || command -v python)"; fi
+fi
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+cd "$ROOT" || exit 1
+# Winners land next to the other results and the benchmarks below launch with them.
+export PIPER_KERNELS_CACHE="$OUT/autotune-cache.json"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# Triton's compile cache inside OUT keeps this run independent of a stale ~/.triton.
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$OUT/triton-cache}"
+unset TRITON_INTERPRET PIPER_KERNELS_PIN_CONFIG
+
+{
+  echo "date: $(date -Is)"; echo "host: $(hostname)"; echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo none)"
+  echo "python: $PY"
+  "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "hip", torch.version.hip); print("triton", triton.__version__); print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'
+  nvidia-smi 2>/dev/null || rocm-smi 2>/dev/null || true
+} > "$OUT/env.txt" 2>&1
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "gpu_check: no CUDA/ROCm GPU visible to $PY (see $OUT/env.txt)" | tee "$OUT/summary.txt" >&2
+  exit 2
+fi
+
+status=0
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to OUT/NAME.log
+  local name="$1" limit="$2"; shift 2
+  local t0=$SECONDS rc
+  echo "== $name (limit ${limit}s): $*"
+  timeout --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  [ $rc -eq 124 ] && echo "   timed out after ${limit}s" >> "$OUT/$name.log"
+  printf '%-20s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$OUT/summary.txt"
+  tail -n 4 "$OUT/$name.log" | sed 's/^/   /'
+  [ $rc -eq 0 ] || status=1
+}
+
+# 1. Kernel tests compiled on the GPU (fp16, bf16; larger shapes than the interpreter's).
+#    Most of the time is Triton compiling ~20 kernel variants.
+step gpu-tests 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_triton.py \
+  --junitxml="$OUT/gpu-tests.xml" --durations=10
+# 2. Autotune one preset (6 GEMM problems x <= 6 candidates); writes $PIPER_KERNELS_CACHE.
+step autotune 110 "$PY" -m kernels.autotune --model "$PRESET" --tokens 4096 --max-configs 6
+# 3. Grouped GEMM TFLOPS vs torch._grouped_mm, a per-expert loop and a dense GEMM.
+step bench-grouped-gemm 120 "$PY" benchmarks/bench_grouped_gemm.py --out "$OUT" --repeats 10
+# 4. MoE layer fwd+bwd vs transformers' MixtralSparseMoeBlock and a dense SwiGLU (bf16).
+step bench-moe-layer 60 "$PY" benchmarks/bench_moe_layer.py --out "$OUT" --repeats 10 \
+  --warmup 3 --skip-eager
+
+echo "results in $OUT (status $status)"
+exit $status

@@ -1,0 +1,122 @@
+"""Tune the grouped GEMM kernels for one model's expert shapes on this GPU and cache the winners.
+
+    python -m kernels.autotune --model mixtral-8x7b [--tokens 8192] [--dtype bfloat16]
+                               [--cache PATH] [--max-configs 12]
+
+Legend: D d_model, F moe_ffn_dim, E routed experts, k top-k, M = tokens * k rows.
+
+The expert SwiGLU runs six grouped GEMM problems per step, each keyed by (op, dtype, N, K, E):
+fwd w1/w3 (K=D, N=F) and w2 (K=F, N=D); dx of those (same kernel on w^T: N and K swap);
+dw of those (a grouped reduction over rows). For each, every candidate of
+``kernels._tuning.gemm_configs`` is timed with ``triton.testing.do_bench`` on balanced routing
+(M / E rows per expert) and the fastest is stored in the JSON cache under
+"<device name>|triton-<version>"; ``grouped_gemm`` reads that cache at launch. Without a GPU
+this says so and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kernels._tuning import GemmConfig, default_cache_path, gemm_configs, problem_key, store
+
+
+def problems(D: int, F: int) -> list[tuple[str, int, int]]:
+    """(op, N, K) of the expert SwiGLU's grouped GEMMs; w1 and w3 share a shape."""
+    return [("fwd", F, D), ("fwd", D, F), ("dx", D, F), ("dx", F, D), ("dw", F, D), ("dw", D, F)]
+
+
+def _bench(op: str, cfg: GemmConfig, M: int, N: int, K: int, E: int, dtype: torch.dtype,
+           device: torch.device) -> float:
+    """Median milliseconds of one launch of ``op`` with ``cfg`` (balanced routing)."""
+    import triton.testing
+
+    from kernels import _grouped_gemm_triton as tri
+
+    counts = torch.full((E,), M // E, dtype=torch.long)
+    counts[: M - int(counts.sum())] += 1
+    offs = torch.cumsum(counts, 0, dtype=torch.int32).to(device)
+    if op == "fwd":
+        x = torch.randn(M, K, device=device, dtype=dtype)
+        w = torch.randn(E, K, N, device=device, dtype=dtype)
+        fn = lambda: tri.gmm(x, w, offs, config=cfg)  # noqa: E731
+    elif op == "dx":
+        dy = torch.randn(M, K, device=device, dtype=dtype)  # the dx GEMM reads dy [M, F]
+        w = torch.randn(E, N, K, device=device, dtype=dtype)  # w [E, D, F] seen transposed
+        fn = lambda: tri.gmm_dx(dy, w, offs, config=cfg)  # noqa: E731
+    else:
+        x = torch.randn(M, K, device=device, dtype=dtype)
+        dy = torch.randn(M, N, device=device, dtype=dtype)
+        fn = lambda: tri.gmm_dw(x, dy, offs, config=cfg)  # noqa: E731
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def tune(model: str, tokens: int, dtype: torch.dtype, max_configs: int,
+         device: torch.device) -> dict[str, GemmConfig]:
+    from model import presets  # lazy: kernels does not depend on model otherwise
+
+    cfg = presets.get(model)
+    D, F, E, k = cfg.d_model, cfg.moe_ffn_dim, cfg.n_routed_experts, cfg.top_k
+    M = tokens * k
+    elem = torch.empty((), dtype=dtype).element_size()
+    winners: dict[str, GemmConfig] = {}
+    print(f"{model}: D={D} F={F} E={E} k={k} M={M} {dtype} on {torch.cuda.get_device_name(device)}")
+    for op, N, K in problems(D, F):
+        key = problem_key(op, dtype, N, K, E)
+        if key in winners:
+            continue
+        results = []
+        for c in gemm_configs(op, N, K, E, elem)[:max_configs]:
+            try:
+                ms = _bench(op, c, M, N, K, E, dtype, device)
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
+                print(f"  {key}: {c} failed: {type(exc).__name__}: {str(exc)[:80]}")
+                continue
+            results.append((ms, c))
+        if not results:
+            print(f"  {key}: no candidate ran; keeping the default", file=sys.stderr)
+            continue
+        results.sort(key=lambda r: r[0])
+        ms, best = results[0]
+        default_ms = next((m for m, c in results if c == gemm_configs(op, N, K, E, elem)[0]), ms)
+        flops = 2.0 * M * N * K
+        print(f"  {key}: best {best} {ms:.3f} ms ({flops / ms / 1e9:.1f} TFLOPS), "
+              f"default {default_ms:.3f} ms, {len(results)} configs")
+        winners[key] = best
+    return winners
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kernels.autotune", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="a model.presets name, e.g. mixtral-8x7b")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per step per GPU (rows = tokens*top_k)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--cache", type=Path, default=None, help=f"JSON cache (default {default_cache_path()}; launches read a non-default one when PIPER_KERNELS_CACHE names it)")
+    p.add_argument("--max-configs", type=int, default=12, help="candidates tried per problem")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels.autotune: no CUDA/ROCm GPU visible; autotuning measures a GPU, nothing "
+              "to do on this machine", file=sys.stderr)
+        return 2
+    if args.tokens < 1 or args.max_configs < 1:
+        p.error(f"--tokens={args.tokens} and --max-configs={args.max_configs} must be >= 1")
+    device = torch.device("cuda", torch.cuda.current_device())
+    t0 = time.perf_counter()
+    try:
+        winners = tune(args.model, args.tokens, getattr(torch, args.dtype), args.max_configs, device)
+    except KeyError as exc:
+        print(f"kernels.autotune: {exc}", file=sys.stderr)
+        return 2
+    path = args.cache or default_cache_path()
+    store(path, device, winners)
+    print(f"stored {len(winners)} winners in {path} ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The namespace emulator: a real 2-node cluster on this machine, and clean teardown.
+
+Runs by default where network namespaces work (root + iproute2); skips cleanly elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comm.emulate import EmulatedCluster, EmulatorError, leftovers, node_address
+
+
+def _netns_works() -> bool:
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    name = f"pmoe-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if made:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return made
+
+
+needs_netns = pytest.mark.skipif(not _netns_works(), reason="needs root and ip netns")
+
+
+@pytest.mark.netns
+@pytest.mark.multiproc
+@needs_netns
+def test_two_node_cluster_runs_halo_check_and_cleans_up(tmp_path: Path) -> None:
+    out = tmp_path / "check.json"
+    cluster = EmulatedCluster(nodes=2, gpus_per_node=2, nic_mbit=200, tag=f"{os.getpid()}a")
+    with cluster:
+        assert len(leftovers(cluster.prefix)) > 0  # the namespaces really exist
+        rc = cluster.run([sys.executable, "-m", "comm.selfcheck", "--out", str(out)],
+                         timeout_s=150)
+    assert leftovers(cluster.prefix) == []
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["num_nodes"] == 2, result
+    assert result["rank2node"] == [0, 0, 1, 1]  # discovered from namespaces + torchrun env
+    assert {"random/halo", "empty_ranks/halo", "all_empty/auto"} <= set(result["passed"])
+
+
+@pytest.mark.netns
+@needs_netns
+def test_failing_command_returns_status_and_tears_down() -> None:
+    cluster = EmulatedCluster(nodes=2, gpus_per_node=1, nic_mbit=100, groups=2,
+                              global_mbit=50, tag=f"{os.getpid()}b")
+    with cluster:
+        rc = cluster.run(["false"], timeout_s=60)
+    assert rc != 0
+    assert leftovers(cluster.prefix) == []
+
+
+@pytest.mark.netns
+@needs_netns
+def test_latency_without_netem_fails_clearly() -> None:
+    cluster = EmulatedCluster(nodes=2, gpus_per_node=1, nic_mbit=100, latency_ms=2,
+                              tag=f"{os.getpid()}c")
+    try:
+        with cluster:  # where the kernel has netem, the delayed cluster simply builds
+            pass
+    except EmulatorError as e:
+        assert "netem" in str(e) and "--latency-ms" in str(e)
+    assert leftovers(cluster.prefix) == []
+
+
+def test_cli_rejects_bad_arguments() -> None:
+    from comm.emulate import main
+
+    assert main(["--nodes", "0", "--gpus-per-node", "1", "--nic-mbit", "1", "--", "true"]) == 2
+    assert main(["--nodes", "2", "--gpus-per-node", "1", "--nic-mbit", "1", "--groups", "2",
+                 "--", "true"]) == 2
+    with pytest.raises(SystemExit, match="missing '--'"):
+        main(["--nodes", "2"])
+    assert node_address(0) == "198.18.0.1" and node_address(251) == "198.18.1.2"
+    with pytest.raises(ValueError, match="0..499"):
+        node_address(500)
+
+
+@pytest.mark.netns
+@needs_netns
+def test_sigterm_tears_everything_down() -> None:
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "comm.emulate", "--nodes", "2", "--gpus-per-node", "1",
+           "--nic-mbit", "100", "--", "sleep", "60"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    prefix = f"pmoe-{proc.pid}"
+    deadline = time.monotonic() + 30
+    while len(leftovers(prefix)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leftovers(prefix), "the cluster never came up"
+    time.sleep(1.0)  # let the agents start, so there are processes to stop as well
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert leftovers(prefix) == []

@@ -1,0 +1,54 @@
+"""`python -m tuner plan`: the plan file train.py reads, launch lines, and clear refusals."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+import pytest
+
+from trainer.config import parse_args
+from tuner.cli import main
+
+
+def test_plan_writes_a_plan_train_py_accepts(tmp_path, capsys):
+    rc = main(["plan", "--model", "mixtral-8x7b", "--platform", "frontier", "--gpus", "64",
+               "--global-batch", "512", "--trials", "10", "--out", str(tmp_path),
+               "--storage", str(tmp_path / "study.db")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    plan_path = tmp_path / "mixtral-8x7b-frontier-64.toml"
+    data = tomllib.loads(plan_path.read_text())
+    run = parse_args(["--plan", str(plan_path)])  # what train.py does with --plan
+    par = data["run"]["parallel"]
+    assert (run.parallel.pp, run.parallel.ep, run.parallel.dp) == (par["pp"], par["ep"], par["dp"])
+    assert run.parallel.pp * run.parallel.ep * run.parallel.dp == 64
+    assert run.model.preset == "mixtral-8x7b" and run.train.global_batch == 512
+    assert run.comm.alltoall == data["run"]["comm"]["alltoall"]
+    assert 0 < data["plan"]["predicted_mfu"] < 1
+    assert data["plan"]["predicted_peak_memory_gb"] <= 64 * 0.9
+    assert "torchrun --nnodes 8 --nproc-per-node 8" in out and f"--plan {plan_path}" in out
+    sbatch = (tmp_path / "mixtral-8x7b-frontier-64.sbatch").read_text()
+    assert "#SBATCH --nodes=8" in sbatch and "srun" in sbatch
+    assert (tmp_path / "mixtral-8x7b-frontier-64.png").stat().st_size > 0
+    assert (tmp_path / "study.db").is_file()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "deepseek-v3", "--platform", "summit", "--gpus", "64"],
+     "unknown platform 'summit'; valid: dgx-h100, frontier, h200-node"),
+    (["--model", "deepseek-v3", "--platform", "frontier", "--gpus", "12"],
+     "use 8 or 16"),
+    (["--model", "deepseek-v3", "--platform", "frontier", "--gpus", "64"],
+     "does not fit on 64 x frontier GPUs: .* It would fit on 512 GPUs"),
+    (["--model", "gpt-5", "--platform", "frontier", "--gpus", "64"],
+     "unknown model preset 'gpt-5'; valid:"),
+    (["--model", "tiny", "--platform", "frontier", "--gpus", "8", "--measure", "2"],
+     "not implemented yet"),
+])
+def test_bad_requests_say_what_would_fit(args, message, capsys, tmp_path):
+    rc = main(["plan", *args, "--global-batch", "512", "--trials", "5", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("error: ")
+    assert re.search(message, err), err

@@ -1,0 +1,143 @@
+"""Pipeline parallelism for `MoETransformer`: stage split, stage modules, train and eval steps.
+
+Each rank builds the full model from the seed (so weights equal a 1-process run), shards its
+experts (`parallelize`), then keeps only the layers of its stages: the others are replaced by
+`RemovedLayer` placeholders so parameter names stay global (`layers.5.ffn.experts.w1`) and a
+checkpoint loads under any PP degree. Stage s of S = pp * n_virtual stages runs on PP rank
+s % pp; it owns layers [bounds[s], bounds[s+1]); the embedding sits on stage 0, the final norm
+and the head on stage S-1.
+
+MoE aux losses: each stage adds the aux loss of its own MoE layers to the micro-batch objective
+through the runtime's `aux_fn`, so the objective equals the 1-process `ce + aux`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ConfigError
+
+__all__ = ["split_layers", "RemovedLayer", "Stage", "build_stages", "pp_eval_forward"]
+
+
+def split_layers(n_layers: int, n_stages: int, spec: str = "") -> list[int]:
+    """Stage boundaries [0, ..., n_layers] (len n_stages + 1).
+
+    `spec` = comma-separated layer counts per stage ("3,5"); default: as even as possible,
+    earlier stages getting the remainder last (stage 0 also holds the embedding, the last stage
+    the head, so they get no extra layer when the split is uneven).
+    """
+    if spec:
+        try:
+            counts = [int(c) for c in spec.split(",")]
+        except ValueError:
+            raise ConfigError(f"parallel.layer_split={spec!r}: expected comma-separated integers") from None
+        if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 1:
+            raise ConfigError(
+                f"parallel.layer_split={spec!r}: need {n_stages} positive counts (pp x n_virtual) "
+                f"summing to n_layers={n_layers}")
+    else:
+        if n_stages > n_layers:
+            raise ConfigError(f"{n_stages} pipeline stages (pp x n_virtual) exceed the model's "
+                              f"{n_layers} layers; use pp x n_virtual <= {n_layers}")
+        base, extra = divmod(n_layers, n_stages)
+        # middle stages take the remainder: the first and last already carry embedding / head
+        order = list(range(1, n_stages - 1)) + [0, n_stages - 1] if n_stages > 2 else list(range(n_stages))
+        counts = [base] * n_stages
+        for s in order[:extra]:
+            counts[s] += 1
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    return bounds
+
+
+class RemovedLayer(nn.Module):
+    """Placeholder for a layer that lives on another pipeline rank (keeps indices/names)."""
+
+    ffn = None
+    is_moe = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never called
+        raise RuntimeError("this layer lives on another pipeline stage")
+
+
+class Stage(nn.Module):
+    """Layers [lo, hi) of `model`, plus the embedding (first) and norm + head (last)."""
+
+    def __init__(self, model: nn.Module, lo: int, hi: int, first: bool, last: bool,
+                 autocast: bool = False) -> None:
+        super().__init__()
+        self.lo, self.hi, self.first, self.last, self.autocast = lo, hi, first, last, autocast
+        self.embed = model.embed if first else None
+        self.blocks = nn.ModuleList(model.layers[i] for i in range(lo, hi))
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def moe_layers(self) -> list[nn.Module]:
+        return [b.ffn for b in self.blocks if getattr(b, "is_moe", False)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        with ctx:
+            h = self.embed(x) if self.first else x
+            for b in self.blocks:
+                h = b(h)
+            if self.last:
+                return self.lm_head(self.norm(h)).float()
+            return h.float()
+
+
+def build_stages(model: nn.Module, pp: int, pp_idx: int, n_virtual: int, bounds: list[int],
+                 autocast: bool = False) -> dict[int, Stage]:
+    """Keep this rank's stages; strip every other layer and the unused embedding / head."""
+    S = pp * n_virtual
+    mine = [s for s in range(S) if s % pp == pp_idx]
+    stages = {s: Stage(model, bounds[s], bounds[s + 1], s == 0, s == S - 1, autocast) for s in mine}
+    owned = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
+    for i in range(len(model.layers)):
+        if i not in owned:
+            model.layers[i] = RemovedLayer()
+    if 0 not in mine:
+        model.embed = None
+    if S - 1 not in mine:
+        model.norm = None
+        model.lm_head = None
+    return stages
+
+
+def ce_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def moe_aux(stage: int, module: Stage, output: torch.Tensor) -> torch.Tensor | None:
+    """The runtime's aux hook: the summed aux loss of the stage's MoE layers for this forward."""
+    layers = module.moe_layers()
+    if not layers:
+        return None
+    return sum(layer.last_aux_loss for layer in layers)
+
+
+@torch.no_grad()
+def pp_eval_forward(stages: dict[int, Stage], pp: int, n_stages: int, pp_ranks: list[int],
+                    tokens: torch.Tensor | None, targets: torch.Tensor | None,
+                    act_shape: tuple[int, ...], device: torch.device) -> float | None:
+    """Forward one batch through all stages in order with blocking P2P; CE on the last stage."""
+    x = tokens
+    for s in range(n_stages):
+        r = s % pp
+        if s in stages:
+            if s > 0 and (s - 1) % pp != r:
+                x = torch.empty(act_shape, device=device)
+                dist.recv(x, src=pp_ranks[(s - 1) % pp])
+            x = stages[s](x)
+            if s < n_stages - 1 and (s + 1) % pp != r:
+                dist.send(x.contiguous(), dst=pp_ranks[(s + 1) % pp])
+    if n_stages - 1 in stages:
+        return float(ce_loss(x, targets))
+    return None

@@ -1,0 +1,194 @@
+"""`python -m tuner measure`: micro-benchmark this machine into `configs/platforms/local.toml`.
+
+On a CPU machine a "device" is one training process: `n_procs` of them share the cores, each
+with cores / n_procs intra-op threads (what train.py gives each rank), so every compute rate
+is measured with that many threads. Measured, each as the median of repeats after a warm-up:
+    GEMM          fp32 matmul over shapes -> peak = best shape; gemm_efficiency = median / best
+    grouped GEMM  model.GroupedExperts (SwiGLU, uneven token counts) -> its efficiency
+    attention     scaled_dot_product_attention forward + backward -> its efficiency
+    memory        large tensor copy (read + write bytes / s) -> hbm_bandwidth
+    all-to-all    torch.distributed all_to_all_single over message sizes on `n_procs` gloo
+                  processes -> bandwidth and per-message latency by a least-squares fit
+                  t = latency + bytes / bandwidth
+    P2P           send/recv ping-pong between ranks 0 and 1, fitted the same way
+Everything runs on one node, so the network (NIC) entries repeat the intra-node fit.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tuner.platform import Platform
+
+__all__ = ["measure_platform", "fit_latency_bandwidth", "write_platform_toml"]
+
+
+def fit_latency_bandwidth(sizes: list[float], times: list[float]) -> tuple[float, float]:
+    """Least-squares fit of t = latency + size / bandwidth; returns (latency s, bytes/s).
+    The latency is clamped at 0 (a negative intercept is noise)."""
+    if len(sizes) != len(times) or len(sizes) < 2:
+        raise ValueError(f"need >= 2 (size, time) pairs of equal length, got {len(sizes)}, {len(times)}")
+    mx, my = statistics.fmean(sizes), statistics.fmean(times)
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    if sxx == 0:
+        raise ValueError(f"sizes must differ to fit a bandwidth, got {sizes}")
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, times, strict=True)) / sxx
+    if slope <= 0:
+        raise ValueError(f"time does not grow with size (slope {slope}); the timings are noise")
+    return max(my - slope * mx, 0.0), 1.0 / slope
+
+
+def _median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _gemm_rates(shapes: list[tuple[int, int, int]], repeats: int) -> list[float]:
+    out = []
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        out.append(2 * m * k * n / _median_time(lambda a=a, b=b: a @ b, repeats))
+    return out
+
+
+def _grouped_rate(E: int, D: int, F_: int, tokens: int, repeats: int) -> float:
+    from model import GroupedExperts
+
+    ex = GroupedExperts(E, D, F_)
+    for w in ex.parameters():
+        torch.nn.init.normal_(w, std=0.02)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.randint(0, E, (tokens,), generator=g), minlength=E)
+    x = torch.randn(tokens, D, requires_grad=True)
+
+    def step() -> None:
+        ex(x, counts).sum().backward()
+
+    return 3 * 2 * 3 * tokens * D * F_ / _median_time(step, repeats)  # fwd + 2x bwd, 3 GEMMs
+
+
+def _attention_rate(B: int, H: int, S: int, hd: int, repeats: int) -> float:
+    q, k, v = (torch.randn(B, H, S, hd, requires_grad=True) for _ in range(3))
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    # The model's FLOP convention counts the full s x s products (no causal discount).
+    return 3 * 4 * B * H * S * S * hd / _median_time(step, repeats)
+
+
+def _copy_bandwidth(nbytes: int, repeats: int) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _median_time(lambda: dst.copy_(src), repeats)
+
+
+def _comm_worker(rank: int, world: int, group: object, sizes: list[int], repeats: int) -> dict:
+    """Median seconds of all_to_all_single and of a 0 <-> 1 ping-pong per message size."""
+    out: dict[str, list[float]] = {"a2a": [], "p2p": []}
+    for nb in sizes:
+        n = max(world, nb // 4 // world * world)
+        x, y = torch.ones(n), torch.empty(n)
+        out["a2a"].append(_median_time(lambda x=x, y=y: dist.all_to_all_single(y, x, group=group), repeats))
+        buf = torch.ones(max(1, nb // 4))
+
+        def ping(buf: torch.Tensor = buf) -> None:
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        # Half a round trip is one transfer.
+        out["p2p"].append(_median_time(ping, repeats) / 2)
+        dist.barrier()
+    return out
+
+
+def write_platform_toml(p: Platform, path: Path, comments: dict[str, str]) -> Path:
+    """Write `p` in the platform-file layout, a comment after each measured value."""
+    lines = ["# Measured on this machine by `python -m tuner measure`; rerun to refresh.",
+             "# Units: TFLOPS, GB (1e9 bytes), GB/s per direction, microseconds.", ""]
+    d = p.to_dict()
+    for key in ("name", "description", "device", "backend", "launcher"):
+        lines.append(f'{key} = "{d[key]}"')
+    for section in ("compute", "memory", "node", "network"):
+        lines.append(f"\n[{section}]")
+        for key, v in d[section].items():
+            note = comments.get(key, "")
+            val = str(v) if isinstance(v, int) else f"{v:.6g}"
+            if "." not in val and "e" not in val and not isinstance(v, int):
+                val += ".0"
+            lines.append(f"{key} = {val}" + (f"  # {note}" if note else ""))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def measure_platform(out: Path, n_procs: int = 2, quick: bool = False) -> Path:
+    """Run the micro-benchmarks (about 60 s; a few seconds with `quick`) and write `out`."""
+    from comm import run_local
+
+    if n_procs < 2:
+        raise ValueError(f"n_procs={n_procs}: collectives need at least 2 processes")
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // n_procs)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    reps = 3 if quick else 7
+    try:
+        shapes = [(256, 256, 256), (512, 512, 512)] if quick else \
+            [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (2048, 512, 2048), (4096, 256, 1024)]
+        rates = _gemm_rates(shapes, reps)
+        peak = max(rates)
+        grouped = _grouped_rate(8, 128, 256, 1024 if quick else 4096, reps)
+        attn = _attention_rate(2, 4, 128 if quick else 256, 32, reps)
+        copy = _copy_bandwidth((32 if quick else 256) * 2**20, reps)
+    finally:
+        torch.set_num_threads(saved)
+    sizes = [2**12, 2**16, 2**20] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22]
+    res = run_local(_comm_worker, n_procs, sizes, reps)[0]
+    a2a_lat, a2a_bw_total = fit_latency_bandwidth(sizes, res["a2a"])
+    p2p_lat, p2p_bw = fit_latency_bandwidth(sizes, res["p2p"])
+    # An all-to-all of B bytes per rank moves B (n-1)/n off each rank: report per-rank
+    # injection bandwidth, the quantity the model divides by.
+    a2a_bw = a2a_bw_total * (n_procs - 1) / n_procs
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    p = Platform(
+        name="local", description=f"this machine: {n_procs} processes x {threads} threads, gloo",
+        device=f"CPU process ({threads} threads)", backend="gloo", launcher="torchrun",
+        peak_flops=peak, hbm_bytes=ram / n_procs, gpus_per_node=n_procs,
+        nic_bandwidth=p2p_bw, nics_per_node=n_procs, intra_node_bandwidth=a2a_bw,
+        gemm_efficiency=min(1.0, statistics.median(rates) / peak),
+        grouped_gemm_efficiency=min(1.0, grouped / peak),
+        attention_efficiency=min(1.0, attn / peak), hbm_bandwidth=copy, usable_fraction=0.9,
+        intra_node_latency=a2a_lat, network_latency=p2p_lat,
+    )
+    notes = {
+        "peak_tflops": f"best fp32 GEMM of {len(shapes)} shapes, {threads} threads",
+        "gemm_efficiency": "median GEMM / best",
+        "grouped_gemm_efficiency": "model.GroupedExperts fwd+bwd, 8 experts, uneven counts",
+        "attention_efficiency": "sdpa fwd+bwd, causal, no causal discount in FLOPs",
+        "hbm_gb": "physical RAM / processes",
+        "hbm_bandwidth_gbs": "tensor copy, read + write",
+        "intra_node_bandwidth_gbs": f"gloo all_to_all_single fit, {n_procs} processes",
+        "intra_node_latency_us": "all_to_all_single fit intercept",
+        "nic_bandwidth_gbs": "gloo send/recv fit (one node: loopback)",
+        "network_latency_us": "send/recv fit intercept",
+    }
+    return write_platform_toml(p, out, notes)
