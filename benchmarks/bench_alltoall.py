@@ -19,6 +19,7 @@ worker (--worker); the driver never touches torch.distributed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -68,16 +69,20 @@ def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from comm import CostModel, Topology, all_to_all
+    from comm import CostModel, Topology, all_to_all, calibrate
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     group = dist.group.WORLD
     rank, R = dist.get_rank(), dist.get_world_size()
-    topo = Topology.discover(group)
+    # Discovery finds the nodes (one namespace each) but cannot see that an emulated node
+    # has a single NIC shared by its ranks; say so, and give the cost model its rate.
+    topo = dataclasses.replace(Topology.discover(group), rank2nic=(0,) * R)
     G = R // topo.num_nodes
     mbit = float(os.environ["PIPER_EMU_NIC_MBIT"])
-    model = CostModel(nic_bandwidth=mbit * 1e6 / 8 / G)  # one emulated NIC per node
+    model = calibrate(group, topo, row_numel=ROW_BYTES // 4,
+                      base=CostModel.for_backend("gloo", nic_bandwidth=mbit * 1e6 / 8))
+    calibrated = {f"model_{k}": v for k, v in dataclasses.asdict(model).items()}
     rows_out = []
     for pattern in args.patterns:
         for size in args.sizes:
@@ -103,7 +108,7 @@ def worker(args: argparse.Namespace) -> int:
                     "nodes": topo.num_nodes, "gpus_per_node": G, "nic_mbit": mbit,
                     "pattern": pattern, "pair_bytes": size, "algorithm": algorithm,
                     "time_s": t, "algbw_MBps": sent / t / 1e6, "vs_flat": t / times["flat"],
-                    "nic_frac": bound / t, "repeats": args.repeats,
+                    "nic_frac": bound / t, "repeats": args.repeats, **calibrated,
                 })
     if rank == 0:
         Path(args.out).write_text(json.dumps(rows_out))

@@ -14,13 +14,15 @@ Sweeps (all unpublished quantities are swept, not guessed):
 The published claim (REFERENCE.md 1.4): HALO 1.2-9x the vendor all-to-all at 16-512 nodes.
 Speed section: the flat all-to-all over 1024 GPUs, full (10^6 flows) and lumped, warm-up +
 median of --repeats.
+DGX section: the rail-optimised fat tree (dgx_fat_tree) with spine taper 1, 2, 4, 4-256
+nodes, 1 MiB per pair, bandwidth only: HALO's rail-aligned phase II avoids the spines.
 Validation section: every flat / HALO row that benchmarks/bench_alltoall.py measured on the
 emulated cluster (results/alltoall.jsonl) is simulated on `emulator(nodes, G, mbit)` with
 the same split matrix; predicted vs measured time and the error are printed and stored.
 
     python benchmarks/bench_netsim.py             # full sweep, ~10 min on 2 cores
     python benchmarks/bench_netsim.py --quick     # 2-64 nodes, packed, balanced only
-    python benchmarks/bench_netsim.py --validate-only
+    python benchmarks/bench_netsim.py --sections dgx,validate
 
 Results: benchmarks/results/bench_netsim.jsonl (rows appended), bench_netsim.png.
 """
@@ -41,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from comm.netsim import (
+    dgx_fat_tree,
     emulator,
     flat_all_to_all,
     frontier,
@@ -50,6 +53,7 @@ from comm.netsim import (
     uniform_splits,
 )
 from comm.netsim.cli import Case, format_table, run_case
+from comm.netsim.topologies import FRONTIER_GROUPS
 from comm.topology import Topology
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -78,7 +82,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
     print(format_table([]) + "  routing   ratio")
     for routing in routings:
         nm = 0.0 if routing == "minimal" else "balanced"
-        build = functools.partial(frontier, 1024, nonminimal=nm, groups=74)
+        build = functools.partial(frontier, 1024, nonminimal=nm, groups=FRONTIER_GROUPS)
         net = build()
         for placement in placements:
             for n in nodes:
@@ -92,7 +96,8 @@ def sweep(args: argparse.Namespace) -> list[dict]:
                                               args.seed, groups, nm)
                     ratio = pair["flat"].time_s / pair["halo"].time_s
                     for c in pair.values():
-                        row = asdict(c) | {"routing": routing, "flat_over_halo": ratio}
+                        row = asdict(c) | {"kind": "frontier", "routing": routing,
+                                           "flat_over_halo": ratio}
                         rows.append(row)
                         print(format_table([c]).splitlines()[-1]
                               + f"  {routing:<9} {ratio:5.2f}", flush=True)
@@ -122,6 +127,23 @@ def speed(args: argparse.Namespace) -> list[dict]:
         print(f"flat all-to-all, 1024 GPUs, {mode:<6}: {med:6.2f} s wall (median of "
               f"{args.repeats}), simulated {sim_time * 1e3:.3f} ms")
     return out
+
+
+def dgx(args: argparse.Namespace) -> list[dict]:
+    """HALO vs flat on DGX H100 clusters with tapered spines (bandwidth only)."""
+    rows = []
+    print("\n" + format_table([]) + "  taper   ratio")
+    for taper in (1.0, 2.0, 4.0):
+        build = functools.partial(dgx_fat_tree, 256, taper=taper)
+        net = build()
+        for n in (4, 16, 64, 256):
+            pair = {a: run_case(build, net, n, "packed", a, 1 << 20) for a in ("flat", "halo")}
+            ratio = pair["flat"].time_s / pair["halo"].time_s
+            for c in pair.values():
+                rows.append(asdict(c) | {"kind": "dgx", "taper": taper, "flat_over_halo": ratio})
+                print(format_table([c]).splitlines()[-1] + f"  {taper:<5g} {ratio:5.2f}",
+                      flush=True)
+    return rows
 
 
 def validate() -> list[dict]:
@@ -210,21 +232,22 @@ def main() -> None:
     p.add_argument("--max-random", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-speed", action="store_true")
-    p.add_argument("--validate-only", action="store_true")
+    p.add_argument("--sections", default="frontier,speed,dgx,validate",
+                   help="comma-separated subset of frontier,speed,dgx,validate")
     args = p.parse_args()
+    sections = {x.strip() for x in args.sections.split(",")}
     if args.quick:
         args.max_nodes = min(args.max_nodes, 64)
     RESULTS.mkdir(exist_ok=True)
     meta = {"git": _git_sha(), "device": _device(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    rows = [] if args.validate_only else sweep(args)
-    if not args.no_speed and not args.validate_only:
-        rows += speed(args)
-    rows += validate()
+    rows = sweep(args) if "frontier" in sections else []
+    rows += speed(args) if "speed" in sections else []
+    rows += dgx(args) if "dgx" in sections else []
+    rows += validate() if "validate" in sections else []
     with open(RESULTS / "bench_netsim.jsonl", "a") as f:
         for r in rows:
             f.write(json.dumps(meta | r) + "\n")
-    if not args.validate_only:
+    if "frontier" in sections:
         plot(rows, RESULTS / "bench_netsim.png")
     print(f"\nrows appended to {RESULTS / 'bench_netsim.jsonl'}; plot {RESULTS / 'bench_netsim.png'}")
 

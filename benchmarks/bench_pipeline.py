@@ -70,7 +70,9 @@ class SavedBytes:
             self.live += self.size[key]
             self.peak = max(self.peak, self.live)
         self.refs[key] += 1
-        return _Handle(self, key, t)
+        # detach: a saved *output* keeps its grad_fn, which holds this handle, which would
+        # hold the output: a C++-side cycle that keeps the graph alive forever.
+        return _Handle(self, key, t.detach())
 
     @staticmethod
     def unpack(h: Any) -> torch.Tensor:

@@ -4,7 +4,8 @@ The claim: the Optuna TPE planner finds a layout within 5 % of the best predicte
 that exhaustive enumeration of the same space finds, using no more than a quarter of its
 evaluations. Both sides use the same space, constraints and analytic model; "evaluations"
 are counted three ways and all are reported:
-    proposals     points looked at (exhaustive: the whole space; TPE: its trials)
+    proposals     points looked at (exhaustive: the whole space; TPE: its trials, plus the
+                  neighbours its polishing phase skipped for failing a structural constraint)
     model calls   memory-model + step-time-model calls (structural rejects are free)
     time evals    step-time-model calls (points that passed every constraint)
 For several seeds it reports the first trial whose best is within 5 %, and the ratio after
@@ -70,7 +71,7 @@ def main() -> None:
 
     rows, curves = [], []
     variants = [True, False] if args.univariate else [True]
-    header = f"{'seed':>4} {'tpe':>6} {'trials':>6} {'first<=5%':>9} {'ratio':>6} {'calls':>6} " \
+    header = f"{'seed':>4} {'tpe':>6} {'trials':>6} {'skipped':>7} {'first<=5%':>9} {'ratio':>6} {'calls':>6} " \
              f"{'calls %':>7} {'evals':>5} {'evals %':>7} {'time s':>6}"
     print(header + "\n" + "-" * len(header))
     for mv in variants:
@@ -85,7 +86,7 @@ def main() -> None:
                 "bench": "tuner", "sha": _sha(), "device": pyplatform.processor() or pyplatform.machine(),
                 "model": cfg.name, "platform": pf.name, "gpus": args.gpus, "seq": args.seq,
                 "global_batch": args.global_batch, "space": space.size, "seed": seed,
-                "multivariate": mv, "trials": got.trials, "first_within_5pct": first,
+                "multivariate": mv, "trials": got.trials, "skipped": got.skipped, "first_within_5pct": first,
                 "ratio": got.best.step_time / best, "model_calls": calls,
                 "exhaustive_model_calls": ref_calls, "time_evals": got.evaluations,
                 "exhaustive_time_evals": ref.evaluations, "seconds": dt,
@@ -93,12 +94,12 @@ def main() -> None:
             }
             rows.append(row)
             curves.append((seed, mv, [h / best for h in got.history]))
-            print(f"{seed:>4} {'mv' if mv else 'uni':>6} {got.trials:>6} {str(first):>9} "
+            print(f"{seed:>4} {'mv' if mv else 'uni':>6} {got.trials:>6} {got.skipped:>7} {str(first):>9} "
                   f"{row['ratio']:>6.3f} {calls:>6} {100 * calls / ref_calls:>6.1f}% "
                   f"{got.evaluations:>5} {100 * got.evaluations / max(ref.evaluations, 1):>6.1f}% "
                   f"{dt:>6.1f}")
     mv_rows = [r for r in rows if r["multivariate"]]
-    ok = all(r["ratio"] <= 1.05 and r["trials"] <= space.size / 4
+    ok = all(r["ratio"] <= 1.05 and r["trials"] + r["skipped"] <= space.size / 4
              and r["model_calls"] <= ref_calls / 4 for r in mv_rows)
     print(f"\nclaim (every seed within 5 % in <= 1/4 of the proposals and model calls): "
           f"{'holds' if ok else 'FAILS'}; median first trial within 5 %: "

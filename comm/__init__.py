@@ -3,13 +3,14 @@
 Public API:
     all_to_all(x, in_splits, group, algorithm="flat"|"halo"|"auto", topology=None)
     Topology (uniform / from_file / discover / restrict / summary)
-    halo_plan, RankPlan, Message (the pure plan), CostModel, choose_algorithm
+    halo_plan, RankPlan, Message (the pure plan), CostModel, choose_algorithm, calibrate
     run_local (N local gloo processes), python -m comm.emulate (emulated cluster)
 """
 
 from __future__ import annotations
 
 from comm.alltoall import ALGORITHMS, all_to_all
+from comm.calibrate import calibrate, time_all_to_all
 from comm.cost import CostModel, choose_algorithm, predict_flat, predict_halo
 from comm.discover import decode_slingshot_mac, discover, topology_from_records
 from comm.flat import FlatAllToAll, flat_all_to_all
@@ -28,6 +29,7 @@ __all__ = [
     "RankPlan",
     "Topology",
     "all_to_all",
+    "calibrate",
     "choose_algorithm",
     "decode_slingshot_mac",
     "discover",
@@ -39,5 +41,6 @@ __all__ = [
     "predict_flat",
     "predict_halo",
     "run_local",
+    "time_all_to_all",
     "topology_from_records",
 ]

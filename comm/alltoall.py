@@ -41,7 +41,8 @@ def all_to_all(
     `group` is the process group (None means the default group, as in torch.distributed).
     `topology` describes the ranks of `group` in group-rank order (see `Topology.restrict`);
     "halo" needs it, "auto" falls back to "flat" without it. `out_splits`, when the caller
-    already knows them, skips the split-size exchange of the flat path.
+    already knows them, skips the split-size exchange of the flat path. `cost_model`
+    drives "auto" (default: `CostModel.for_backend` of the group's backend).
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
@@ -94,7 +95,8 @@ def _hierarchical_or_auto(
         )
     if algorithm == "auto":
         row_bytes = x.element_size() * _row_numel(x)
-        algorithm = choose_algorithm(S, row_bytes, topology, cost_model or CostModel())
+        model = cost_model or CostModel.for_backend(dist.get_backend(group))
+        algorithm = choose_algorithm(S, row_bytes, topology, model)
     if algorithm == "flat":
         return flat_all_to_all(x, splits, group, [S[s][rank] for s in range(world)])
     return halo_all_to_all(x, S, topology, group)

@@ -133,6 +133,8 @@ def test_bad_inputs_raise():
         simulate(net, tr, np.arange(3))
     with pytest.raises(ValueError, match="deps"):
         Traffic([0], [1], [1.0], [0], ("a",), ((0,),))
+    with pytest.raises(ValueError, match="cycle"):
+        Traffic([0], [1], [1.0], [0], ("a", "b", "c"), ((2,), (0,), (1,)))
 
 
 def test_emulator_groups_share_the_global_link():

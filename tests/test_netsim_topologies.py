@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from comm.netsim import dgx_fat_tree, emulator, frontier, frontier_node, generic
+from comm.netsim import dgx_fat_tree, emulator, from_platform, frontier, frontier_node, generic
 from comm.netsim.nodes import FRONTIER_IF_LINKS
 
 GB = 1e9
@@ -134,3 +134,21 @@ def test_builders_reject_bad_values():
         emulator(2, 2, mbit=0)
     with pytest.raises(ValueError, match="itself"):
         emulator(2, 2).route(np.array([1]), np.array([1]))
+
+
+def test_from_platform_files():
+    """configs/platforms: Frontier and DGX get their builders, the rest the generic one."""
+    fr = from_platform("frontier", 8)
+    assert fr.name == "frontier-8n" and fr.gpus_per_node == 8
+    dgx = from_platform("dgx-h100", 4)
+    assert dgx.name.startswith("dgx") and len(dgx.nic2switch) == 32
+    desc = {"name": "toy", "node": {"gpus_per_node": 4, "intra_node_bandwidth_gbs": 100.0,
+                                    "nodes_per_domain": 2},
+            "network": {"nics_per_node": 2, "nic_bandwidth_gbs": 10.0}}
+    toy = from_platform(desc, 4)
+    (up,) = _links(toy, "leaf0", "core")
+    assert toy.capacity[up] == 2 * 2 * 10 * GB
+    with pytest.raises(ValueError, match="lacks"):
+        from_platform({"name": "x", "node": {}}, 2)
+    with pytest.raises(ValueError, match="no such file"):
+        from_platform("no-such-platform", 2)

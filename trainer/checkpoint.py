@@ -111,9 +111,12 @@ def find_latest(ckpt_root: Path) -> Path | None:
 
 
 def save_checkpoint(root: str | Path, step: int, model: nn.Module, optim: torch.optim.Optimizer,
-                    meta: dict[str, Any], keep: int = 2, _before_commit=None) -> Path:
+                    meta: dict[str, Any], keep: int = 2, layer_state: dict[str, Any] | None = None,
+                    _before_commit=None) -> Path:
     """Collective: every rank calls it. Returns the committed checkpoint folder.
 
+    `layer_state` ({MoE layer name: JSON-able}, e.g. the migration monitor's window) is gathered
+    from every rank and stored in meta.json under "layer_state".
     `_before_commit(tmp_path)` is a fault-injection hook for tests (called on rank 0 after the
     shards are written, before the commit rename).
     """
@@ -134,13 +137,16 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optim: torch.
         dcp.save(_state(model, optim), checkpoint_id=str(tmp))
     # each pipeline stage knows only its own layers' placement: gather them all for meta.json
     placement = {name: layer.expert2slot.tolist() for name, layer in _moe_layers(model).items()}
+    layer_state = dict(layer_state or {})
     if dist.is_initialized() and dist.get_world_size() > 1:
-        parts: list[dict] = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(parts, placement)
-        placement = {k: v for part in parts for k, v in part.items()}
+        parts: list[tuple[dict, dict]] = [({}, {}) for _ in range(dist.get_world_size())]
+        dist.all_gather_object(parts, (placement, layer_state))
+        placement = {k: v for part, _ in parts for k, v in part.items()}
+        layer_state = {k: v for _, part in parts for k, v in part.items()}
     _barrier()
     if rank == 0:
-        meta = dict(meta, step=step, placement=dict(sorted(placement.items())))
+        meta = dict(meta, step=step, placement=dict(sorted(placement.items())),
+                    layer_state=layer_state)
         if _before_commit is not None:
             _before_commit(tmp)
         _write_atomic(tmp / "meta.json", json.dumps(meta, indent=1))

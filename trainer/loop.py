@@ -32,6 +32,7 @@ from .checkpoint import (
 from .config import ConfigError, RunConfig
 from .data import Corpus, load_corpus
 from .mesh import Mesh, MeshError, valid_divisors
+from .balancing import Balancer
 from .parallel import GradSync, parallelize
 from .pipe import build_stages, ce_loss, moe_aux, pp_eval_forward, split_layers
 
@@ -198,6 +199,12 @@ class Trainer:
              {"params": no_decay, "weight_decay": 0.0}],
             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
         self.step = 0
+        self.balancer = None
+        if self.cfg.balance.enabled and self.mesh.ep > 1 and self.model.moe_layers():
+            from .checkpoint import _moe_layers
+
+            self.balancer = Balancer(self.cfg.balance, _moe_layers(self.model), self.mesh.ep,
+                                     self.mesh.ep_group, self.optim)
         self.peak, self.peak_src = (self.cfg.train.peak_tflops * 1e12, "--train.peak_tflops") \
             if self.cfg.train.peak_tflops > 0 else _peak_flops(self.device)
         self.flops_per_token = self.mcfg.flops_per_token(self.cfg.train.seq_len)
@@ -299,8 +306,11 @@ class Trainer:
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         counts = self._expert_counts()
-        for layer, c in zip(self.model.moe_layers(), counts, strict=True):
-            layer.router.update_bias(c.to(self.device))
+        if self.mcfg.bias_balancing:
+            for layer, c in zip(self.model.moe_layers(), counts, strict=True):
+                layer.router.update_bias(c.to(self.device))
+        imbalance = self._imbalance(counts)  # of the placement this step ran with
+        events = self.balancer.after_step(self.step + 1, counts) if self.balancer else []
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -309,8 +319,8 @@ class Trainer:
         tok_s = t.global_batch * t.seq_len / dt
         mfu = self.flops_per_token * tok_s / (self.peak * self.mesh.world_size) if self.peak else 0.0
         return {"step": self.step, "loss": loss, "aux_loss": aux_v, "lr": lr, "grad_norm": norm,
-                "tokens_per_s": tok_s, "mfu": mfu, "imbalance": self._imbalance(counts),
-                "step_time_s": dt}
+                "tokens_per_s": tok_s, "mfu": mfu, "imbalance": imbalance,
+                "step_time_s": dt, "events": events}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -334,12 +344,15 @@ class Trainer:
     def save(self) -> Path:
         meta = {"model": self.mcfg.to_dict(), "run": self.cfg.to_dict(),
                 "mesh": {"pp": self.mesh.pp, "dp": self.mesh.dp, "ep": self.mesh.ep}}
+        layer_state = self.balancer.state_by_layer() if self.balancer else {}
         return save_checkpoint(self.ckpt_root, self.step, self.model, self.optim, meta,
-                               keep=self.cfg.train.ckpt_keep)
+                               keep=self.cfg.train.ckpt_keep, layer_state=layer_state)
 
     def resume(self, path: Path) -> None:
         meta = load_checkpoint(path, self.model, self.optim, self.mcfg.to_dict())
         self.step = int(meta["step"])
+        if self.balancer is not None:
+            self.balancer.load_state_by_layer(meta.get("layer_state", {}))
 
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -369,9 +382,19 @@ class Trainer:
             if self.step == t.steps:
                 last_val = m["val_loss"] = self.evaluate()
             history.append(m)
+            events = m.pop("events")
             if self.rank == 0:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(m) + "\n")
+                    for ev in events:
+                        f.write(json.dumps(ev) + "\n")
+                for ev in events:
+                    log(f"  migration at step {ev['step']}: {ev['layer']} {ev['swaps']} swap(s), "
+                        f"{ev['moved_experts']} experts moved, {ev['bytes_sent'] / 1e6:.2f} MB sent "
+                        f"by rank 0, {1e3 * ev['seconds']:.1f} ms"
+                        + (f", imbalance {ev['imbalance_before']:.2f} -> "
+                           f"{ev['imbalance_after_planned']:.2f} (window)" if "imbalance_before" in ev else ""),
+                        self.rank)
                 if self.step % t.log_every == 0 or "val_loss" in m or self.step == t.steps:
                     elapsed = time.perf_counter() - t_start
                     eta = elapsed / (self.step - start_step) * (t.steps - self.step)
@@ -420,6 +443,7 @@ def _plot(metrics_path: Path, png: Path) -> None:
         print("matplotlib not installed: no loss plot", file=sys.stderr)
         return
     rows = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
+    rows = [r for r in rows if "loss" in r]  # skip event rows (migrations)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", lw=1)
     val = [r for r in rows if "val_loss" in r]

@@ -218,8 +218,11 @@ def optuna_search(ev: Evaluator, n_trials: int, seed: int = 0, storage: str | No
     expanded: set[tuple] = set()
     skipped = 0
     while len(study.trials) < n_trials:
-        feasible = sorted((c for c in ev.cache.values() if c.estimate), key=lambda c: c.step_time)
-        nxt = next((c for c in feasible if ev.space.key(c.point) not in expanded), None)
+        # Feasible points by step time, then memory-rejected ones by peak memory: with no
+        # feasible point yet the walk moves towards layouts that fit.
+        ranked = sorted((c for c in ev.cache.values() if c.peak_memory is not None),
+                        key=lambda c: (c.estimate is None, c.step_time if c.estimate else c.peak_memory))
+        nxt = next((c for c in ranked if ev.space.key(c.point) not in expanded), None)
         if nxt is None:
             break
         expanded.add(ev.space.key(nxt.point))

@@ -14,7 +14,14 @@ from comm.netsim.engine import SimResult, Traffic, simulate
 from comm.netsim.fairshare import max_min_rates
 from comm.netsim.lumped import lumped_all_to_all
 from comm.netsim.network import Network, NetworkBuilder, Routes
-from comm.netsim.topologies import dgx_fat_tree, emulator, frontier, frontier_node, generic
+from comm.netsim.topologies import (
+    dgx_fat_tree,
+    emulator,
+    from_platform,
+    frontier,
+    frontier_node,
+    generic,
+)
 from comm.netsim.traffic import (
     HALO_PHASES,
     flat_all_to_all,
@@ -34,6 +41,7 @@ __all__ = [
     "dgx_fat_tree",
     "emulator",
     "flat_all_to_all",
+    "from_platform",
     "frontier",
     "frontier_node",
     "generic",

@@ -3,6 +3,7 @@
     python -m comm.netsim --topology frontier --nodes 16 --bytes 1M --algos flat,halo
     python -m comm.netsim --topology emulator --nodes 4 --ranks-per-node 4 --mbit 100
     python -m comm.netsim --topology frontier --nodes 64 --placement spread --machine-nodes 512
+    python -m comm.netsim --topology platform --platform dgx-h100 --nodes 4 16 64
 
 Sizes take K/M/G suffixes (powers of 1024). `--bytes` is what every rank sends every rank
 (uniform splits). Bandwidth in the table = bytes a rank sends to other ranks / time.
@@ -22,12 +23,12 @@ import numpy as np
 from comm.netsim.engine import simulate
 from comm.netsim.lumped import lumped_all_to_all
 from comm.netsim.network import Network
-from comm.netsim.topologies import dgx_fat_tree, emulator, frontier, generic
+from comm.netsim.topologies import dgx_fat_tree, emulator, from_platform, frontier, generic
 from comm.netsim.traffic import PLACEMENTS, flat_all_to_all, halo_all_to_all, place, uniform_splits
 
 __all__ = ["Case", "build_network", "main", "parse_size", "run_case"]
 
-TOPOLOGIES = ("frontier", "dgx", "emulator", "generic")
+TOPOLOGIES = ("frontier", "dgx", "emulator", "generic", "platform")
 ALGOS = ("flat", "halo")
 
 
@@ -74,6 +75,8 @@ def build_network(args: argparse.Namespace, machine_nodes: int) -> Callable[...,
     if args.topology == "dgx":
         return functools.partial(dgx_fat_tree, machine_nodes, taper=args.taper,
                                  link_latency=args.latency)
+    if args.topology == "platform":
+        return functools.partial(from_platform, args.platform, machine_nodes)
     if args.topology == "emulator":
         return functools.partial(emulator, machine_nodes, args.ranks_per_node, mbit=args.mbit,
                                  link_latency=args.latency)
@@ -108,7 +111,8 @@ def run_case(build: Callable[..., Network], net: Network, nodes: int, placement:
     return Case(net.name.split("-")[0], nodes, R, placement, algo, bytes_per_pair, nonminimal,
                 message_gap, message_overhead, res.time,
                 sent / res.time / 1e9 if res.time > 0 else float("inf"), res.phase_end,
-                int(traffic.mult[traffic.src != traffic.dst].sum()) if lump else res.flows,
+                int(traffic.mult[(traffic.src != traffic.dst) | traffic.remote].sum())
+                if lump else res.flows,
                 res.classes, res.events, time.perf_counter() - t0)
 
 
@@ -135,6 +139,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, nargs="+", default=[2], help="job node counts")
     p.add_argument("--machine-nodes", type=int, default=None,
                    help="nodes in the machine (default: the largest job)")
+    p.add_argument("--platform", default="frontier",
+                   help="--topology platform: a configs/platforms name or TOML path")
     p.add_argument("--placement", choices=PLACEMENTS, default="packed")
     p.add_argument("--groups", type=int, default=None, help="spread over this many groups")
     p.add_argument("--groups-in-machine", type=int, default=None,

@@ -75,6 +75,8 @@ class Traffic:
         bad = [(p, q) for p, ds in enumerate(self.deps) for q in ds if not 0 <= q < P or q == p]
         if bad:
             raise ValueError(f"deps {self.deps} name invalid phases {bad}; valid 0..{P - 1}")
+        if _has_cycle(self.deps):
+            raise ValueError(f"deps {self.deps} of phases {self.phases} form a cycle")
         if F and (self.phase.min() < 0 or self.phase.max() >= P):
             raise ValueError(f"phase ids must be in 0..{P - 1}, got {np.unique(self.phase)}")
         if F and (self.nbytes.min() < 0 or min(self.src.min(), self.dst.min()) < 0):
@@ -85,6 +87,21 @@ class Traffic:
     @property
     def num_ranks(self) -> int:
         return int(max(self.src.max(), self.dst.max())) + 1 if len(self.src) else 0
+
+
+def _has_cycle(deps: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether the phase dependency graph has a cycle (its phases would wait forever)."""
+    state = [0] * len(deps)  # 0 new, 1 on the stack, 2 finished
+
+    def visit(p: int) -> bool:
+        state[p] = 1
+        for q in deps[p]:
+            if state[q] == 1 or (state[q] == 0 and visit(q)):
+                return True
+        state[p] = 2
+        return False
+
+    return any(state[p] == 0 and visit(p) for p in range(len(deps)))
 
 
 @dataclass
@@ -225,7 +242,9 @@ def simulate(
             fin = t + remaining[active] / rate[active]
         t_next = min(fin.min(initial=np.inf), t_act.min(initial=np.inf),
                      t_done.min(initial=np.inf))
-        assert np.isfinite(t_next), "simulation stalled: flows wait on dependencies never met"
+        if not np.isfinite(t_next):
+            raise RuntimeError(f"simulation stalled at t={t} s with {C - n_done} classes "
+                               "left: a flow crosses no link of positive capacity")
         dt = t_next - t
         if np.isfinite(dt) and dt > 0:
             remaining[active] -= np.where(np.isinf(rate[active]), remaining[active],

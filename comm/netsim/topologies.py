@@ -18,17 +18,27 @@ stand-in for adaptive routing on a loaded network.
 
 from __future__ import annotations
 
+import pathlib
+import tomllib
+from typing import Any
+
 import numpy as np
 
-from comm.netsim.network import FabricPart, FabricPaths, Network, NetworkBuilder, Path
+from comm.netsim.network import FabricPart, FabricPaths, Network, NetworkBuilder
+from comm.netsim.network import Path as RoutePath
 from comm.netsim.nodes import GB, assemble, frontier_template, star_template
 
-__all__ = ["dgx_fat_tree", "emulator", "frontier", "frontier_node", "generic"]
+__all__ = ["dgx_fat_tree", "emulator", "from_platform", "frontier", "frontier_node", "generic"]
 
 FRONTIER_NODES_PER_SWITCH = 4
 FRONTIER_SWITCHES_PER_GROUP = 32
 FRONTIER_GLOBAL_LINKS = 4
 SLINGSHOT_BW = 25 * GB
+# Groups of the whole machine, derived from REFERENCE.md 3 (not published directly): a
+# group injects 128 nodes x 4 NICs x 25 GB/s = 12.8 TB/s; the 1.75:1 taper leaves 7.31 TB/s
+# of global links, i.e. 4 x 25 GB/s to each of 73 other groups.
+FRONTIER_GROUPS = 74
+PLATFORMS = pathlib.Path(__file__).resolve().parents[2] / "configs" / "platforms"
 
 
 def _check_fraction(name: str, v: float | str) -> None:
@@ -49,8 +59,9 @@ def frontier(
 ) -> Network:
     """Frontier nodes on a Dragonfly. `groups` machine groups (default: just enough for
     `nodes`); node v sits in group v // 128 on switch (v % 128) // 4 of that group.
-    Frontier has 74 groups: 4 x 25 GB/s to each of 73 others against 128 x 100 GB/s of
-    injection is the published 1.75:1 taper. sites/scale: see `assemble` (lumping)."""
+    The whole machine has FRONTIER_GROUPS = 74 groups; Valiant paths need the extra groups
+    to exist, so pass groups=FRONTIER_GROUPS to model jobs inside the full machine.
+    sites/scale: see `assemble` (lumping)."""
     _check_fraction("nonminimal", nonminimal)
     npg = FRONTIER_NODES_PER_SWITCH * FRONTIER_SWITCHES_PER_GROUP
     need = -(-nodes // npg) if isinstance(nodes, int) and nodes > 0 else 1
@@ -100,7 +111,7 @@ def _dragonfly_wire(b: NetworkBuilder, sw: list[int], groups: int, nonminimal: f
 
     balanced = nonminimal == "balanced"
 
-    def intra(g: int, la: int, lc: int) -> list[Path]:
+    def intra(g: int, la: int, lc: int) -> list[RoutePath]:
         mids = [u for u in range(S) if u not in (la, lc)]
         f = len(mids) / (len(mids) + 1) if balanced else float(nonminimal)
         out = [((int(local[g, la, lc]),), 1.0 - f)]
@@ -115,14 +126,14 @@ def _dragonfly_wire(b: NetworkBuilder, sw: list[int], groups: int, nonminimal: f
         f = len(vias) / (len(vias) + 1) if balanced else float(nonminimal)
         return vias, (1.0 - f) / H, f / (len(vias) * H)
 
-    def src_part(A: int, la: int, B: int) -> list[Path]:
+    def src_part(A: int, la: int, B: int) -> list[RoutePath]:
         """Hops inside the source group from switch la to the gates of every route."""
         vias, m, v = shares(A, B)
         out = [(hop(A, la, gate[A, B, i]), m) for i in range(H)]
         out += [(hop(A, la, gate[A, C, i]), v) for C in vias for i in range(H)]
         return [p for p in out if p[1] > 0]
 
-    def core(A: int, B: int) -> list[Path]:
+    def core(A: int, B: int) -> list[RoutePath]:
         """Global links (and the hop across the intermediate group) from A to B."""
         vias, m, v = shares(A, B)
         out = [((int(glink[A, B, i]),), m) for i in range(H)]
@@ -130,7 +141,7 @@ def _dragonfly_wire(b: NetworkBuilder, sw: list[int], groups: int, nonminimal: f
                  + (int(glink[C, B, i]),), v) for C in vias for i in range(H)]
         return [p for p in out if p[1] > 0]
 
-    def dst_part(B: int, lc: int, A: int) -> list[Path]:
+    def dst_part(B: int, lc: int, A: int) -> list[RoutePath]:
         vias, m, v = shares(A, B)
         out = [(hop(B, gate[B, A, i], lc), m) for i in range(H)]
         out += [(hop(B, gate[B, C, i], lc), v) for C in vias for i in range(H)]
@@ -150,7 +161,7 @@ def _dragonfly_wire(b: NetworkBuilder, sw: list[int], groups: int, nonminimal: f
 
 def dgx_fat_tree(
     nodes: int,
-    hbm: str = "h100",
+    gpu: str = "h100",
     nvlink_bw: float = 450 * GB,
     nic_bw: float = 50 * GB,
     pcie_bw: float | None = None,
@@ -165,8 +176,8 @@ def dgx_fat_tree(
     tree: per scalable unit of `nodes_per_su` nodes one leaf per rail; leaves reach each of
     `spines` spines with capacity nodes_per_su * nic_bw / (spines * taper). Cross-rail and
     cross-SU traffic goes leaf -> spine -> leaf (no PXN forwarding is modelled)."""
-    if hbm not in ("h100", "h200"):
-        raise ValueError(f"hbm must be 'h100' or 'h200', got {hbm!r}")
+    if gpu not in ("h100", "h200"):  # same network; the name tells which machine is meant
+        raise ValueError(f"gpu must be 'h100' or 'h200', got {gpu!r}")
     if spines < 1 or not taper >= 1.0:
         raise ValueError(f"need spines >= 1 and taper >= 1, got spines={spines}, taper={taper}")
     rails = 8
@@ -189,7 +200,7 @@ def dgx_fat_tree(
                                        for s in range(spines)])]
 
     template = star_template(8, 8, nvlink_bw, pcie_bw, link_latency)
-    return assemble(f"dgx-{hbm}-{nodes}n", template, nodes, names, nic2switch, nic_bw,
+    return assemble(f"dgx-{gpu}-{nodes}n", template, nodes, names, nic2switch, nic_bw,
                     link_latency, wire, sites=sites, scale=scale)
 
 
@@ -269,3 +280,42 @@ def generic(
     return assemble(f"generic-{nodes}n", template, nodes, names,
                     lambda v, k: v // nodes_per_switch, nic_bw, link_latency, wire,
                     sites=sites, scale=scale)
+
+
+def from_platform(platform: str | pathlib.Path | dict[str, Any], nodes: int,
+                  **kw: Any) -> Network:
+    """A network from a platform description (configs/platforms/*.toml, the tuner's format,
+    or its parsed dict): Frontier and DGX names get their detailed builders, anything else
+    the generic two-level cluster with [node] nodes_per_domain nodes per leaf switch.
+
+    The description's per-message latency ([network] network_latency_us) is not a link
+    property: pass it to `simulate(message_overhead=...)`. kw (sites, scale, ...) go to
+    the builder.
+    """
+    if isinstance(platform, dict):
+        desc = platform
+    else:
+        path = pathlib.Path(platform)
+        if not path.exists():
+            path = PLATFORMS / f"{platform}.toml"
+        if not path.exists():
+            raise ValueError(f"platform {platform!r}: no such file or configs/platforms name")
+        desc = tomllib.loads(path.read_text())
+    try:
+        node, net = desc["node"], desc["network"]
+        gpus, nics = int(node["gpus_per_node"]), int(net["nics_per_node"])
+        nic_bw = float(net["nic_bandwidth_gbs"]) * GB
+        intra = float(node["intra_node_bandwidth_gbs"]) * GB
+        per_switch = int(node.get("nodes_per_domain", 1))
+    except KeyError as e:
+        raise ValueError(f"platform description lacks {e}; needs [node] gpus_per_node, "
+                         "intra_node_bandwidth_gbs and [network] nics_per_node, "
+                         "nic_bandwidth_gbs") from None
+    name = str(desc.get("name", ""))
+    if name == "frontier":
+        kw.setdefault("nonminimal", float(net.get("nonminimal_route_share", 0.0)))
+        return frontier(nodes, **kw)
+    if name.startswith("dgx") and gpus == 8 and nics == 8:
+        return dgx_fat_tree(nodes, nic_bw=nic_bw, nvlink_bw=intra, nodes_per_su=per_switch, **kw)
+    return generic(nodes, gpus, nics, nic_bw=nic_bw, intra_bw=intra,
+                   nodes_per_switch=per_switch, **kw)

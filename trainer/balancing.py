@@ -1,0 +1,104 @@
+"""Expert migration during training: `balance.Monitor` + `balance.migrate` wired to the model.
+
+After every optimizer step the trainer hands this object the step's per-layer, per-logical-expert
+token counts (already summed over the stage's data shards, so every rank of an EP group and every
+DP replica sees the same numbers and plans the same swaps). When the policy fires for a layer,
+the experts move inside the EP group with their weights and AdamW moments (`exp_avg`,
+`exp_avg_sq`; grads are already released at that point), and the layer's `expert2slot` map, which
+the dispatcher reads, is updated. The model's function is unchanged: a logical expert computes
+the same thing in any slot.
+
+`force_every` (tests and demos) swaps one expert pair per rank pair every N steps regardless of
+load, so migration is exercised on every step it is asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .config import BalanceConfig
+
+__all__ = ["Balancer"]
+
+
+class Balancer:
+    def __init__(self, cfg: BalanceConfig, layers: dict[str, nn.Module], ep: int, ep_group,
+                 optim: torch.optim.Optimizer) -> None:
+        from balance import MigrationPolicy, Monitor
+
+        self.cfg, self.layers, self.ep, self.group, self.optim = cfg, layers, ep, ep_group, optim
+        self.names = list(layers)
+        E = next(iter(layers.values())).expert2slot.numel()
+        self.E, self.El = E, E // ep
+        method = "minmax" if cfg.method == "default" else cfg.method
+        self.policy = MigrationPolicy(threshold=cfg.threshold, window=cfg.window,
+                                      cooldown=cfg.cooldown, max_swaps=cfg.max_swaps, method=method)
+        self.monitor = Monitor(len(layers), E, ep, self.policy)
+        self.events: list[dict[str, Any]] = []
+
+    def _e2r(self) -> np.ndarray:
+        return np.stack([(layer.expert2slot.cpu() // self.El).numpy() for layer in self.layers.values()])
+
+    def _forced(self, step: int) -> dict[int, list]:
+        from balance import Swap
+
+        k = step // self.cfg.force_every
+        plans = {}
+        for i, layer in enumerate(self.layers.values()):
+            slot2expert = torch.empty(self.E, dtype=torch.int64)
+            slot2expert[layer.expert2slot.cpu()] = torch.arange(self.E)
+            swaps = [Swap(int(slot2expert[r * self.El + k % self.El]),
+                          int(slot2expert[(r + 1) * self.El + (k + 1) % self.El]))
+                     for r in range(0, self.ep - 1, 2)]
+            plans[i] = swaps
+        return plans
+
+    def after_step(self, step: int, counts: list[torch.Tensor]) -> list[dict[str, Any]]:
+        """Record the step's counts; plan and carry out migrations when due. Returns events."""
+        from balance import expert_state_tensors, migrate
+
+        self.monitor.record(torch.stack([c.cpu() for c in counts]))
+        if self.cfg.force_every:
+            plans = self._forced(step) if step % self.cfg.force_every == 0 else {}
+            planned = {}
+        else:
+            plans = self.monitor.plan(step, self._e2r())
+            planned = {e["layer"]: e for e in self.monitor.events if e["step"] == step}
+        events = []
+        for i, swaps in plans.items():
+            name = self.names[i]
+            layer = self.layers[name]
+            ex = layer.experts
+            res = migrate(swaps, layer.expert2slot,
+                          expert_state_tensors([ex.w1, ex.w2, ex.w3], self.optim), self.group)
+            layer.expert2slot.copy_(torch.as_tensor(res.expert2slot, dtype=torch.int64))
+            ev = {"event": "migration", "step": step, "layer": name, "swaps": len(swaps),
+                  "moved_experts": res.moved_experts, "bytes_sent": res.bytes_sent,
+                  "seconds": res.seconds}
+            if i in planned:
+                ev["imbalance_before"] = planned[i]["imbalance_before"]
+                ev["imbalance_after_planned"] = planned[i]["imbalance_after"]
+            events.append(ev)
+        self.events += events
+        return events
+
+    # -- checkpoint state, keyed by layer name so it survives a change of PP layout ----------
+    def state_by_layer(self) -> dict[str, Any]:
+        st = self.monitor.state_dict()
+        return {name: {"ring": st["ring"][:, i, :].tolist(), "last_event": int(st["last_event"][i]),
+                       "steps_recorded": int(st["steps_recorded"])}
+                for i, name in enumerate(self.names)}
+
+    def load_state_by_layer(self, saved: dict[str, Any]) -> None:
+        if not all(n in saved for n in self.names):
+            return  # checkpoint written without migration: start the window afresh
+        ring = np.stack([np.asarray(saved[n]["ring"], dtype=np.float64) for n in self.names], axis=1)
+        if ring.shape[0] != self.policy.window:
+            return  # the window length changed: the old counts do not fit, start afresh
+        self.monitor.load_state_dict({
+            "ring": ring, "steps_recorded": saved[self.names[0]]["steps_recorded"],
+            "last_event": [saved[n]["last_event"] for n in self.names]})
