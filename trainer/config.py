@@ -85,6 +85,9 @@ class BalanceConfig:
     max_swaps: int = 8
     method: str = "default"
     force_every: int = 0  # test hook: migrate every N steps regardless of imbalance
+    # Experiment knob: a fixed router selection bias -skew * ln(1 + e) for logical expert e, so
+    # the first experts (all on EP rank 0 at start) are hot. 0 = off. Used by bench_migration.
+    skew: float = 0.0
 
 
 @dataclass

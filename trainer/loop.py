@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .balancing import Balancer
 from .checkpoint import (
     CheckpointError,
     check_same_model,
@@ -32,7 +33,6 @@ from .checkpoint import (
 from .config import ConfigError, RunConfig
 from .data import Corpus, load_corpus
 from .mesh import Mesh, MeshError, valid_divisors
-from .balancing import Balancer
 from .parallel import GradSync, parallelize
 from .pipe import build_stages, ce_loss, moe_aux, pp_eval_forward, split_layers
 
@@ -180,6 +180,11 @@ class Trainer:
 
         torch.manual_seed(self.cfg.train.seed)  # same init on every rank == a 1-process run
         self.model = MoETransformer(self.mcfg)
+        if self.cfg.balance.skew:
+            for layer in self.model.moe_layers():
+                E = layer.expert2slot.numel()
+                layer.router.e_score_correction_bias.copy_(
+                    -self.cfg.balance.skew * torch.log1p(torch.arange(E, dtype=torch.float32)))
         self.mesh.build_groups()
         algo = self.cfg.comm.alltoall
         parallelize(self.model, self.mesh, alltoall=algo)
@@ -286,6 +291,9 @@ class Trainer:
         tokens, targets = self.corpus.batch(self.step, t.global_batch, t.seq_len, self.mesh.data_idx,
                                             self.mesh.n_data_shards, self.cfg.data.seed)
         tokens, targets = tokens.to(self.device), targets.to(self.device)
+        for layer in self.model.moe_layers():  # exclude eval-time exchanges from this step
+            if hasattr(layer.dispatcher, "exchange_s"):
+                layer.dispatcher.exchange_s = 0.0
         t0 = time.perf_counter()
         self._counts = {}
         if self.stages:
@@ -314,13 +322,27 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        wait = self._exchange_time()
         loss, aux_v = self._allreduce_mean([float(ce.detach()), float(aux.detach())])
         self.step += 1
         tok_s = t.global_batch * t.seq_len / dt
         mfu = self.flops_per_token * tok_s / (self.peak * self.mesh.world_size) if self.peak else 0.0
         return {"step": self.step, "loss": loss, "aux_loss": aux_v, "lr": lr, "grad_norm": norm,
                 "tokens_per_s": tok_s, "mfu": mfu, "imbalance": imbalance,
-                "step_time_s": dt, "events": events}
+                "step_time_s": dt, **wait, "events": events}
+
+    def _exchange_time(self) -> dict[str, float]:
+        """Seconds this step's forward MoE exchanges took, max and min over the EP group."""
+        disps = [layer.dispatcher for layer in self.model.moe_layers()
+                 if hasattr(layer.dispatcher, "exchange_s")]
+        if not disps:
+            return {}
+        mine = sum(d.exchange_s for d in disps)
+        for d in disps:
+            d.exchange_s = 0.0
+        t = torch.tensor([mine, -mine], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.ep_group)
+        return {"ep_exchange_max_s": float(t[0]), "ep_exchange_min_s": float(-t[1])}
 
     @torch.no_grad()
     def evaluate(self) -> float:

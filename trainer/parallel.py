@@ -18,6 +18,7 @@ loss is the mean of the rank losses over the dp*ep ranks of a stage):
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,9 @@ class EPDispatcher:
         self.group, self.ep, self.num_slots = group, ep, num_slots
         self.local = num_slots // ep
         self.algorithm, self.topology = algorithm, topology
+        # wall seconds this rank spent inside forward exchanges since the last reset: with
+        # uneven expert loads it is dominated by waiting for the most-loaded rank
+        self.exchange_s = 0.0
 
     def dispatch(self, x_sorted: torch.Tensor, counts_E: torch.Tensor):
         import comm  # the trainer wires packages together; model/ never imports comm
@@ -60,8 +64,10 @@ class EPDispatcher:
         dist.all_to_all_single(recv_SE, counts_RE.contiguous(), group=self.group)
         in_splits = counts_RE.sum(1).tolist()
         out_splits = recv_SE.sum(1).tolist()
+        t0 = time.perf_counter()
         y, _ = comm.all_to_all(x_sorted, in_splits, self.group, algorithm=self.algorithm,
                                topology=self.topology, out_splits=out_splits)
+        self.exchange_s += time.perf_counter() - t0
         # rows arrive source-major: block (s, j) starts at starts_SE[s, j]. Output is slot-major:
         # blocks in (j, s) order; position p of output block b reads starts[b] + (p - out_start[b]).
         lens = recv_SE.flatten()
@@ -82,8 +88,10 @@ class EPDispatcher:
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
         y_src = y_loc.index_select(0, inv)
+        t0 = time.perf_counter()
         back, _ = comm.all_to_all(y_src, out_splits, self.group, algorithm=self.algorithm,
                                   topology=self.topology, out_splits=in_splits)
+        self.exchange_s += time.perf_counter() - t0
         return back
 
 

@@ -9,10 +9,16 @@ Placement of a group on the machine is decided by its rank stride in the mesh:
 A group of `size` members `stride` ranks apart, with G devices per node, has
 `min(size, max(1, G // stride))` members per node (ranks of a node are consecutive).
 
+The closed form assumes the group's traffic meets no congestion beyond its own NIC share:
+true inside one locality domain (one switch), which the planner enforces for EP groups;
+`netsim_alltoall_time` runs the same exchange through `comm.netsim` (flow-level, every
+concurrent EP group of the nodes involved) and is what the tests compare against.
+
 All-to-all, uniform routing, B bytes leaving each rank's send buffer (its own share included):
     flat: max(intra / B_intra, inter / (eff * B_nic)) + per-peer message latency
     halo: phase I (intra) runs beside II -> III; II sends one packed message per remote node
-          over every NIC of the node, III redistributes what arrived over the intra-node links:
+          over every NIC of the node, III redistributes what arrived over the intra-node links
+          (not needed with one member per node):
           max(intra / B_intra, inter / B_nic + inter / B_intra) + per-remote-node latency
 where intra = B * (local peers) / EP, inter = B * (remote peers) / EP and B_nic is one
 device's share of its node's NICs. Published lower bound (REFERENCE 1.2): 4bskd / (EP B_nic)
@@ -21,12 +27,14 @@ for a forward dispatch + combine pair across nodes.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from tuner.platform import Platform
 
-__all__ = ["GroupPlacement", "placement", "alltoall_time", "p2p_time", "allreduce_time"]
+__all__ = ["GroupPlacement", "placement", "alltoall_time", "netsim_alltoall_time", "p2p_time",
+           "allreduce_time"]
 
 
 @dataclass(frozen=True)
@@ -76,10 +84,40 @@ def alltoall_time(nbytes: float, group: GroupPlacement, algorithm: str, platform
     if algorithm == "halo":
         remote_nodes = group.nodes - 1
         phase1 = intra / b_intra
-        phase23 = inter / b_nic + inter / b_intra if remote_nodes else 0.0
+        # Phase III exists only when the relay that received a packed message is not the
+        # destination itself, i.e. when the group has several members per node.
+        hop3 = inter / b_intra if group.per_node > 1 else 0.0
+        phase23 = inter / b_nic + hop3 if remote_nodes else 0.0
         msgs = platform.network_latency * remote_nodes + 2 * lat_intra
         return max(phase1, phase23) + msgs
     raise ValueError(f"all-to-all algorithm {algorithm!r}; valid: flat, halo")
+
+
+@functools.lru_cache(maxsize=1024)
+def netsim_alltoall_time(nbytes: float, group: GroupPlacement, algorithm: str,
+                         platform: Platform) -> float:
+    """`alltoall_time` by flow-level simulation: the nodes the group spans, each fully
+    populated with groups laid out like this one (members `per_node` to a node, at the same
+    local indices), all exchanging at once; per-message latency = the platform's."""
+    import numpy as np
+
+    from comm import netsim
+
+    if group.size == 1 or nbytes <= 0:
+        return 0.0
+    if algorithm not in ("flat", "halo"):
+        raise ValueError(f"all-to-all algorithm {algorithm!r}; valid: flat, halo")
+    g, nodes = platform.gpus_per_node, group.nodes
+    net = netsim.from_platform(platform.to_dict(), nodes)
+    rank2gpu, topo = netsim.place(net, nodes)
+    R = nodes * g
+    # Rank r = node * g + local; its group: a block of per_node consecutive locals on each of
+    # `nodes` nodes (local placement), or one local index across nodes (per_node == 1).
+    node, local = np.divmod(np.arange(R), g)
+    gid = local // group.per_node + (g // group.per_node) * (node // nodes)
+    S = np.where(gid[:, None] == gid[None, :], nbytes / group.size, 0.0)
+    tr = netsim.flat_all_to_all(S) if algorithm == "flat" else netsim.halo_all_to_all(S, topo)
+    return float(netsim.simulate(net, tr, rank2gpu, message_overhead=platform.network_latency).time)
 
 
 def p2p_time(nbytes: float, inter_node: bool, platform: Platform) -> float:

@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 
 from model import ModelConfig
 from pipeline import bubble_fraction, build, peak_inflight
-from tuner.comms import GroupPlacement, allreduce_time, alltoall_time, p2p_time, placement
+from tuner.comms import (
+    GroupPlacement,
+    allreduce_time,
+    alltoall_time,
+    netsim_alltoall_time,
+    p2p_time,
+    placement,
+)
 from tuner.counts import LayerCounts, chunk_layers, head_params, layer_counts
 from tuner.layout import (
     DEFAULT_ASSUMPTIONS,
@@ -232,8 +239,14 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     bubble, _ = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
     groups, pp_inter = _groups(plan, pf.gpus_per_node, asm.attention)
     gemm = pf.peak_flops * pf.gemm_efficiency
-    a2a_one = alltoall_time(cfg.top_k * t_exp * D * ab, groups["ep"], plan.alltoall, pf,
-                            asm.vendor_alltoall_efficiency) * (1 - asm.alltoall_overlap)
+    a2a_bytes = cfg.top_k * t_exp * D * ab
+    if asm.alltoall_model == "netsim":
+        a2a_one = netsim_alltoall_time(a2a_bytes, groups["ep"], plan.alltoall, pf)
+        a2a_one /= asm.vendor_alltoall_efficiency if plan.alltoall == "flat" else 1.0
+    else:
+        a2a_one = alltoall_time(a2a_bytes, groups["ep"], plan.alltoall, pf,
+                                asm.vendor_alltoall_efficiency)
+    a2a_one *= 1 - asm.alltoall_overlap
     n_a2a = 6 if plan.checkpointing == "full" else 4
     hop = p2p_time(t_attn * D * ab, pp_inter, pf) if plan.pp > 1 else 0.0
 

@@ -70,6 +70,9 @@ class Assumptions:
     vendor_alltoall_efficiency: share of the link rates the vendor all-to-all reaches
         (unknown; HALO's published 1.2-9x gains say it can be well below 1 at scale).
     grad_bucket_bytes: DDP's default 25 MiB gradient bucket, held once per rank.
+    alltoall_model: "closed-form" (`tuner.comms.alltoall_time`, instant) or "netsim" (the
+        flow-level `comm.netsim`, ~10-300 ms per distinct exchange, cached; it also sees the
+        Frontier Infinity Fabric layout, where small in-node groups beat the 8-GCD average).
     """
 
     flash_attention: bool = True
@@ -80,6 +83,7 @@ class Assumptions:
     vendor_alltoall_efficiency: float = 1.0
     grad_bucket_bytes: int = 25 * 2**20
     attention: str = "sharded"  # "sharded" (EP ranks see different tokens) | "replicated"
+    alltoall_model: str = "closed-form"
 
     def __post_init__(self) -> None:
         for f in ("alltoall_overlap", "p2p_overlap", "dp_overlap"):
@@ -92,6 +96,8 @@ class Assumptions:
             raise ValueError(f"vendor_alltoall_efficiency={self.vendor_alltoall_efficiency} must be in (0, 1]")
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"attention={self.attention!r}; valid: {', '.join(ATTENTION_MODES)}")
+        if self.alltoall_model not in ("closed-form", "netsim"):
+            raise ValueError(f"alltoall_model={self.alltoall_model!r}; valid: closed-form, netsim")
         if self.grad_bucket_bytes < 0:
             raise ValueError(f"grad_bucket_bytes={self.grad_bucket_bytes} must be >= 0")
 

@@ -8,6 +8,7 @@ Constraints, checked in this order before anything is evaluated (Piper's, REFERE
 plus what the schedules need):
     PP * EP divides N            EP divides E            PP * v <= L
     EP <= gpus_per_node * nodes_per_domain               DP * EP * mbs divides b
+    an EP group's nodes (placement-dependent) <= nodes_per_domain
     interleaving needs PP >= 2 and M % PP == 0           peak memory <= usable HBM
 The memory constraint needs the memory model but not the time model: it is checked by
 `tuner.estimate.stage_memory` alone.
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model import ModelConfig
+from tuner.comms import placement
 from tuner.layout import ALLTOALL_ALGORITHMS, CHECKPOINTING, EP_PLACEMENTS, ParallelPlan
 from tuner.platform import Platform
 
@@ -58,6 +60,8 @@ class SearchSpace:
     n_experts: int
     max_ep: int
     choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    gpus_per_node: int = 8
+    nodes_per_domain: int = 1
 
     @classmethod
     def default(cls, cfg: ModelConfig, platform: Platform, n_gpus: int, global_batch: int,
@@ -73,7 +77,8 @@ class SearchSpace:
             "checkpointing": CHECKPOINTING,
             "placement": EP_PLACEMENTS,
         }
-        return cls(n_gpus, global_batch, seq_len, cfg.n_layers, E, platform.max_ep, choices)
+        return cls(n_gpus, global_batch, seq_len, cfg.n_layers, E, platform.max_ep, choices,
+                   platform.gpus_per_node, platform.nodes_per_domain)
 
     @property
     def size(self) -> int:
@@ -102,6 +107,13 @@ class SearchSpace:
         if pp * v > self.n_layers:
             return f"pp={pp} x v={v} exceeds {self.n_layers} layers"
         dp = N // (pp * ep)
+        if pt["placement"] == "spread":
+            nodes = placement(ep, pp * dp, self.gpus_per_node).nodes
+            if nodes > self.nodes_per_domain:
+                # One link joins two switches of a Dragonfly group: an EP group spread over
+                # more than one switch's nodes congests it (comm.netsim: 9x slower at 8 nodes).
+                return (f"spread ep={ep} spans {nodes} nodes, more than one locality domain "
+                        f"({self.nodes_per_domain} nodes)")
         if self.global_batch % (dp * ep * mbs):
             return f"dp={dp} x ep={ep} x mbs={mbs} does not divide global batch {self.global_batch}"
         m = self.global_batch // (dp * ep * mbs)
