@@ -26,7 +26,10 @@ import torch.distributed as dist
 
 
 def main(argv: list[str]) -> int:
+    from datetime import timedelta
+
     from trainer import Trainer, parse_args, prepare
+    from trainer.loop import TrainingError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -42,13 +45,16 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(threads)
     if world > 1:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s))
     try:
         Trainer(prep).run()
     except ValueError as e:  # e.g. a checkpoint that turns out unreadable while loading
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except TrainingError as e:  # every rank reports its own view (rank, phase, step)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

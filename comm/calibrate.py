@@ -1,4 +1,4 @@
-"""Calibrate `CostModel` on the running job: four timed exchanges, one agreed result.
+"""Calibrate `CostModel` on the running job: five timed exchanges, one agreed result.
 
 Collective: every rank of `group` calls it with the same arguments. It times flat and HALO
 with one row per rank pair (fixed costs dominate) and with `large_rows` rows per pair
@@ -7,8 +7,11 @@ ranks (the slowest rank ends the collective). Every rank then fits the same numb
 returned model is identical everywhere and `algorithm="auto"` stays deadlock-free:
     alpha_net = alpha_local  flat small time / messages of the flat schedule (2 per
                              pairwise step when the backend serialises directions)
+    local_bandwidth          intra-node bytes per rank / flat time of an intra-node-only
+                             exchange (less its fixed costs)
     halo_overhead_s          HALO small time - HALO small prediction without overhead
-    nic_bandwidth            busiest-NIC bytes of the large case / (HALO large - HALO small)
+    nic_bandwidth            busiest-NIC bytes of the large case / (HALO large - HALO small
+                             - the predicted relay hop)
 """
 
 from __future__ import annotations
@@ -92,7 +95,21 @@ def calibrate(
     messages = 2 * (R - 1) if base.flat_pairwise else R - 1
     alpha = flat_small / messages
     fitted = dataclasses.replace(base, alpha_net=alpha, alpha_local=alpha, halo_overhead_s=0.0)
+    G = max(topo.ranks_per_node())
+    if G > 1:
+        # Intra-node rows only: what HALO's phase III costs per byte. On 2 shared cores the
+        # loopback TCP hop is far slower than the 1 GB/s default and decides flat vs HALO.
+        node = topo.rank2node
+        local = [[large_rows if node[s] == node[d] else 0 for d in range(R)] for s in range(R)]
+        flat_local = time_all_to_all(group, topo, local, row_numel, "flat", repeats)
+        per_rank = (G - 1) * large_rows * row_bytes * (2 if base.flat_pairwise else 1)
+        spent = max(flat_local - flat_small * (G - 1) / max(R - 1, 1), 1e-9)
+        fitted = dataclasses.replace(fitted, local_bandwidth=per_rank / spent)
     overhead = max(0.0, halo_small - predict_halo(small, row_bytes, topo, fitted))
-    extra = max(halo_large - halo_small, 1e-9)
+    # HALO large = small + NIC time + relay hop: strip the (fitted) hop to get the NIC rate.
+    no_nic = dataclasses.replace(fitted, nic_bandwidth=1e30)
+    hop = predict_halo(large, row_bytes, topo, no_nic) - predict_halo(small, row_bytes, topo,
+                                                                      no_nic)
+    extra = max(halo_large - halo_small - hop, 1e-9)
     bandwidth = _busiest_nic_bytes(large, row_bytes, topo) / extra
     return dataclasses.replace(fitted, halo_overhead_s=overhead, nic_bandwidth=bandwidth)

@@ -209,6 +209,12 @@ class Topology:
             node_names=tuple(self.node_name(n) for n in old2new) if self.node_names else (),
         )
 
+    def for_group(self, group: Any) -> Topology:
+        """`restrict` to a torch.distributed sub-group (this topology indexes WORLD ranks)."""
+        import torch.distributed as dist
+
+        return self.restrict(dist.get_process_group_ranks(group))
+
     def summary(self) -> str:
         """A readable table: one line per node with its domain, group and rank -> NIC map."""
         per_node = self.ranks_per_node()

@@ -7,8 +7,15 @@ import dataclasses
 import pytest
 import torch.distributed as dist
 
-from comm import CostModel, Topology, calibrate, choose_algorithm, predict_flat, predict_halo
-from comm import run_local
+from comm import (
+    CostModel,
+    Topology,
+    calibrate,
+    choose_algorithm,
+    predict_flat,
+    predict_halo,
+    run_local,
+)
 
 # 1 row = 100 bytes; NICs move 1 row/s, local links 10 rows/s: numbers stay hand-checkable.
 MODEL = CostModel(nic_bandwidth=100.0, local_bandwidth=1000.0, alpha_net=0.1,

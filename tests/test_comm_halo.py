@@ -82,7 +82,8 @@ def _halo_worker(rank: int, world: int, group: dist.ProcessGroup, nodes: int,
         members = [0, gpus + 1, 2 * gpus, 2 * gpus + 1]
         sub = dist.new_group(members)
         if rank in members:
-            sub_topo = topo.restrict(members)
+            sub_topo = topo.for_group(sub)
+            assert sub_topo == topo.restrict(members)
             assert sub_topo.num_nodes == 3
             Ssub = [row[:4] for row in split_cases(4, 1)["empty_ranks"]]
             _check(members.index(rank), sub, Ssub, sub_topo, "halo", seed=70)

@@ -103,11 +103,19 @@ class TrainConfig:
     ckpt_keep: int = 2
     stop_after: int = 0  # end this invocation after that many total steps (checkpointed); 0 = run to `steps`
     out_dir: str = "runs/default"
-    resume: str = ""  # "" = no; "latest" = newest complete checkpoint in out_dir; or a path
+    resume: str = ""  # "" = no; "latest" = newest complete checkpoint in out_dir (error if none);
+    # "auto" = newest if any, else start fresh (for torchrun --max-restarts); or a path
     dtype: str = "auto"  # auto = fp32 on CPU, bf16 autocast on GPU
     peak_tflops: float = 0.0  # per device; 0 = known GPU peak, or a measured matmul rate on CPU
     plot: bool = True
     threads: int = 0  # torch intra-op threads per process; 0 = cores / local processes
+    timeout_s: float = 600.0  # a collective or P2P waiting longer than this fails the run
+    nan_policy: str = "skip"  # non-finite loss/grad: "skip" the step (up to max) or "stop"
+    max_nonfinite_steps: int = 3
+    # fault injection (tests, benchmarks/chaos.py): at that step, on rank `fault_rank`
+    fault_rank: int = 0
+    fault_nan_step: int = 0  # the loss and one gradient become NaN
+    fault_stall_step: int = 0  # the rank stops responding (sleeps) before its forward
 
 
 @dataclass

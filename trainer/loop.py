@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,12 @@ from .mesh import Mesh, MeshError, valid_divisors
 from .parallel import GradSync, parallelize
 from .pipe import build_stages, ce_loss, moe_aux, pp_eval_forward, split_layers
 
-__all__ = ["Trainer", "prepare", "build_model_config", "log"]
+__all__ = ["Trainer", "TrainingError", "prepare", "build_model_config", "log"]
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (a peer died or hung, repeated non-finite losses); the message
+    names the rank, the phase and the step."""
 
 # bf16 dense matrix peak per device (REFERENCE.md section 3); unknown devices need --train.peak_tflops
 _GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "MI250X": 191.5, "MI250": 191.5}
@@ -98,6 +104,10 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
                           f"{mesh.n_data_shards} data shards (dp={mesh.dp} x ep={mesh.ep})")
     if t.steps < 1:
         raise ConfigError(f"train.steps={t.steps} must be >= 1")
+    if t.nan_policy not in ("skip", "stop"):
+        raise ConfigError(f"train.nan_policy={t.nan_policy!r}; valid: skip, stop")
+    if t.timeout_s <= 0:
+        raise ConfigError(f"train.timeout_s={t.timeout_s} must be > 0 seconds")
     if t.dtype not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"train.dtype={t.dtype!r}; valid: auto, fp32, bf16")
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)
@@ -105,14 +115,16 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     resume_path = None
     if t.resume:
         root = Path(t.out_dir) / "checkpoints"
-        if t.resume == "latest":
+        if t.resume in ("latest", "auto"):
             resume_path = find_latest(root)
-            if resume_path is None:
-                raise CheckpointError(f"--resume: no complete checkpoint under {str(root)!r}")
+            if resume_path is None and t.resume == "latest":
+                raise CheckpointError(f"--resume: no complete checkpoint under {str(root)!r}; "
+                                      f"use --train.resume=auto to start fresh when there is none")
         else:
             resume_path = Path(t.resume)
-        meta = read_meta(resume_path)  # fails early on an incomplete/corrupt checkpoint
-        check_same_model(resume_path, meta, mcfg.to_dict())
+        if resume_path is not None:
+            meta = read_meta(resume_path)  # fails early on an incomplete/corrupt checkpoint
+            check_same_model(resume_path, meta, mcfg.to_dict())
     return Prepared(cfg, mcfg, mesh, corpus, resume_path)
 
 
@@ -185,7 +197,7 @@ class Trainer:
                 E = layer.expert2slot.numel()
                 layer.router.e_score_correction_bias.copy_(
                     -self.cfg.balance.skew * torch.log1p(torch.arange(E, dtype=torch.float32)))
-        self.mesh.build_groups()
+        self.mesh.build_groups(timedelta(seconds=self.cfg.train.timeout_s))
         algo = self.cfg.comm.alltoall
         parallelize(self.model, self.mesh, alltoall=algo)
         self.stages: dict = {}
@@ -204,6 +216,8 @@ class Trainer:
              {"params": no_decay, "weight_decay": 0.0}],
             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
         self.step = 0
+        self.phase = "setup"
+        self.nonfinite_steps = 0
         self.balancer = None
         if self.cfg.balance.enabled and self.mesh.ep > 1 and self.model.moe_layers():
             from .checkpoint import _moe_layers
@@ -294,8 +308,12 @@ class Trainer:
         for layer in self.model.moe_layers():  # exclude eval-time exchanges from this step
             if hasattr(layer.dispatcher, "exchange_s"):
                 layer.dispatcher.exchange_s = 0.0
+        if t.fault_stall_step == self.step + 1 and self.rank == t.fault_rank:  # fault injection
+            log(f"fault injection: rank {self.rank} stalls at step {self.step + 1}", 0)
+            time.sleep(10 * t.timeout_s + 60)
         t0 = time.perf_counter()
         self._counts = {}
+        self.phase = "forward/backward (MoE all-to-all, pipeline P2P)"
         if self.stages:
             M = self.cfg.parallel.microbatches
             first, last = 0 in self.stages, self.n_stages - 1 in self.stages
@@ -306,24 +324,47 @@ class Trainer:
         else:
             ce, aux = self._forward_loss(tokens, targets)
             (ce + aux).backward()
+        if t.fault_nan_step == self.step + 1 and self.rank == t.fault_rank:  # fault injection
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+                    break
+            ce = ce * float("nan")
+        self.phase = "gradient all-reduce"
         self.sync.sync()
         norm = self.sync.clip(self.cfg.optim.grad_clip)
+        loss, aux_v = self._allreduce_mean([float(ce.detach()), float(aux.detach())])
         lr = self.lr_at(self.step)
-        for g in self.optim.param_groups:
-            g["lr"] = lr
-        self.optim.step()
-        self.optim.zero_grad(set_to_none=True)
+        events: list[dict[str, Any]] = []
         counts = self._expert_counts()
-        if self.mcfg.bias_balancing:
-            for layer, c in zip(self.model.moe_layers(), counts, strict=True):
-                layer.router.update_bias(c.to(self.device))
         imbalance = self._imbalance(counts)  # of the placement this step ran with
-        events = self.balancer.after_step(self.step + 1, counts) if self.balancer else []
+        if math.isfinite(loss) and math.isfinite(norm):  # global values: every rank agrees
+            self.phase = "optimizer step"
+            for g in self.optim.param_groups:
+                g["lr"] = lr
+            self.optim.step()
+            self.optim.zero_grad(set_to_none=True)
+            if self.mcfg.bias_balancing:
+                for layer, c in zip(self.model.moe_layers(), counts, strict=True):
+                    layer.router.update_bias(c.to(self.device))
+            self.phase = "expert migration"
+            events = self.balancer.after_step(self.step + 1, counts) if self.balancer else []
+        else:
+            self.optim.zero_grad(set_to_none=True)
+            self.nonfinite_steps += 1
+            events = [{"event": "nonfinite", "step": self.step + 1, "loss": loss,
+                       "grad_norm": norm, "action": "skipped step",
+                       "count": self.nonfinite_steps}]
+            if t.nan_policy == "stop" or self.nonfinite_steps > t.max_nonfinite_steps:
+                raise TrainingError(
+                    f"non-finite loss/gradient at step {self.step + 1} (loss {loss}, grad norm "
+                    f"{norm}); {self.nonfinite_steps} such step(s), policy {t.nan_policy!r} allows "
+                    f"{0 if t.nan_policy == 'stop' else t.max_nonfinite_steps}; stopping. The "
+                    f"weights are those of the last finite step; lower optim.lr or check the data")
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         wait = self._exchange_time()
-        loss, aux_v = self._allreduce_mean([float(ce.detach()), float(aux.detach())])
         self.step += 1
         tok_s = t.global_batch * t.seq_len / dt
         mfu = self.flops_per_token * tok_s / (self.peak * self.mesh.world_size) if self.peak else 0.0
@@ -363,6 +404,15 @@ class Trainer:
                 total += float(ce)
         return self._allreduce_mean([total / t.eval_batches])[0]
 
+    def _fault(self, e: BaseException) -> TrainingError:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        last = find_latest(self.ckpt_root)
+        return TrainingError(
+            f"rank {self.rank}: {self.phase} failed at step {self.step + 1}: {first}. A peer rank "
+            f"probably died or hung (train.timeout_s={self.cfg.train.timeout_s:g}). Last complete "
+            f"checkpoint: {last if last else 'none'}; restart with --resume (or run under torchrun "
+            f"--max-restarts N with --train.resume=auto to do it automatically)")
+
     def save(self) -> Path:
         meta = {"model": self.mcfg.to_dict(), "run": self.cfg.to_dict(),
                 "mesh": {"pp": self.mesh.pp, "dp": self.mesh.dp, "ep": self.mesh.ep}}
@@ -398,11 +448,17 @@ class Trainer:
         last_val = float("nan")
         end = min(t.steps, t.stop_after) if t.stop_after > 0 else t.steps
         while self.step < end:
-            m = self.train_step()
-            if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
-                last_val = m["val_loss"] = self.evaluate()
-            if self.step == t.steps:
-                last_val = m["val_loss"] = self.evaluate()
+            try:
+                m = self.train_step()
+                self.phase = "evaluation"
+                if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
+                    last_val = m["val_loss"] = self.evaluate()
+                if self.step == t.steps:
+                    last_val = m["val_loss"] = self.evaluate()
+            except RuntimeError as e:
+                if isinstance(e, TrainingError):
+                    raise
+                raise self._fault(e) from e
             history.append(m)
             events = m.pop("events")
             if self.rank == 0:
@@ -411,18 +467,17 @@ class Trainer:
                     for ev in events:
                         f.write(json.dumps(ev) + "\n")
                 for ev in events:
-                    log(f"  migration at step {ev['step']}: {ev['layer']} {ev['swaps']} swap(s), "
-                        f"{ev['moved_experts']} experts moved, {ev['bytes_sent'] / 1e6:.2f} MB sent "
-                        f"by rank 0, {1e3 * ev['seconds']:.1f} ms"
-                        + (f", imbalance {ev['imbalance_before']:.2f} -> "
-                           f"{ev['imbalance_after_planned']:.2f} (window)" if "imbalance_before" in ev else ""),
-                        self.rank)
+                    log(_format_event(ev), self.rank)
                 if self.step % t.log_every == 0 or "val_loss" in m or self.step == t.steps:
                     elapsed = time.perf_counter() - t_start
                     eta = elapsed / (self.step - start_step) * (t.steps - self.step)
                     log(_format(m, t.steps, eta), self.rank)
             if t.ckpt_every and self.step % t.ckpt_every == 0 and self.step < t.steps:
-                self.save()
+                self.phase = "checkpoint save"
+                try:
+                    self.save()
+                except RuntimeError as e:
+                    raise self._fault(e) from e
         ckpt = self.save()
         if self.step < t.steps:
             log(f"stopped after step {self.step} of {t.steps} (--train.stop_after); checkpoint "
@@ -444,6 +499,18 @@ def _format(m: dict[str, Any], total: int, eta: float) -> str:
          f"imbalance {m['imbalance']:.2f} | eta {eta:.0f}s")
     if "val_loss" in m:
         s += f" | val {m['val_loss']:.4f}"
+    return s
+
+
+def _format_event(ev: dict[str, Any]) -> str:
+    if ev["event"] == "nonfinite":
+        return (f"  non-finite loss/gradient at step {ev['step']} (loss {ev['loss']}, grad norm "
+                f"{ev['grad_norm']}): {ev['action']} ({ev['count']} so far)")
+    s = (f"  migration at step {ev['step']}: {ev['layer']} {ev['swaps']} swap(s), "
+         f"{ev['moved_experts']} experts moved, {ev['bytes_sent'] / 1e6:.2f} MB sent by rank 0, "
+         f"{1e3 * ev['seconds']:.1f} ms")
+    if "imbalance_before" in ev:
+        s += f", imbalance {ev['imbalance_before']:.2f} -> {ev['imbalance_after_planned']:.2f} (window)"
     return s
 
 

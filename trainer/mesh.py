@@ -18,6 +18,7 @@ Groups (each a `torch.distributed` process group, or None when it has one member
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -103,8 +104,11 @@ class Mesh:
         return [self.rank_of(p, self.dp_idx, self.ep_idx) for p in range(self.pp)]
 
     # process groups ---------------------------------------------------------------------------
-    def build_groups(self) -> Mesh:
-        """Create every process group. Collective: all ranks call it, in the same order."""
+    def build_groups(self, timeout: timedelta | None = None) -> Mesh:
+        """Create every process group. Collective: all ranks call it, in the same order.
+
+        `timeout`: how long an operation on these groups may wait before failing (hang
+        detection); None = torch's default."""
         if self.world_size == 1 or not dist.is_initialized():
             self.groups = {k: None for k in ("ep", "dp", "stage", "pp")}
             return self
@@ -122,7 +126,7 @@ class Mesh:
             mine = None
             for ranks in lists:
                 # new_group must be called by every rank for every group, even non-members.
-                g = dist.new_group(ranks) if len(ranks) > 1 else None
+                g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     mine = g
             self.groups[kind] = mine

@@ -2,6 +2,7 @@
 
     python -m tuner plan --model deepseek-v3 --platform frontier --gpus 1024 --seq 4096 \\
         --global-batch 4096 [--trials 300] [--seed 0] [--storage study.db] [--out runs/plans]
+        [--alltoall-model closed-form|netsim]
     python -m tuner reproduce-paper [--out benchmarks/results/reproduce_paper.md]
     python -m tuner measure [--out configs/platforms/local.toml]
 
@@ -36,7 +37,10 @@ def _plan(args: argparse.Namespace) -> int:
         storage = args.storage if "://" in args.storage else f"sqlite:///{Path(args.storage).resolve()}"
     req = PlanRequest(args.model, args.platform, args.gpus, args.seq, args.global_batch,
                       args.trials, args.seed, storage)
-    out = run_plan(cfg, platform, req, Path(args.out))
+    from tuner.layout import Assumptions
+
+    out = run_plan(cfg, platform, req, Path(args.out),
+                   assumptions=Assumptions(alltoall_model=args.alltoall_model))
     r = out.result
     print(f"{cfg.name} on {args.gpus} x {platform.name}, seq {args.seq}, global batch "
           f"{args.global_batch}: {r.trials} trials, {r.memory_checks} memory checks, "
@@ -99,6 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--storage", default="", help="SQLite file (or an Optuna URL): resumes")
     p.add_argument("--out", default="runs/plans", help="folder for plan, sbatch script, plot")
     p.add_argument("--top", type=int, default=10)
+    p.add_argument("--alltoall-model", default="closed-form", choices=("closed-form", "netsim"),
+                   help="all-to-all cost: closed form, or comm.netsim's flow simulation")
     p.add_argument("--measure", type=int, default=0, help="(not yet) run the top K for real")
     p.set_defaults(func=_plan)
     r = sub.add_parser("reproduce-paper", help="published Table IV and results beside ours")
