@@ -69,7 +69,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from comm import CostModel, Topology, all_to_all, calibrate
+    from comm import CostModel, Topology, all_to_all, calibrate, choose_algorithm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -101,6 +101,7 @@ def worker(args: argparse.Namespace) -> int:
                     if i >= args.warmup:
                         samples[algorithm].append(dt.item())
             times = {a: statistics.median(v) for a, v in samples.items()}
+            choice = choose_algorithm(S, ROW_BYTES, topo, model)  # what auto ran
             sent = max(sum(S[s]) - S[s][s] for s in range(R)) * ROW_BYTES
             bound = nic_bound_s(S, G, mbit)
             for algorithm, t in times.items():
@@ -108,7 +109,8 @@ def worker(args: argparse.Namespace) -> int:
                     "nodes": topo.num_nodes, "gpus_per_node": G, "nic_mbit": mbit,
                     "pattern": pattern, "pair_bytes": size, "algorithm": algorithm,
                     "time_s": t, "algbw_MBps": sent / t / 1e6, "vs_flat": t / times["flat"],
-                    "nic_frac": bound / t, "repeats": args.repeats, **calibrated,
+                    "nic_frac": bound / t, "repeats": args.repeats, "auto_choice": choice,
+                    **calibrated,
                 })
     if rank == 0:
         Path(args.out).write_text(json.dumps(rows_out))
@@ -203,12 +205,12 @@ def main() -> int:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     print(f"{'setup':<12} {'pattern':<9} {'pair':>8} {'algo':<5} {'time ms':>9} "
-          f"{'algbw MB/s':>10} {'vs flat':>8} {'NIC frac':>8}")
+          f"{'algbw MB/s':>10} {'vs flat':>8} {'NIC frac':>8} {'auto ran':>8}")
     for r in rows:
         setup = f"{r['nodes']}x{r['gpus_per_node']}@{r['nic_mbit']:g}"
         print(f"{setup:<12} {r['pattern']:<9} {r['pair_bytes']:>8} {r['algorithm']:<5} "
               f"{r['time_s'] * 1e3:>9.2f} {r['algbw_MBps']:>10.2f} {r['vs_flat']:>8.3f} "
-              f"{r['nic_frac']:>8.3f}")
+              f"{r['nic_frac']:>8.3f} {r['auto_choice']:>8}")
     if rows:
         plot(rows, RESULTS / "alltoall.png")
     return 0 if rows else 1

@@ -203,7 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--allow-cpu", action="store_true", help="run on CPU (fp32) instead of failing")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not torch.cuda.is_available() and not args.allow_cpu:
         print("bench_grouped_gemm.py needs a CUDA/ROCm GPU (pass --allow-cpu to compare the CPU "
               "paths instead)", file=sys.stderr)

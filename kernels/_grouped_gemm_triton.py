@@ -35,7 +35,7 @@ def _gmm_kernel(
     stride_we, stride_wk, stride_wn,
     stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -45,13 +45,22 @@ def _gmm_kernel(
     w_base = w_ptr  # expert e's weights; advanced as a 64-bit pointer (E*K*N can pass 2**31)
     for e in range(E):
         end = tl.load(offs_ptr + e)
-        n_tiles = tl.cdiv(end - start, BLOCK_M) * tiles_n
+        tiles_m = tl.cdiv(end - start, BLOCK_M)
+        n_tiles = tiles_m * tiles_n
         # Smallest t >= tile_base with t % nprog == pid (all operands non-negative).
         first = tile_base + (pid - tile_base % nprog + nprog) % nprog
         for t in range(first, tile_base + n_tiles, nprog):
+            # Grouped order inside the expert: GROUP_M row-tiles sweep the N-tiles together,
+            # so one wave of programs shares a few x row-blocks and a slice of w[e] in L2
+            # instead of streaming all of w[e] (117 MB for Mixtral's w1) once per wave.
             local = t - tile_base
-            rows = start + (local // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-            cols = (local % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+            first_m = (local // (GROUP_M * tiles_n)) * GROUP_M
+            group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+            in_group = local % (GROUP_M * tiles_n)
+            tm = first_m + in_group % group_rows
+            tn = in_group // group_rows
+            rows = start + tm * BLOCK_M + tl.arange(0, BLOCK_M)
+            cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
             row_ok = rows < end
             col_ok = cols < N
             rows64 = rows.to(tl.int64)
@@ -148,7 +157,7 @@ def gmm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, *, op: st
         x_MK.stride(0), x_MK.stride(1),
         w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2),
         y.stride(0), y.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
         INPUT_PRECISION=_input_precision(x_MK.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

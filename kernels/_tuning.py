@@ -74,6 +74,7 @@ def gemm_configs(op: str, N: int, K: int, E: int, elem_bytes: int = 2) -> list[G
     return [default] + [c for c in out if c != default]
 
 
+@functools.cache
 def device_key(device: torch.device) -> str:
     import triton
 

@@ -1,0 +1,442 @@
+"""Fault-injection harness: does a PP=2 x EP=2 run (4 CPU processes, gloo) recover or stop cleanly?
+
+Every run is a real `torchrun` job of train.py on a small model. Faults (the seed picks the rank
+and the step):
+  kill9         kill -9 one worker after step K; torchrun --max-restarts 1 relaunches it and
+                --train.resume=auto continues from the newest complete checkpoint
+  kill-in-save  kill -9 one worker while checkpoint step_K is being written (its .tmp folder
+                exists); the half-written folder must never be picked up
+  stall         one rank sleeps at step K (--train.fault_stall_step); with a short
+                --train.timeout_s its peers must fail with an error naming rank and step
+  nan-skip      rank R's loss and one gradient become NaN at step K, policy skip: the step is
+                skipped and logged, training continues with finite losses
+  nan-stop      the same with policy stop: the run stops with an error naming the step
+  one-expert    --balance.skew=50 --model.top_k=1: every token goes to expert 0, so EP rank 1
+                gets zero tokens every step; losses must equal a 1-process run of that config
+  zero-tokens   --balance.skew=50 (top-2): every token goes to experts 0-1 (EP rank 0); EP rank 1
+                gets zero tokens for every step; same check
+Outcomes:
+  recovered     exit 0, per-step losses identical (rel 1e-6) to the unfaulted run of the same
+                layout (kill9, kill-in-save), or within rel 2e-4 of a 1-process run (skew faults:
+                another layout changes the summation order only)
+  skipped-step  nan-skip: exit 0, the NaN step logged and skipped, earlier losses identical to
+                the unfaulted run, later ones finite
+  clear-error   exit != 0 and stderr has `error: rank R: ... at step K ...` for the fault's step
+  FAILED        anything else: a hang past the wall-clock limit, wrong losses, no clear error,
+                or a checkpoint that does not load
+After every run the newest complete checkpoint is loaded into a fresh 1-process model
+(`trainer.checkpoint.load_checkpoint`: layout-independent) and its weights must be finite.
+
+    python benchmarks/chaos.py [--seeds 5] [--quick] [--faults kill9,stall] [--steps 12]
+
+Rows are appended to benchmarks/results/chaos.jsonl; a table and a bar plot (chaos.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+if str(ROOT) not in sys.path:  # run as a script from anywhere: the trainer package lives at the root
+    sys.path.insert(0, str(ROOT))
+FAULTS = ("kill9", "kill-in-save", "stall", "nan-skip", "nan-stop", "one-expert", "zero-tokens")
+# The smallest model the pipeline tests use: startup dominates, a step takes ~0.1 s on CPU.
+SMALL = ["--config", str(ROOT / "configs" / "tiny.toml"), "--train.seq_len=32",
+         "--train.global_batch=8", "--model.d_model=32", "--model.moe_ffn_dim=32",
+         "--model.n_heads=2", "--model.n_kv_heads=1", "--model.head_dim=16",
+         "--train.eval_every=0", "--train.eval_batches=1", "--optim.warmup_steps=3",
+         "--train.plot=false", "--comm.alltoall=flat", "--train.peak_tflops=1"]
+LAYOUT = ["--parallel.pp=2", "--parallel.ep=2", "--parallel.microbatches=2"]
+NPROC = 4
+SKEW = ["--balance.skew=50"]  # bias -50*ln(1+e): experts >= 2 are never chosen (REFERENCE: zero splits)
+SAME_LAYOUT_REL = 1e-6  # same layout, same summation order: only resume exactness is tested
+OTHER_LAYOUT_REL = 2e-4  # as tests/test_trainer_pipeline.py: fp32 reordering over 12 AdamW steps
+
+
+@dataclass
+class Run:
+    """One finished launch: what came back and what the harness did to it."""
+    out: Path
+    rc: int | None  # None: killed by the harness's wall-clock limit (a hang)
+    wall_s: float
+    stdout: str
+    stderr: str
+    injected: bool = True
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: list[str], out: Path, nproc: int, max_restarts: int) -> subprocess.Popen:
+    """Start train.py (torchrun when nproc > 1) in its own session, so a hang can be killed whole."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "train.py"]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "train.py"]
+    stdout = open(out / "stdout.txt", "w")  # files, not pipes: a full pipe would stall the job
+    stderr = open(out / "stderr.txt", "w")
+    return subprocess.Popen([*cmd, *args, f"--train.out_dir={out}"], cwd=ROOT, env=env,
+                            stdout=stdout, stderr=stderr, start_new_session=True)
+
+
+def worker_pids(root_pid: int) -> dict[int, int]:
+    """{global rank: pid} of the train.py workers under a torchrun process (read from /proc)."""
+    found: dict[int, int] = {}
+    todo = [root_pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            continue
+        for k in map(int, kids):
+            todo.append(k)
+            try:
+                env = Path(f"/proc/{k}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for item in env:
+                if item.startswith(b"RANK="):
+                    found[int(item[5:])] = k
+    return found
+
+
+def last_step(out: Path) -> int:
+    """Newest step rank 0 has logged (a partly written last line is ignored)."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    best = 0
+    for line in path.read_text().splitlines():
+        try:
+            best = max(best, int(json.loads(line).get("step", 0)))
+        except (json.JSONDecodeError, ValueError):
+            continue
+    return best
+
+
+def _poll(proc: subprocess.Popen, deadline: float, ready, interval: float) -> bool:
+    """Wait until ready() or the job ends or the deadline; True when ready() came first."""
+    while proc.poll() is None and time.monotonic() < deadline:
+        if ready():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def _kill_rank(proc: subprocess.Popen, rank: int) -> bool:
+    pid = worker_pids(proc.pid).get(rank)
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _finish(proc: subprocess.Popen, out: Path, t0: float, deadline: float, **kw: Any) -> Run:
+    try:
+        rc: int | None = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        rc = None
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole session this harness started
+        proc.wait()
+    return Run(out, rc, time.monotonic() - t0, (out / "stdout.txt").read_text(),
+               (out / "stderr.txt").read_text(), **kw)
+
+
+def run_plain(args: list[str], out: Path, nproc: int = NPROC, max_restarts: int = 0,
+              limit_s: float = 600) -> Run:
+    t0 = time.monotonic()
+    proc = launch(args, out, nproc, max_restarts)
+    return _finish(proc, out, t0, t0 + limit_s)
+
+
+def run_kill_at_step(args: list[str], out: Path, rank: int, step: int, limit_s: float = 600) -> Run:
+    """kill -9 worker `rank` as soon as rank 0 has logged step `step`."""
+    t0 = time.monotonic()
+    proc = launch(args, out, NPROC, max_restarts=1)
+    hit = _poll(proc, t0 + limit_s, lambda: last_step(out) >= step, 0.01) and _kill_rank(proc, rank)
+    return _finish(proc, out, t0, t0 + limit_s, injected=hit,
+                   note=f"killed rank {rank} after step {last_step(out)}" if hit else "")
+
+
+def run_kill_in_save(args: list[str], out: Path, rank: int, step: int,
+                     limit_s: float = 600) -> Run:
+    """kill -9 worker `rank` while checkpoint `step` is half written (its .tmp folder exists)."""
+    t0 = time.monotonic()
+    proc = launch(args, out, NPROC, max_restarts=1)
+    tmp = out / "checkpoints" / f"step_{step:08d}.tmp"
+    # the save takes tens of ms: poll every ms (a stat call) so the window is not missed
+    hit = _poll(proc, t0 + limit_s, tmp.is_dir, 0.001) and _kill_rank(proc, rank)
+    return _finish(proc, out, t0, t0 + limit_s, injected=hit,
+                   note=f"killed rank {rank} during save of step {step}" if hit else "")
+
+
+def losses(out: Path) -> dict[int, float]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def events(out: Path) -> list[dict[str, Any]]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "event" in r]
+
+
+def check_checkpoint(out: Path, args: list[str]) -> str:
+    """Load the newest complete checkpoint into a fresh 1-process model; '' when fine."""
+    import torch
+
+    from trainer import parse_args
+    from trainer.checkpoint import find_latest, load_checkpoint
+    from trainer.loop import build_model_config
+
+    path = find_latest(out / "checkpoints")
+    if path is None:
+        return ""
+    try:
+        mcfg = build_model_config(parse_args([*args, "--parallel.pp=1", "--parallel.ep=1"]))
+        from model import MoETransformer
+
+        model = MoETransformer(mcfg)
+        optim = torch.optim.AdamW(model.parameters())
+        load_checkpoint(path, model, optim, mcfg.to_dict())
+    except ValueError as e:
+        return f"checkpoint {path.name} does not load: {e}"
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        return f"checkpoint {path.name} holds non-finite weights"
+    return ""
+
+
+def compare(got: dict[int, float], ref: dict[int, float], steps: list[int], rel: float) -> str:
+    """'' when every listed step is present in both and equal within rel; else the first miss."""
+    for s in steps:
+        if s not in got or s not in ref:
+            return f"step {s} missing (got steps {sorted(got)[:3]}..{sorted(got)[-3:]})"
+        if not math.isclose(got[s], ref[s], rel_tol=rel):
+            return f"step {s}: loss {got[s]!r} vs reference {ref[s]!r} (rel tol {rel:g})"
+    return ""
+
+
+def clear_error(stderr: str, step: int) -> str:
+    """The first `error: rank R: ... at step K` line naming the fault's step, else ''."""
+    for line in stderr.splitlines():
+        if line.startswith("error: rank ") and f"at step {step}" in line:
+            return line[:200]
+    return ""
+
+
+# -- one fault, one seed ------------------------------------------------------------------------
+def run_fault(fault: str, seed: int, base: Path, steps: int, refs: dict[str, dict[int, float]],
+              limit_s: float) -> dict[str, Any]:
+    rng = random.Random(f"{fault}/{seed}")  # str seeds are stable across processes
+    rank = rng.randrange(NPROC)
+    out = base / f"{fault}-s{seed}"
+    common = [*SMALL, *LAYOUT, f"--train.steps={steps}", "--train.ckpt_every=3",
+              "--data", str(base / "corpus.txt")]
+    recover = [*common, "--train.resume=auto"]
+    all_steps = list(range(1, steps + 1))
+    row: dict[str, Any] = {"fault": fault, "seed": seed, "rank": rank}
+    verdict, detail = "FAILED", ""
+    if fault == "kill9":
+        k = rng.randint(1, steps - 1)
+        r = run_kill_at_step(recover, out, rank, k, limit_s)
+        row["step"] = k
+        if r.rc == 0:
+            bad = compare(losses(out), refs["base"], all_steps, SAME_LAYOUT_REL)
+            verdict, detail = ("recovered", r.note) if not bad else ("FAILED", bad)
+    elif fault == "kill-in-save":
+        k = rng.choice([s for s in all_steps if s % 3 == 0])
+        r = run_kill_in_save(recover, out, rank, k, limit_s)
+        row["step"] = k
+        if r.rc == 0:
+            bad = compare(losses(out), refs["base"], all_steps, SAME_LAYOUT_REL)
+            verdict, detail = ("recovered", r.note) if not bad else ("FAILED", bad)
+    elif fault in ("stall", "nan-stop"):
+        k = rng.randint(2, steps)
+        knob = (["--train.fault_stall_step", "--train.timeout_s=20"] if fault == "stall"
+                else ["--train.fault_nan_step", "--train.nan_policy=stop"])
+        r = run_plain([*common, f"{knob[0]}={k}", knob[1], f"--train.fault_rank={rank}"], out,
+                      limit_s=limit_s)
+        row["step"] = k
+        line = clear_error(r.stderr, k)
+        bad = compare(losses(out), refs["base"], list(range(1, k)), SAME_LAYOUT_REL)
+        if r.rc not in (None, 0) and line and not bad:
+            verdict, detail = "clear-error", line
+        else:
+            detail = bad or f"rc {r.rc}, no `error: rank R: ... at step {k}` line"
+    elif fault == "nan-skip":
+        k = rng.randint(2, steps - 1)
+        r = run_plain([*recover, f"--train.fault_nan_step={k}", f"--train.fault_rank={rank}"],
+                      out, max_restarts=1, limit_s=limit_s)
+        row["step"] = k
+        got = losses(out)
+        evs = [e for e in events(out) if e.get("event") == "nonfinite"]
+        bad = compare(got, refs["base"], list(range(1, k)), SAME_LAYOUT_REL)
+        later = [s for s in range(k + 1, steps + 1) if not math.isfinite(got.get(s, math.nan))]
+        if r.rc == 0 and not bad and not later and [e["step"] for e in evs] == [k] \
+                and not math.isfinite(got.get(k, 0.0)):
+            verdict, detail = "skipped-step", f"event at step {k}: {evs[0]['action']}"
+        else:
+            detail = bad or f"rc {r.rc}, nonfinite events {evs}, non-finite later steps {later}"
+    else:  # one-expert / zero-tokens: routing skew, reference = 1 process, same config and data seed
+        skew = [*SKEW, f"--data.seed={1000 + seed}"] + (["--model.top_k=1"]
+                                                          if fault == "one-expert" else [])
+        row["step"] = 0
+        ref_run = run_plain([*common, *skew, "--parallel.pp=1", "--parallel.ep=1"],
+                            base / f"{fault}-s{seed}-ref", nproc=1, limit_s=limit_s)
+        r = run_plain([*recover, *skew], out, max_restarts=1, limit_s=limit_s)
+        got = losses(out)
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] \
+            if (out / "metrics.jsonl").exists() else []
+        # imbalance = max EP-rank load / mean = 2.0 exactly when EP rank 1 got zero tokens
+        zero = all(x["imbalance"] == 2.0 for x in rows if "imbalance" in x)
+        bad = "" if ref_run.rc == 0 else f"1-process reference failed: {ref_run.stderr[-300:]}"
+        bad = bad or compare(got, losses(ref_run.out), all_steps, OTHER_LAYOUT_REL)
+        if r.rc == 0 and not bad and zero:
+            verdict, detail = "recovered", f"EP rank 1 got 0 tokens in all {steps} steps"
+        else:
+            detail = bad or f"rc {r.rc}, zero-token steps as intended: {zero}"
+    if r.rc is None:
+        verdict, detail = "FAILED", f"hang: killed after the {limit_s:.0f} s wall-clock limit"
+    elif not r.injected:
+        verdict, detail = "not-injected", "the job ended before the fault could be injected"
+    ck = check_checkpoint(out, common)
+    if ck:
+        verdict, detail = "FAILED", ck
+    if verdict == "FAILED" and not detail.startswith("hang") and r.rc not in (0, None):
+        detail += f" | stderr: {r.stderr.strip()[-300:]}"
+    row.update(outcome=verdict, detail=detail, rc=r.rc, wall_s=round(r.wall_s, 1),
+               resumed="resumed from" in r.stdout)
+    return row
+
+
+def _meta() -> dict[str, Any]:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                             capture_output=True).stdout.strip()
+    except OSError:
+        sha = ""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"git": sha, "device": f"cpu: {cpu} ({os.cpu_count()} cores)", "time": time.time()}
+
+
+def _plot(rows: list[dict[str, Any]], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    faults = list(dict.fromkeys(r["fault"] for r in rows))
+    kinds = sorted({r["outcome"] for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    bottom = [0] * len(faults)
+    for kind in kinds:
+        n = [sum(r["fault"] == f and r["outcome"] == kind for r in rows) for f in faults]
+        ax.bar(faults, n, bottom=bottom, label=kind,
+               color="tab:red" if kind == "FAILED" else None)
+        bottom = [b + x for b, x in zip(bottom, n, strict=True)]
+    ax.set_ylabel("runs")
+    ax.set_title("chaos harness: PP=2 x EP=2 on CPU, outcome per fault")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="one seed per fault")
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"subset of {','.join(FAULTS)}")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--limit-s", type=float, default=600, help="wall-clock limit per launch")
+    ap.add_argument("--out", default="/tmp/piper-chaos")
+    args = ap.parse_args()
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    unknown = sorted(set(faults) - set(FAULTS))
+    if unknown:
+        ap.error(f"unknown fault(s) {unknown}; valid: {', '.join(FAULTS)}")
+    if args.steps < 6:
+        ap.error(f"--steps={args.steps}: need >= 6 (checkpoints every 3 steps, faults after step 1)")
+    seeds = 1 if args.quick else args.seeds
+    base = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    base.mkdir(parents=True)
+    from trainer.data import default_corpus_files
+
+    (base / "corpus.txt").write_bytes(
+        b"".join(f.read_bytes() for f in default_corpus_files()[:20])[:200_000])
+    common = [*SMALL, *LAYOUT, f"--train.steps={args.steps}", "--train.ckpt_every=3",
+              "--data", str(base / "corpus.txt")]
+    t0 = time.monotonic()
+    ref = run_plain(common, base / "reference", limit_s=args.limit_s)
+    if ref.rc != 0:
+        sys.exit(f"the unfaulted reference run failed (rc {ref.rc}):\n{ref.stderr[-3000:]}")
+    refs = {"base": losses(ref.out)}
+    print(f"reference (unfaulted) run: {ref.wall_s:.0f} s, final loss {refs['base'][args.steps]:.4f}",
+          flush=True)
+    meta = _meta()
+    rows: list[dict[str, Any]] = []
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for fault in faults:
+        for seed in range(seeds):
+            row = run_fault(fault, seed, base, args.steps, refs, args.limit_s)
+            if row["outcome"] == "not-injected":  # missed the window: one retry, next seed slot
+                row = run_fault(fault, seed + 1000, base, args.steps, refs, args.limit_s)
+            row.update(meta, steps=args.steps, layout="pp2-ep2", limit_s=args.limit_s)
+            rows.append(row)
+            with open(RESULTS / "chaos.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"{fault:13s} seed {seed}: {row['outcome']:12s} rank {row['rank']} step "
+                  f"{row['step']:>2} {row['wall_s']:6.1f} s  {row['detail'][:110]}", flush=True)
+    kinds = ["recovered", "skipped-step", "clear-error", "not-injected", "FAILED"]
+    print(f"\n{'fault':14s}" + "".join(f"{k:>14s}" for k in kinds) + f"{'max wall s':>12s}")
+    for fault in faults:
+        mine = [r for r in rows if r["fault"] == fault]
+        print(f"{fault:14s}" + "".join(f"{sum(r['outcome'] == k for r in mine):>14d}"
+                                       for k in kinds) + f"{max(r['wall_s'] for r in mine):>12.1f}")
+    n_bad = sum(r["outcome"] in ("FAILED", "not-injected") for r in rows)
+    print(f"\n{len(rows)} runs, {n_bad} failed, {time.monotonic() - t0:.0f} s total; rows appended to "
+          f"{RESULTS / 'chaos.jsonl'}")
+    _plot(rows, RESULTS / "chaos.png")
+    sys.exit(1 if n_bad else 0)
+
+
+if __name__ == "__main__":
+    main()
