@@ -129,10 +129,13 @@ def bench_case(name: str, dist: str, counts: torch.Tensor, D: int, F: int, dtype
     dense_w = w[0].contiguous()
     flops = 2.0 * M * D * F
     t_dense = time_fn(lambda: x @ dense_w, device, args.warmup, args.repeats)
+    # torch._grouped_mm's CUDA kernels want w column-major per expert (the layout of an
+    # nn.Linear weight seen transposed, as transformers and torchtitan pass it).
+    w_cm = w.transpose(1, 2).contiguous().transpose(1, 2) if device.type == "cuda" else w
     rows = []
     for op in ("fwd", "dw"):
-        second = w if op == "fwd" else dy
         for meth, fn in methods(device, op).items():
+            second = dy if op == "dw" else (w_cm if meth == "torch._grouped_mm" else w)
             try:
                 t = time_fn(lambda fn=fn, s=second: fn(x, s, offs), device, args.warmup, args.repeats)
             except (RuntimeError, NotImplementedError) as exc:  # e.g. _grouped_mm needs sm90

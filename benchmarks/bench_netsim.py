@@ -210,8 +210,8 @@ def plot(rows: list[dict], path: Path) -> None:
                          if (r["bytes_per_pair"], r["message_gap"]) == key)
             label = f"{key[0] >> 10} KiB, gap {key[1] * 1e6:g} us"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        ax.axhspan(*PUBLISHED, xmin=0, xmax=1, color="tab:green", alpha=0.12,
-                   label="published 1.2-9x (16-512 nodes)")
+        ax.fill_between([16, 512], *PUBLISHED, color="tab:green", alpha=0.12,
+                        label="published 1.2-9x (16-512 nodes)")
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -233,12 +233,18 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sections", default="frontier,speed,dgx,validate",
-                   help="comma-separated subset of frontier,speed,dgx,validate")
+                   help="comma-separated subset of frontier,speed,dgx,validate; 'plot' "
+                        "alone redraws the plot from the last run's rows in the JSONL")
     args = p.parse_args()
     sections = {x.strip() for x in args.sections.split(",")}
     if args.quick:
         args.max_nodes = min(args.max_nodes, 64)
     RESULTS.mkdir(exist_ok=True)
+    if sections == {"plot"}:
+        old = [json.loads(x) for x in (RESULTS / "bench_netsim.jsonl").read_text().splitlines()]
+        last = max(r["time"] for r in old if r.get("kind") == "frontier")
+        plot([r for r in old if r.get("time") == last], RESULTS / "bench_netsim.png")
+        return
     meta = {"git": _git_sha(), "device": _device(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     rows = sweep(args) if "frontier" in sections else []
     rows += speed(args) if "speed" in sections else []

@@ -4,7 +4,7 @@ Legend: M token-sorted rows, K in features, N out features, E experts.
 
 Forward and dx share one persistent kernel: a grid of at most ``2 * num_SMs`` programs walks
 the experts in order, reading the row offsets on the device (no host sync, so it runs inside
-CUDA graphs and with tokens counts that change every step), and program ``pid`` takes every
+CUDA graphs and with token counts that change every step), and program ``pid`` takes every
 ``nprog``-th output tile. Only tiles that exist are visited, so skewed and zero counts cost
 nothing extra. dx = dy @ w^T is the same kernel on a transposed view of w (strides swapped).
 

@@ -57,7 +57,9 @@ def _bench(op: str, cfg: GemmConfig, M: int, N: int, K: int, E: int, dtype: torc
 
 
 def tune(model: str, tokens: int, dtype: torch.dtype, max_configs: int,
-         device: torch.device) -> dict[str, GemmConfig]:
+         device: torch.device, cache: Path) -> dict[str, GemmConfig]:
+    """Time the candidates of every problem; each winner is stored as soon as it is known, so
+    a run cut short by a time limit keeps what it finished."""
     from model import presets  # lazy: kernels does not depend on model otherwise
 
     cfg = presets.get(model)
@@ -88,6 +90,7 @@ def tune(model: str, tokens: int, dtype: torch.dtype, max_configs: int,
         print(f"  {key}: best {best} {ms:.3f} ms ({flops / ms / 1e9:.1f} TFLOPS), "
               f"default {default_ms:.3f} ms, {len(results)} configs")
         winners[key] = best
+        store(cache, device, {key: best})
     return winners
 
 
@@ -107,13 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--tokens={args.tokens} and --max-configs={args.max_configs} must be >= 1")
     device = torch.device("cuda", torch.cuda.current_device())
     t0 = time.perf_counter()
+    path = args.cache or default_cache_path()
     try:
-        winners = tune(args.model, args.tokens, getattr(torch, args.dtype), args.max_configs, device)
+        winners = tune(args.model, args.tokens, getattr(torch, args.dtype), args.max_configs,
+                       device, path)
     except KeyError as exc:
         print(f"kernels.autotune: {exc}", file=sys.stderr)
         return 2
-    path = args.cache or default_cache_path()
-    store(path, device, winners)
     print(f"stored {len(winners)} winners in {path} ({time.perf_counter() - t0:.0f} s)")
     return 0
 

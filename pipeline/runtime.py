@@ -1,9 +1,9 @@
 """Execute a pipeline schedule over a process group: `PipelineRuntime`.
 
 Every rank walks its own slot list of the (validated) schedule. P2P is derived, never
-hand-written: after the action of step t a rank posts, in one `batch_isend_irecv`, the
-receives of everything its peers produce at step t for it (posted first, which gloo needs)
-and the sends of what it produced itself. `comm_plan` gives both ends of every rank pair the
+hand-written: before its own step-t action a rank posts (one `batch_isend_irecv`) the
+receives of everything its peers produce for it at step t, and after the action the sends of
+what it produced; so every receive is posted before the matching send (which gloo needs). `comm_plan` gives both ends of every rank pair the
 same (step, producer) order and every transfer a unique tag, so matching is deterministic.
 A rank blocks only when an action needs a tensor that has not arrived yet; sends complete in
 the background and are waited for at the end of `step`.
@@ -133,9 +133,9 @@ class PipelineRuntime:
 
     # -- P2P ------------------------------------------------------------------------------
 
-    def _post(self, t: int) -> None:
-        """Post this step's receives (first) and sends as one batch."""
-        ops = sorted(self._ops_at.get(t, []), key=lambda o: o[0] != "recv")
+    def _post(self, t: int, which: str) -> None:
+        """Post the `which` ("recv" or "send") operations of step t as one batch."""
+        ops = [o for o in self._ops_at.get(t, []) if o[0] == which]
         p2p = []
         for kind, peer, x in ops:
             if kind == "recv":
@@ -271,6 +271,9 @@ class PipelineRuntime:
         self.spans = []
         self.last_aux = {}
         for t, a in enumerate(self.schedule[self.rank]):
+            # Receives of step t go up before this rank's own step-t action, so a transfer
+            # can start the moment its producer finishes instead of when this rank is done.
+            self._post(t, "recv")
             if a is not None:
                 # Inputs from other ranks are awaited before the clock starts: waiting is bubble.
                 if a.kind == "F" and a.stage > 0 or a.kind == "B" and a.stage < last:
@@ -285,7 +288,7 @@ class PipelineRuntime:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 self.spans.append(Span(self.rank, a, start, self.clock()))
-            self._post(t)
+            self._post(t, "send")
         for work in self._send_works:
             self._wait(work)
         leftovers = list(self._inbox) + list(self._local) + list(self._stash)

@@ -51,11 +51,23 @@ def test_two_node_cluster_runs_halo_check_and_cleans_up(tmp_path: Path) -> None:
 @pytest.mark.netns
 @needs_netns
 def test_failing_command_returns_status_and_tears_down() -> None:
-    cluster = EmulatedCluster(nodes=2, gpus_per_node=1, nic_mbit=100, groups=2,
-                              global_mbit=50, tag=f"{os.getpid()}b")
+    cluster = EmulatedCluster(nodes=1, gpus_per_node=1, nic_mbit=100, tag=f"{os.getpid()}b")
     with cluster:
         rc = cluster.run(["false"], timeout_s=60)
     assert rc != 0
+    assert leftovers(cluster.prefix) == []
+
+
+@pytest.mark.netns
+@needs_netns
+def test_exception_inside_two_group_cluster_tears_down() -> None:
+    cluster = EmulatedCluster(nodes=3, gpus_per_node=1, nic_mbit=100, groups=2,
+                              global_mbit=50, tag=f"{os.getpid()}d")
+    with pytest.raises(RuntimeError, match="boom"), cluster:
+        # group 0 = nodes 0-1, group 1 = node 2: a core bridge plus two shaped uplinks
+        assert [cluster.group_of(i) for i in range(3)] == [0, 0, 1]
+        assert any(name.startswith("pmu") for name in leftovers(cluster.prefix))
+        raise RuntimeError("boom")
     assert leftovers(cluster.prefix) == []
 
 
