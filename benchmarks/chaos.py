@@ -75,6 +75,7 @@ class Run:
     wall_s: float
     stdout: str
     stderr: str
+    args: list[str] = field(default_factory=list)
     injected: bool = True
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -86,6 +87,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Stand-in for a proposed train.py change (see --restart-shim): torchrun keeps one TCPStore for
+# all restarts of a static rendezvous, so a relaunched worker can read the dead incarnation's gloo
+# address keys and fail with "connectFullMesh ... Connection refused". A per-restart key prefix
+# keeps the incarnations apart. Only active under torchrun's agent store.
+SHIM = """import os, runpy, sys
+import torch.distributed as dist
+_init = dist.init_process_group
+def _per_restart(backend, timeout, **kw):
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return _init(backend, timeout=timeout, **kw)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    return _init(backend, store=dist.PrefixStore(f"/attempt_{attempt}", store),
+                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                 timeout=timeout)
+dist.init_process_group = _per_restart
+sys.path.insert(0, os.getcwd())
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+ENTRY = ["train.py"]  # main() points this at the shim with --restart-shim
+
+
 def launch(args: list[str], out: Path, nproc: int, max_restarts: int) -> subprocess.Popen:
     """Start train.py (torchrun when nproc > 1) in its own session, so a hang can be killed whole."""
     out.mkdir(parents=True, exist_ok=True)
@@ -95,7 +120,7 @@ def launch(args: list[str], out: Path, nproc: int, max_restarts: int) -> subproc
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "train.py"]
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *ENTRY]
     stdout = open(out / "stdout.txt", "w")  # files, not pipes: a full pipe would stall the job
     stderr = open(out / "stderr.txt", "w")
     return subprocess.Popen([*cmd, *args, f"--train.out_dir={out}"], cwd=ROOT, env=env,
@@ -147,6 +172,17 @@ def _poll(proc: subprocess.Popen, deadline: float, ready, interval: float) -> bo
     return False
 
 
+def _kill_all(proc: subprocess.Popen) -> None:
+    """SIGKILL a hung job: torchrun starts each worker in its own session, so killing the
+    launcher's process group alone would leave the workers running."""
+    for pid in worker_pids(proc.pid).values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.killpg(proc.pid, signal.SIGKILL)  # the session this harness started
+
+
 def _kill_rank(proc: subprocess.Popen, rank: int) -> bool:
     pid = worker_pids(proc.pid).get(rank)
     if pid is None:
@@ -158,30 +194,32 @@ def _kill_rank(proc: subprocess.Popen, rank: int) -> bool:
     return True
 
 
-def _finish(proc: subprocess.Popen, out: Path, t0: float, deadline: float, **kw: Any) -> Run:
+def _finish(proc: subprocess.Popen, out: Path, args: list[str], t0: float, deadline: float,
+            **kw: Any) -> Run:
     try:
         rc: int | None = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         rc = None
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole session this harness started
+        _kill_all(proc)
         proc.wait()
     return Run(out, rc, time.monotonic() - t0, (out / "stdout.txt").read_text(),
-               (out / "stderr.txt").read_text(), **kw)
+               (out / "stderr.txt").read_text(), args, **kw)
 
 
 def run_plain(args: list[str], out: Path, nproc: int = NPROC, max_restarts: int = 0,
               limit_s: float = 600) -> Run:
     t0 = time.monotonic()
     proc = launch(args, out, nproc, max_restarts)
-    return _finish(proc, out, t0, t0 + limit_s)
+    return _finish(proc, out, args, t0, t0 + limit_s)
 
 
-def run_kill_at_step(args: list[str], out: Path, rank: int, step: int, limit_s: float = 600) -> Run:
-    """kill -9 worker `rank` as soon as rank 0 has logged step `step`."""
+def run_kill_at_step(args: list[str], out: Path, rank: int, step: int, limit_s: float = 600,
+                     nproc: int = NPROC) -> Run:
+    """kill -9 worker `rank` as soon as rank 0 has logged step `step`; torchrun may restart once."""
     t0 = time.monotonic()
-    proc = launch(args, out, NPROC, max_restarts=1)
+    proc = launch(args, out, nproc, max_restarts=1)
     hit = _poll(proc, t0 + limit_s, lambda: last_step(out) >= step, 0.01) and _kill_rank(proc, rank)
-    return _finish(proc, out, t0, t0 + limit_s, injected=hit,
+    return _finish(proc, out, args, t0, t0 + limit_s, injected=hit,
                    note=f"killed rank {rank} after step {last_step(out)}" if hit else "")
 
 
@@ -193,7 +231,7 @@ def run_kill_in_save(args: list[str], out: Path, rank: int, step: int,
     tmp = out / "checkpoints" / f"step_{step:08d}.tmp"
     # the save takes tens of ms: poll every ms (a stat call) so the window is not missed
     hit = _poll(proc, t0 + limit_s, tmp.is_dir, 0.001) and _kill_rank(proc, rank)
-    return _finish(proc, out, t0, t0 + limit_s, injected=hit,
+    return _finish(proc, out, args, t0, t0 + limit_s, injected=hit,
                    note=f"killed rank {rank} during save of step {step}" if hit else "")
 
 
@@ -248,11 +286,19 @@ def compare(got: dict[int, float], ref: dict[int, float], steps: list[int], rel:
 
 
 def clear_error(stderr: str, step: int) -> str:
-    """The first `error: rank R: ... at step K` line naming the fault's step, else ''."""
+    """The first train.py `error: ...` line naming the fault's step, else ''. (A hang names the
+    reporting rank and phase; a non-finite stop is global, every rank agrees, so no rank.)"""
     for line in stderr.splitlines():
-        if line.startswith("error: rank ") and f"at step {step}" in line:
+        if line.startswith("error: ") and f"at step {step}" in line:
             return line[:200]
     return ""
+
+
+def first_error(stderr: str) -> str:
+    """The line that says what went wrong: train.py's `error:` or the last exception line."""
+    lines = [x for x in stderr.splitlines() if x.startswith("error: ")]
+    lines = lines or [x for x in stderr.splitlines() if "Error: " in x and not x.startswith(" ")]
+    return lines[0][:240] if lines else stderr.strip()[-240:]
 
 
 # -- one fault, one seed ------------------------------------------------------------------------
@@ -330,11 +376,11 @@ def run_fault(fault: str, seed: int, base: Path, steps: int, refs: dict[str, dic
         verdict, detail = "FAILED", f"hang: killed after the {limit_s:.0f} s wall-clock limit"
     elif not r.injected:
         verdict, detail = "not-injected", "the job ended before the fault could be injected"
-    ck = check_checkpoint(out, common)
+    ck = check_checkpoint(out, r.args)
     if ck:
         verdict, detail = "FAILED", ck
     if verdict == "FAILED" and not detail.startswith("hang") and r.rc not in (0, None):
-        detail += f" | stderr: {r.stderr.strip()[-300:]}"
+        detail += f" | {first_error(r.stderr)}"
     row.update(outcome=verdict, detail=detail, rc=r.rc, wall_s=round(r.wall_s, 1),
                resumed="resumed from" in r.stdout)
     return row
@@ -388,6 +434,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--limit-s", type=float, default=600, help="wall-clock limit per launch")
     ap.add_argument("--out", default="/tmp/piper-chaos")
+    ap.add_argument("--restart-shim", action="store_true",
+                    help="launch train.py through SHIM (per-restart store prefix): shows what the "
+                         "proposed train.py fix does; the default runs train.py as it is")
     args = ap.parse_args()
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = sorted(set(faults) - set(FAULTS))
@@ -398,6 +447,10 @@ def main() -> None:
     seeds = 1 if args.quick else args.seeds
     base = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     base.mkdir(parents=True)
+    global ENTRY
+    if args.restart_shim:
+        (base / "train_shim.py").write_text(SHIM)
+        ENTRY = [str(base / "train_shim.py")]
     from trainer.data import default_corpus_files
 
     (base / "corpus.txt").write_bytes(
@@ -419,7 +472,8 @@ def main() -> None:
             row = run_fault(fault, seed, base, args.steps, refs, args.limit_s)
             if row["outcome"] == "not-injected":  # missed the window: one retry, next seed slot
                 row = run_fault(fault, seed + 1000, base, args.steps, refs, args.limit_s)
-            row.update(meta, steps=args.steps, layout="pp2-ep2", limit_s=args.limit_s)
+            row.update(meta, steps=args.steps, layout="pp2-ep2", limit_s=args.limit_s,
+                       entry="train.py via restart shim" if args.restart_shim else "train.py")
             rows.append(row)
             with open(RESULTS / "chaos.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -34,7 +34,15 @@ from dataclasses import dataclass
 
 from comm.topology import Topology
 
-__all__ = ["Message", "RankPlan", "halo_plan", "rank_plan", "relay_rank", "transpose"]
+__all__ = [
+    "Message",
+    "RankPlan",
+    "halo_plan",
+    "rank_plan",
+    "relay_rank",
+    "relay_table",
+    "transpose",
+]
 
 Segment = tuple[int, int]  # (first row, number of rows) inside one buffer
 
@@ -104,6 +112,23 @@ def relay_rank(topo: Topology, src: int, node: int) -> int:
     return candidates[position % len(candidates)]
 
 
+def relay_table(topo: Topology) -> tuple[tuple[int, ...], ...]:
+    """relay[s][m] = relay_rank(topo, s, m) (s itself for its own node), memoised on `topo`.
+
+    The memo lives on the immutable Topology instance (not in a module-level cache): the
+    cost model asks for it on every `auto` call and it costs O(R * nodes * G) to build.
+    """
+    memo = topo.__dict__.get("_relay_table")
+    if memo is None:
+        node = topo.rank2node
+        memo = tuple(
+            tuple(s if m == node[s] else relay_rank(topo, s, m) for m in range(topo.num_nodes))
+            for s in range(topo.world_size)
+        )
+        object.__setattr__(topo, "_relay_table", memo)
+    return memo
+
+
 def _validate(S: Sequence[Sequence[int]], topo: Topology) -> list[list[int]]:
     R = topo.world_size
     if len(S) != R or any(len(row) != R for row in S):
@@ -142,7 +167,8 @@ def _rank_plan(S: list[list[int]], topo: Topology, me: int) -> RankPlan:
     x_off = _prefix(S[me])  # x_off[d] in my input
     y_off = _prefix([S[s][me] for s in range(R)])  # y_off[s] in my output
     remote = [s for s in range(R) if node[s] != node[me]]
-    relay_of = {s: relay_rank(topo, s, node[me]) for s in remote}  # who relays s into my node
+    table = relay_table(topo)
+    relay_of = {s: table[s][node[me]] for s in remote}  # who relays s into my node
 
     self_copies = ((x_off[me], S[me][me]), (y_off[me], S[me][me]))
     intra_sends = [Message(d, ((x_off[d], S[me][d]),)) for d in mine if d != me and S[me][d]]
@@ -155,7 +181,7 @@ def _rank_plan(S: list[list[int]], topo: Topology, me: int) -> RankPlan:
         dests = sorted(topo.node_ranks(m))
         segs = _coalesce([(x_off[d], S[me][d]) for d in dests])
         if segs:
-            inter_sends.append(Message(relay_rank(topo, me, m), segs))
+            inter_sends.append(Message(table[me][m], segs))
 
     # My stage buffer: packed messages of the sources I relay, ascending source rank, each
     # holding rows for my node's ranks in ascending rank order.

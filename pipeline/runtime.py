@@ -3,8 +3,10 @@
 Every rank walks its own slot list of the (validated) schedule. P2P is derived, never
 hand-written: before its own step-t action a rank posts (one `batch_isend_irecv`) the
 receives of everything its peers produce for it at step t, and after the action the sends of
-what it produced; so every receive is posted before the matching send (which gloo needs). `comm_plan` gives both ends of every rank pair the
-same (step, producer) order and every transfer a unique tag, so matching is deterministic.
+what it produced. Receives thus go up a step early (the batch holds receives only, so the
+gloo rule "receives before sends" holds) and a transfer can start as soon as its producer
+is done. `comm_plan` gives both ends of every rank pair the same (step, producer) order and
+every transfer a unique tag, so matching is deterministic.
 A rank blocks only when an action needs a tensor that has not arrived yet; sends complete in
 the background and are waited for at the end of `step`.
 

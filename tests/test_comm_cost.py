@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from comm import (
     CostModel,
@@ -16,6 +18,7 @@ from comm import (
     predict_halo,
     run_local,
 )
+from comm.cost import reference_predict_flat, reference_predict_halo
 
 # 1 row = 100 bytes; NICs move 1 row/s, local links 10 rows/s: numbers stay hand-checkable.
 MODEL = CostModel(nic_bandwidth=100.0, local_bandwidth=1000.0, alpha_net=0.1,
@@ -76,3 +79,25 @@ def test_calibration_agrees_on_every_rank() -> None:
     m = models[0]
     assert m["flat_pairwise"] and m["alpha_net"] > 0 and m["nic_bandwidth"] > 0
     assert m["halo_overhead_s"] >= 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 4), st.integers(1, 4), st.integers(0, 2), st.booleans(),
+    st.lists(st.integers(0, 5), min_size=256, max_size=256), st.floats(0.0, 0.9),
+)
+def test_vectorised_predictions_match_the_loops(nodes: int, gpus: int, nic_shift: int,
+                                                pairwise: bool, values: list[int],
+                                                zero_p: float) -> None:
+    nics = max(1, gpus >> nic_shift)
+    while gpus % nics:
+        nics -= 1
+    topo = Topology.uniform(nodes, gpus, nics_per_node=nics)
+    R = topo.world_size
+    S = [[values[(s * R + d) % 256] if (s * 7 + d * 3) % 10 >= zero_p * 10 else 0
+          for d in range(R)] for s in range(R)]
+    model = dataclasses.replace(MODEL, flat_pairwise=pairwise, halo_overhead_s=0.3)
+    assert predict_flat(S, 64, topo, model) == pytest.approx(
+        reference_predict_flat(S, 64, topo, model))
+    assert predict_halo(S, 64, topo, model) == pytest.approx(
+        reference_predict_halo(S, 64, topo, model))

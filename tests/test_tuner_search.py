@@ -14,7 +14,8 @@ from tuner.space import SearchSpace, check_gpu_count
 
 @pytest.fixture(scope="module")
 def small():
-    """Mixtral-8x7B on 64 Frontier GCDs, a reduced space of 768 points."""
+    """Mixtral-8x7B on 64 Frontier GCDs, a reduced space of 768 points (exhaustive: 670
+    model calls)."""
     cfg, pf = presets.get("mixtral-8x7b"), load_platform("frontier")
     sp = SearchSpace.default(cfg, pf, 64, 512, 4096, mbs=(1, 2))
     ch = dict(sp.choices, pp=(2, 4, 8, 16), schedule=("1f1b", "zb-h1", "interleaved-1f1b:2"),
@@ -44,8 +45,9 @@ def test_tpe_within_5_percent_of_exhaustive_in_a_quarter(small):
     assert ref.trials == sp.size == 768
     budget = sp.size // 4
     ev = Evaluator(sp, cfg, pf)
-    got = optuna_search(ev, n_trials=150, seed=0)
-    assert got.trials <= budget
+    # 120 trials: seeds 0-7 all end within 5 % (at trials 50-109) with 139-165 model calls.
+    got = optuna_search(ev, n_trials=120, seed=0)
+    assert got.trials + got.skipped <= budget
     assert got.evaluations + got.memory_checks <= (ref.evaluations + ref.memory_checks) / 4
     assert got.best.step_time <= 1.05 * ref.best.step_time
     # The ranking is consistent with the model: re-estimating the best gives the same time.
