@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 ROW_BYTES = 1024  # one row = 256 fp32 values
 ALGORITHMS = ("flat", "halo", "auto")
+DEFAULT_SETUPS = "8x2@100,4x2@1000"  # the two targets
 
 
 def parse_size(text: str) -> int:
@@ -178,7 +179,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--setups", default="8x2@100,4x2@1000",
+    p.add_argument("--setups", default=DEFAULT_SETUPS,
                    help="comma list of NODESxGPUS@MBIT")
     p.add_argument("--sizes", default=None, help="bytes per pair, e.g. 1K,256K,16M "
                    "(default: 1K..1M at <= 100 Mbit/s, 1K..16M above: 16 MB x 14 peers at "
@@ -211,8 +212,9 @@ def main() -> int:
         print(f"{setup:<12} {r['pattern']:<9} {r['pair_bytes']:>8} {r['algorithm']:<5} "
               f"{r['time_s'] * 1e3:>9.2f} {r['algbw_MBps']:>10.2f} {r['vs_flat']:>8.3f} "
               f"{r['nic_frac']:>8.3f} {r['auto_choice']:>8}")
-    if rows:
-        plot(rows, RESULTS / "alltoall.png")
+    if rows:  # the default run owns alltoall.png; other setups get their own picture
+        tag = "" if args.setups == DEFAULT_SETUPS else "_" + args.setups.replace(",", "_")
+        plot(rows, RESULTS / f"alltoall{tag.replace('@', 'at')}.png")
     return 0 if rows else 1
 
 

@@ -21,13 +21,19 @@ Outcomes:
                 another layout changes the summation order only)
   skipped-step  nan-skip: exit 0, the NaN step logged and skipped, earlier losses identical to
                 the unfaulted run, later ones finite
-  clear-error   exit != 0 and stderr has `error: rank R: ... at step K ...` for the fault's step
+  clear-error   exit != 0 and stderr has train.py's `error: ... at step K ...` line for the
+                fault's step (a hang names the reporting rank and phase too)
   FAILED        anything else: a hang past the wall-clock limit, wrong losses, no clear error,
                 or a checkpoint that does not load
 After every run the newest complete checkpoint is loaded into a fresh 1-process model
 (`trainer.checkpoint.load_checkpoint`: layout-independent) and its weights must be finite.
 
     python benchmarks/chaos.py [--seeds 5] [--quick] [--faults kill9,stall] [--steps 12]
+                               [--launcher c10d|static]
+
+Launcher: restarts work with torchrun's c10d rendezvous and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+(the default here); with a static rendezvous (--master-addr/--master-port) the relaunched workers
+meet the dead ones' keys in the shared store and fail or hang in init (see LAUNCHERS).
 
 Rows are appended to benchmarks/results/chaos.jsonl; a table and a bar plot (chaos.png).
 """
@@ -40,6 +46,7 @@ import math
 import os
 import platform
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -59,7 +66,10 @@ SMALL = ["--config", str(ROOT / "configs" / "tiny.toml"), "--train.seq_len=32",
          "--train.global_batch=8", "--model.d_model=32", "--model.moe_ffn_dim=32",
          "--model.n_heads=2", "--model.n_kv_heads=1", "--model.head_dim=16",
          "--train.eval_every=0", "--train.eval_batches=1", "--optim.warmup_steps=3",
-         "--train.plot=false", "--comm.alltoall=flat", "--train.peak_tflops=1"]
+         "--train.plot=false", "--comm.alltoall=flat", "--train.peak_tflops=1",
+         # every collective (init included) fails after 60 s: a hang ends as an error, well
+         # inside the harness's wall-clock limit (a healthy step takes < 1 s here)
+         "--train.timeout_s=60"]
 LAYOUT = ["--parallel.pp=2", "--parallel.ep=2", "--parallel.microbatches=2"]
 NPROC = 4
 SKEW = ["--balance.skew=50"]  # bias -50*ln(1+e): experts >= 2 are never chosen (REFERENCE: zero splits)
@@ -78,7 +88,6 @@ class Run:
     args: list[str] = field(default_factory=list)
     injected: bool = True
     note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def free_port() -> int:
@@ -87,28 +96,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# Stand-in for a proposed train.py change (see --restart-shim): torchrun keeps one TCPStore for
-# all restarts of a static rendezvous, so a relaunched worker can read the dead incarnation's gloo
-# address keys and fail with "connectFullMesh ... Connection refused". A per-restart key prefix
-# keeps the incarnations apart. Only active under torchrun's agent store.
-SHIM = """import os, runpy, sys
-import torch.distributed as dist
-_init = dist.init_process_group
-def _per_restart(backend, timeout, **kw):
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return _init(backend, timeout=timeout, **kw)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timeout)
-    return _init(backend, store=dist.PrefixStore(f"/attempt_{attempt}", store),
-                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                 timeout=timeout)
-dist.init_process_group = _per_restart
-sys.path.insert(0, os.getcwd())
-sys.argv = ["train.py", *sys.argv[1:]]
-runpy.run_path("train.py", run_name="__main__")
-"""
-ENTRY = ["train.py"]  # main() points this at the shim with --restart-shim
+# How torchrun meets its workers. "static" (--master-addr/--master-port, what tests/conftest.py
+# uses) keeps ONE agent TCPStore for every restart: a relaunched worker can read the dead
+# incarnation's gloo address keys and fail ("connectFullMesh ... Connection refused") or hang in
+# init. "c10d" (--rdzv-backend c10d) with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gets a fresh store
+# per rendezvous round (pytorch/pytorch#135712 describes the shared-store restart bug).
+LAUNCHERS = ("c10d", "static")
+LAUNCHER = ["c10d"]  # main() sets it from --launcher; tests may too
 
 
 def launch(args: list[str], out: Path, nproc: int, max_restarts: int) -> subprocess.Popen:
@@ -118,13 +112,18 @@ def launch(args: list[str], out: Path, nproc: int, max_restarts: int) -> subproc
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "train.py"]
     if nproc > 1:
+        port = str(free_port())
+        rdzv = (["--master-addr", "127.0.0.1", "--master-port", port] if LAUNCHER[0] == "static"
+                else ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"])
+        if LAUNCHER[0] == "c10d":
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-               "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *ENTRY]
-    stdout = open(out / "stdout.txt", "w")  # files, not pipes: a full pipe would stall the job
-    stderr = open(out / "stderr.txt", "w")
-    return subprocess.Popen([*cmd, *args, f"--train.out_dir={out}"], cwd=ROOT, env=env,
-                            stdout=stdout, stderr=stderr, start_new_session=True)
+               "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), *rdzv,
+               "train.py"]
+    # files, not pipes: nobody reads a pipe while the job runs, and a full one would stall it
+    with open(out / "stdout.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
+        return subprocess.Popen([*cmd, *args, f"--train.out_dir={out}"], cwd=ROOT, env=env,
+                                stdout=stdout, stderr=stderr, start_new_session=True)
 
 
 def worker_pids(root_pid: int) -> dict[int, int]:
@@ -290,15 +289,16 @@ def clear_error(stderr: str, step: int) -> str:
     reporting rank and phase; a non-finite stop is global, every rank agrees, so no rank.)"""
     for line in stderr.splitlines():
         if line.startswith("error: ") and f"at step {step}" in line:
-            return line[:200]
+            return line
     return ""
 
 
 def first_error(stderr: str) -> str:
-    """The line that says what went wrong: train.py's `error:` or the last exception line."""
-    lines = [x for x in stderr.splitlines() if x.startswith("error: ")]
-    lines = lines or [x for x in stderr.splitlines() if "Error: " in x and not x.startswith(" ")]
-    return lines[0][:240] if lines else stderr.strip()[-240:]
+    """The line that says why the job finally failed: the last train.py `error:` or exception
+    line (after a restart, the relaunch's failure, not the kill's collateral in the first run)."""
+    lines = [x for x in stderr.splitlines() if x.startswith("error: ")
+             or ("Error: " in x and not x.startswith(" ") and "ChildFailedError" not in x)]
+    return lines[-1][:240] if lines else stderr.strip()[-240:]
 
 
 # -- one fault, one seed ------------------------------------------------------------------------
@@ -337,7 +337,7 @@ def run_fault(fault: str, seed: int, base: Path, steps: int, refs: dict[str, dic
         line = clear_error(r.stderr, k)
         bad = compare(losses(out), refs["base"], list(range(1, k)), SAME_LAYOUT_REL)
         if r.rc not in (None, 0) and line and not bad:
-            verdict, detail = "clear-error", line
+            verdict, detail = "clear-error", line[:300]
         else:
             detail = bad or f"rc {r.rc}, no `error: rank R: ... at step {k}` line"
     elif fault == "nan-skip":
@@ -381,8 +381,9 @@ def run_fault(fault: str, seed: int, base: Path, steps: int, refs: dict[str, dic
         verdict, detail = "FAILED", ck
     if verdict == "FAILED" and not detail.startswith("hang") and r.rc not in (0, None):
         detail += f" | {first_error(r.stderr)}"
+    resumed = re.findall(r"resumed from \S+ at step (\d+)", r.stdout)
     row.update(outcome=verdict, detail=detail, rc=r.rc, wall_s=round(r.wall_s, 1),
-               resumed="resumed from" in r.stdout)
+               resumed_at=[int(x) for x in resumed])  # steps the restarts resumed from
     return row
 
 
@@ -432,11 +433,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one seed per fault")
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"subset of {','.join(FAULTS)}")
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--limit-s", type=float, default=600, help="wall-clock limit per launch")
+    ap.add_argument("--limit-s", type=float, default=300, help="wall-clock limit per launch")
     ap.add_argument("--out", default="/tmp/piper-chaos")
-    ap.add_argument("--restart-shim", action="store_true",
-                    help="launch train.py through SHIM (per-restart store prefix): shows what the "
-                         "proposed train.py fix does; the default runs train.py as it is")
+    ap.add_argument("--launcher", choices=LAUNCHERS, default="c10d",
+                    help="torchrun rendezvous (see LAUNCHERS): static shows the restart bug")
     args = ap.parse_args()
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = sorted(set(faults) - set(FAULTS))
@@ -447,10 +447,7 @@ def main() -> None:
     seeds = 1 if args.quick else args.seeds
     base = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
     base.mkdir(parents=True)
-    global ENTRY
-    if args.restart_shim:
-        (base / "train_shim.py").write_text(SHIM)
-        ENTRY = [str(base / "train_shim.py")]
+    LAUNCHER[0] = args.launcher
     from trainer.data import default_corpus_files
 
     (base / "corpus.txt").write_bytes(
@@ -473,12 +470,13 @@ def main() -> None:
             if row["outcome"] == "not-injected":  # missed the window: one retry, next seed slot
                 row = run_fault(fault, seed + 1000, base, args.steps, refs, args.limit_s)
             row.update(meta, steps=args.steps, layout="pp2-ep2", limit_s=args.limit_s,
-                       entry="train.py via restart shim" if args.restart_shim else "train.py")
+                       launcher=args.launcher)
             rows.append(row)
             with open(RESULTS / "chaos.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"{fault:13s} seed {seed}: {row['outcome']:12s} rank {row['rank']} step "
-                  f"{row['step']:>2} {row['wall_s']:6.1f} s  {row['detail'][:110]}", flush=True)
+                  f"{row['step']:>2} {row['wall_s']:6.1f} s resumed at {row['resumed_at']}  "
+                  f"{row['detail'][:100]}", flush=True)
     kinds = ["recovered", "skipped-step", "clear-error", "not-injected", "FAILED"]
     print(f"\n{'fault':14s}" + "".join(f"{k:>14s}" for k in kinds) + f"{'max wall s':>12s}")
     for fault in faults:

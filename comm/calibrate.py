@@ -1,17 +1,17 @@
-"""Calibrate `CostModel` on the running job: five timed exchanges, one agreed result.
+"""Calibrate `CostModel` on the running job: a few timed exchanges, one agreed result.
 
 Collective: every rank of `group` calls it with the same arguments. It times flat and HALO
-with one row per rank pair (fixed costs dominate) and with `large_rows` rows per pair
-(bandwidth dominates), takes the median of `repeats` after a warm-up, and the maximum over
-ranks (the slowest rank ends the collective). Every rank then fits the same numbers, so the
-returned model is identical everywhere and `algorithm="auto"` stays deadlock-free:
+with one row per rank pair (fixed costs dominate) and with L and 2L rows per pair (bandwidth
+dominates), takes the median of `repeats` after a warm-up, and the maximum over ranks (the
+slowest rank ends the collective). Every rank then fits the same numbers, so the returned
+model is identical everywhere and `algorithm="auto"` stays deadlock-free:
     alpha_net = alpha_local  flat small time / messages of the flat schedule (2 per
                              pairwise step when the backend serialises directions)
-    local_bandwidth          intra-node bytes per rank / flat time of an intra-node-only
-                             exchange (less its fixed costs)
+    local_bandwidth          intra-node bytes per rank of L rows / (flat time of an
+                             intra-node-only exchange of 2L rows - of L rows)
     halo_overhead_s          HALO small time - HALO small prediction without overhead
-    nic_bandwidth            busiest-NIC bytes of the large case / (HALO large - HALO small
-                             - the predicted relay hop)
+    nic_bandwidth            busiest-NIC bytes of L rows / (HALO(2L) - HALO(L) - the
+                             predicted relay hop of L rows)
 """
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ def _busiest_nic_bytes(S: list[list[int]], row_bytes: int, topo: Topology) -> fl
     return max([*out.values(), *inn.values()], default=0.0)
 
 
+def _uniform(R: int, rows: int) -> list[list[int]]:
+    return [[rows] * R for _ in range(R)]
+
+
 def calibrate(
     group: dist.ProcessGroup | None,
     topo: Topology,
@@ -74,42 +78,60 @@ def calibrate(
     large_rows: int = 64,
     repeats: int = 3,
     base: CostModel | None = None,
+    max_rows: int = 16384,
 ) -> CostModel:
-    """Fit alpha, HALO overhead and NIC bandwidth of `base` (default: for the backend)."""
+    """Fit alpha, HALO overhead, local and NIC bandwidth of `base` (default: for the backend).
+
+    Bandwidths come from the time difference between L and 2L rows per pair, with L grown
+    (x4 from `large_rows`, at most `max_rows`) until one exchange takes >= 5x the one-row
+    time: fixed costs cancel and noise on a loaded machine cannot make the difference
+    vanish. A fit that still comes out non-positive keeps `base`'s value.
+    """
     R = dist.get_world_size(group)
     if topo.world_size != R:
         raise ValueError(f"topology has {topo.world_size} ranks, the group {R}")
-    if large_rows < 2 or row_numel < 1:
-        raise ValueError(f"need large_rows >= 2 and row_numel >= 1, got {large_rows}, {row_numel}")
+    if large_rows < 1 or row_numel < 1 or max_rows < large_rows:
+        raise ValueError(f"need 1 <= large_rows={large_rows} <= max_rows={max_rows} and "
+                         f"row_numel={row_numel} >= 1")
     base = base or CostModel.for_backend(dist.get_backend(group))
     row_bytes = 4 * row_numel  # float32 rows
-    small = [[1] * R for _ in range(R)]
-    large = [[large_rows] * R for _ in range(R)]
+    small = _uniform(R, 1)
     flat_small = time_all_to_all(group, topo, small, row_numel, "flat", repeats)
     if topo.num_nodes == 1:
         return dataclasses.replace(base, alpha_net=flat_small / max(1, R - 1),
                                    alpha_local=flat_small / max(1, R - 1))
-    halo_small = time_all_to_all(group, topo, small, row_numel, "halo", repeats)
-    halo_large = time_all_to_all(group, topo, large, row_numel, "halo", repeats)
     # The flat model charges a send and a receive per pairwise step, one per peer otherwise.
     messages = 2 * (R - 1) if base.flat_pairwise else R - 1
     alpha = flat_small / messages
     fitted = dataclasses.replace(base, alpha_net=alpha, alpha_local=alpha, halo_overhead_s=0.0)
+    halo_small = time_all_to_all(group, topo, small, row_numel, "halo", repeats)
+
+    rows = large_rows
+    t_a = time_all_to_all(group, topo, _uniform(R, rows), row_numel, "halo", repeats)
+    while t_a < 5 * halo_small and rows * 4 <= max_rows:
+        rows *= 4
+        t_a = time_all_to_all(group, topo, _uniform(R, rows), row_numel, "halo", repeats)
+    t_b = time_all_to_all(group, topo, _uniform(R, 2 * rows), row_numel, "halo", repeats)
+
     G = max(topo.ranks_per_node())
     if G > 1:
         # Intra-node rows only: what HALO's phase III costs per byte. On 2 shared cores the
         # loopback TCP hop is far slower than the 1 GB/s default and decides flat vs HALO.
         node = topo.rank2node
-        local = [[large_rows if node[s] == node[d] else 0 for d in range(R)] for s in range(R)]
-        flat_local = time_all_to_all(group, topo, local, row_numel, "flat", repeats)
-        per_rank = (G - 1) * large_rows * row_bytes * (2 if base.flat_pairwise else 1)
-        spent = max(flat_local - flat_small * (G - 1) / max(R - 1, 1), 1e-9)
-        fitted = dataclasses.replace(fitted, local_bandwidth=per_rank / spent)
+        local = [[1 if node[s] == node[d] else 0 for d in range(R)] for s in range(R)]
+        l_a = time_all_to_all(group, topo, [[v * rows for v in r] for r in local], row_numel,
+                              "flat", repeats)
+        l_b = time_all_to_all(group, topo, [[v * 2 * rows for v in r] for r in local],
+                              row_numel, "flat", repeats)
+        per_rank = (G - 1) * rows * row_bytes * (2 if base.flat_pairwise else 1)
+        if l_b > l_a:
+            fitted = dataclasses.replace(fitted, local_bandwidth=per_rank / (l_b - l_a))
     overhead = max(0.0, halo_small - predict_halo(small, row_bytes, topo, fitted))
-    # HALO large = small + NIC time + relay hop: strip the (fitted) hop to get the NIC rate.
+    # HALO(2L) - HALO(L) = NIC time of L rows + relay hop of L rows: strip the fitted hop.
     no_nic = dataclasses.replace(fitted, nic_bandwidth=1e30)
-    hop = predict_halo(large, row_bytes, topo, no_nic) - predict_halo(small, row_bytes, topo,
-                                                                      no_nic)
-    extra = max(halo_large - halo_small - hop, 1e-9)
-    bandwidth = _busiest_nic_bytes(large, row_bytes, topo) / extra
+    hop = (predict_halo(_uniform(R, 2 * rows), row_bytes, topo, no_nic)
+           - predict_halo(_uniform(R, rows), row_bytes, topo, no_nic))
+    bandwidth = base.nic_bandwidth
+    if t_b - t_a - hop > 0:
+        bandwidth = _busiest_nic_bytes(_uniform(R, rows), row_bytes, topo) / (t_b - t_a - hop)
     return dataclasses.replace(fitted, halo_overhead_s=overhead, nic_bandwidth=bandwidth)

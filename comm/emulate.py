@@ -58,8 +58,9 @@ def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess[str]
 
 def _tbf(mbit: float) -> list[str]:
     # burst >= rate/HZ is needed to reach the rate; 2 ms of traffic (>= 16 KB) keeps bursts
-    # short enough that a 1 KB message still sees the shaped rate. A 100 ms queue absorbs
-    # the synchronised bursts of an all-to-all without tail drops at 100 Mbit/s.
+    # short enough that a 1 KB message still sees the shaped rate. A 1 s queue absorbs the
+    # synchronised bursts of an all-to-all (28 TCP flows into one node at 8x2) without
+    # tail drops, each of which would cost a >= 200 ms retransmission timeout.
     rate_bytes = mbit * 1e6 / 8
     burst = max(int(rate_bytes * 0.002), 16 * 1024)
     return ["tbf", "rate", f"{mbit}mbit", "burst", str(burst), "latency", "1000ms"]

@@ -3,9 +3,10 @@
 Legend: M token-sorted rows, K in features, N out features, E experts, T tokens, D width,
 k top-k, S = T*k.
 
-Which grouped GEMM, by measurement (``benchmarks/bench_grouped_gemm.py --allow-cpu``-style
-candidates, timed round-robin, median of 3-5, fp32, torch 2.13 CPU, 1 thread, on a shared
-2-core machine whose load average was 10-20, so differences under ~30 % are noise):
+Which grouped GEMM, by measurement: the candidates of ``benchmarks/bench_grouped_gemm.py
+--allow-cpu`` (which reruns them on preset shapes), timed round-robin, median of 3-5, fp32,
+torch 2.13 CPU, 1 thread, on a shared 2-core machine whose load average was 10-20, so
+differences under ~30 % are noise (milliseconds):
 
     problem (M, K, N, E, routing)      loop   _grouped_mm   padded bmm   dense [M,K]@[K,N]
     12288, 1024,  512,  64, balanced   578      735            971          654   ms (fwd)
@@ -17,7 +18,7 @@ candidates, timed round-robin, median of 3-5, fp32, torch 2.13 CPU, 1 thread, on
     dw          8192/256/128/256 zipf   99      174              -            -
 
 - padded bmm (scatter rows into [E, max_count, K], one bmm) loses everywhere and collapses
-  under skew: padding multiplies the work by E * max_count / M (up to ~190x above).
+  under skew: padding multiplies the work by E * max_count / M (20-90x slower above).
 - torch._grouped_mm (a C++ loop over groups) ties with the Python loop within noise: at
   E=256 the per-expert Python overhead (~10 us) is small next to even 32-row GEMMs. It also
   needs 16-byte-aligned strides (K, N multiples of 4 in fp32) and leaves rows past offs[-1]
@@ -25,7 +26,7 @@ candidates, timed round-robin, median of 3-5, fp32, torch 2.13 CPU, 1 thread, on
 - So the CPU path is the per-expert loop of ``torch.mm(..., out=slice)``: no padding, no
   copies (the output slices are written in place; dx reads w^T as a view), empty experts cost
   nothing, any alignment. Under heavy oversubscription multi-threaded MKL calls get slow per
-  call (OpenMP barriers meet preempted threads); that hits every candidate alike.
+  call (OpenMP barriers meet preempted threads), worst for many small calls (E=64, 256).
 """
 
 from __future__ import annotations

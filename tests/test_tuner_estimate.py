@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from model import ModelConfig, presets
+from pipeline import bubble_fraction, build, peak_inflight
 from tuner import Assumptions, ParallelPlan, Platform, PrecisionPolicy, estimate, stage_memory
 from tuner.comms import alltoall_time, placement
 from tuner.counts import chunk_layers, layer_counts
+from tuner.estimate import schedule_stats
 
 # A platform with round numbers so expected times can be written down by hand.
 PF = Platform(
@@ -104,6 +106,15 @@ def test_mixtral_flops_per_token_by_hand():
     assert e.mfu == pytest.approx(e.model_flops / (e.step_time * 100e12), rel=1e-12)
 
 
+@pytest.mark.parametrize("name", ["deepseek-v3", "llama4-maverick", "qwen3-30b-a3b"])
+def test_compute_time_is_model_flops_at_the_efficiency(name):
+    # Shared experts, dense layers, MLA, interleaved MoE: every FLOP timed exactly once.
+    cfg = presets.get(name)
+    plan = ParallelPlan(pp=1, ep=1, dp=1, microbatches=1, global_batch=1, seq_len=1024)
+    e = estimate(cfg, plan, PF)
+    assert e.time["compute"] == pytest.approx(e.model_flops / (0.5 * 100e12), rel=1e-9)
+
+
 def test_alltoall_volume_and_time_by_hand():
     cfg = _mha(L=2, d=64, E=8, k=2)
     plan = ParallelPlan(pp=1, ep=8, dp=1, microbatches=1, global_batch=8, seq_len=16)
@@ -152,3 +163,14 @@ def test_recompute_trades_memory_for_time():
     base, full = (estimate(cfg, plan.replace(checkpointing=c), PF) for c in ("none", "full"))
     assert full.peak_memory < base.peak_memory
     assert full.time["compute"] == pytest.approx(base.time["compute"] * 4 / 3, rel=0.02)
+
+
+@pytest.mark.parametrize("name,p,m,v", [("1f1b", 4, 40, 1), ("gpipe", 3, 30, 1), ("zb-h1", 4, 37, 1),
+                                        ("interleaved-1f1b", 2, 36, 2), ("1f1b", 1, 50, 1)])
+def test_schedule_extrapolation_equals_full_simulation(name, p, m, v):
+    kw = {"n_virtual": v} if v > 1 else {}
+    sched = build(name, p, m, **kw)
+    costs = {"F": 1.0, "B": 1.0, "W": 1.0} if name == "zb-h1" else {"F": 1.0, "B": 2.0}
+    bubble, peaks = schedule_stats(name, p, m, v)
+    assert bubble == pytest.approx(bubble_fraction(sched, costs) if p > 1 else 0.0, abs=1e-12)
+    assert peaks == tuple(peak_inflight(sched)[r] for r in range(p))

@@ -1,7 +1,9 @@
 """tuner: analytic resource model, platform descriptions, micro-benchmarks, Optuna planner.
 
 Public API: `Platform`, `load_platform`, `platform_names`, `ParallelPlan`, `PrecisionPolicy`,
-`Assumptions`, `estimate` -> `Estimate` (with per-stage `StageMemory`), `stage_memory`.
+`Assumptions`, `estimate` -> `Estimate` (with per-stage `StageMemory`), `stage_memory`;
+search: `SearchSpace`, `Evaluator`, `exhaustive`, `optuna_search` -> `SearchResult`;
+planning: `PlanRequest`, `run_plan`, `PlanError`.
 Command line: `python -m tuner plan | reproduce-paper | measure` (see `tuner.cli`).
 """
 
@@ -9,17 +11,28 @@ from __future__ import annotations
 
 from tuner.estimate import Estimate, StageMemory, estimate, stage_memory
 from tuner.layout import Assumptions, ParallelPlan, PrecisionPolicy
+from tuner.planner import PlanError, PlanRequest, run_plan
 from tuner.platform import Platform, load_platform, platform_names
+from tuner.search import Evaluator, SearchResult, exhaustive, optuna_search
+from tuner.space import SearchSpace
 
 __all__ = [
     "Assumptions",
     "Estimate",
+    "Evaluator",
     "ParallelPlan",
+    "PlanError",
+    "PlanRequest",
     "Platform",
     "PrecisionPolicy",
+    "SearchResult",
+    "SearchSpace",
     "StageMemory",
     "estimate",
+    "exhaustive",
     "load_platform",
+    "optuna_search",
     "platform_names",
+    "run_plan",
     "stage_memory",
 ]
