@@ -30,7 +30,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 def _run(out: Path, steps: int, skew: float, migrate: bool) -> list[dict]:
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-            "train.py", "--config", "configs/tiny.toml", f"--train.out_dir={out}",
+            "train.py", "--config", "configs/tiny-ep-dp.toml", f"--train.out_dir={out}",
             f"--train.steps={steps}", "--train.eval_every=0", "--train.eval_batches=1",
             "--train.plot=false", "--parallel.ep=4", "--model.aux_loss_coef=0",
             "--model.moe_ffn_dim=1024", f"--balance.skew={skew}", "--comm.alltoall=flat"]

@@ -49,7 +49,18 @@ CASES = {
     "batch vs shards": (["--parallel.ep=2", "--train.global_batch=3"], 2,
                         ["train.global_batch=3 must be a positive multiple of the 2 data shards"]),
     "bad alltoall": (["--comm.alltoall=fast"], 1, ["comm.alltoall='fast'; valid: flat, halo, auto"]),
-    "pipeline not wired": (["--parallel.pp=2"], 2, ["pp=2"]),
+    "microbatches vs batch": (["--parallel.pp=2", "--parallel.microbatches=3"], 2,
+                              ["parallel.microbatches=3 must divide the 16 sequences"]),
+    "more stages than layers": (["--parallel.pp=2", "--parallel.n_virtual=4", "--parallel.microbatches=4",
+                                 "--parallel.schedule=interleaved-1f1b"], 2,
+                                ["8 pipeline stages (pp x n_virtual) exceed the model's 4 layers"]),
+    "virtual stages need interleaving": (["--parallel.pp=2", "--parallel.n_virtual=2"], 2,
+                                         ["parallel.n_virtual=2: values > 1 need"]),
+    "bad layer split": (["--parallel.pp=2", "--parallel.layer_split=1,2"], 2,
+                        ["parallel.layer_split='1,2': need 2 positive counts", "n_layers=4"]),
+    "unknown schedule": (["--parallel.pp=2", "--parallel.schedule=1f2b"], 2,
+                         ["unknown schedule '1f2b'", "gpipe"]),
+    "bad nan policy": (["--train.nan_policy=ignore"], 1, ["train.nan_policy='ignore'; valid: skip, stop"]),
 }
 
 
@@ -57,7 +68,7 @@ CASES = {
 def test_bad_request(name, text_file):
     argv, world, needles = CASES[name]
     with pytest.raises(ValueError) as e:
-        cfg = parse_args(["--config", "configs/tiny.toml", "--parallel.ep=1", f"--data={text_file}",
+        cfg = parse_args(["--config", "configs/tiny-ep-dp.toml", "--parallel.ep=1", f"--data={text_file}",
                           *argv])
         prepare(cfg, world, 0)
     for n in needles:
@@ -75,7 +86,7 @@ def test_bad_checkpoint(kind, tmp_path, text_file):
         needle = "belongs to another model: fields differ: d_model (checkpoint 4096, run 128)"
     else:
         ck, needle = "latest", "no complete checkpoint under"
-    cfg = parse_args(["--config", "configs/tiny.toml", "--parallel.ep=1", f"--data={text_file}",
+    cfg = parse_args(["--config", "configs/tiny-ep-dp.toml", "--parallel.ep=1", f"--data={text_file}",
                       f"--train.out_dir={tmp_path / 'out'}", f"--resume={ck}"])
     with pytest.raises(ValueError) as e:
         prepare(cfg, 1, 0)
@@ -85,11 +96,11 @@ def test_bad_checkpoint(kind, tmp_path, text_file):
 def test_train_py_reports_and_exits(tmp_path, text_file):
     """End to end: train.py prints one `error:` line on rank 0 and exits 2, nothing trained."""
     out = tmp_path / "run"
-    r = run_train(["--config", "configs/tiny.toml", f"--train.out_dir={out}", f"--data={text_file}",
+    r = run_train(["--config", "configs/tiny-ep-dp.toml", f"--train.out_dir={out}", f"--data={text_file}",
                    "--parallel.ep=3"], nproc=3, timeout=300)
     assert r.returncode != 0
     assert r.stderr.count("error: ep=3 does not divide 8 experts") == 1, r.stderr
     assert not out.exists()
-    r = run_train(["--config", "configs/tiny.toml", f"--train.out_dir={out}", "--model.preset=nope"])
+    r = run_train(["--config", "configs/tiny-ep-dp.toml", f"--train.out_dir={out}", "--model.preset=nope"])
     assert r.returncode == 2 and "error: unknown model preset 'nope'; valid: " in r.stderr, r.stderr
     assert not out.exists()

@@ -16,7 +16,7 @@ from conftest import run_train
 
 pytestmark = pytest.mark.multiproc
 
-COMMON = ["--config", "configs/tiny.toml", "--train.seq_len=64", "--train.global_batch=8",
+COMMON = ["--config", "configs/tiny-ep-dp.toml", "--train.seq_len=64", "--train.global_batch=8",
           "--model.d_model=64", "--model.moe_ffn_dim=64",
           "--train.eval_every=0", "--train.eval_batches=2", "--optim.warmup_steps=5",
           "--train.plot=false"]

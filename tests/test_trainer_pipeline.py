@@ -16,7 +16,7 @@ from conftest import run_train
 pytestmark = pytest.mark.multiproc
 
 STEPS = 10
-COMMON = ["--config", "configs/tiny.toml", "--train.seq_len=32", "--train.global_batch=8",
+COMMON = ["--config", "configs/tiny-ep-dp.toml", "--train.seq_len=32", "--train.global_batch=8",
           "--model.d_model=32", "--model.moe_ffn_dim=32", "--model.n_heads=2",
           "--model.n_kv_heads=1", "--model.head_dim=16", "--train.eval_every=0",
           "--train.eval_batches=1", "--optim.warmup_steps=3", "--train.plot=false",
