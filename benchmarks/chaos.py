@@ -302,10 +302,17 @@ def first_error(stderr: str) -> str:
 
 
 # -- one fault, one seed ------------------------------------------------------------------------
+def pick(fault: str, seed: int, choices: list[int]) -> int:
+    """Seed s takes element s of a per-fault shuffle: consecutive seeds never repeat a choice
+    until all are used (independent draws gave step 2 to 4 of 5 seeds of one fault)."""
+    order = list(choices)
+    random.Random(f"{fault}/{len(order)}").shuffle(order)  # str seeds: stable across runs
+    return order[seed % len(order)]
+
+
 def run_fault(fault: str, seed: int, base: Path, steps: int, refs: dict[str, dict[int, float]],
               limit_s: float) -> dict[str, Any]:
-    rng = random.Random(f"{fault}/{seed}")  # str seeds are stable across processes
-    rank = rng.randrange(NPROC)
+    rank = pick(fault, seed, list(range(NPROC)))
     out = base / f"{fault}-s{seed}"
     common = [*SMALL, *LAYOUT, f"--train.steps={steps}", "--train.ckpt_every=3",
               "--data", str(base / "corpus.txt")]
@@ -314,21 +321,21 @@ def run_fault(fault: str, seed: int, base: Path, steps: int, refs: dict[str, dic
     row: dict[str, Any] = {"fault": fault, "seed": seed, "rank": rank}
     verdict, detail = "FAILED", ""
     if fault == "kill9":
-        k = rng.randint(1, steps - 1)
+        k = pick(fault, seed, list(range(1, steps)))
         r = run_kill_at_step(recover, out, rank, k, limit_s)
         row["step"] = k
         if r.rc == 0:
             bad = compare(losses(out), refs["base"], all_steps, SAME_LAYOUT_REL)
             verdict, detail = ("recovered", r.note) if not bad else ("FAILED", bad)
     elif fault == "kill-in-save":
-        k = rng.choice([s for s in all_steps if s % 3 == 0])
+        k = pick(fault, seed, [s for s in all_steps if s % 3 == 0])
         r = run_kill_in_save(recover, out, rank, k, limit_s)
         row["step"] = k
         if r.rc == 0:
             bad = compare(losses(out), refs["base"], all_steps, SAME_LAYOUT_REL)
             verdict, detail = ("recovered", r.note) if not bad else ("FAILED", bad)
     elif fault in ("stall", "nan-stop"):
-        k = rng.randint(2, steps)
+        k = pick(fault, seed, list(range(2, steps + 1)))
         knob = (["--train.fault_stall_step", "--train.timeout_s=20"] if fault == "stall"
                 else ["--train.fault_nan_step", "--train.nan_policy=stop"])
         r = run_plain([*common, f"{knob[0]}={k}", knob[1], f"--train.fault_rank={rank}"], out,
@@ -341,7 +348,7 @@ def run_fault(fault: str, seed: int, base: Path, steps: int, refs: dict[str, dic
         else:
             detail = bad or f"rc {r.rc}, no `error: rank R: ... at step {k}` line"
     elif fault == "nan-skip":
-        k = rng.randint(2, steps - 1)
+        k = pick(fault, seed, list(range(2, steps)))
         r = run_plain([*recover, f"--train.fault_nan_step={k}", f"--train.fault_rank={rank}"],
                       out, max_restarts=1, limit_s=limit_s)
         row["step"] = k

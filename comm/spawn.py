@@ -39,8 +39,13 @@ def _worker(
         dist.init_process_group(
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world
         )
+        # gloo returns from init on a rank once its own pairs connect; a rank that finished
+        # early and destroyed the group would reset a slower rank's handshake ("Connection
+        # closed by peer"). Barriers on both sides keep the group alive for everyone.
+        dist.barrier()
         try:
             out = fn(rank, world, dist.group.WORLD, *args)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         results.put((rank, True, out))

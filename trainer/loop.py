@@ -199,7 +199,7 @@ class Trainer:
                     -self.cfg.balance.skew * torch.log1p(torch.arange(E, dtype=torch.float32)))
         self.mesh.build_groups(timedelta(seconds=self.cfg.train.timeout_s))
         algo = self.cfg.comm.alltoall
-        parallelize(self.model, self.mesh, alltoall=algo)
+        parallelize(self.model, self.mesh, alltoall=algo, topology=self._ep_topology(algo))
         self.stages: dict = {}
         if self.mesh.pp > 1:
             self._build_pipeline()
@@ -227,6 +227,20 @@ class Trainer:
         self.peak, self.peak_src = (self.cfg.train.peak_tflops * 1e12, "--train.peak_tflops") \
             if self.cfg.train.peak_tflops > 0 else _peak_flops(self.device)
         self.flops_per_token = self.mcfg.flops_per_token(self.cfg.train.seq_len)
+
+    def _ep_topology(self, algo: str):
+        """The EP group's topology for HALO/auto (collective: every rank calls it)."""
+        if self.mesh.ep == 1 or algo == "flat" or not dist.is_initialized():
+            return None
+        from comm import Topology
+
+        path = self.cfg.comm.topology
+        full = Topology.from_file(path) if path else Topology.discover(dist.group.WORLD)
+        if full.world_size != self.mesh.world_size:
+            raise ConfigError(f"topology {path or '(discovered)'} describes {full.world_size} ranks "
+                              f"but the run has {self.mesh.world_size}")
+        log(full.summary(), self.rank)
+        return full.for_group(self.mesh.ep_group)
 
     def _build_pipeline(self) -> None:
         import pipeline
