@@ -60,7 +60,10 @@ def gmm_dw_loop(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_E: torch.Tensor) -
     start = 0
     for e, end in enumerate(offs_E.tolist()):
         if end > start:
-            torch.mm(x_MK[start:end].t(), dy_MN[start:end], out=dw[e])
+            # Not mm(..., out=dw[e]): with a transposed first operand the out= variant took
+            # 0.22 s vs 0.15 s for mm + copy (E=64, 12288 x 1024 x 512, fp32, 1 thread); the
+            # 2 MB copy stays in cache.
+            dw[e].copy_(torch.mm(x_MK[start:end].t(), dy_MN[start:end]))
         else:
             dw[e].zero_()
         start = end

@@ -95,6 +95,16 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
                         f"valid ep: {valid_divisors(E)}")
     if cfg.comm.alltoall not in ("flat", "halo", "auto"):
         raise ConfigError(f"comm.alltoall={cfg.comm.alltoall!r}; valid: flat, halo, auto")
+    if cfg.comm.topology:
+        from comm import Topology
+
+        if not Path(cfg.comm.topology).is_file():
+            raise ConfigError(f"comm.topology={cfg.comm.topology!r} does not exist; pass a TOML "
+                              f"topology file (see comm/topology_file.py) or omit it to discover")
+        topo = Topology.from_file(cfg.comm.topology)  # raises ValueError naming the bad node
+        if topo.world_size != world_size:
+            raise ConfigError(f"comm.topology={cfg.comm.topology!r} describes {topo.world_size} "
+                              f"ranks but the run has {world_size}")
     t = cfg.train
     if t.seq_len < 1 or t.seq_len > mcfg.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} is outside what the model supports: "
