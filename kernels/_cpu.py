@@ -27,6 +27,10 @@ differences under ~30 % are noise (milliseconds):
   copies (the output slices are written in place; dx reads w^T as a view), empty experts cost
   nothing, any alignment. Under heavy oversubscription multi-threaded MKL calls get slow per
   call (OpenMP barriers meet preempted threads), worst for many small calls (E=64, 256).
+- What remains above a dense GEMM of equal FLOPs is mostly dw's size: E times a dense
+  weight's gradient, freshly allocated each step. At E=64, K=1024, N=512 the loop's dw takes
+  0.21 s (1 thread, CPU time) of which ~0.06 s is first-touch page faults of the new 134 MB
+  tensor; written into a reused buffer it takes 0.15 s, the dense x^T dy's 0.14 s.
 """
 
 from __future__ import annotations
@@ -60,10 +64,7 @@ def gmm_dw_loop(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_E: torch.Tensor) -
     start = 0
     for e, end in enumerate(offs_E.tolist()):
         if end > start:
-            # Not mm(..., out=dw[e]): with a transposed first operand the out= variant took
-            # 0.22 s vs 0.15 s for mm + copy (E=64, 12288 x 1024 x 512, fp32, 1 thread); the
-            # 2 MB copy stays in cache.
-            dw[e].copy_(torch.mm(x_MK[start:end].t(), dy_MN[start:end]))
+            torch.mm(x_MK[start:end].t(), dy_MN[start:end], out=dw[e])
         else:
             dw[e].zero_()
         start = end
