@@ -135,6 +135,10 @@ def bench_case(name: str, dist: str, counts: torch.Tensor, D: int, F: int, dtype
     rows = []
     for op in ("fwd", "dw"):
         for meth, fn in methods(device, op).items():
+            waste = E * int(counts.max()) / max(M, 1)
+            if meth == "padded-bmm" and waste > 4:
+                print(f"  skip padded-bmm {name}/{dist}: padding multiplies the work by {waste:.0f}")
+                continue
             second = dy if op == "dw" else (w_cm if meth == "torch._grouped_mm" else w)
             try:
                 t = time_fn(lambda fn=fn, s=second: fn(x, s, offs), device, args.warmup, args.repeats)
