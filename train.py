@@ -48,6 +48,8 @@ def main(argv: list[str]) -> int:
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s))
     try:
         Trainer(prep).run()
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears down its connections while a peer still uses them
     except ValueError as e:  # e.g. a checkpoint that turns out unreadable while loading
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -35,7 +35,7 @@ Launcher: restarts work with torchrun's c10d rendezvous and TORCH_DISABLE_SHARE_
 (the default here); with a static rendezvous (--master-addr/--master-port) the relaunched workers
 meet the dead ones' keys in the shared store and fail or hang in init (see LAUNCHERS).
 
-Rows are appended to benchmarks/results/chaos.jsonl; a table and a bar plot (chaos.png).
+Rows are appended to benchmarks/results/chaos.jsonl; a table and a bar plot (chaos_<launcher>.png).
 """
 
 from __future__ import annotations
@@ -364,7 +364,7 @@ def run_fault(fault: str, seed: int, base: Path, steps: int, refs: dict[str, dic
     else:  # one-expert / zero-tokens: routing skew, reference = 1 process, same config and data seed
         skew = [*SKEW, f"--data.seed={1000 + seed}"] + (["--model.top_k=1"]
                                                           if fault == "one-expert" else [])
-        row["step"] = 0
+        row["step"], row["rank"] = 0, None  # the seed picks the data seed: no rank, no step
         ref_run = run_plain([*common, *skew, "--parallel.pp=1", "--parallel.ep=1"],
                             base / f"{fault}-s{seed}-ref", nproc=1, limit_s=limit_s)
         r = run_plain([*recover, *skew], out, max_restarts=1, limit_s=limit_s)
@@ -481,7 +481,7 @@ def main() -> None:
             rows.append(row)
             with open(RESULTS / "chaos.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
-            print(f"{fault:13s} seed {seed}: {row['outcome']:12s} rank {row['rank']} step "
+            print(f"{fault:13s} seed {seed}: {row['outcome']:12s} rank {row['rank']!s:4s} step "
                   f"{row['step']:>2} {row['wall_s']:6.1f} s resumed at {row['resumed_at']}  "
                   f"{row['detail'][:100]}", flush=True)
     kinds = ["recovered", "skipped-step", "clear-error", "not-injected", "FAILED"]
@@ -493,7 +493,7 @@ def main() -> None:
     n_bad = sum(r["outcome"] in ("FAILED", "not-injected") for r in rows)
     print(f"\n{len(rows)} runs, {n_bad} failed, {time.monotonic() - t0:.0f} s total; rows appended to "
           f"{RESULTS / 'chaos.jsonl'}")
-    _plot(rows, RESULTS / "chaos.png")
+    _plot(rows, RESULTS / f"chaos_{args.launcher}.png")
     sys.exit(1 if n_bad else 0)
 
 

@@ -90,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                "world_size": topo.world_size, "num_nodes": topo.num_nodes,
                                "rank2node": list(topo.rank2node),
                                "rank2local": list(topo.rank2local)}, f)
+        # every rank reaches this point before any tears its connections down: a rank that
+        # destroys its process group while a peer still flushes gloo traffic can abort the peer
+        dist.barrier()
         return 0 if ok else 1
     finally:
         dist.destroy_process_group()

@@ -361,6 +361,7 @@ class Trainer:
         lr = self.lr_at(self.step)
         events: list[dict[str, Any]] = []
         counts = self._expert_counts()
+        self.last_counts = counts
         imbalance = self._imbalance(counts)  # of the placement this step ran with
         if math.isfinite(loss) and math.isfinite(norm):  # global values: every rank agrees
             self.phase = "optimizer step"
@@ -461,6 +462,7 @@ class Trainer:
             log(f"resumed from {self.resume_path} at step {self.step}", self.rank)
         if self.rank == 0:
             _truncate_metrics(metrics_path, self.step)
+            _truncate_metrics(self.out / "counts.jsonl", self.step)
         log(f"{self.mesh.describe()} | model {self.cfg.model.preset}: "
             f"{self.mcfg.num_params() / 1e6:.2f}M params ({self.mcfg.num_active_params() / 1e6:.2f}M "
             f"active) | data {self.corpus.source}: {len(self.corpus.train):,} train / "
@@ -485,6 +487,12 @@ class Trainer:
                 raise self._fault(e) from e
             history.append(m)
             events = m.pop("events")
+            if self.rank == 0 and t.trace_counts and self.last_counts:
+                # routing trace of rank 0's MoE layers (all layers when pp == 1), for
+                # benchmarks/bench_balance.py --trace
+                with open(self.out / "counts.jsonl", "a") as f:
+                    f.write(json.dumps({"step": self.step, "counts": [
+                        [int(v) for v in c.tolist()] for c in self.last_counts]}) + "\n")
             if self.rank == 0:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(m) + "\n")
