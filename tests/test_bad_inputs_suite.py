@@ -8,12 +8,13 @@ Distinct bad inputs covered, counted together with tests/test_trainer_bad_inputs
     field; bad top_k; global batch vs data shards; bad comm.alltoall; pp vs microbatches
     (pipeline not wired); incomplete checkpoint; corrupt meta.json; checkpoint meta of another
     model; --resume with no checkpoint.
-  this file, run configs (24): TOML syntax; missing config file; unknown [section] in TOML;
+  this file, run configs (25): TOML syntax; missing config file; unknown [section] in TOML;
     unknown section on the CLI; unknown field in a section; a section that is not a table; integer field given a word (CLI); integer
     field given 2.5 (TOML); boolean given "maybe"; float given a word; negative steps; zero
     seq_len; negative global batch; timeout_s <= 0; unknown nan_policy; unknown dtype;
     val_fraction outside (0, 0.5); positional argument; unknown --option; --config without a
-    value; --section.field without a value; pp=0; negative dp; an unknown router kind.
+    value; --section.field without a value; pp=0; negative dp; an unknown router kind;
+    comm.topology naming a missing file.
   pipeline requests (5): microbatches not dividing the shard batch; n_virtual > 1 without
     interleaving; unknown schedule name; layer_split not summing to n_layers; tied embeddings
     with pp > 1.
@@ -30,9 +31,9 @@ Distinct bad inputs covered, counted together with tests/test_trainer_bad_inputs
     by ranks; an option the schedule does not take; an Action kind that does not exist.
   HF config dicts (4): unknown model_type; Mixtral sliding_window; missing config.json path;
     unsupported DeepSeek topk_method.
-  = 57 here + 15 there = 72 rejected with a clear message. Plus xfail(strict) cases, reported
+  = 58 here + 15 there = 73 rejected with a clear message. Plus xfail(strict) cases, reported
   to the trainer's owner: a real checkpoint with a truncated shard (raw DCP traceback, no clear
-  error), and 9 values prepare() accepts today (GAPS at the end).
+  error), and 8 values prepare() accepts today (GAPS at the end).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from model import ModelConfig
 from trainer import parse_args, prepare
 
 TINY = str(ROOT / "configs" / "tiny.toml")
+# tiny.toml is the default job (PP=2 x EP=2 today): pin a 1-process layout, cases add their own
+BASE = ["--config", TINY, "--parallel.pp=1", "--parallel.ep=1", "--parallel.microbatches=1"]
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +98,8 @@ CLI = {
     "pp zero": (["--parallel.pp=0"], 1, ["pp=0 must be >= 1"]),
     "negative dp": (["--parallel.dp=-1"], 1, ["dp=-1 must be >= 1", "or 0 to infer"]),
     "router kind": (["--model.router=relu"], 1, ["router='relu'", "valid: softmax, sigmoid"]),
+    "missing topology": (["--comm.topology=/no/topo.toml"], 1,
+                         ["comm.topology='/no/topo.toml' does not exist", "omit it to discover"]),
     # pipeline requests: world 4 = pp 2 x ep 2
     "microbatches": (["--parallel.pp=2", "--parallel.ep=2", "--parallel.microbatches=3",
                       "--train.global_batch=8"], 4,
@@ -113,7 +118,7 @@ CLI = {
 @pytest.mark.parametrize("name", sorted(CLI))
 def test_bad_cli(name, text_file):
     argv, world, needles = CLI[name]
-    _expect(lambda: _prepare(["--config", TINY, "--parallel.ep=1", f"--data={text_file}", *argv],
+    _expect(lambda: _prepare([*BASE, f"--data={text_file}", *argv],
                              world), *needles)
 
 
@@ -157,8 +162,7 @@ def test_bad_plan_file(name, tmp_path, text_file):
     text, needles = PLANS[name]
     plan = tmp_path / "plan.toml"
     plan.write_text(text)
-    _expect(lambda: _prepare(["--config", TINY, "--plan", str(plan), "--parallel.ep=1",
-                              f"--data={text_file}"]), *needles)
+    _expect(lambda: _prepare([*BASE, "--plan", str(plan), f"--data={text_file}"]), *needles)
 
 
 def test_bad_platform(tmp_path):
@@ -229,11 +233,11 @@ def _data_case(tmp_path: Path, kind: str) -> tuple[str, list[str]]:
 @pytest.mark.parametrize("kind", ["empty", "odd bin", "out of vocab", "too short", "empty folder"])
 def test_bad_data(kind, tmp_path):
     path, needles = _data_case(tmp_path, kind)
-    _expect(lambda: _prepare(["--config", TINY, "--parallel.ep=1", f"--data={path}"]), *needles)
+    _expect(lambda: _prepare([*BASE, f"--data={path}"]), *needles)
 
 
 # -- checkpoints of a real (1-step) run ---------------------------------------------------------
-SMALL = ["--config", TINY, "--parallel.ep=1", "--train.steps=1", "--train.seq_len=32",
+SMALL = [*BASE, "--train.steps=1", "--train.seq_len=32",
          "--train.global_batch=2", "--model.d_model=32", "--model.moe_ffn_dim=32",
          "--model.n_heads=2", "--model.n_kv_heads=1", "--model.head_dim=16",
          "--train.eval_every=0", "--train.eval_batches=1", "--train.plot=false",
@@ -342,7 +346,6 @@ GAPS = {
     "fault_rank >= world": (["--train.fault_rank=7"], ["train.fault_rank=7", "0..0"]),
     "unknown balance method": (["--balance.enabled=true", "--balance.method=bogus"],
                                ["balance.method='bogus'"]),
-    "topology file ignored": (["--comm.topology=/no/topo.toml"], ["/no/topo.toml"]),
 }
 
 
@@ -351,5 +354,5 @@ GAPS = {
                    "the run starts and fails later, or silently ignores the value")
 def test_gap_not_rejected(name, text_file):
     argv, needles = GAPS[name]
-    _expect(lambda: _prepare(["--config", TINY, "--parallel.ep=1", f"--data={text_file}", *argv]),
+    _expect(lambda: _prepare([*BASE, f"--data={text_file}", *argv]),
             *needles)

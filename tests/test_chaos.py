@@ -32,7 +32,8 @@ pytestmark = pytest.mark.multiproc
 STEPS = 6
 NPROC = 2
 # chaos.SMALL is the pipeline tests' smallest model; EP=2 only, so 2 processes suffice
-ARGS = [*chaos.SMALL, "--parallel.ep=2", f"--train.steps={STEPS}", "--train.ckpt_every=2"]
+ARGS = [*chaos.SMALL, "--parallel.pp=1", "--parallel.ep=2", "--parallel.microbatches=1",
+        f"--train.steps={STEPS}", "--train.ckpt_every=2"]
 SAME_LAYOUT_REL = 1e-6
 
 
