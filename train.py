@@ -9,6 +9,9 @@
         --parallel.ep=4 --model.n_routed_experts=16 --data ./my_text_dir
     # continue from the newest complete checkpoint in train.out_dir
     torchrun --standalone --nproc-per-node 4 train.py --config configs/tiny.toml --resume
+    # elastic: relaunch after a rank dies, resuming from the last complete checkpoint
+    torchrun --standalone --nproc-per-node 4 --max-restarts 3 train.py --config configs/tiny.toml \
+        --train.resume=auto --train.ckpt_every=20
     # multi-node (one agent per node; NCCL on GPUs, gloo on CPUs)
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
         train.py --config configs/tiny.toml --parallel.ep=8
@@ -23,6 +26,19 @@ import sys
 
 import torch
 import torch.distributed as dist
+
+
+def _restart_safe_store(rank: int, world: int, timeout) -> dict:
+    """Under torchrun's agent store (static rendezvous, `--master-port`), workers relaunched by
+    `--max-restarts` would read the dead attempt's keys from the same store and connect to dead
+    peers (pytorch/pytorch#135712). A key prefix per restart attempt keeps attempts apart."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"/piper-attempt-{attempt}", store), "rank": rank,
+            "world_size": world}
 
 
 def main(argv: list[str]) -> int:
@@ -45,7 +61,8 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(threads)
     if world > 1:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s))
+        timeout = timedelta(seconds=cfg.train.timeout_s)
+        dist.init_process_group(backend, timeout=timeout, **_restart_safe_store(rank, world, timeout))
     try:
         Trainer(prep).run()
         if dist.is_initialized():

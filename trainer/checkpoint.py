@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "list_complete"]
 
@@ -232,7 +233,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optim: torch.optim.Optim
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(sd, checkpoint_id=str(path))
-    except Exception as e:  # DCP raises several types for truncated or mismatched shards
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {str(path)!r} could not be read ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}); it is corrupt or from "
                               f"another model") from None

@@ -114,6 +114,37 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
                           f"{mesh.n_data_shards} data shards (dp={mesh.dp} x ep={mesh.ep})")
     if t.steps < 1:
         raise ConfigError(f"train.steps={t.steps} must be >= 1")
+    o = cfg.optim
+    if not (math.isfinite(o.lr) and o.lr > 0) or not (math.isfinite(o.min_lr) and o.min_lr >= 0):
+        raise ConfigError(f"optim.lr={o.lr}, optim.min_lr={o.min_lr}: need a finite lr > 0 and "
+                          f"min_lr >= 0")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    for name, b in (("beta1", o.beta1), ("beta2", o.beta2)):
+        if not 0.0 <= b < 1.0:
+            raise ConfigError(f"optim.{name}={b} must be in [0, 1)")
+    if o.weight_decay < 0 or o.grad_clip < 0 or o.eps <= 0:
+        raise ConfigError(f"optim.weight_decay={o.weight_decay}, grad_clip={o.grad_clip} must be "
+                          f">= 0 and optim.eps={o.eps} > 0")
+    for name in ("ckpt_every", "eval_every", "stop_after", "max_nonfinite_steps"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"train.{name}={getattr(t, name)} must be >= 0")
+    if t.eval_batches < 1 or t.log_every < 1 or t.ckpt_keep < 1:
+        raise ConfigError(f"train.eval_batches={t.eval_batches}, log_every={t.log_every}, "
+                          f"ckpt_keep={t.ckpt_keep} must be >= 1")
+    if not 0 <= t.fault_rank < world_size:
+        raise ConfigError(f"train.fault_rank={t.fault_rank} is not a rank of this run: "
+                          f"valid 0..{world_size - 1}")
+    if cfg.balance.enabled:
+        from balance import METHODS, MigrationPolicy
+
+        b = cfg.balance
+        if b.method != "default" and b.method not in METHODS:
+            raise ConfigError(f"balance.method={b.method!r}; valid: default, {', '.join(METHODS)}")
+        MigrationPolicy(threshold=b.threshold, window=b.window, cooldown=b.cooldown,
+                        max_swaps=b.max_swaps)  # raises ValueError naming a bad value
+        if b.force_every < 0:
+            raise ConfigError(f"balance.force_every={b.force_every} must be >= 0")
     if t.nan_policy not in ("skip", "stop"):
         raise ConfigError(f"train.nan_policy={t.nan_policy!r}; valid: skip, stop")
     if t.timeout_s <= 0:
@@ -360,6 +391,7 @@ class Trainer:
         loss, aux_v = self._allreduce_mean([float(ce.detach()), float(aux.detach())])
         lr = self.lr_at(self.step)
         events: list[dict[str, Any]] = []
+        self.phase = "metrics all-reduce"
         counts = self._expert_counts()
         self.last_counts = counts
         imbalance = self._imbalance(counts)  # of the placement this step ran with
@@ -389,6 +421,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        self.phase = "metrics all-reduce"
         wait = self._exchange_time()
         self.step += 1
         tok_s = t.global_batch * t.seq_len / dt
@@ -432,8 +465,9 @@ class Trainer:
     def _fault(self, e: BaseException) -> TrainingError:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         last = find_latest(self.ckpt_root)
+        step = self.step if self.phase in ("checkpoint save", "evaluation") else self.step + 1
         return TrainingError(
-            f"rank {self.rank}: {self.phase} failed at step {self.step + 1}: {first}. A peer rank "
+            f"rank {self.rank}: {self.phase} failed at step {step}: {first}. A peer rank "
             f"probably died or hung (train.timeout_s={self.cfg.train.timeout_s:g}). Last complete "
             f"checkpoint: {last if last else 'none'}; restart with --resume (or run under torchrun "
             f"--max-restarts N with --train.resume=auto to do it automatically)")
