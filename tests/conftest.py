@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -23,6 +24,17 @@ settings.load_profile("ci")
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def netns_works() -> bool:
+    """Whether this process can create network namespaces (root, iproute2, tc)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    name = f"pmoe-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if made:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return made
 
 
 def free_port() -> int:

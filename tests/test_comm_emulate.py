@@ -7,27 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import netns_works
 
 from comm.emulate import EmulatedCluster, EmulatorError, leftovers, node_address
 
-
-def _netns_works() -> bool:
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        return False
-    name = f"pmoe-probe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    if made:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return made
-
-
-needs_netns = pytest.mark.skipif(not _netns_works(), reason="needs root and ip netns")
+needs_netns = pytest.mark.skipif(not netns_works(), reason="needs root and ip netns")
 
 
 @pytest.mark.netns

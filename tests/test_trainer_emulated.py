@@ -8,27 +8,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, netns_works
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiproc]
 
 
-def _netns_works() -> bool:
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        return False
-    name = f"pmoe-tprobe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    if made:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return made
 
 
-@pytest.mark.skipif(not _netns_works(), reason="needs root, iproute2 and tc (ip netns)")
+@pytest.mark.skipif(not netns_works(), reason="needs root, iproute2 and tc (ip netns)")
 def test_halo_equals_flat_on_emulated_cluster(tmp_path):
     data = tmp_path / "d.txt"
     data.write_bytes(b"".join(p.read_bytes() for p in sorted((ROOT / "trainer").glob("*.py"))))
