@@ -212,7 +212,8 @@ def parse_args(argv: list[str]) -> RunConfig:
     while i < len(argv):
         arg = argv[i]
         if arg in ("-h", "--help"):
-            raise SystemExit(_help())
+            print(_help())
+            raise SystemExit(0)
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}; options look like --section.field=value")
         key, eq, value = arg[2:].partition("=")
