@@ -108,6 +108,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto = fp32 on CPU, bf16 autocast on GPU
     peak_tflops: float = 0.0  # per device; 0 = known GPU peak, or a measured matmul rate on CPU
     plot: bool = True
+    memory_report: bool = False  # log per-rank state bytes and peak saved-activation bytes (max over ranks)
     trace_counts: bool = False  # write per-step, per-expert token counts to <out_dir>/counts.jsonl
     threads: int = 0  # torch intra-op threads per process; 0 = cores / local processes
     timeout_s: float = 600.0  # a collective or P2P waiting longer than this fails the run

@@ -7,6 +7,7 @@ any process group work or training step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -33,6 +34,7 @@ from .checkpoint import (
 )
 from .config import ConfigError, RunConfig
 from .data import Corpus, load_corpus
+from .memory import SavedTensorMeter, state_bytes
 from .mesh import Mesh, MeshError, valid_divisors
 from .parallel import GradSync, parallelize
 from .pipe import build_stages, ce_loss, moe_aux, pp_eval_forward, split_layers
@@ -257,6 +259,8 @@ class Trainer:
              {"params": no_decay, "weight_decay": 0.0}],
             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
         self.step = 0
+        self.meter = SavedTensorMeter(self.model)
+        self._state_bytes = 0
         self.phase = "setup"
         self.nonfinite_steps = 0
         self.balancer = None
@@ -369,16 +373,11 @@ class Trainer:
         t0 = time.perf_counter()
         self._counts = {}
         self.phase = "forward/backward (MoE all-to-all, pipeline P2P)"
-        if self.stages:
-            M = self.cfg.parallel.microbatches
-            first, last = 0 in self.stages, self.n_stages - 1 in self.stages
-            losses = self.runtime.step(list(tokens.chunk(M)) if first else None,
-                                       list(targets.chunk(M)) if last else None)
-            ce = torch.stack(losses).mean() if last else torch.zeros(())
-            aux = torch.tensor(sum(self.runtime.last_aux.values()) / M)
-        else:
-            ce, aux = self._forward_loss(tokens, targets)
-            (ce + aux).backward()
+        meter = self.meter if t.memory_report else contextlib.nullcontext()
+        if t.memory_report:
+            self.meter.reset_peak()
+        with meter:
+            ce, aux = self._forward_backward(tokens, targets)
         if t.fault_nan_step == self.step + 1 and self.rank == t.fault_rank:  # fault injection
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -400,6 +399,8 @@ class Trainer:
             for g in self.optim.param_groups:
                 g["lr"] = lr
             self.optim.step()
+            if t.memory_report:  # weights + grads + optimizer state, all alive right now
+                self._state_bytes = state_bytes(self.model, self.optim)
             self.optim.zero_grad(set_to_none=True)
             if self.mcfg.bias_balancing:
                 for layer, c in zip(self.model.moe_layers(), counts, strict=True):
@@ -423,12 +424,36 @@ class Trainer:
         dt = time.perf_counter() - t0
         self.phase = "metrics all-reduce"
         wait = self._exchange_time()
+        if t.memory_report:
+            wait.update(self._memory())
         self.step += 1
         tok_s = t.global_batch * t.seq_len / dt
         mfu = self.flops_per_token * tok_s / (self.peak * self.mesh.world_size) if self.peak else 0.0
         return {"step": self.step, "loss": loss, "aux_loss": aux_v, "lr": lr, "grad_norm": norm,
                 "tokens_per_s": tok_s, "mfu": mfu, "imbalance": imbalance,
                 "step_time_s": dt, **wait, "events": events}
+
+    def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor):
+        """One step's forward and backward (pipelined when pp > 1); returns (ce, aux)."""
+        if self.stages:
+            M = self.cfg.parallel.microbatches
+            first, last = 0 in self.stages, self.n_stages - 1 in self.stages
+            losses = self.runtime.step(list(tokens.chunk(M)) if first else None,
+                                       list(targets.chunk(M)) if last else None)
+            ce = torch.stack(losses).mean() if last else torch.zeros(())
+            aux = torch.tensor(sum(self.runtime.last_aux.values()) / M)
+        else:
+            ce, aux = self._forward_loss(tokens, targets)
+            (ce + aux).backward()
+        return ce, aux
+
+    def _memory(self) -> dict[str, float]:
+        """Max over ranks of state bytes and of peak saved-activation bytes this step."""
+        t = torch.tensor([float(self._state_bytes), float(self.meter.peak)], dtype=torch.float64,
+                         device=self.device)
+        if self.mesh.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return {"mem_state_bytes_max": float(t[0]), "mem_act_peak_bytes_max": float(t[1])}
 
     def _exchange_time(self) -> dict[str, float]:
         """Seconds this step's forward MoE exchanges took, max and min over the EP group."""

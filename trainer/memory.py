@@ -1,0 +1,91 @@
+"""Per-rank memory accounting that works on any device, CPU included (no allocator stats needed).
+
+- `state_bytes(model, optim)`: parameters + gradients + optimizer state held by this rank.
+- `SavedTensorMeter`: live and peak bytes of the tensors autograd keeps for backward (the
+  activations), counted per storage (a storage saved by several ops counts once) and excluding
+  parameter storages (weights saved for backward are not extra memory). A saved storage stops
+  counting when autograd releases it (the graph node is freed after backward).
+
+These are the quantities the analytic model (`tuner.estimate`) predicts, so a run with
+`--train.memory_report=true` can be compared with its plan.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+__all__ = ["state_bytes", "SavedTensorMeter"]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def state_bytes(model: nn.Module, optim: torch.optim.Optimizer | None) -> int:
+    total = 0
+    for p in model.parameters():
+        total += _nbytes(p)
+        if p.grad is not None:
+            total += _nbytes(p.grad)
+        if optim is not None:
+            for v in optim.state.get(p, {}).values():
+                if isinstance(v, torch.Tensor):
+                    total += _nbytes(v)
+    return total
+
+
+class _Held:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class SavedTensorMeter:
+    """Context manager: track bytes of tensors saved for backward while it is active."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._refs: dict[int, int] = {}  # storage ptr -> saved tensors referencing it
+        self.live = 0
+        self.peak = 0
+        self._ctx = None
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _release(self, ptr: int, nbytes: int) -> None:
+        self._refs[ptr] -= 1
+        if self._refs[ptr] == 0:
+            del self._refs[ptr]
+            self.live -= nbytes
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self._param_ptrs or storage.nbytes() == 0:
+            return t
+        if ptr not in self._refs:
+            self._refs[ptr] = 0
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self._refs[ptr] += 1
+        held = _Held(t)
+        weakref.finalize(held, self._release, ptr, storage.nbytes())
+        return held
+
+    @staticmethod
+    def _unpack(x):
+        return x.t if isinstance(x, _Held) else x
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+        self._ctx = None
