@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from .config import ModelConfig
 
-__all__ = ["get", "names"]
+__all__ = ["HF_MODEL_TYPE", "get", "names"]
 
 
 def _tiny() -> ModelConfig:
@@ -234,6 +234,21 @@ _PRESETS: dict[str, Callable[[], ModelConfig]] = {
         10485760,
     ),
     "llama4-maverick": lambda: _llama4("llama4-maverick", 128, 2, 16384, {}, 1048576),
+}
+
+
+# The config.json `model_type` each real preset is published in (for round trips through
+# ModelConfig.from_hf_config / model.hf.config_to_hf and comparisons with transformers).
+HF_MODEL_TYPE = {
+    "mixtral-8x7b": "mixtral",
+    "mixtral-8x22b": "mixtral",
+    "qwen3-30b-a3b": "qwen3_moe",
+    "qwen3-235b-a22b": "qwen3_moe",
+    "deepseek-v2": "deepseek_v2",
+    "deepseek-v3": "deepseek_v3",
+    "kimi-k2": "deepseek_v3",
+    "llama4-scout": "llama4_text",
+    "llama4-maverick": "llama4_text",
 }
 
 

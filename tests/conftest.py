@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -41,6 +42,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stdlib_corpus(path: Path, n_files: int, n_bytes: int) -> str:
+    """A small text file for fast training runs: the first `n_bytes` of the first `n_files` of
+    the default corpus (the standard library sources, sorted)."""
+    from trainer.data import default_corpus_files
+
+    path.write_bytes(b"".join(f.read_bytes() for f in default_corpus_files()[:n_files])[:n_bytes])
+    return str(path)
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    """{step: training loss} from a run's metrics.jsonl (event rows skipped)."""
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def run_train(args: list[str], nproc: int = 1, timeout: float = 600,

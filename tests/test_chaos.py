@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, stdlib_corpus
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import chaos  # noqa: E402  (the harness lives in benchmarks/, a folder of scripts)
@@ -39,11 +39,7 @@ SAME_LAYOUT_REL = 1e-6
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> str:
-    from trainer.data import default_corpus_files
-
-    p = tmp_path_factory.mktemp("data") / "corpus.txt"
-    p.write_bytes(b"".join(f.read_bytes() for f in default_corpus_files()[:20])[:200_000])
-    return str(p)
+    return stdlib_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 20, 200_000)
 
 
 @pytest.fixture(scope="module")

@@ -23,18 +23,7 @@ PUBLISHED = {
     "llama4-maverick": (400.0, 17.0),
 }
 
-# model_type each preset is written in (for round trips through config.json form)
-PRESET_TYPES = {
-    "mixtral-8x7b": "mixtral",
-    "mixtral-8x22b": "mixtral",
-    "qwen3-30b-a3b": "qwen3_moe",
-    "qwen3-235b-a22b": "qwen3_moe",
-    "deepseek-v2": "deepseek_v2",
-    "deepseek-v3": "deepseek_v3",
-    "kimi-k2": "deepseek_v3",
-    "llama4-scout": "llama4_text",
-    "llama4-maverick": "llama4_text",
-}
+PRESET_TYPES = presets.HF_MODEL_TYPE
 
 
 def test_preset_names() -> None:

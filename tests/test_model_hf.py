@@ -27,17 +27,7 @@ transformers = pytest.importorskip("transformers")
 # mismatch (see test_logit_check_detects_semantic_changes: >= 0.1).
 ATOL, RTOL = 2e-5, 1e-5
 
-PRESET_TYPES = {
-    "mixtral-8x7b": "mixtral",
-    "mixtral-8x22b": "mixtral",
-    "qwen3-30b-a3b": "qwen3_moe",
-    "qwen3-235b-a22b": "qwen3_moe",
-    "deepseek-v2": "deepseek_v2",
-    "deepseek-v3": "deepseek_v3",
-    "kimi-k2": "deepseek_v3",
-    "llama4-scout": "llama4_text",
-    "llama4-maverick": "llama4_text",
-}
+PRESET_TYPES = presets.HF_MODEL_TYPE
 
 
 def hf_model(cfg: ModelConfig, model_type: str, device: str = "cpu") -> nn.Module:

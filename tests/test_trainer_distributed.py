@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_train
+from conftest import run_train, stdlib_corpus, step_losses
 
 pytestmark = pytest.mark.multiproc
 
@@ -24,16 +24,7 @@ COMMON = ["--config", "configs/tiny-ep-dp.toml", "--train.seq_len=64", "--train.
 
 @pytest.fixture(scope="module")
 def small_data(tmp_path_factory) -> str:
-    from trainer.data import default_corpus_files
-
-    p = tmp_path_factory.mktemp("data") / "corpus.txt"
-    p.write_bytes(b"".join(f.read_bytes() for f in default_corpus_files()[:40])[:400_000])
-    return str(p)
-
-
-def _losses(out: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return stdlib_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 40, 400_000)
 
 
 def _run(tmp: Path, name: str, nproc: int, extra: list[str], data: str) -> Path:
@@ -44,8 +35,8 @@ def _run(tmp: Path, name: str, nproc: int, extra: list[str], data: str) -> Path:
 
 
 def test_ep2_dp2_matches_single_process(tmp_path, small_data):
-    one = _losses(_run(tmp_path, "one", 1, ["--parallel.ep=1", "--train.steps=20"], small_data))
-    four = _losses(_run(tmp_path, "four", 4, ["--parallel.ep=2", "--train.steps=20",
+    one = step_losses(_run(tmp_path, "one", 1, ["--parallel.ep=1", "--train.steps=20"], small_data))
+    four = step_losses(_run(tmp_path, "four", 4, ["--parallel.ep=2", "--train.steps=20",
                                               "--comm.alltoall=flat"], small_data))
     assert sorted(one) == sorted(four) == list(range(1, 21))
     for s in one:
@@ -55,14 +46,14 @@ def test_ep2_dp2_matches_single_process(tmp_path, small_data):
 
 def test_resume_matches_uninterrupted(tmp_path, small_data):
     args = ["--parallel.ep=2", "--train.steps=12", "--comm.alltoall=flat"]
-    full = _losses(_run(tmp_path, "full", 2, args, small_data))
+    full = step_losses(_run(tmp_path, "full", 2, args, small_data))
     # the same run, stopped after 6 steps (checkpoint), then resumed to 12
     part = tmp_path / "part"
     _run(tmp_path, "part", 2, [*args, "--train.stop_after=6"], small_data)
     assert (part / "checkpoints" / "step_00000006" / "meta.json").is_file()
     # the resumed run must use the same schedule length as the uninterrupted one
     _run(tmp_path, "part", 2, [*args, "--resume"], small_data)
-    resumed = _losses(part)
+    resumed = step_losses(part)
     assert sorted(resumed) == list(range(1, 13))
     for s in range(1, 13):
         assert resumed[s] == pytest.approx(full[s], rel=1e-6), (s, full[s], resumed[s])
@@ -73,7 +64,7 @@ def test_migration_keeps_losses_and_resumes(tmp_path, small_data):
     ranks) leave the per-step losses of a run without migration unchanged, also across a
     checkpoint resume in the middle (the placement is restored from the checkpoint)."""
     base = ["--parallel.ep=2", "--train.steps=10", "--comm.alltoall=flat"]
-    plain = _losses(_run(tmp_path, "plain", 2, base, small_data))
+    plain = step_losses(_run(tmp_path, "plain", 2, base, small_data))
     mig = [*base, "--balance.enabled=true", "--balance.force_every=2"]
     out = tmp_path / "mig"
     _run(tmp_path, "mig", 2, [*mig, "--train.stop_after=5"], small_data)
@@ -86,7 +77,7 @@ def test_migration_keeps_losses_and_resumes(tmp_path, small_data):
     # 4 MoE layers x migrations at steps 2, 4, 6, 8, 10
     assert sorted({e["step"] for e in events}) == [2, 4, 6, 8, 10]
     assert all(e["moved_experts"] == 2 and e["bytes_sent"] > 0 for e in events)
-    got = _losses(out)
+    got = step_losses(out)
     for s in range(1, 11):
         assert got[s] == pytest.approx(plain[s], rel=1e-5), (s, plain[s], got[s])
 
@@ -96,8 +87,8 @@ def test_halo_training_equals_flat(tmp_path, small_data):
     same per-step losses as the flat all-to-all (it is an exact permutation of the same rows)."""
     args = ["--parallel.ep=4", "--train.steps=6", "--train.global_batch=8",
             "--comm.topology=configs/topologies/2x2-local.toml"]
-    flat = _losses(_run(tmp_path, "flat", 4, [*args, "--comm.alltoall=flat"], small_data))
-    halo = _losses(_run(tmp_path, "halo", 4, [*args, "--comm.alltoall=halo"], small_data))
+    flat = step_losses(_run(tmp_path, "flat", 4, [*args, "--comm.alltoall=flat"], small_data))
+    halo = step_losses(_run(tmp_path, "halo", 4, [*args, "--comm.alltoall=halo"], small_data))
     assert sorted(flat) == sorted(halo) == list(range(1, 7))
     for s in flat:
         assert halo[s] == pytest.approx(flat[s], rel=1e-6), (s, flat[s], halo[s])

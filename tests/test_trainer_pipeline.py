@@ -7,11 +7,10 @@ summation order only, ~1e-7 relative per op; a routing flip would be a jump far 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from conftest import run_train
+from conftest import run_train, stdlib_corpus, step_losses
 
 pytestmark = pytest.mark.multiproc
 
@@ -23,25 +22,16 @@ COMMON = ["--config", "configs/tiny-ep-dp.toml", "--train.seq_len=32", "--train.
           "--comm.alltoall=flat"]
 
 
-def _losses(out: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
 def _run(out: Path, nproc: int, extra: list[str], data: str) -> dict[int, float]:
     r = run_train([*COMMON, "--data", data, f"--train.out_dir={out}", f"--train.steps={STEPS}",
                    *extra], nproc=nproc)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return _losses(out)
+    return step_losses(out)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> str:
-    from trainer.data import default_corpus_files
-
-    p = tmp_path_factory.mktemp("data") / "corpus.txt"
-    p.write_bytes(b"".join(f.read_bytes() for f in default_corpus_files()[:20])[:200_000])
-    return str(p)
+    return stdlib_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 20, 200_000)
 
 
 @pytest.fixture(scope="module")

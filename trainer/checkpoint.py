@@ -31,7 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "list_complete"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "list_complete",
+           "named_moe_layers"]
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 
@@ -45,7 +46,8 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _moe_layers(model: nn.Module) -> dict[str, nn.Module]:
+def named_moe_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """{qualified module name: MoE layer} of the layers this rank holds."""
     ids = {id(m) for m in model.moe_layers()}
     return {name: m for name, m in model.named_modules() if id(m) in ids}
 
@@ -53,7 +55,7 @@ def _moe_layers(model: nn.Module) -> dict[str, nn.Module]:
 def _expert_rows(model: nn.Module) -> dict[str, list[tuple[int, int]]]:
     """For each expert param name: [(local row, logical expert)] held by this rank."""
     out: dict[str, list[tuple[int, int]]] = {}
-    for lname, layer in _moe_layers(model).items():
+    for lname, layer in named_moe_layers(model).items():
         E = layer.expert2slot.numel()
         El = layer.experts.w1.shape[0]
         lo = _slot_offset(layer, E, El)
@@ -137,7 +139,7 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optim: torch.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(_state(model, optim), checkpoint_id=str(tmp))
     # each pipeline stage knows only its own layers' placement: gather them all for meta.json
-    placement = {name: layer.expert2slot.tolist() for name, layer in _moe_layers(model).items()}
+    placement = {name: layer.expert2slot.tolist() for name, layer in named_moe_layers(model).items()}
     layer_state = dict(layer_state or {})
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts: list[tuple[dict, dict]] = [({}, {}) for _ in range(dist.get_world_size())]
@@ -213,7 +215,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optim: torch.optim.Optim
     meta = read_meta(path)
     if expect_model is not None:
         check_same_model(path, meta, expect_model)
-    layers = _moe_layers(model)
+    layers = named_moe_layers(model)
     placement = meta.get("placement", {})
     for name, layer in layers.items():  # this rank's MoE layers (one pipeline stage's under PP)
         slots = placement.get(name)

@@ -29,6 +29,7 @@ from .checkpoint import (
     check_same_model,
     find_latest,
     load_checkpoint,
+    named_moe_layers,
     read_meta,
     save_checkpoint,
 )
@@ -171,9 +172,15 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     return Prepared(cfg, mcfg, mesh, corpus, resume_path)
 
 
-def _check_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh) -> None:
+def build_schedule(par, pp: int):
+    """The pipeline schedule of the run config's parallel section (validated by the builder)."""
     import pipeline
 
+    kw = {"n_virtual": par.n_virtual} if par.schedule == "interleaved-1f1b" else {}
+    return pipeline.build(par.schedule, pp, par.microbatches, **kw)
+
+
+def _check_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh) -> None:
     par = cfg.parallel
     if mcfg.tie_embeddings:
         raise ConfigError("tie_embeddings=True with pp > 1 is not supported (the embedding and the "
@@ -188,9 +195,8 @@ def _check_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh) -> None:
             f"parallel.microbatches={par.microbatches} must divide the {per_shard} sequences each "
             f"data shard gets per step (train.global_batch={cfg.train.global_batch} / "
             f"{mesh.n_data_shards} shards); valid: {valid_divisors(per_shard)}")
-    kw = {"n_virtual": par.n_virtual} if par.schedule == "interleaved-1f1b" else {}
     try:
-        pipeline.build(par.schedule, mesh.pp, par.microbatches, **kw)
+        build_schedule(par, mesh.pp)
     except ValueError as e:
         raise ConfigError(f"parallel.schedule={par.schedule!r} with pp={mesh.pp}, "
                           f"microbatches={par.microbatches}: {e}") from None
@@ -265,9 +271,7 @@ class Trainer:
         self.nonfinite_steps = 0
         self.balancer = None
         if self.cfg.balance.enabled and self.mesh.ep > 1 and self.model.moe_layers():
-            from .checkpoint import _moe_layers
-
-            self.balancer = Balancer(self.cfg.balance, _moe_layers(self.model), self.mesh.ep,
+            self.balancer = Balancer(self.cfg.balance, named_moe_layers(self.model), self.mesh.ep,
                                      self.mesh.ep_group, self.optim)
         self.peak, self.peak_src = (self.cfg.train.peak_tflops * 1e12, "--train.peak_tflops") \
             if self.cfg.train.peak_tflops > 0 else _peak_flops(self.device)
@@ -295,8 +299,7 @@ class Trainer:
         self.bounds = split_layers(self.mcfg.n_layers, n_stages, par.layer_split)
         self.stages = build_stages(self.model, self.mesh.pp, self.mesh.pp_idx, par.n_virtual,
                                    self.bounds, self.autocast)
-        kw = {"n_virtual": par.n_virtual} if par.schedule == "interleaved-1f1b" else {}
-        self.schedule = pipeline.build(par.schedule, self.mesh.pp, par.microbatches, **kw)
+        self.schedule = build_schedule(par, self.mesh.pp)
         self.n_stages = n_stages
         per_shard = t.global_batch // self.mesh.n_data_shards
         self.act_shape = (per_shard // par.microbatches, t.seq_len, self.mcfg.d_model)

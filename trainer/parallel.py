@@ -100,16 +100,13 @@ def parallelize(model: nn.Module, mesh: Mesh, alltoall: str = "flat", topology=N
     if mesh.ep == 1:
         return model
     for layer in model.moe_layers():
-        E = layer.expert2slot.numel()
-        if E % mesh.ep:
-            raise MeshError(f"ep={mesh.ep} does not divide {E} experts; valid ep: {valid_divisors(E)}")
-        El = E // mesh.ep
-        lo, hi = mesh.ep_idx * El, (mesh.ep_idx + 1) * El
+        disp = EPDispatcher(mesh.ep_group, mesh.ep, layer.expert2slot.numel(), alltoall, topology)
+        lo, hi = mesh.ep_idx * disp.local, (mesh.ep_idx + 1) * disp.local
         ex = layer.experts
         for name in ("w1", "w2", "w3"):
             full = getattr(ex, name)
             setattr(ex, name, nn.Parameter(full.detach()[lo:hi].clone()))
-        layer.dispatcher = EPDispatcher(mesh.ep_group, mesh.ep, E, alltoall, topology)
+        layer.dispatcher = disp
     return model
 
 
