@@ -8,12 +8,9 @@ also continues training after the move and compares with an unmigrated single-pr
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from balance import (
     MigrationPolicy,
@@ -25,12 +22,7 @@ from balance import (
     placement_of,
     plan_swaps,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from comm import run_local
 
 
 def _reference_map(old: list[int], swaps: list[Swap]) -> list[int]:
@@ -86,7 +78,9 @@ def _check_plans(rank: int, world: int, group: object, members: list[int]) -> No
         for t, f in zip(local, fulls, strict=True):
             assert torch.equal(t, f[me * slots : (me + 1) * slots])
         row_bytes = sum(f[0].numel() * f.element_size() for f in fulls)
-        out_rows = sum(1 for o, m in zip(old, ref_new, strict=True) if o // slots == me != m // slots)
+        out_rows = sum(
+            1 for o, m in zip(old, ref_new, strict=True) if o // slots == me != m // slots
+        )
         assert res.bytes_sent == out_rows * row_bytes
         assert res.moved_experts == sum(o != m for o, m in zip(old, ref_new, strict=True))
         e2s = res.expert2slot
@@ -128,7 +122,9 @@ def _check_adam(rank: int, world: int) -> None:
     slot2expert[e2s] = torch.arange(e)
     mine = slot2expert[rank * slots : (rank + 1) * slots]
     torch.testing.assert_close(p.detach(), ref.detach()[mine], rtol=0, atol=0)
-    torch.testing.assert_close(st["exp_avg_sq"], ref_opt.state[ref]["exp_avg_sq"][mine], rtol=0, atol=0)
+    torch.testing.assert_close(
+        st["exp_avg_sq"], ref_opt.state[ref]["exp_avg_sq"][mine], rtol=0, atol=0
+    )
 
 
 def _check_monitor_group(rank: int, world: int) -> None:
@@ -137,30 +133,28 @@ def _check_monitor_group(rank: int, world: int) -> None:
         mon.record(torch.full((2, 8), float(rank + step)))
     # Sum over ranks of (rank + step) for the last 2 steps (1, 2).
     expect = sum(r + s for r in range(world) for s in (1, 2))
-    assert torch.equal(torch.as_tensor(mon.load()), torch.full((2, 8), float(expect), dtype=torch.float64))
+    assert torch.equal(
+        torch.as_tensor(mon.load()), torch.full((2, 8), float(expect), dtype=torch.float64)
+    )
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        _check_plans(rank, world, dist.group.WORLD, list(range(world)))
-        _check_adam(rank, world)
-        _check_monitor_group(rank, world)
-        # A subgroup that leaves rank 0 out: peers must be translated to global ranks.
-        members = list(range(1, world))
-        sub = dist.new_group(members)
-        if rank in members:
-            _check_plans(rank, world, sub, members)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _body(rank: int, world: int, group: object) -> None:
+    _check_plans(rank, world, group, list(range(world)))
+    _check_adam(rank, world)
+    _check_monitor_group(rank, world)
+    # A subgroup that leaves rank 0 out: peers must be translated to global ranks.
+    members = list(range(1, world))
+    sub = dist.new_group(members)
+    if rank in members:
+        _check_plans(rank, world, sub, members)
 
 
 @pytest.mark.multiproc
 def test_migrate_matches_single_process_permutation() -> None:
-    # One spawn of 3 processes covers the world group (3 ranks, so chains cross three ranks)
-    # and a 2-rank subgroup; each extra spawn costs seconds of torch imports on 2 cores.
-    mp.spawn(_worker, args=(3, _free_port()), nprocs=3, join=True)
+    # One launch of 3 processes covers the world group (3 ranks, so chains cross three ranks)
+    # and a 2-rank subgroup. run_local rendezvouses through a file and holds barriers around
+    # the body, so no rank tears the group down while a slower one is still using it.
+    run_local(_body, 3)
 
 
 def test_permute_slots_and_errors() -> None:
