@@ -41,6 +41,19 @@ def _restart_safe_store(rank: int, world: int, timeout) -> dict:
             "world_size": world}
 
 
+def _report_bad_request(e: ValueError, rank: int) -> int:
+    """Rank 0 prints the one `error:` line; the others stay silent. They also wait a moment
+    before exiting: torchrun stops every worker as soon as one exits non-zero, and a rank that
+    finished validating first would otherwise get rank 0 killed before it printed."""
+    if rank == 0:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    else:
+        import time
+
+        time.sleep(5.0)
+    return 2
+
+
 def main(argv: list[str]) -> int:
     from datetime import timedelta
 
@@ -54,9 +67,7 @@ def main(argv: list[str]) -> int:
         cfg = parse_args(argv)
         prep = prepare(cfg, world, rank)  # every check on the request happens here, before any work
     except ValueError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return _report_bad_request(e, rank)
     threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
     if world > 1:
@@ -68,9 +79,7 @@ def main(argv: list[str]) -> int:
         if dist.is_initialized():
             dist.barrier()  # no rank tears down its connections while a peer still uses them
     except ValueError as e:  # e.g. a checkpoint that turns out unreadable while loading
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return _report_bad_request(e, rank)
     except TrainingError as e:  # every rank reports its own view (rank, phase, step)
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from . import presets
+from .checkpointing import CHECKPOINTING, is_recomputing, set_checkpointing
 from .config import ModelConfig
 from .moe import GroupedExperts, LocalDispatcher, MoELayer, SwiGLU
 from .router import Router
 from .transformer import Block, MoETransformer
 
 __all__ = [
+    "CHECKPOINTING",
     "Block",
     "GroupedExperts",
     "LocalDispatcher",
@@ -17,5 +19,7 @@ __all__ = [
     "MoETransformer",
     "Router",
     "SwiGLU",
+    "is_recomputing",
     "presets",
+    "set_checkpointing",
 ]

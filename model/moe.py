@@ -25,6 +25,7 @@ from torch import nn
 
 from kernels import grouped_gemm, permute, unpermute
 
+from .checkpointing import recompute
 from .config import ModelConfig
 from .router import Router
 
@@ -37,8 +38,14 @@ class SwiGLU(nn.Module):
         self.w1 = nn.Linear(d_model, ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(d_model, ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(ffn_dim, d_model, bias=False)  # down
+        self.recompute_inner = False  # activation checkpointing "selective" (model.checkpointing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute_inner:
+            return recompute(self._forward, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -51,6 +58,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, d_model, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, d_model, ffn_dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, ffn_dim, d_model))
+        self.recompute_inner = False  # activation checkpointing "selective" (model.checkpointing)
 
     @property
     def num_experts(self) -> int:
@@ -69,6 +77,11 @@ class GroupedExperts(nn.Module):
         dev = x_MD.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_MD.dtype
         x_MD = x_MD.to(dtype)
+        if self.recompute_inner:
+            return recompute(self._swiglu, x_MD, offs, dtype)
+        return self._swiglu(x_MD, offs, dtype)
+
+    def _swiglu(self, x_MD: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
         h = F.silu(grouped_gemm(x_MD, w1, offs)) * grouped_gemm(x_MD, w3, offs)
         return grouped_gemm(h, w2, offs)

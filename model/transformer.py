@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import build_attention
+from .checkpointing import recompute
 from .config import ModelConfig
 from .moe import GroupedExperts, MoELayer, SwiGLU
 from .norm import RMSNorm
@@ -42,8 +43,14 @@ class Block(nn.Module):
         self.ffn: nn.Module = (
             MoELayer(cfg) if self.is_moe else SwiGLU(cfg.d_model, cfg.dense_ffn_dim)
         )
+        self.recompute_block = False  # activation checkpointing "full" (model.checkpointing)
 
     def forward(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        if self.recompute_block:
+            return recompute(self._forward, h_BSD)
+        return self._forward(h_BSD)
+
+    def _forward(self, h_BSD: torch.Tensor) -> torch.Tensor:
         h_BSD = h_BSD + self.attn(self.attn_norm(h_BSD))
         return h_BSD + self.ffn(self.ffn_norm(h_BSD))
 

@@ -57,6 +57,21 @@ def test_mesh_layout_ep_innermost():
     assert len(coords) == 8
 
 
+def test_mesh_layout_ep_spread():
+    # 8 ranks, pp=2 x dp=2 x ep=2, EP outermost: rank = (ep * pp + pp_idx) * dp + dp_idx
+    m = Mesh.plan(8, 5, pp=2, ep=2, placement="spread")
+    assert (m.pp_idx, m.dp_idx, m.ep_idx) == (0, 1, 1)
+    assert m.ep_ranks() == [1, 5]  # 4 ranks apart: one from each half of the world
+    assert m.dp_ranks() == [4, 5]
+    assert m.stage_ranks() == [0, 4, 1, 5]
+    assert m.pp_ranks() == [5, 7]
+    for r in range(8):
+        assert m.rank_of(*m.coords(r)) == r
+    assert len({m.coords(r) for r in range(8)}) == 8
+    with pytest.raises(MeshError, match=r"ep_placement='nearby'; valid: local, spread"):
+        Mesh.plan(8, 0, pp=2, ep=2, placement="nearby")
+
+
 def test_mesh_errors():
     with pytest.raises(MeshError, match=r"world size 4 does not match the mesh pp=1 x dp=3 x ep=2 = 6"):
         Mesh.plan(4, 0, pp=1, ep=2, dp=3)

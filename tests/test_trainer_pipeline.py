@@ -46,6 +46,13 @@ LAYOUTS = {
     "pp2-ep2-dp2-1f1b": (8, ["--parallel.schedule=1f1b"]),
     "pp2-ep2-dp2-interleaved": (8, ["--parallel.schedule=interleaved-1f1b", "--parallel.n_virtual=2"]),
     "pp2-ep2-dp2-zb": (8, ["--parallel.schedule=zb-h1"]),
+    # activation checkpointing recomputes the MoE all-to-all in the backward (also under the
+    # split backward of zb-h1); EP placement "spread" renumbers every group
+    "ep2-ckpt-full": (2, ["--parallel.pp=1", "--train.checkpointing=full"]),
+    "pp2-ep2-zb-ckpt-full": (4, ["--parallel.schedule=zb-h1", "--train.checkpointing=full"]),
+    "pp2-ep2-dp2-spread-ckpt-selective": (8, ["--parallel.schedule=1f1b",
+                                              "--parallel.ep_placement=spread",
+                                              "--train.checkpointing=selective"]),
 }
 
 

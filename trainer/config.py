@@ -49,6 +49,9 @@ class ParallelConfig:
     microbatches: int = 1  # pipeline micro-batches per step (only used with pp > 1)
     n_virtual: int = 1
     layer_split: str = ""  # layers per stage, e.g. "3,5"; "" = even split
+    # "local": EP groups are consecutive ranks (inside a node); "spread": EP outermost, so an
+    # EP group takes one rank from each of `ep` blocks of pp * dp ranks (see trainer/mesh.py)
+    ep_placement: str = "local"
 
 
 @dataclass
@@ -108,6 +111,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto = fp32 on CPU, bf16 autocast on GPU
     peak_tflops: float = 0.0  # per device; 0 = known GPU peak, or a measured matmul rate on CPU
     plot: bool = True
+    checkpointing: str = "none"  # activation checkpointing: none | selective | full (model/checkpointing.py)
     memory_report: bool = False  # log per-rank state bytes and peak saved-activation bytes (max over ranks)
     trace_counts: bool = False  # write per-step, per-expert token counts to <out_dir>/counts.jsonl
     threads: int = 0  # torch intra-op threads per process; 0 = cores / local processes

@@ -89,7 +89,7 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     """All request validation, before any training work. Raises a ValueError subclass."""
     mcfg = build_model_config(cfg)
     par = cfg.parallel
-    mesh = Mesh.plan(world_size, rank, pp=par.pp, ep=par.ep, dp=par.dp)
+    mesh = Mesh.plan(world_size, rank, pp=par.pp, ep=par.ep, dp=par.dp, placement=par.ep_placement)
     if mesh.pp > 1:
         _check_pipeline(cfg, mcfg, mesh)
     E = mcfg.n_routed_experts
@@ -109,6 +109,10 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
             raise ConfigError(f"comm.topology={cfg.comm.topology!r} describes {topo.world_size} "
                               f"ranks but the run has {world_size}")
     t = cfg.train
+    from model import CHECKPOINTING
+
+    if t.checkpointing not in CHECKPOINTING:
+        raise ConfigError(f"train.checkpointing={t.checkpointing!r}; valid: {', '.join(CHECKPOINTING)}")
     if t.seq_len < 1 or t.seq_len > mcfg.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} is outside what the model supports: "
                           f"1..{mcfg.max_seq_len} (model max_seq_len)")
@@ -237,10 +241,11 @@ class Trainer:
         self.out = Path(self.cfg.train.out_dir)
         self.ckpt_root = self.out / "checkpoints"
 
-        from model import MoETransformer
+        from model import MoETransformer, set_checkpointing
 
         torch.manual_seed(self.cfg.train.seed)  # same init on every rank == a 1-process run
         self.model = MoETransformer(self.mcfg)
+        set_checkpointing(self.model, self.cfg.train.checkpointing)
         if self.cfg.balance.skew:
             for layer in self.model.moe_layers():
                 E = layer.expert2slot.numel()
@@ -308,7 +313,11 @@ class Trainer:
             device=self.device, aux_fn=moe_aux)
 
     def _count_hook(self, i: int):
+        from model import is_recomputing
+
         def hook(module, args, output):
+            if is_recomputing():  # a checkpointed block's second forward: already counted
+                return
             c = module.last_counts.detach().to(torch.float64)
             self._counts[i] = self._counts[i] + c if i in self._counts else c
         return hook

@@ -1,12 +1,15 @@
-"""The one object that owns rank arithmetic: a PP x DP x EP mesh, EP innermost.
+"""The one object that owns rank arithmetic: a PP x DP x EP mesh.
 
-Rank layout (R = world size):
+Rank layout (R = world size), by EP placement (the same two as `tuner.comms`):
 
-    rank = (pp_idx * dp + dp_idx) * ep + ep_idx
+    local  (default)  rank = (pp_idx * dp + dp_idx) * ep + ep_idx      EP innermost
+    spread            rank = (ep_idx * pp + pp_idx) * dp + dp_idx      EP outermost
 
-so the EP group of a rank is a block of `ep` consecutive ranks (consecutive ranks share a node
-under torchrun, which keeps the all-to-all inside a node when ep <= GPUs per node), and the DP
-replicas of one expert shard are `ep` ranks apart.
+With "local" the EP group of a rank is a block of `ep` consecutive ranks (consecutive ranks
+share a node under torchrun, which keeps the all-to-all inside a node when ep <= GPUs per
+node), and the DP replicas of one expert shard are `ep` ranks apart. With "spread" the EP group
+takes one rank from each of `ep` blocks of pp * dp ranks, so it spans nodes, while the pipeline
+and DP neighbours sit close together.
 
 Groups (each a `torch.distributed` process group, or None when it has one member):
     ep_group     ranks of the same (pp, dp): the all-to-all of MoE dispatch, expert migration
@@ -22,7 +25,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["Mesh", "MeshError", "valid_divisors"]
+__all__ = ["Mesh", "MeshError", "valid_divisors", "EP_PLACEMENTS"]
+
+EP_PLACEMENTS = ("local", "spread")
 
 
 class MeshError(ValueError):
@@ -40,11 +45,15 @@ class Mesh:
     pp: int
     dp: int
     ep: int
+    placement: str = "local"
     groups: dict[str, object] = field(default_factory=dict, repr=False)
 
     @staticmethod
-    def plan(world_size: int, rank: int, pp: int, ep: int, dp: int = 0) -> Mesh:
+    def plan(world_size: int, rank: int, pp: int, ep: int, dp: int = 0,
+             placement: str = "local") -> Mesh:
         """Validate the degrees against the world size (no process groups are created)."""
+        if placement not in EP_PLACEMENTS:
+            raise MeshError(f"parallel.ep_placement={placement!r}; valid: {', '.join(EP_PLACEMENTS)}")
         for name, v in (("pp", pp), ("ep", ep)):
             if v < 1:
                 raise MeshError(f"{name}={v} must be >= 1")
@@ -64,20 +73,26 @@ class Mesh:
                 f"{pp * dp * ep}; launch {pp * dp * ep} processes (torchrun --nproc-per-node "
                 f"{pp * dp * ep}) or set --parallel.dp=0 to infer dp"
             )
-        return Mesh(world_size=world_size, rank=rank, pp=pp, dp=dp, ep=ep)
+        return Mesh(world_size=world_size, rank=rank, pp=pp, dp=dp, ep=ep, placement=placement)
 
     # coordinates ---------------------------------------------------------------------------
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_idx, dp_idx, ep_idx) of `rank`; the inverse of `rank_of`."""
+        if self.placement == "local":
+            return rank // (self.dp * self.ep), (rank // self.ep) % self.dp, rank % self.ep
+        return (rank // self.dp) % self.pp, rank % self.dp, rank // (self.pp * self.dp)
+
     @property
     def pp_idx(self) -> int:
-        return self.rank // (self.dp * self.ep)
+        return self.coords(self.rank)[0]
 
     @property
     def dp_idx(self) -> int:
-        return (self.rank // self.ep) % self.dp
+        return self.coords(self.rank)[1]
 
     @property
     def ep_idx(self) -> int:
-        return self.rank % self.ep
+        return self.coords(self.rank)[2]
 
     @property
     def data_idx(self) -> int:
@@ -89,7 +104,9 @@ class Mesh:
         return self.dp * self.ep
 
     def rank_of(self, pp_idx: int, dp_idx: int, ep_idx: int) -> int:
-        return (pp_idx * self.dp + dp_idx) * self.ep + ep_idx
+        if self.placement == "local":
+            return (pp_idx * self.dp + dp_idx) * self.ep + ep_idx
+        return (ep_idx * self.pp + pp_idx) * self.dp + dp_idx
 
     def ep_ranks(self) -> list[int]:
         return [self.rank_of(self.pp_idx, self.dp_idx, e) for e in range(self.ep)]
@@ -149,5 +166,6 @@ class Mesh:
         return self.groups.get("pp")
 
     def describe(self) -> str:
-        return (f"mesh pp={self.pp} x dp={self.dp} x ep={self.ep} (world {self.world_size}); "
-                f"EP groups of {self.ep} consecutive ranks")
+        where = (f"EP groups of {self.ep} consecutive ranks" if self.placement == "local" else
+                 f"EP groups spread: ranks {self.pp * self.dp} apart")
+        return f"mesh pp={self.pp} x dp={self.dp} x ep={self.ep} (world {self.world_size}); {where}"
