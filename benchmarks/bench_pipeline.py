@@ -232,13 +232,13 @@ def _plots(rows: list[dict], out: Path, stamp: str) -> None:
     ax2.set_ylabel("peak saved activations (MiB)")
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / f"pipeline_summary_{stamp}.png", dpi=120)
+    fig.savefig(out / "pipeline_summary.png", dpi=120)
     plt.close(fig)
     p_max = max(r["ranks"] for r in rows)
     m_max = max(r["microbatches"] for r in rows if r["ranks"] == p_max)
     for r in rows:
         if r["ranks"] == p_max and r["microbatches"] == m_max:
-            tag = f"{r['schedule']}_p{p_max}_m{m_max}_{stamp}"
+            tag = f"{r['schedule']}_p{p_max}_m{m_max}"  # latest run overwrites
             pipeline.plot_timeline(pipeline.timeline_spans(r["_sched"]),
                                    out / f"pipeline_planned_{tag}.png",
                                    title=f"{r['schedule']} planned (unit steps)")
@@ -286,7 +286,7 @@ def main() -> None:
             row.update(git_sha=sha, device=device, time=stamp, config=cfg)
             f.write(json.dumps(row) + "\n")
     _plots(rows, args.out, stamp)
-    print(f"rows appended to {args.out / 'pipeline.jsonl'}; plots pipeline_*_{stamp}.png")
+    print(f"rows appended to {args.out / 'pipeline.jsonl'}; plots pipeline_*.png (overwritten by each run)")
 
 
 if __name__ == "__main__":
