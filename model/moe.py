@@ -59,6 +59,7 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, d_model, ffn_dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, ffn_dim, d_model))
         self.recompute_inner = False  # activation checkpointing "selective" (model.checkpointing)
+        self.first_slot = 0  # global slot of local expert 0 (set when experts are sharded over EP)
 
     @property
     def num_experts(self) -> int:
@@ -121,6 +122,15 @@ class MoELayer(nn.Module):
         self.dispatcher: Any = LocalDispatcher()
         self.last_counts = torch.zeros(E, dtype=torch.long)
         self.last_aux_loss = torch.zeros(())
+
+    @torch.no_grad()
+    def reset_state(self) -> None:
+        """Initial buffers and per-forward outputs: identity placement, zero router bias."""
+        dev = self.expert2slot.device
+        self.expert2slot.copy_(torch.arange(self.num_experts, dtype=torch.long, device=dev))
+        self.router.e_score_correction_bias.zero_()
+        self.last_counts = torch.zeros(self.num_experts, dtype=torch.long, device=dev)
+        self.last_aux_loss = torch.zeros((), device=dev)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape

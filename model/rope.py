@@ -81,8 +81,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if dim % 2:
             raise ValueError(f"rotary dim={dim} must be even")
+        self.cfg, self.dim = cfg, dim
         inv_freq, self.attn_factor = rope_frequencies(cfg, dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the frequencies in place (after `to_empty` from the meta device)."""
+        inv_freq, _ = rope_frequencies(self.cfg, self.dim)
+        self.inv_freq.copy_(inv_freq.to(self.inv_freq.device))
 
     def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)

@@ -17,6 +17,7 @@ Shape legend: B batch, S sequence, D model, V vocab.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 
 import torch
@@ -26,8 +27,16 @@ from torch import nn
 from .attention import build_attention
 from .checkpointing import recompute
 from .config import ModelConfig
-from .moe import GroupedExperts, MoELayer, SwiGLU
+from .moe import MoELayer, SwiGLU
 from .norm import RMSNorm
+from .rope import RotaryEmbedding
+
+
+def _normal(t: torch.Tensor, std: float, seed: int, *key: object) -> None:
+    """Fill `t` with normal(0, std) from a generator seeded by hash(seed, *key)."""
+    digest = hashlib.blake2b("/".join(map(str, (seed, *key))).encode(), digest_size=8).digest()
+    gen = torch.Generator(device=t.device).manual_seed(int.from_bytes(digest, "little") >> 1)
+    t.normal_(0.0, std, generator=gen)
 
 
 class Block(nn.Module):
@@ -67,30 +76,55 @@ class MoETransformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.reset_parameters()
+        if self.embed.weight.device.type != "meta":  # on meta: to_empty + reset_parameters later
+            self.reset_parameters()
+
+    def materialize(self, device: torch.device | str, seed: int | None = None) -> MoETransformer:
+        """Allocate a model built on the meta device (after any expert slicing or pipeline
+        stripping) on `device`, re-tie the embeddings and initialise it (`reset_parameters`)."""
+        self.to_empty(device=device)
+        if self.cfg.tie_embeddings and self.embed is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed.weight  # to_empty allocates tied tensors apart
+        self.reset_parameters(seed)
+        return self
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """normal(0, init_std) for every weight matrix, zeros for biases, ones for norm gains.
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """normal(0, init_std) for every weight matrix, zeros for biases, ones for norm gains,
+        and the buffers' initial values (identity expert placement, zero router bias, RoPE
+        frequencies).
 
-        Parameters are visited in registration order, so the result is a pure function of
-        torch's RNG state (deterministic under torch.manual_seed)."""
+        Every tensor draws from its own generator, seeded by (seed, parameter name), and every
+        routed expert from one seeded by (seed, name, logical expert id). So a rank that holds
+        only some experts or some layers (expert / pipeline parallel, built on the meta device
+        and materialised with `to_empty`) fills them with exactly the values a 1-process model
+        gets, and no rank ever has to build the whole model. `seed=None` draws the seed from
+        torch's global RNG, so the model stays a pure function of `torch.manual_seed`."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), device="cpu"))
         std = self.cfg.init_std
-        for module in self.modules():
+        tied = self.cfg.tie_embeddings
+        for mname, module in self.named_modules():
             if isinstance(module, RMSNorm):
                 module.reset_parameters()
+            elif isinstance(module, RotaryEmbedding):
+                module.reset_buffers()
             elif isinstance(module, (nn.Linear, nn.Embedding)):
-                if module is self.lm_head and self.cfg.tie_embeddings:
+                if module is self.lm_head and tied:
                     continue
-                nn.init.normal_(module.weight, 0.0, std)
+                _normal(module.weight, std, seed, f"{mname}.weight")
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, GroupedExperts):
-                for w in (module.w1, module.w3, module.w2):
-                    nn.init.normal_(w, 0.0, std)
             elif isinstance(module, MoELayer):
-                nn.init.normal_(module.router.weight, 0.0, std)
-                module.router.e_score_correction_bias.zero_()
+                module.reset_state()
+                _normal(module.router.weight, std, seed, f"{mname}.router.weight")
+                experts = module.experts
+                slot2expert = torch.argsort(module.expert2slot).tolist()
+                for wname in ("w1", "w3", "w2"):
+                    w = getattr(experts, wname)
+                    for s in range(w.shape[0]):
+                        e = slot2expert[experts.first_slot + s]
+                        _normal(w[s], std, seed, f"{mname}.experts.{wname}", e)
 
     # ---------------------------------------------------------------- forward
     def forward(

@@ -243,21 +243,25 @@ class Trainer:
 
         from model import MoETransformer, set_checkpointing
 
-        torch.manual_seed(self.cfg.train.seed)  # same init on every rank == a 1-process run
-        self.model = MoETransformer(self.mcfg)
+        torch.manual_seed(self.cfg.train.seed)
+        # Built on the meta device: each rank allocates only its experts and its pipeline
+        # stage's layers, then initialises them with the values a 1-process run has (each
+        # tensor, each expert, from its own seeded generator: MoETransformer.reset_parameters).
+        with torch.device("meta"):
+            self.model = MoETransformer(self.mcfg)
         set_checkpointing(self.model, self.cfg.train.checkpointing)
-        if self.cfg.balance.skew:
-            for layer in self.model.moe_layers():
-                E = layer.expert2slot.numel()
-                layer.router.e_score_correction_bias.copy_(
-                    -self.cfg.balance.skew * torch.log1p(torch.arange(E, dtype=torch.float32)))
         self.mesh.build_groups(timedelta(seconds=self.cfg.train.timeout_s))
         algo = self.cfg.comm.alltoall
         parallelize(self.model, self.mesh, alltoall=algo, topology=self._ep_topology(algo))
         self.stages: dict = {}
         if self.mesh.pp > 1:
             self._build_pipeline()
-        self.model.to(self.device)
+        self.model.materialize(self.device, seed=self.cfg.train.seed)
+        if self.cfg.balance.skew:
+            for layer in self.model.moe_layers():
+                E = layer.expert2slot.numel()
+                layer.router.e_score_correction_bias.copy_(
+                    -self.cfg.balance.skew * torch.log1p(torch.arange(E, dtype=torch.float32)))
         self._counts: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.moe_layers()):
             layer.register_forward_hook(self._count_hook(i))

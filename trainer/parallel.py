@@ -106,6 +106,7 @@ def parallelize(model: nn.Module, mesh: Mesh, alltoall: str = "flat", topology=N
         for name in ("w1", "w2", "w3"):
             full = getattr(ex, name)
             setattr(ex, name, nn.Parameter(full.detach()[lo:hi].clone()))
+        ex.first_slot = lo
         layer.dispatcher = disp
     return model
 
