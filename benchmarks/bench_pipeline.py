@@ -9,7 +9,8 @@ compute with no sleeps. Per schedule:
              `bubble_fraction(schedule)` (unit costs), (b) `bubble_fraction(schedule, costs)`
              with per-(stage, kind) median action times of the same run, (c) the same with
              every action's own duration in that step (replay), gap = median of per-step
-             differences measured - replay.
+             differences measured - replay; (b) and (c) also with the measured one-way P2P
+             time of one activation added at every stage boundary (`transfer=`), "+p2p".
   memory     measured: peak bytes of tensors saved for backward that are alive at once on a
              rank during one step, counted exactly with saved_tensors_hooks (unique storages,
              parameters excluded); predicted: the peak_inflight walk weighted by the saved
@@ -103,12 +104,34 @@ def _stage(d: int, n_layers: int, seed: int) -> nn.Module:
     return nn.Sequential(*[m for _ in range(n_layers) for m in (nn.Linear(d, d), nn.ReLU())])
 
 
+def _p2p_one_way(rank: int, rows: int, d: int, repeats: int = 21) -> float:
+    """Median one-way time of handing one [rows, d] fp32 activation from rank 0 to rank 1
+    (half a send/recv round trip); the other ranks wait at the barrier."""
+    import torch.distributed as dist
+
+    buf = torch.randn(rows, d)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        times.append((time.perf_counter() - t0) / 2)
+    dist.barrier()
+    return statistics.median(times[1:])  # the first exchange also sets up the connection
+
+
 def _worker(rank: int, world: int, m: int, args: dict) -> dict:
     d, rows = args["dim"], args["rows"]
     out: dict[str, Any] = {}
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(rows, d, generator=g) for _ in range(m)]
     ys = [torch.randn(rows, d, generator=g) for _ in range(m)]
+    out["p2p_s"] = _p2p_one_way(rank, rows, d)
     for name, kw in SCHEDULES:
         if name == "interleaved-1f1b" and m % world:
             continue
@@ -179,10 +202,13 @@ def _analyse(name: str, kw: dict, p: int, m: int, res: list[dict]) -> dict:
     # Replay of each timed step with its own action durations: what the schedule predicts
     # for exactly the compute that ran; the gap to the measurement is P2P latency, runtime
     # overhead and preemption on a shared machine.
-    replay = []
+    p2p = res[0]["p2p_s"]
+    replay, replay_p2p = [], []
     for rep in runs[0]["spans"]:
         dur = {sp.action: sp.end - sp.start for sp in rep}
         replay.append(pipeline.bubble_fraction(sched, costs=lambda a, dur=dur: dur[a]))
+        replay_p2p.append(pipeline.bubble_fraction(sched, costs=lambda a, dur=dur: dur[a],
+                                                   transfer=p2p))
     inflight = pipeline.peak_inflight(sched)
     s2r = pipeline.stage2rank(sched)
     per_stage = {s: b for r in range(p) for s, b in runs[r]["per_mb_bytes"].items()}
@@ -196,6 +222,11 @@ def _analyse(name: str, kw: dict, p: int, m: int, res: list[dict]) -> dict:
         "bubble_pred_costs": pipeline.bubble_fraction(
             sched, costs=lambda a: cost[(a.stage, a.kind)]),
         "bubble_pred_replay": statistics.median(replay),
+        # the same two predictions with the measured P2P hand-over time at stage boundaries
+        "p2p_ms": 1e3 * p2p,
+        "bubble_pred_costs_p2p": pipeline.bubble_fraction(
+            sched, costs=lambda a: cost[(a.stage, a.kind)], transfer=p2p),
+        "bubble_pred_replay_p2p": statistics.median(replay_p2p),
         "bubble_gap_replay_pp": 100 * statistics.median(
             [b - r for b, r in zip(bubbles, replay, strict=True)]),
         "cost_ms": {f"{s}{kd}": round(1e3 * c, 3) for (s, kd), c in sorted(cost.items())},
@@ -270,7 +301,8 @@ def main() -> None:
                 if name in res[0]:
                     rows.append(_analyse(name, kw, p, m, res))
     hdr = (f"{'schedule':<17}{'p':>3}{'m':>3} {'bubble meas':>11} {'unit':>6} {'cost':>6} "
-           f"{'replay':>6} {'gap pp':>6}  {'act MiB meas/pred per rank':<40}")
+           f"{'+p2p':>6} {'replay':>6} {'+p2p':>6} {'gap pp':>6}  "
+           f"{'act MiB meas/pred per rank':<40}")
     print(hdr)
     print("-" * len(hdr))
     with open(args.out / "pipeline.jsonl", "a") as f:
@@ -280,12 +312,15 @@ def main() -> None:
                                            strict=True))
             print(f"{r['schedule']:<17}{r['ranks']:>3}{r['microbatches']:>3} "
                   f"{r['bubble_measured']:>11.3f} {r['bubble_pred_unit']:>6.3f} "
-                  f"{r['bubble_pred_costs']:>6.3f} {r['bubble_pred_replay']:>6.3f} "
+                  f"{r['bubble_pred_costs']:>6.3f} {r['bubble_pred_costs_p2p']:>6.3f} "
+                  f"{r['bubble_pred_replay']:>6.3f} {r['bubble_pred_replay_p2p']:>6.3f} "
                   f"{r['bubble_gap_replay_pp']:>+6.1f}  {mem:<40}")
             row = {k: v for k, v in r.items() if not k.startswith("_")}
             row.update(git_sha=sha, device=device, time=stamp, config=cfg)
             f.write(json.dumps(row) + "\n")
     _plots(rows, args.out, stamp)
+    print(f"one-way P2P hand-over of a {args.rows} x {args.dim} fp32 activation: "
+          f"{rows[0]['p2p_ms']:.3f} ms (median, ranks 0 -> 1)" if rows else "")
     print(f"rows appended to {args.out / 'pipeline.jsonl'}; plots pipeline_*.png (overwritten by each run)")
 
 

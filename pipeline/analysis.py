@@ -210,11 +210,15 @@ def _cost_fn(costs: Costs | None) -> Callable[[Action], float]:
     return by_kind
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None) -> list[Span]:
+def simulate(schedule: Schedule, costs: Costs | None = None, transfer: float = 0.0) -> list[Span]:
     """Replay each rank's actions in order with per-action `costs` (unit by default): an
-    action starts when its rank is free and its dependencies have ended. Raises ValueError
-    naming the blocked actions if the orders deadlock."""
+    action starts when its rank is free and its dependencies have ended, plus `transfer`
+    (the time a point-to-point hand-over takes) for a dependency that ran on another rank.
+    Raises ValueError naming the blocked actions if the orders deadlock."""
+    if not transfer >= 0:
+        raise ValueError(f"transfer={transfer} must be >= 0 (seconds, or unit steps)")
     cost = _cost_fn(costs)
+    ran_on: dict[Action, int] = {}
     orders = {r: [a for a in slots if a is not None] for r, slots in schedule.items()}
     n_stage = n_stages(schedule)
     end: dict[Action, float] = {}
@@ -230,12 +234,14 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> list[Span]:
                 deps = dependencies(a, n_stage)
                 if not all(d in end for d in deps):
                     break
-                start = max([free[r]] + [end[d] for d in deps])
+                start = max([free[r]] + [end[d] + (transfer if ran_on[d] != r else 0.0)
+                                         for d in deps])
                 c = cost(a)
                 if c < 0:
                     raise ValueError(f"cost of {a} is {c}; costs must be >= 0")
                 spans.append(Span(r, a, start, start + c))
                 end[a] = free[r] = start + c
+                ran_on[a] = r
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
@@ -271,11 +277,13 @@ def bubble_from_spans(spans: Iterable[Span], n_ranks: int) -> float:
     return 1.0 - busy / (n_ranks * (t1 - t0))
 
 
-def bubble_fraction(schedule: Schedule, costs: Costs | None = None) -> float:
-    """Idle share of the timeline. Without `costs`: idle slots / (ranks x steps) of the
-    unit-time layout as given ((p-1)/(m+p-1) for GPipe and 1F1B). With `costs` (per kind,
-    e.g. {"F": 1.0, "B": 2.0, "W": 1.0}, or a function of the Action): the simulated
-    timeline's idle share."""
+def bubble_fraction(schedule: Schedule, costs: Costs | None = None, transfer: float = 0.0) -> float:
+    """Idle share of the timeline. Without `costs` or `transfer`: idle slots / (ranks x
+    steps) of the unit-time layout as given ((p-1)/(m+p-1) for GPipe and 1F1B). With `costs`
+    (per kind, e.g. {"F": 1.0, "B": 2.0, "W": 1.0}, or a function of the Action) and/or a
+    point-to-point `transfer` time (see `simulate`): the simulated timeline's idle share."""
+    if transfer:
+        return bubble_from_spans(simulate(schedule, costs, transfer), len(schedule))
     if costs is None:
         length = max(len(s) for s in schedule.values())
         if length == 0:

@@ -133,6 +133,23 @@ def test_validate_names_the_offending_action() -> None:
         Action(0, "X", 0)
 
 
+@given(st.integers(2, 5), st.integers(1, 9), st.sampled_from([0.0, 0.25, 0.5, 1.0, 3.0]))
+def test_gpipe_bubble_with_transfer_time(p: int, m: int, t: float) -> None:
+    # F = B = 1 and a hand-over of t per stage boundary: the fill and the drain each take
+    # (p-1)(1+t), so the makespan is 2m + 2(p-1)(1+t) and the bubble 1 - m / (m + (p-1)(1+t)).
+    s = build("gpipe", p, m)
+    got = bubble_fraction(s, {"F": 1.0, "B": 1.0}, transfer=t)
+    assert got == pytest.approx(1 - m / (m + (p - 1) * (1 + t)), abs=1e-12)
+    # 1F1B waits on the round trip in its steady state too: never less bubble than GPipe's
+    # fill and drain with the same hand-over time, and more with a longer one.
+    f = build("1f1b", p, m)
+    assert bubble_fraction(f, {"F": 1.0, "B": 1.0}, transfer=t) >= got - 1e-12
+    assert bubble_fraction(f, {"F": 1.0, "B": 1.0}, transfer=t + 1) > bubble_fraction(
+        f, {"F": 1.0, "B": 1.0}, transfer=t)
+    with pytest.raises(ValueError, match=r"transfer=-1 must be >= 0"):
+        bubble_fraction(s, transfer=-1)
+
+
 def test_simulate_detects_deadlock() -> None:
     # Rank 0 insists on 0B0 before 0F1 and rank 1 on 1F1 before 1B0: an order deadlock,
     # even though each slot list on its own looks plausible.
