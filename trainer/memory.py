@@ -4,7 +4,10 @@
 - `SavedTensorMeter`: live and peak bytes of the tensors autograd keeps for backward (the
   activations), counted per storage (a storage saved by several ops counts once) and excluding
   parameter storages (weights saved for backward are not extra memory). A saved storage stops
-  counting when autograd releases it (the graph node is freed after backward).
+  counting when autograd releases it (the graph node is freed after backward). Under
+  activation checkpointing it counts what the forward keeps (each checkpointed region's
+  input); the tensors a region saves again while it is recomputed in the backward are held
+  by torch's checkpoint and are not counted (one region's worth at a time, on top).
 
 These are the quantities the analytic model (`tuner.estimate`) predicts, so a run with
 `--train.memory_report=true` can be compared with its plan.
