@@ -135,7 +135,8 @@ def run_setup(setup: str, sizes: list[int], args: argparse.Namespace) -> list[di
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         cmd = [sys.executable, "-m", "comm.emulate", "--nodes", str(nodes), "--gpus-per-node",
-               str(gpus), "--nic-mbit", mbit, "--timeout-s", str(args.timeout_s), "--",
+               str(gpus), "--nic-mbit", mbit, "--mtu", str(args.mtu),
+               "--timeout-s", str(args.timeout_s), "--",
                sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out),
                "--sizes", ",".join(map(str, sizes)), "--patterns", ",".join(args.patterns),
                "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
@@ -144,7 +145,32 @@ def run_setup(setup: str, sizes: list[int], args: argparse.Namespace) -> list[di
         if rc != 0 or not out.exists():
             print(f"setup {setup} failed with exit status {rc}", file=sys.stderr)
             return []
-        return json.loads(out.read_text())
+        return [{**r, "mtu": args.mtu} for r in json.loads(out.read_text())]
+
+
+def summarize(rows: list[dict]) -> None:
+    """The issue's targets per setup: HALO/flat and NIC fraction at >= 256 KiB per pair,
+    and auto against the better of flat and HALO at every point (all within one run)."""
+    by_point: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        key = (r["nodes"], r["gpus_per_node"], r["nic_mbit"], r["pattern"], r["pair_bytes"])
+        by_point.setdefault(key, {})[r["algorithm"]] = r
+    for setup in sorted({k[:3] for k in by_point}):
+        pts = {k: v for k, v in by_point.items() if k[:3] == setup}
+        big = [v for k, v in pts.items() if k[4] >= 256 << 10]
+        ratio = [v["halo"]["vs_flat"] for v in big]
+        frac = [v["halo"]["nic_frac"] for v in big]
+        best = [min(v["flat"]["time_s"], v["halo"]["time_s"]) for v in pts.values()]
+        auto = [v["auto"]["time_s"] / b for v, b in zip(pts.values(), best, strict=True)]
+        # The choice alone: the measured time of the algorithm auto ran, over the best.
+        chose = [v[v["auto"]["auto_choice"]]["time_s"] / b
+                 for v, b in zip(pts.values(), best, strict=True)]
+        print(f"{setup[0]}x{setup[1]}@{setup[2]:g}: >= 256 KiB HALO/flat "
+              f"{min(ratio, default=0):.2f}-{max(ratio, default=0):.2f}, HALO NIC fraction "
+              f"{min(frac, default=0):.2f}-{max(frac, default=0):.2f}; auto/best "
+              f"{min(auto):.2f}-{max(auto):.2f}, within 5 % at {sum(a <= 1.05 for a in auto)} "
+              f"of {len(auto)} points; its choice within 5 % at "
+              f"{sum(c <= 1.05 for c in chose)} of {len(chose)}")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -188,6 +214,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout-s", type=float, default=900)
+    p.add_argument("--mtu", type=int, default=1500, help="emulated link MTU (bytes)")
     args = p.parse_args()
     args.patterns = args.patterns.split(",")
     if args.worker:
@@ -212,8 +239,10 @@ def main() -> int:
         print(f"{setup:<12} {r['pattern']:<9} {r['pair_bytes']:>8} {r['algorithm']:<5} "
               f"{r['time_s'] * 1e3:>9.2f} {r['algbw_MBps']:>10.2f} {r['vs_flat']:>8.3f} "
               f"{r['nic_frac']:>8.3f} {r['auto_choice']:>8}")
+    summarize(rows)
     if rows:  # the default run owns alltoall.png; other setups get their own picture
         tag = "" if args.setups == DEFAULT_SETUPS else "_" + args.setups.replace(",", "_")
+        tag += "" if args.mtu == 1500 else f"_mtu{args.mtu}"
         plot(rows, RESULTS / f"alltoall{tag.replace('@', 'at')}.png")
     return 0 if rows else 1
 

@@ -18,7 +18,9 @@ DGX section: the rail-optimised fat tree (dgx_fat_tree) with spine taper 1, 2, 4
 nodes, 1 MiB per pair, bandwidth only: HALO's rail-aligned phase II avoids the spines.
 Validation section: every flat / HALO row that benchmarks/bench_alltoall.py measured on the
 emulated cluster (results/alltoall.jsonl) is simulated on `emulator(nodes, G, mbit)` with
-the same split matrix; predicted vs measured time and the error are printed and stored.
+the same split matrix; predicted vs measured time and the error are printed and stored. Its
+NIC efficiency is fitted on 2-node all-to-all rows; benchmarks/bench_netsim_validate.py is
+the validation with an independent point-to-point calibration (the README's table).
 
     python benchmarks/bench_netsim.py             # full sweep, ~10 min on 2 cores
     python benchmarks/bench_netsim.py --quick     # 2-64 nodes, packed, balanced only

@@ -41,7 +41,11 @@ class CostModel:
     alpha_net / alpha_local: seconds of fixed cost per network / intra-node message.
     halo_overhead_s: fixed extra cost of HALO (two dependent phases, planning on the host).
     flat_pairwise: the flat collective runs R-1 dependent pairwise steps whose two
-        directions serialise (gloo); False: all peers at once, full duplex (NCCL).
+        directions serialise (a pessimistic default for gloo); False: all peers at once.
+    flat_nic_bandwidth: bytes/s per NIC that the flat collective's concurrent flows reach,
+        when it differs from HALO's (None: nic_bandwidth). `calibrate` measures it: gloo's
+        all_to_all_single posts each send before the receive from the same peer, and its
+        TCP pairs then move some pairs' two directions one after the other.
     """
 
     nic_bandwidth: float = 12.5e6  # 100 Mbit/s: the emulator's default shaped NIC
@@ -50,6 +54,7 @@ class CostModel:
     alpha_local: float = 20e-6
     halo_overhead_s: float = 200e-6
     flat_pairwise: bool = False
+    flat_nic_bandwidth: float | None = None
 
     @classmethod
     def for_backend(cls, backend: str, **overrides: float) -> CostModel:
@@ -66,6 +71,9 @@ class CostModel:
         for name in ("nic_bandwidth", "local_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 bytes/s, got {getattr(self, name)}")
+        if self.flat_nic_bandwidth is not None and not self.flat_nic_bandwidth > 0:
+            raise ValueError(f"flat_nic_bandwidth must be > 0 bytes/s or None, got "
+                             f"{self.flat_nic_bandwidth}")
         for name in ("alpha_net", "alpha_local", "halo_overhead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 s, got {getattr(self, name)}")
@@ -127,7 +135,8 @@ def reference_predict_flat(
                 inn[(node[d], nic[d])] = inn.get((node[d], nic[d]), 0.0) + b
         net_msgs, local_msgs = max(net_msgs, msgs), max(local_msgs, lm)
         local_bytes = max(local_bytes, lb)
-    net = max(_nic_time(out, model.nic_bandwidth), _nic_time(inn, model.nic_bandwidth))
+    bw = model.flat_nic_bandwidth or model.nic_bandwidth
+    net = max(_nic_time(out, bw), _nic_time(inn, bw))
     local = local_bytes / model.local_bandwidth + local_msgs * model.alpha_local
     return net + net_msgs * model.alpha_net + local
 
@@ -221,8 +230,9 @@ def predict_flat(S: list[list[int]], row_bytes: int, topo: Topology, model: Cost
                            inn.reshape(R - 1, n_nics).max(axis=1)) / model.nic_bandwidth
         return float(np.maximum(rank_t, nic_t).sum())
     far = B * remote
-    net = max(_nic_max(nic[:, None].repeat(R, 1), far, n_nics, model.nic_bandwidth),
-              _nic_max(nic[None, :].repeat(R, 0), far, n_nics, model.nic_bandwidth))
+    bw = model.flat_nic_bandwidth or model.nic_bandwidth
+    net = max(_nic_max(nic[:, None].repeat(R, 1), far, n_nics, bw),
+              _nic_max(nic[None, :].repeat(R, 0), far, n_nics, bw))
     net_msgs = int(((B > 0) & remote).sum(axis=1).max())
     local_bytes = float((B * local).sum(axis=1).max())
     local_msgs = int(((B > 0) & local).sum(axis=1).max())

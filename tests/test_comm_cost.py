@@ -36,6 +36,12 @@ def test_two_ranks_on_two_nodes() -> None:
     # HALO: the relay into node 1 is rank 1 itself, so there is no phase III.
     assert predict_halo(S, 100, topo, MODEL) == pytest.approx(4.1)
     assert choose_algorithm(S, 100, topo, pairwise) == "halo"
+    # A flat collective that reaches half the NIC rate (measured by `calibrate` on gloo).
+    half = dataclasses.replace(MODEL, flat_nic_bandwidth=50.0)
+    assert predict_flat(S, 100, topo, half) == pytest.approx(8.1)
+    assert choose_algorithm(S, 100, topo, half) == "halo"
+    assert choose_algorithm(S, 100, topo, dataclasses.replace(MODEL, flat_nic_bandwidth=200.0,
+                                                               alpha_net=0.0)) == "flat"
 
 
 def test_two_by_two_counts_the_relay_hop() -> None:
@@ -62,6 +68,8 @@ def test_model_validation_and_backend_defaults() -> None:
         CostModel(nic_bandwidth=0.0)
     with pytest.raises(ValueError, match="alpha_net"):
         CostModel(alpha_net=-1.0)
+    with pytest.raises(ValueError, match="flat_nic_bandwidth"):
+        CostModel(flat_nic_bandwidth=0.0)
     assert CostModel.for_backend("gloo").flat_pairwise
     assert not CostModel.for_backend("nccl").flat_pairwise
     assert CostModel.for_backend("gloo", alpha_net=1.0).alpha_net == 1.0
@@ -78,7 +86,9 @@ def test_calibration_agrees_on_every_rank() -> None:
     models = run_local(_calibrate_worker, 4)
     assert all(m == models[0] for m in models)  # auto must decide identically everywhere
     m = models[0]
-    assert m["flat_pairwise"] and m["alpha_net"] > 0 and m["nic_bandwidth"] > 0
+    # The fitted flat model is the concurrent one with its own measured NIC rate.
+    assert not m["flat_pairwise"] and m["flat_nic_bandwidth"] > 0
+    assert m["alpha_net"] > 0 and m["nic_bandwidth"] > 0
     assert m["halo_overhead_s"] >= 0
 
 
@@ -97,7 +107,8 @@ def test_vectorised_predictions_match_the_loops(nodes: int, gpus: int, nic_shift
     R = topo.world_size
     S = [[values[(s * R + d) % 256] if (s * 7 + d * 3) % 10 >= zero_p * 10 else 0
           for d in range(R)] for s in range(R)]
-    model = dataclasses.replace(MODEL, flat_pairwise=pairwise, halo_overhead_s=0.3)
+    model = dataclasses.replace(MODEL, flat_pairwise=pairwise, halo_overhead_s=0.3,
+                                flat_nic_bandwidth=None if pairwise else 70.0)
     assert predict_flat(S, 64, topo, model) == pytest.approx(
         reference_predict_flat(S, 64, topo, model))
     assert predict_halo(S, 64, topo, model) == pytest.approx(

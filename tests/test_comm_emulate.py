@@ -73,6 +73,22 @@ def test_latency_without_netem_fails_clearly() -> None:
     assert leftovers(cluster.prefix) == []
 
 
+@pytest.mark.netns
+@needs_netns
+def test_mtu_reaches_every_emulated_link() -> None:
+    cluster = EmulatedCluster(nodes=2, gpus_per_node=1, nic_mbit=100, mtu=9000,
+                              tag=f"{os.getpid()}m")
+    with cluster:
+        inside = subprocess.run(["ip", "netns", "exec", cluster.namespace(1), "ip", "-o",
+                                 "link", "show", "eth0"], capture_output=True, text=True)
+        host = subprocess.run(["ip", "-o", "link", "show", f"pmv{cluster.tag}n1"],
+                              capture_output=True, text=True)
+    assert " mtu 9000 " in inside.stdout and " mtu 9000 " in host.stdout
+    assert leftovers(cluster.prefix) == []
+    with pytest.raises(ValueError, match="mtu"):
+        EmulatedCluster(nodes=1, gpus_per_node=1, nic_mbit=100, mtu=100)
+
+
 def test_cli_rejects_bad_arguments() -> None:
     from comm.emulate import main
 

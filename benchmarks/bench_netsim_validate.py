@@ -1,0 +1,377 @@
+"""Validate comm.netsim against the emulated cluster, with an independent link calibration.
+
+    flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_netsim_validate.py
+    ... --setups '2x2:16K,256K,1M,4M;4x2:16K,256K,1M,4M;8x2:16K,256K,1M'   (the README run)
+    ... --replay     re-predict the newest stored run (new model, same measurements)
+
+Step 1, calibration (2 nodes x 2 ranks, no all-to-all): point-to-point transfers over the
+shaped NIC at 64 KiB..4 MiB, median of repeats, then a least-squares line
+t = overhead + bytes / goodput per mode:
+    oneway   rank 0 -> rank 2 (node 0 -> node 1)
+    duplex   rank 0 <-> rank 2 at once, receives posted before sends (what HALO does)
+    duplex2  ranks 0 <-> 2 and 1 <-> 3 at once: two ranks share each NIC, both directions
+    sendfirst  as duplex, but each rank posts its send before its receive (the order of
+             gloo's own all_to_all_single for the pairs at offset R/2)
+    local    rank 0 <-> rank 1 at once (same node, unshaped loopback TCP)
+The simulator's emulator model takes nic_efficiency = duplex2 goodput / shaped rate (an
+all-to-all loads both directions of every NIC with several ranks: TCP acks of one direction
+share the shaped link with the data of the other), message_overhead = the duplex2 intercept
+(clamped at 0: tbf's burst makes it slightly negative), loopback_bw = the local goodput.
+gloo's flat collective posts each send before the receive from the same peer; for even R
+the pairs at offset R/2 do so at both ends, and such an exchange serialises its two
+directions in a share of runs that the sendfirst samples measure. Flat is predicted as that
+mixture of the concurrent simulation and the gloo-order one (`flat_all_to_all(...,
+send_first_half=True)`). Nothing is fitted on the all-to-all rows being predicted.
+
+Step 2, measurement: flat and HALO all-to-all on NxG emulated clusters at --mbit, balanced
+and skewed splits (`bench_alltoall.split_matrix`), warm-up + median of --repeats, the two
+algorithms alternating inside each repeat.
+
+Step 3, prediction: `comm.netsim.simulate` on `emulator(N, G, mbit, ...)` with the same split
+matrix (HALO traffic from the plan comm executes); error = predicted / measured - 1.
+
+Results: rows appended to benchmarks/results/netsim_validate.jsonl (git SHA, device), the
+table written to benchmarks/results/netsim_validate.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from bench_alltoall import ROW_BYTES, nic_bound_s, parse_size, split_matrix
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+CALIB_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+MODES = ("oneway", "duplex", "duplex2", "sendfirst", "local")
+FLOWS_PER_NIC = {"oneway": 1, "duplex": 1, "duplex2": 2, "sendfirst": 1, "local": 1}
+
+
+# ---- workers (run under torchrun inside the emulated cluster) ---------------------------
+def _timed(fn, group) -> float:  # noqa: ANN001 - tiny local helper
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier(group)
+    t0 = time.perf_counter()
+    fn()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
+    return float(dt.item())
+
+
+def _p2p_ops(mode: str, rank: int, nbytes: int) -> list[tuple[str, int]]:
+    """(op, peer) pairs of `rank` in one calibration transfer, receives first."""
+    if mode == "sendfirst":
+        return [("send", 2 - rank), ("recv", 2 - rank)] if rank in (0, 2) else []
+    pairs = {"oneway": [(0, 2)], "duplex": [(0, 2), (2, 0)],
+             "duplex2": [(0, 2), (2, 0), (1, 3), (3, 1)], "local": [(0, 1), (1, 0)]}[mode]
+    ops = [("recv", s) for s, d in pairs if d == rank]
+    return ops + [("send", d) for s, d in pairs if s == rank]
+
+
+def calib_worker(args: argparse.Namespace, group, rank: int) -> list[dict]:  # noqa: ANN001
+    import torch
+    import torch.distributed as dist
+
+    rows = []
+    for nbytes in CALIB_SIZES:
+        buf = {m: (torch.zeros(nbytes, dtype=torch.uint8), torch.ones(nbytes, dtype=torch.uint8))
+               for m in MODES}
+        samples: dict[str, list[float]] = {m: [] for m in MODES}
+        for i in range(args.warmup + args.repeats):
+            for mode in MODES:
+                recv_buf, send_buf = buf[mode]
+                ops = [dist.P2POp(dist.irecv if op == "recv" else dist.isend,
+                                  recv_buf if op == "recv" else send_buf, peer, group)
+                       for op, peer in _p2p_ops(mode, rank, nbytes)]
+
+                def run(ops=ops) -> None:  # noqa: ANN001
+                    for w in dist.batch_isend_irecv(ops) if ops else []:
+                        w.wait()
+
+                dt = _timed(run, group)
+                if i >= args.warmup:
+                    samples[mode].append(dt)
+        rows += [{"mode": m, "bytes": nbytes, "time_s": statistics.median(v),
+                  "samples": v} for m, v in samples.items()]
+    return rows
+
+
+def a2a_worker(args: argparse.Namespace, group, rank: int, R: int) -> list[dict]:  # noqa: ANN001
+    import dataclasses
+
+    import torch
+
+    from comm import Topology, all_to_all
+
+    # One namespace per node and one shaped NIC per namespace, shared by the node's ranks.
+    topo = dataclasses.replace(Topology.discover(group), rank2nic=(0,) * R)
+    rows = []
+    for pattern in args.patterns:
+        for size in args.sizes:
+            S = split_matrix(R, size, pattern)
+            x = torch.randn(sum(S[rank]), ROW_BYTES // 4)
+            samples: dict[str, list[float]] = {"flat": [], "halo": []}
+            for i in range(args.warmup + args.repeats):
+                for algo in samples:
+                    dt = _timed(lambda a=algo, x=x, splits=S[rank]: all_to_all(
+                        x, splits, group, a, topology=topo), group)
+                    if i >= args.warmup:
+                        samples[algo].append(dt)
+            rows += [{"nodes": topo.num_nodes, "gpus_per_node": R // topo.num_nodes,
+                      "pattern": pattern, "pair_bytes": size, "algo": a,
+                      "measured_s": statistics.median(v), "samples": v}
+                     for a, v in samples.items()]
+    return rows
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    group, rank, R = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    rows = calib_worker(args, group, rank) if args.mode == "calib" else \
+        a2a_worker(args, group, rank, R)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(rows))
+    dist.barrier(group)
+    dist.destroy_process_group()
+    return 0
+
+
+# ---- driver -----------------------------------------------------------------------------
+def emulate(nodes: int, gpus: int, mbit: float, worker_args: list[str],
+            timeout_s: float) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, "-m", "comm.emulate", "--nodes", str(nodes), "--gpus-per-node",
+               str(gpus), "--nic-mbit", str(mbit), "--timeout-s", str(timeout_s), "--",
+               sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out),
+               *worker_args]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+        if rc != 0 or not out.exists():
+            raise SystemExit(f"emulated {nodes}x{gpus}@{mbit:g} failed with exit status {rc}")
+        return json.loads(out.read_text())
+
+
+def fit_line(rows: list[dict], mode: str) -> tuple[float, float]:
+    """Least squares t = a + bytes / g over the calibration sizes; returns (a, g), with the
+    bytes counted per NIC direction (duplex2 moves two flows through each)."""
+    k = FLOWS_PER_NIC[mode]
+    pts = sorted((k * r["bytes"], r["time_s"]) for r in rows if r["mode"] == mode)
+    x, t = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts])
+    slope, a = np.polyfit(x, t, 1)
+    return float(a), float(1.0 / slope)
+
+
+def calibration(rows: list[dict], mbit: float) -> dict:
+    rate = mbit * 1e6 / 8
+    out = {}
+    for mode in MODES:
+        a, g = fit_line(rows, mode)
+        out[mode] = {"overhead_s": a, "goodput_Bps": g, "efficiency": g / rate}
+    # How often a send-first exchange serialises its two directions: a sample counts when
+    # it takes > 1.5x the receive-first (duplex) median of the same size. It is a race in
+    # gloo's TCP pair (the later rank's data can be queued ahead of its own receive
+    # notification), so it happens in some repeats and not in others.
+    hits = total = 0
+    for nbytes in CALIB_SIZES:
+        ref = next(r["time_s"] for r in rows if r["mode"] == "duplex" and r["bytes"] == nbytes)
+        got = next(r["samples"] for r in rows if r["mode"] == "sendfirst" and r["bytes"] == nbytes)
+        hits += sum(t > 1.5 * ref for t in got)
+        total += len(got)
+    out["sendfirst"]["serialised_share"] = hits / total
+    return out
+
+
+def predict(nodes: int, G: int, mbit: float, pattern: str, size: int, algo: str,
+            cal: dict) -> float:
+    """Simulated seconds; algo "flat" | "halo" | "flat-gloo-order" (see flat_all_to_all)."""
+    from comm.netsim import emulator, flat_all_to_all, halo_all_to_all, simulate
+    from comm.topology import Topology
+
+    S = np.array(split_matrix(nodes * G, size, pattern), dtype=float) * ROW_BYTES
+    if algo == "halo":
+        tr = halo_all_to_all(S, Topology.uniform(nodes, G, nics_per_node=1))
+    else:
+        tr = flat_all_to_all(S, send_first_half=algo == "flat-gloo-order")
+    net = emulator(nodes, G, mbit=mbit, nic_efficiency=min(1.0, cal["duplex2"]["efficiency"]),
+                   loopback_bw=cal["local"]["goodput_Bps"])
+    return simulate(net, tr, np.arange(nodes * G),
+                    message_overhead=max(0.0, cal["duplex2"]["overhead_s"])).time
+
+
+def summary(rows: list[dict]) -> None:
+    """The issue's criterion: |error| <= 20 % at 2 and 4 nodes, >= 256 KiB per pair."""
+    for algo in ("flat", "halo"):
+        for nodes in sorted({r["nodes"] for r in rows}):
+            for big in (True, False):
+                errs = [r["error"] for r in rows if r["algo"] == algo and r["nodes"] == nodes
+                        and (r["pair_bytes"] >= 256 << 10) == big]
+                if errs:
+                    worst = max(errs, key=abs)
+                    print(f"  {algo:<5} {nodes} nodes, {'>=' if big else '< '} 256 KiB: "
+                          f"median |error| {statistics.median(map(abs, errs)):.0%}, worst "
+                          f"{worst:+.0%}, within 20 % at {sum(abs(e) <= 0.2 for e in errs)} "
+                          f"of {len(errs)}")
+
+
+def git_sha() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                         text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def markdown(cal: dict, rows: list[dict], mbit: float, meta: dict) -> str:
+    lines = [f"# netsim vs emulator ({meta['time']}, git {meta['git_sha']}, {meta['device']})",
+             "", f"Calibration (2x2 @ {mbit:g} Mbit/s, point-to-point, least squares over "
+             f"{', '.join(f'{s >> 10} KiB' for s in CALIB_SIZES)}):", "",
+             "| mode | overhead ms | goodput MB/s | share of shaped rate |", "|---|---|---|---|"]
+    for mode, c in cal.items():
+        share = "(loopback, unshaped)" if mode == "local" else f"{c['efficiency']:.3f}"
+        lines.append(f"| {mode} | {c['overhead_s'] * 1e3:.2f} | {c['goodput_Bps'] / 1e6:.2f} "
+                     f"| {share} |")
+    share = cal["sendfirst"]["serialised_share"]
+    lines += ["", f"Send-first exchanges that serialised: {share:.0%} of the calibration "
+              "samples. Flat is predicted as that mixture of the concurrent and the gloo-order "
+              "simulation (both shown).", "",
+              "| nodes x ranks | pattern | bytes/pair | algo | measured ms (min-max) "
+              "| predicted ms | error | flat: concurrent / gloo order ms | NIC-bound ms |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        both = ""
+        if "predicted_gloo_order_s" in r:
+            both = (f"{r['predicted_concurrent_s'] * 1e3:.1f} / "
+                    f"{r['predicted_gloo_order_s'] * 1e3:.1f}")
+        lines.append(f"| {r['nodes']}x{r['gpus_per_node']} | {r['pattern']} | "
+                     f"{r['pair_bytes'] >> 10} KiB | {r['algo']} | {r['measured_s'] * 1e3:.1f} "
+                     f"({min(r['samples']) * 1e3:.0f}-{max(r['samples']) * 1e3:.0f}) | "
+                     f"{r['predicted_s'] * 1e3:.1f} | {r['error']:+.0%} | {both} | "
+                     f"{r['nic_bound_s'] * 1e3:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="a2a", help=argparse.SUPPRESS)
+    p.add_argument("--setups", default="2x2;4x2",
+                   help="';'-separated NODESxRANKS[:SIZES], e.g. '2x2;8x2:16K,256K'")
+    p.add_argument("--mbit", type=float, default=100.0)
+    p.add_argument("--sizes", default="256K,1M,4M", help="bytes per rank pair")
+    p.add_argument("--patterns", default="balanced,skewed")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--timeout-s", type=float, default=900)
+    p.add_argument("--replay", action="store_true",
+                   help="re-predict the newest stored run (no emulation)")
+    args = p.parse_args()
+    args.patterns = args.patterns.split(",")
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args.worker:
+        args.sizes = sizes
+        return worker(args)
+    common = ["--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+    meta = {"git_sha": git_sha(), "time": time.strftime("%FT%T"),
+            "device": f"{platform.node()} ({os.cpu_count()} cores), emulated NICs"}
+    if args.replay:
+        return replay(args)
+    calib_rows = emulate(2, 2, args.mbit, ["--mode", "calib", *common], args.timeout_s)
+    cal = calibration(calib_rows, args.mbit)
+    measured_rows = []
+    for setup in args.setups.split(";"):
+        shape, _, own = setup.partition(":")
+        nodes, G = (int(v) for v in shape.split("x"))
+        these = [parse_size(s) for s in own.split(",")] if own else sizes
+        measured = emulate(nodes, G, args.mbit, ["--sizes", ",".join(map(str, these)),
+                                                 "--patterns", ",".join(args.patterns),
+                                                 *common], args.timeout_s)
+        measured_rows += [{**m, "nic_mbit": args.mbit} for m in measured]
+    rows = report(cal, measured_rows, args.mbit)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS / "netsim_validate.jsonl", "a") as f:
+        f.write(json.dumps({**meta, "kind": "calibration", "nic_mbit": args.mbit,
+                            "fit": cal, "rows": calib_rows}) + "\n")
+        for r in rows:
+            f.write(json.dumps({**meta, "kind": "validation", **r}) + "\n")
+    (RESULTS / "netsim_validate.md").write_text(markdown(cal, rows, args.mbit, meta))
+    print(f"rows appended to {RESULTS / 'netsim_validate.jsonl'}, table in "
+          f"{RESULTS / 'netsim_validate.md'}")
+    return 0
+
+
+def replay(args: argparse.Namespace) -> int:
+    """Re-predict the newest stored run (calibration + measurements) without emulating."""
+    stored = [json.loads(x) for x in (RESULTS / "netsim_validate.jsonl").read_text().splitlines()]
+    cal_row = [r for r in stored if r["kind"] == "calibration"][-1]
+    meta = {k: cal_row[k] for k in ("git_sha", "time", "device")}
+    cal = calibration(cal_row["rows"], cal_row["nic_mbit"])
+    keep = ("nodes", "gpus_per_node", "pattern", "pair_bytes", "algo", "measured_s", "samples",
+            "nic_mbit")
+    measured = [{k: r[k] for k in keep} for r in stored
+                if r["kind"] == "validation" and r["time"] == meta["time"]]
+    rows = report(cal, measured, cal_row["nic_mbit"])
+    # Predictions are derived data: the run's stored rows get the new ones, measurements
+    # and every other run stay as they were.
+    fresh = iter(rows)
+    lines = [json.dumps({**meta, "kind": "validation", **next(fresh)})
+             if r["kind"] == "validation" and r["time"] == meta["time"] else json.dumps(r)
+             for r in stored]
+    (RESULTS / "netsim_validate.jsonl").write_text("\n".join(lines) + "\n")
+    (RESULTS / "netsim_validate.md").write_text(markdown(cal, rows, cal_row["nic_mbit"], meta))
+    print(f"re-predicted the run of {meta['time']}; table in {RESULTS / 'netsim_validate.md'}")
+    return 0
+
+
+def report(cal: dict, measured: list[dict], mbit: float) -> list[dict]:
+    """Predict every measured row, print calibration, table and summary; returns the rows."""
+    print(f"calibration, 2x2 @ {mbit:g} Mbit/s:")
+    for mode, c in cal.items():
+        print(f"  {mode:<9} overhead {c['overhead_s'] * 1e3:7.2f} ms  goodput "
+              f"{c['goodput_Bps'] / 1e6:8.2f} MB/s  ({c['efficiency']:.3f} of the shaped rate)")
+    rows = []
+    for m in measured:
+        nodes, G = m["nodes"], m["gpus_per_node"]
+        pred = predict(nodes, G, mbit, m["pattern"], m["pair_bytes"], m["algo"], cal)
+        S = split_matrix(nodes * G, m["pair_bytes"], m["pattern"])
+        extra = {}
+        if m["algo"] == "flat":
+            # gloo's flat collective in expectation: the offset-R/2 pairs (both ends post
+            # their send first) serialise with the share measured in the calibration.
+            gloo = predict(nodes, G, mbit, m["pattern"], m["pair_bytes"], "flat-gloo-order",
+                           cal)
+            share = cal["sendfirst"]["serialised_share"]
+            extra = {"predicted_concurrent_s": pred, "predicted_gloo_order_s": gloo,
+                     "serialised_share": share}
+            pred = (1 - share) * pred + share * gloo
+        rows.append({**m, "predicted_s": pred, "error": pred / m["measured_s"] - 1.0,
+                     "nic_bound_s": nic_bound_s(S, G, mbit), **extra})
+    print(f"send-first exchanges serialised in {cal['sendfirst']['serialised_share']:.0%} "
+          "of the calibration samples")
+    print(f"{'setup':<6} {'pattern':<9} {'pair':>8} {'algo':<5} {'measured ms':>11} "
+          f"{'predicted ms':>12} {'error':>7}")
+    for r in rows:
+        print(f"{r['nodes']}x{r['gpus_per_node']:<4} {r['pattern']:<9} {r['pair_bytes']:>8} "
+              f"{r['algo']:<5} {r['measured_s'] * 1e3:>11.1f} {r['predicted_s'] * 1e3:>12.1f} "
+              f"{r['error']:>+7.1%}")
+    summary(rows)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
