@@ -1,7 +1,8 @@
 """Training across an emulated 2-node cluster (network namespaces, shaped 1 Gbit/s NICs).
 
 EP=4 spans both nodes, so every MoE exchange crosses the emulated network; HALO (topology
-discovered from the namespaces) must give exactly the flat all-to-all's losses.
+discovered from the namespaces) and `auto` (cost model calibrated on the emulated links at
+start-up, then a per-exchange choice) must give exactly the flat all-to-all's losses.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def test_halo_equals_flat_on_emulated_cluster(tmp_path):
     data.write_bytes(b"".join(p.read_bytes() for p in sorted((ROOT / "trainer").glob("*.py"))))
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     losses = {}
-    for algo in ("flat", "halo"):
+    for algo in ("flat", "halo", "auto"):
         out = tmp_path / algo
         cmd = [sys.executable, "-m", "comm.emulate", "--nodes", "2", "--gpus-per-node", "2",
                "--nic-mbit", "1000", "--timeout-s", "400", "--", "train.py", "--config",
@@ -36,11 +37,14 @@ def test_halo_equals_flat_on_emulated_cluster(tmp_path):
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-        if algo == "halo":
+        if algo != "flat":
             assert "Topology: 4 ranks on 2 nodes" in r.stdout  # discovered from the namespaces
+        if algo == "auto":
+            assert "calibrated in" in r.stdout, r.stdout[-2000:]
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         losses[algo] = [x["loss"] for x in rows if "loss" in x]
     assert len(losses["flat"]) == 4
     assert losses["halo"] == pytest.approx(losses["flat"], rel=1e-6)
+    assert losses["auto"] == pytest.approx(losses["flat"], rel=1e-6)
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     assert after <= before  # the emulator tore its namespaces down

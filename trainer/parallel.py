@@ -50,6 +50,7 @@ class EPDispatcher:
         self.group, self.ep, self.num_slots = group, ep, num_slots
         self.local = num_slots // ep
         self.algorithm, self.topology = algorithm, topology
+        self.cost_model = None  # comm.CostModel for algorithm="auto" (None: backend defaults)
         # wall seconds this rank spent inside forward exchanges since the last reset: with
         # uneven expert loads it is dominated by waiting for the most-loaded rank
         self.exchange_s = 0.0
@@ -66,7 +67,8 @@ class EPDispatcher:
         out_splits = recv_SE.sum(1).tolist()
         t0 = time.perf_counter()
         y, _ = comm.all_to_all(x_sorted, in_splits, self.group, algorithm=self.algorithm,
-                               topology=self.topology, out_splits=out_splits)
+                               topology=self.topology, out_splits=out_splits,
+                               cost_model=self.cost_model)
         self.exchange_s += time.perf_counter() - t0
         # rows arrive source-major: block (s, j) starts at starts_SE[s, j]. Output is slot-major:
         # blocks in (j, s) order; position p of output block b reads starts[b] + (p - out_start[b]).
@@ -90,7 +92,8 @@ class EPDispatcher:
         y_src = y_loc.index_select(0, inv)
         t0 = time.perf_counter()
         back, _ = comm.all_to_all(y_src, out_splits, self.group, algorithm=self.algorithm,
-                                  topology=self.topology, out_splits=in_splits)
+                                  topology=self.topology, out_splits=in_splits,
+                                  cost_model=self.cost_model)
         self.exchange_s += time.perf_counter() - t0
         return back
 
