@@ -76,7 +76,11 @@ class SavedTensorMeter:
             self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)
         self._refs[ptr] += 1
-        held = _Held(t)
+        # Hold a detached alias (same storage, no grad_fn): holding `t` itself would make a
+        # reference cycle whenever autograd saves an op's own output (tensor -> grad_fn ->
+        # saved variable -> this holder -> tensor) that Python's GC cannot see through, so a
+        # graph kept alive past its backward (the split backward's retain_graph) leaks.
+        held = _Held(t.detach())
         weakref.finalize(held, self._release, ptr, storage.nbytes())
         return held
 
