@@ -6,10 +6,15 @@ evaluations. Both sides use the same space, constraints and analytic model; "eva
 are counted three ways and all are reported:
     proposals     points looked at (exhaustive: the whole space; TPE: its trials, plus the
                   neighbours its polishing phase skipped for failing a structural constraint)
-    model calls   memory-model + step-time-model calls (structural rejects are free)
-    time evals    step-time-model calls (points that passed every constraint)
+    model calls   memory-model + full step-time-model calls (structural rejects are free)
+    time evals    full step-time-model calls: the honest reading of "evaluations", since only
+                  memory-feasible points get one and that set is small (32 of 8640 here)
+    bound checks  calls of the cheap step-time lower bound (`step_time_lower_bound`: no
+                  latency, P2P or DP-sync terms) the planner's branch and bound makes first;
+                  reported beside, not hidden in, the time evals
 For several seeds it reports the first trial whose best is within 5 %, and the ratio after
-the full budget (a quarter of the space, capped by --trials).
+the full budget (a quarter of the space, capped by --trials). The claim is judged on time
+evals (and checked on proposals and model calls too).
 
     python benchmarks/bench_tuner.py                 # DeepSeek-V3, 1024 GCDs, 5 seeds
     python benchmarks/bench_tuner.py --seeds 2 --trials 300
@@ -72,11 +77,11 @@ def main() -> None:
     rows, curves = [], []
     variants = [True, False] if args.univariate else [True]
     header = f"{'seed':>4} {'tpe':>6} {'trials':>6} {'skipped':>7} {'first<=5%':>9} {'ratio':>6} {'calls':>6} " \
-             f"{'calls %':>7} {'evals':>5} {'evals %':>7} {'time s':>6}"
+             f"{'calls %':>7} {'evals':>5} {'evals %':>7} {'bounds':>6} {'time s':>6}"
     print(header + "\n" + "-" * len(header))
     for mv in variants:
         for seed in range(args.seeds):
-            ev = Evaluator(space, cfg, pf)
+            ev = Evaluator(space, cfg, pf, prune=True)  # as `tuner.run_plan` searches
             t0 = time.perf_counter()
             got = optuna_search(ev, n_trials=budget, seed=seed, multivariate=mv)
             dt = time.perf_counter() - t0
@@ -89,7 +94,8 @@ def main() -> None:
                 "multivariate": mv, "trials": got.trials, "skipped": got.skipped, "first_within_5pct": first,
                 "ratio": got.best.step_time / best, "model_calls": calls,
                 "exhaustive_model_calls": ref_calls, "time_evals": got.evaluations,
-                "exhaustive_time_evals": ref.evaluations, "seconds": dt,
+                "exhaustive_time_evals": ref.evaluations, "bound_checks": got.bound_checks,
+                "pruned": got.rejected.get("bound", 0), "seconds": dt,
                 "exhaustive_seconds": t_exh, "best_point": got.best.point,
             }
             rows.append(row)
@@ -97,11 +103,13 @@ def main() -> None:
             print(f"{seed:>4} {'mv' if mv else 'uni':>6} {got.trials:>6} {got.skipped:>7} {str(first):>9} "
                   f"{row['ratio']:>6.3f} {calls:>6} {100 * calls / ref_calls:>6.1f}% "
                   f"{got.evaluations:>5} {100 * got.evaluations / max(ref.evaluations, 1):>6.1f}% "
-                  f"{dt:>6.1f}")
+                  f"{got.bound_checks:>6} {dt:>6.1f}")
     mv_rows = [r for r in rows if r["multivariate"]]
     ok = all(r["ratio"] <= 1.05 and r["trials"] + r["skipped"] <= space.size / 4
-             and r["model_calls"] <= ref_calls / 4 for r in mv_rows)
-    print(f"\nclaim (every seed within 5 % in <= 1/4 of the proposals and model calls): "
+             and r["model_calls"] <= ref_calls / 4 and r["time_evals"] <= ref.evaluations / 4
+             for r in mv_rows)
+    print(f"\nclaim (every seed within 5 % in <= 1/4 of the proposals, model calls and full "
+          f"step-time evaluations): "
           f"{'holds' if ok else 'FAILS'}; median first trial within 5 %: "
           f"{statistics.median([r['first_within_5pct'] or budget + 1 for r in mv_rows])}")
 

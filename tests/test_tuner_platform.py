@@ -46,3 +46,26 @@ def test_bad_values_rejected():
     d["node"]["gpus_per_nod"] = 8
     with pytest.raises(ValueError, match="unknown keys \\['gpus_per_nod'\\] in \\[node\\]"):
         Platform.from_dict(d)
+
+
+def test_gemm_efficiency_by_width_by_hand(tmp_path):
+    d = load_platform("frontier").to_dict()
+    assert Platform.from_dict(d).gemm_eff(128) == d["compute"]["gemm_efficiency"]  # no table
+    d["compute"]["gemm_width_efficiency"] = [[64, 0.2], [256, 0.6], [1024, 0.9]]
+    d["compute"]["layer_overhead_us"] = 1500.0
+    p = Platform.from_dict(d)
+    assert p.layer_overhead == pytest.approx(1.5e-3)
+    # log2 interpolation: 128 is half-way from 64 to 256 -> 0.4; 512 half-way to 1024 -> 0.75
+    assert p.gemm_eff(128) == pytest.approx(0.4) and p.gemm_eff(512) == pytest.approx(0.75)
+    assert p.gemm_eff(16) == 0.2 and p.gemm_eff(4096) == 0.9  # clamped at the ends
+    from tuner.measure import write_platform_toml
+
+    back = load_platform(write_platform_toml(p, tmp_path / "w.toml", {}))
+    assert back.gemm_width_efficiency == ((64, 0.2), (256, 0.6), (1024, 0.9))
+    d["compute"]["gemm_width_efficiency"] = [[256, 0.6], [64, 0.2]]
+    with pytest.raises(ValueError, match="ascending distinct widths"):
+        Platform.from_dict(d)
+    d["compute"]["gemm_width_efficiency"] = []
+    d["compute"]["layer_overhead_us"] = -1.0
+    with pytest.raises(ValueError, match="layer_overhead=-1e-06 must be >= 0"):
+        Platform.from_dict(d)

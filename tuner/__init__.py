@@ -3,7 +3,8 @@
 Public API: `Platform`, `load_platform`, `platform_names`, `ParallelPlan`, `PrecisionPolicy`,
 `Assumptions`, `estimate` -> `Estimate` (with per-stage `StageMemory`), `stage_memory`;
 search: `SearchSpace`, `Evaluator`, `exhaustive`, `optuna_search` -> `SearchResult`;
-planning: `PlanRequest`, `run_plan`, `PlanError`.
+planning: `PlanRequest`, `run_plan`, `PlanError`; `tuner.launch` runs a plan for real on this
+machine (CPU processes) and reads back its measured step time and memory.
 Command line: `python -m tuner plan | reproduce-paper | measure` (see `tuner.cli`).
 """
 

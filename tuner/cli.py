@@ -2,9 +2,17 @@
 
     python -m tuner plan --model deepseek-v3 --platform frontier --gpus 1024 --seq 4096 \\
         --global-batch 4096 [--trials 300] [--seed 0] [--storage study.db] [--out runs/plans]
-        [--alltoall-model closed-form|netsim]
+        [--alltoall-model closed-form|netsim] [--measure K [--measure-steps 8]]
     python -m tuner reproduce-paper [--out benchmarks/results/reproduce_paper.md]
-    python -m tuner measure [--out configs/platforms/local.toml]
+    python -m tuner measure [--out configs/platforms/local.toml] [--procs 4]
+
+`--measure K` runs the best K plans as short real torchrun jobs on this machine (CPU
+processes, gloo), stores each measurement beside its prediction in the study (user attribute
+`measured/<i>`), prints both, re-ranks by measured step time and writes the plan file of the
+measured best. It needs a platform measured here (`--platform local`) and at most 4 GPUs.
+On a gloo (CPU) platform the model is the CPU trainer's: fp32 state and activations, and the
+activations our eager model really saves (`Assumptions(activation_set="trainer")`), with 4
+memory passes over them for the unfused elementwise work (`activation_traffic_passes`).
 
 User mistakes (unknown model or platform, a GPU count the mesh cannot use, a model that does
 not fit) print one `error:` line saying what would work and exit with status 2.
@@ -25,22 +33,24 @@ def _plan(args: argparse.Namespace) -> int:
     from tuner.platform import load_platform
     from tuner.report import format_table
 
-    if args.measure:
-        raise ValueError(
-            f"--measure {args.measure}: launching the top plans as real runs is not implemented "
-            "yet; run a plan file with train.py --plan FILE and compare by hand"
-        )
     cfg = presets.get(args.model)
     platform = load_platform(args.platform)
+    if args.measure:
+        _check_measurable(args, cfg, platform)
     storage = None
     if args.storage:
         storage = args.storage if "://" in args.storage else f"sqlite:///{Path(args.storage).resolve()}"
     req = PlanRequest(args.model, args.platform, args.gpus, args.seq, args.global_batch,
                       args.trials, args.seed, storage)
-    from tuner.layout import Assumptions
+    from tuner.layout import FP32_TRAINER_PRECISION, PUBLISHED_PRECISION, Assumptions
 
+    cpu = platform.backend == "gloo"
+    trainer_set = cpu and cfg.attention == "gqa" and not cfg.qk_norm
     out = run_plan(cfg, platform, req, Path(args.out),
-                   assumptions=Assumptions(alltoall_model=args.alltoall_model))
+                   precision=FP32_TRAINER_PRECISION if cpu else PUBLISHED_PRECISION,
+                   assumptions=Assumptions(alltoall_model=args.alltoall_model,
+                                           activation_set="trainer" if trainer_set else "published",
+                                           activation_traffic_passes=4.0 if cpu else 0.0))
     r = out.result
     print(f"{cfg.name} on {args.gpus} x {platform.name}, seq {args.seq}, global batch "
           f"{args.global_batch}: {r.trials} trials, {r.memory_checks} memory checks, "
@@ -59,6 +69,8 @@ def _plan(args: argparse.Namespace) -> int:
               f"activations GB [{acts}]; buffers {s.buffers / 1e9:.2f} GB")
     for n in best.notes:
         print(f"  assumption: {n}")
+    if args.measure:
+        _measure_top(args, cfg, platform, out)
     print(f"\nplan file: {out.plan_path}\nplot: {out.plot_path}")
     if out.sbatch_path:
         print(f"sbatch script: {out.sbatch_path}")
@@ -66,6 +78,52 @@ def _plan(args: argparse.Namespace) -> int:
     for line in out.launch or []:
         print(f"  {line}")
     return 0
+
+
+def _check_measurable(args: argparse.Namespace, cfg, platform) -> None:  # noqa: ANN001
+    """Refuse `--measure` before any search when its plans could not run here."""
+    from tuner.launch import MAX_LOCAL_PROCS
+
+    if args.measure < 1:
+        raise ValueError(f"--measure {args.measure}: must be >= 1 (plans to run for real)")
+    if platform.backend != "gloo":
+        raise ValueError(
+            f"--measure runs the plans as CPU processes on this machine, but platform "
+            f"{platform.name!r} describes {platform.backend} GPUs: plan for --platform local "
+            f"(written by `python -m tuner measure`) to compare predictions with runs here")
+    if args.gpus > MAX_LOCAL_PROCS:
+        raise ValueError(f"--measure with --gpus {args.gpus}: this machine runs at most "
+                         f"{MAX_LOCAL_PROCS} training processes; use --gpus 2 or 4")
+    if args.seq > cfg.max_seq_len:
+        raise ValueError(f"--seq {args.seq} exceeds {cfg.name}'s max_seq_len {cfg.max_seq_len}")
+
+
+def _measure_top(args: argparse.Namespace, cfg, platform, out) -> None:  # noqa: ANN001
+    from tuner.launch import measure_top
+    from tuner.report import plan_toml
+
+    r = out.result
+    got = measure_top(r.ranked, args.model, args.measure, Path(args.out) / "measured",
+                      steps=args.measure_steps, study=r.study)
+    print(f"\nmeasured on this machine ({args.measure_steps} steps each, median after warm-up), "
+          f"best measured first:")
+    print(f"{'#':>2} {'pred #':>6} {'pp':>2} {'ep':>2} {'dp':>2} {'M':>2} {'schedule':>18} "
+          f"{'step pred s':>11} {'measured s':>10} {'error':>7} {'mem pred MB':>11} {'measured MB':>11}")
+    for i, (c, m) in enumerate(got):
+        e, p = c.estimate, c.estimate.plan
+        sched = p.schedule + (f":{p.n_virtual}" if p.n_virtual > 1 else "")
+        mem = max(s.weights + s.grads + s.optimizer for s in e.stages) + max(s.activations for s in e.stages)
+        print(f"{i + 1:>2} {r.ranked.index(c) + 1:>6} {p.pp:>2} {p.ep:>2} {p.dp:>2} {p.microbatches:>2} "
+              f"{sched:>18} {e.step_time:>11.3f} {m.step_time_s:>10.3f} "
+              f"{100 * (e.step_time / m.step_time_s - 1):>+6.1f}% {mem / 1e6:>11.1f} "
+              f"{m.memory_bytes / 1e6:>11.1f}")
+    best, m = got[0]
+    request = {"model": cfg.name, "platform": platform.name, "gpus": args.gpus,
+               "seq_len": args.seq, "global_batch": args.global_batch, "trials": r.trials,
+               "measured_step_time_s": round(m.step_time_s, 4),
+               "measured_peak_memory_gb": round(m.memory_bytes / 1e9, 4)}
+    out.plan_path.write_text(plan_toml(best.estimate, cfg.name, request))
+    print("plan file re-written for the measured best")
 
 
 def _reproduce(args: argparse.Namespace) -> int:
@@ -105,7 +163,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--alltoall-model", default="closed-form", choices=("closed-form", "netsim"),
                    help="all-to-all cost: closed form, or comm.netsim's flow simulation")
-    p.add_argument("--measure", type=int, default=0, help="(not yet) run the top K for real")
+    p.add_argument("--measure", type=int, default=0,
+                   help="run the top K plans for real on this machine and re-rank by measured time")
+    p.add_argument("--measure-steps", type=int, default=8, help="training steps per measured run")
     p.set_defaults(func=_plan)
     r = sub.add_parser("reproduce-paper", help="published Table IV and results beside ours")
     r.add_argument("--out", default="benchmarks/results/reproduce_paper.md")
@@ -114,16 +174,23 @@ def _parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_reproduce)
     m = sub.add_parser("measure", help="micro-benchmark this machine into a platform file")
     m.add_argument("--out", default="configs/platforms/local.toml")
-    m.add_argument("--procs", type=int, default=2, help="processes for the gloo collectives")
+    m.add_argument("--procs", type=int, default=4,
+                   help="training processes the platform describes (the default CPU job, "
+                        "configs/tiny.toml, runs 4); compute is measured in all of them at once")
     m.add_argument("--quick", action="store_true", help="fewer shapes and repeats (tests)")
     m.set_defaults(func=_measure)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tuner.launch import LaunchError
+
     args = _parser().parse_args(argv)
     try:
         return args.func(args)
+    except LaunchError as e:
+        print(f"error: a measured run failed: {e}", file=sys.stderr)
+        return 2
     except (ValueError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"error: {msg}", file=sys.stderr)

@@ -14,6 +14,23 @@ Activation elements kept per token for the backward (bf16 by default), per layer
 With checkpointing "full" a layer keeps only its D-wide input; "selective" drops the FFN
 intermediates (3F per copy) and the attention scores and recomputes them in the backward.
 
+The "trainer" activation set (`act_trainer`) is what our eager fp32 model (model/, run by
+train.py on CPU) really hands autograd, read off `torch.autograd.graph.saved_tensors_hooks`
+for the tiny preset (int64 index tensors count as 2 fp32 elements); per token of a layer:
+    attention   RMSNorm: its input and normalised copy (2D) + the rsqrt (1); wq/wk/wv input (D);
+                sdpa: q (H hd), k and v (2 G hd), its output (H hd), log-sum-exp (H)
+    router      RMSNorm (2D + 1), router input (D), softmax scores (E), top-k index (2k),
+                top-k weights (k) and their sum (1, with norm_topk_prob)
+    dispatch    permute index (2k), unpermute: combined rows (k D), weights (k), index (2k)
+    experts     per routed copy: the grouped GEMM input row (D) and four F-wide tensors
+                (gate output, its SiLU, up output, their product: the down GEMM's input)
+    shared/dense  the same SwiGLU set per token: D + 4F
+With the trainer's selective checkpointing (model/checkpointing.py) the four F-wide tensors
+go (experts keep k D per token, shared/dense D); with full a layer keeps its input (D).
+Besides, per layer and micro-batch (not per token): the rotary cos/sin tables, 2 s hd
+(counted by `tuner.estimate.stage_memory`). Not counted: the per-sequence aux-loss
+statistics (E per sequence, < 0.01 %).
+
 Legend: D model width, F expert FFN width, E routed experts, k top-k, H heads, s sequence,
 V vocab, L layers, S = PP * v pipeline stages (chunks).
 """
@@ -77,6 +94,43 @@ class LayerCounts:
     act: dict[str, float] = field(default_factory=dict)
     act_selective: dict[str, float] = field(default_factory=dict)
     fwd_flops: dict[str, float] = field(default_factory=dict)
+    act_trainer: dict[str, float] = field(default_factory=dict)
+    act_trainer_selective: dict[str, float] = field(default_factory=dict)
+
+
+def _trainer_selective(cfg: ModelConfig, act: dict[str, float]) -> dict[str, float]:
+    """The trainer set under selective recompute: SwiGLU intermediates dropped."""
+    D, k = cfg.d_model, cfg.top_k
+    out = dict(act)
+    if "experts" in out:
+        out["experts"] = float(k * D)
+    if "shared_experts" in out:
+        out["shared_experts"] = float(D)
+    if "dense_ffn" in out:
+        out["dense_ffn"] = float(3 * D + 1)
+    return out
+
+
+def _trainer_act(cfg: ModelConfig, moe: bool) -> dict[str, float]:
+    """Elements per token of one layer that the eager fp32 trainer saves (module docstring).
+    Only derived for GQA attention without q/k norms (the CPU presets); MLA saves other
+    tensors, so asking for it raises rather than guessing."""
+    if cfg.attention != "gqa" or cfg.qk_norm:
+        raise ValueError(f"the trainer activation set is derived for GQA without qk_norm; "
+                         f"{cfg.name} has attention={cfg.attention!r}, qk_norm={cfg.qk_norm}: "
+                         f"use activation_set='published'")
+    D, H, G, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, int(cfg.head_dim)
+    out = {"attention": float(3 * D + 1 + 2 * H * hd + 2 * G * hd + H)}
+    if moe:
+        E, k, F = cfg.n_routed_experts, cfg.top_k, cfg.moe_ffn_dim
+        out["router"] = float(3 * D + 1 + E + 3 * k + (1 if cfg.norm_topk_prob else 0))
+        out["dispatch"] = float(k * D + 5 * k)
+        out["experts"] = float(k * (D + 4 * F))
+        if cfg.shared_ffn_dim:
+            out["shared_experts"] = float(D + 4 * cfg.shared_ffn_dim)
+    else:
+        out["dense_ffn"] = float(2 * D + 1 + D + 4 * cfg.dense_ffn_dim)  # ffn_norm + SwiGLU
+    return out
 
 
 def layer_counts(cfg: ModelConfig, i: int, ep: int, seq_len: int, flash_attention: bool) -> LayerCounts:
@@ -114,7 +168,8 @@ def layer_counts(cfg: ModelConfig, i: int, ep: int, seq_len: int, flash_attentio
         act["dense_ffn"] = float(3 * Fd + D)
         sel["dense_ffn"] = float(D)
         flops["dense_ffn"] = 2.0 * 3 * D * Fd
-    return LayerCounts(i, moe, params, act, sel, flops)
+    trainer = _trainer_act(cfg, moe) if cfg.attention == "gqa" and not cfg.qk_norm else {}
+    return LayerCounts(i, moe, params, act, sel, flops, trainer, _trainer_selective(cfg, trainer))
 
 
 def head_params(cfg: ModelConfig) -> tuple[int, int]:

@@ -14,7 +14,9 @@ REFERENCE.md 1.1's M(i); tests/test_tuner_estimate.py checks it.
 
 Step time (seconds), for the busiest rank:
     per micro-batch and chunk: forward + 2 x forward (backward) [+ recompute] compute at the
-    platform's GEMM / grouped-GEMM / attention efficiency; 4 all-to-alls per MoE layer (6 with
+    platform's GEMM / grouped-GEMM / attention efficiency, + the platform's fixed per-layer
+    overhead (measured on CPU, 0 on GPUs), + `Assumptions.activation_traffic_passes` passes
+    over the chunk's saved activations at the memory bandwidth (0 by default); 4 all-to-alls per MoE layer (6 with
     full recompute); P2P of the activation and its gradient; none overlapped unless the
     `Assumptions` say so
     pipeline  busy / (1 - bubble_fraction(schedule, F=1, B=2)) (W=B=1 for zb-h1): the unit
@@ -48,7 +50,8 @@ from tuner.layout import (
 )
 from tuner.platform import Platform
 
-__all__ = ["Estimate", "StageMemory", "estimate", "stage_memory", "schedule_stats"]
+__all__ = ["Estimate", "StageMemory", "estimate", "stage_memory", "schedule_stats",
+           "step_time_lower_bound"]
 
 _GEMM_PARTS = ("attention", "router")  # FFN parts are timed separately (layer_fwd)
 
@@ -165,11 +168,18 @@ def _rank_chunks(cfg: ModelConfig, plan: ParallelPlan) -> list[list[list[int]]]:
     return [[chunks[s] for s in range(r, len(chunks), plan.pp)] for r in range(plan.pp)]
 
 
-def _layer_act(lc: LayerCounts, ckpt: str, t_attn: float, t_exp: float, D: int) -> dict[str, float]:
+def _layer_act(lc: LayerCounts, ckpt: str, t_attn: float, t_exp: float, D: int,
+               act_set: str = "published") -> dict[str, float]:
     """Activation elements of one layer for one micro-batch on one rank, per part."""
     if ckpt == "full":
         return {"attention": D * t_attn}
-    table = lc.act_selective if ckpt == "selective" else lc.act
+    if act_set == "trainer":
+        if not lc.act_trainer:
+            raise ValueError("activation_set='trainer' is only derived for GQA models without "
+                             "qk_norm; use activation_set='published'")
+        table = lc.act_trainer if ckpt == "none" else lc.act_trainer_selective
+    else:
+        table = lc.act_selective if ckpt == "selective" else lc.act
     return {p: v * (t_exp if p == "experts" else t_attn) for p, v in table.items()}
 
 
@@ -184,6 +194,7 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
     t_exp = plan.expert_tokens * assumptions.routing_imbalance
     _, inflight = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
     emb, head = head_params(cfg)
+    aset = assumptions.activation_set
     out = []
     for r, chunks in enumerate(_rank_chunks(cfg, plan)):
         params: dict[str, float] = {}
@@ -202,17 +213,27 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
             per: dict[str, float] = {}
             for i in c:
                 lc = kinds[cfg.is_moe_layer(i)]
-                for p, v in _layer_act(lc, plan.checkpointing, t_attn, t_exp, D).items():
+                for p, v in _layer_act(lc, plan.checkpointing, t_attn, t_exp, D, aset).items():
                     per[p] = per.get(p, 0.0) + v * pb.activation_bytes
+                if aset == "trainer" and plan.checkpointing != "full":
+                    # rotary cos/sin tables [s, hd], saved once per layer and micro-batch
+                    per["rope"] = per.get("rope", 0.0) + 2 * plan.seq_len * cfg.head_dim * pb.activation_bytes
             if sum(per.values()) > best:
                 best, act = sum(per.values()), per
         act = {p: v * inflight[r] for p, v in act.items()}
         if plan.checkpointing != "none":
             # Recomputing a layer rebuilds its full activations for one micro-batch.
-            work = max(sum(_layer_act(kinds[cfg.is_moe_layer(i)], "none", t_attn, t_exp, D).values())
+            work = max(sum(_layer_act(kinds[cfg.is_moe_layer(i)], "none", t_attn, t_exp, D,
+                                      aset).values())
                        for i in layers)
             act["recompute"] = work * pb.activation_bytes
-        if r == plan.pp - 1:
+        if aset == "trainer":
+            # Every micro-batch in flight keeps its head (and token ids) until its backward.
+            if r == plan.pp - 1:
+                act["logits"] = inflight[r] * t_attn * (3 * D + 1 + cfg.vocab_size) * pb.activation_bytes
+            if r == 0:
+                act["tokens"] = inflight[r] * t_attn * 8
+        elif r == plan.pp - 1:
             act["logits"] = t_attn * cfg.vocab_size * (pb.activation_bytes + 4)
         has_moe = any(cfg.is_moe_layer(i) for i in layers)
         buffers = 0.0
@@ -230,6 +251,63 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
             state_by_part={p: v * pb.state_bytes for p, v in params.items()}, act_by_part=act,
         ))
     return out
+
+
+def _layer_fwd(lc: LayerCounts, t_attn: float, t_exp: float, pf: Platform,
+               width: float) -> tuple[float, float]:
+    """(forward seconds, of which FFN seconds) of one layer for one micro-batch; dense GEMMs
+    at the platform's efficiency for inner width `width` (the model width D)."""
+    gemm = pf.peak_flops * pf.gemm_eff(width)
+    t = sum(lc.fwd_flops.get(p, 0.0) for p in _GEMM_PARTS) * t_attn / gemm
+    t += lc.fwd_flops["attn_core"] * t_attn / (pf.peak_flops * pf.attention_efficiency)
+    ffn = lc.fwd_flops.get("experts", 0.0) * t_exp / (pf.peak_flops * pf.grouped_gemm_efficiency)
+    ffn += (lc.fwd_flops.get("shared_experts", 0.0) + lc.fwd_flops.get("dense_ffn", 0.0)) * t_attn / gemm
+    return t + ffn, ffn
+
+
+def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
+                          precision: PrecisionPolicy = PUBLISHED_PRECISION,
+                          assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """A lower bound of `estimate(...).step_time` that needs no communication model.
+
+    Kept from the step time: each rank's compute (same formula), its all-to-all bytes at the
+    fastest rate the closed form allows (intra-node share at the intra-node rate, off-node
+    share at the NIC rate, whichever takes longer; no latency: both `flat` and `halo` take at
+    least that), the pipeline bubble, and the optimizer. Dropped (all >= 0): latencies, P2P,
+    DP sync, the algorithm's extra phases. Valid for the closed-form all-to-all model only;
+    the planner uses it to skip full evaluations of points that cannot beat its incumbent."""
+    cfg_, asm, pf = cfg, assumptions, platform
+    if asm.alltoall_model != "closed-form":
+        raise ValueError("step_time_lower_bound holds for alltoall_model='closed-form' only")
+    kinds = _kind_counts(cfg_, plan.ep, plan.seq_len, asm.flash_attention)
+    t_attn = plan.attention_tokens(asm.attention)
+    t_exp = plan.expert_tokens * asm.routing_imbalance
+    bubble, _ = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
+    g = _groups(plan, pf.gpus_per_node, asm.attention)[0]["ep"]
+    share = cfg_.top_k * t_exp * cfg_.d_model * precision.activation_bytes / g.size
+    a2a_lb = 0.0 if g.size == 1 else max(share * g.local_peers / pf.intra_node_bandwidth,
+                                         share * g.remote_peers / pf.nic_bandwidth_per_gpu)
+    a2a_lb *= (6 if plan.checkpointing == "full" else 4) * (1 - asm.alltoall_overlap)
+    gemm = pf.peak_flops * pf.gemm_eff(min(cfg_.d_model, cfg_.vocab_size))  # lm_head
+    busiest = 0.0
+    for r, chunks in enumerate(_rank_chunks(cfg_, plan)):
+        busy = 0.0
+        for s_local, c in enumerate(chunks):
+            fwd = rec = 0.0
+            for i in c:
+                lc = kinds[cfg_.is_moe_layer(i)]
+                f, ffn = _layer_fwd(lc, t_attn, t_exp, pf, cfg_.d_model)
+                fwd += f
+                rec += f if plan.checkpointing == "full" else \
+                    ffn * 2 / 3 if plan.checkpointing == "selective" else 0.0
+                busy += a2a_lb if lc.is_moe else 0.0
+            if s_local * plan.pp + r == plan.pp * plan.n_virtual - 1:
+                fwd += 2.0 * cfg_.vocab_size * cfg_.d_model * t_attn / gemm
+            busy += 3 * fwd + rec + len(c) * pf.layer_overhead
+        busiest = max(busiest, busy * plan.microbatches)
+    n_state = max(st.weights + st.grads + st.optimizer
+                  for st in stage_memory(cfg_, plan, pf, precision, asm))
+    return busiest / (1.0 - bubble) + 2 * n_state / pf.hbm_bandwidth
 
 
 def _groups(plan: ParallelPlan, gpn: int, attention: str) -> tuple[dict[str, GroupPlacement], bool]:
@@ -261,7 +339,7 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     t_exp = plan.expert_tokens * asm.routing_imbalance
     bubble, _ = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
     groups, pp_inter = _groups(plan, pf.gpus_per_node, asm.attention)
-    gemm = pf.peak_flops * pf.gemm_efficiency
+    gemm = pf.peak_flops * pf.gemm_eff(min(D, cfg.vocab_size))  # lm_head
     a2a_bytes = cfg.top_k * t_exp * D * ab
     if asm.alltoall_model == "netsim":
         a2a_one = netsim_alltoall_time(a2a_bytes, groups["ep"], plan.alltoall, pf)
@@ -274,12 +352,7 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     hop = p2p_time(t_attn * D * ab, pp_inter, pf) if plan.pp > 1 else 0.0
 
     def layer_fwd(lc: LayerCounts) -> tuple[float, float]:
-        """(forward seconds, of which FFN seconds) of one layer for one micro-batch."""
-        t = sum(lc.fwd_flops.get(p, 0.0) for p in _GEMM_PARTS) * t_attn / gemm
-        t += lc.fwd_flops["attn_core"] * t_attn / (pf.peak_flops * pf.attention_efficiency)
-        ffn = lc.fwd_flops.get("experts", 0.0) * t_exp / (pf.peak_flops * pf.grouped_gemm_efficiency)
-        ffn += (lc.fwd_flops.get("shared_experts", 0.0) + lc.fwd_flops.get("dense_ffn", 0.0)) * t_attn / gemm
-        return t + ffn, ffn
+        return _layer_fwd(lc, t_attn, t_exp, pf, D)
 
     per_rank = []
     for r, chunks in enumerate(_rank_chunks(cfg, plan)):
@@ -299,7 +372,11 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
             stage = s_local * plan.pp + r
             if stage == plan.pp * plan.n_virtual - 1:
                 fwd += 2.0 * cfg.vocab_size * D * t_attn / gemm
-            comp += 3 * fwd + rec
+            comp += 3 * fwd + rec + len(c) * pf.layer_overhead
+            if asm.activation_traffic_passes:
+                act = sum(sum(_layer_act(kinds[cfg.is_moe_layer(i)], plan.checkpointing, t_attn,
+                                         t_exp, D, asm.activation_set).values()) for i in c)
+                comp += asm.activation_traffic_passes * act * ab / pf.hbm_bandwidth
             p2p += 2 * hop * (1 - asm.p2p_overlap)
         per_rank.append((comp * plan.microbatches, a2a * plan.microbatches, p2p * plan.microbatches))
     busiest = max(range(plan.pp), key=lambda r: sum(per_rank[r]))

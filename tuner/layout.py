@@ -24,6 +24,7 @@ __all__ = [
     "ALLTOALL_ALGORITHMS",
     "Assumptions",
     "DEFAULT_ASSUMPTIONS",
+    "FP32_TRAINER_PRECISION",
     "PUBLISHED_PRECISION",
     "CHECKPOINTING",
     "EP_PLACEMENTS",
@@ -55,6 +56,11 @@ class PrecisionPolicy:
 
 
 PUBLISHED_PRECISION = PrecisionPolicy()
+# What train.py holds on CPU (`--train.dtype=auto` -> fp32, torch.optim.AdamW): fp32 weights
+# and gradients, no separate master copy, two fp32 moments (exp_avg, exp_avg_sq; the step
+# counter is a 0-dim tensor, 4 bytes per parameter tensor, below 0.01 %), fp32 activations.
+FP32_TRAINER_PRECISION = PrecisionPolicy(weight_bytes=4, grad_bytes=4, master_bytes=0,
+                                         optimizer_bytes=8, activation_bytes=4)
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,18 @@ class Assumptions:
     vendor_alltoall_efficiency: share of the link rates the vendor all-to-all reaches
         (unknown; HALO's published 1.2-9x gains say it can be well below 1 at scale).
     grad_bucket_bytes: DDP's default 25 MiB gradient bucket, held once per rank.
+    activation_set: "published" (the per-layer tensors of the published formulas, see
+        `tuner.counts`) or "trainer" (what our eager fp32 model really saves, incl. norms,
+        router and permutation indices; with it the last stage keeps final norm, lm_head
+        input and log-softmax (3D + 1 + V per token) and the first the token ids, for every
+        micro-batch in flight). Validated against measured runs by
+        benchmarks/bench_tuner_validate.py.
+    activation_traffic_passes: memory-bound time outside the GEMMs, as passes over the saved
+        activations at the platform's memory bandwidth, per micro-batch. An eager, unfused
+        step writes each saved activation in the forward and reads it in the backward, and
+        writes and reads its gradient: 4 passes (what the CPU trainer is predicted with).
+        0 by default: on GPUs these elementwise kernels are fused or hidden, and the
+        published formulas count FLOPs only.
     alltoall_model: "closed-form" (`tuner.comms.alltoall_time`, instant) or "netsim" (the
         flow-level `comm.netsim`, ~10-300 ms per distinct exchange, cached; it also sees the
         Frontier Infinity Fabric layout, where small in-node groups beat the 8-GCD average).
@@ -84,6 +102,8 @@ class Assumptions:
     grad_bucket_bytes: int = 25 * 2**20
     attention: str = "sharded"  # "sharded" (EP ranks see different tokens) | "replicated"
     alltoall_model: str = "closed-form"
+    activation_set: str = "published"
+    activation_traffic_passes: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("alltoall_overlap", "p2p_overlap", "dp_overlap"):
@@ -98,6 +118,10 @@ class Assumptions:
             raise ValueError(f"attention={self.attention!r}; valid: {', '.join(ATTENTION_MODES)}")
         if self.alltoall_model not in ("closed-form", "netsim"):
             raise ValueError(f"alltoall_model={self.alltoall_model!r}; valid: closed-form, netsim")
+        if self.activation_traffic_passes < 0:
+            raise ValueError(f"activation_traffic_passes={self.activation_traffic_passes} must be >= 0")
+        if self.activation_set not in ("published", "trainer"):
+            raise ValueError(f"activation_set={self.activation_set!r}; valid: published, trainer")
         if self.grad_bucket_bytes < 0:
             raise ValueError(f"grad_bucket_bytes={self.grad_bucket_bytes} must be >= 0")
 

@@ -1,11 +1,17 @@
 """`python -m tuner measure`: micro-benchmark this machine into `configs/platforms/local.toml`.
 
 On a CPU machine a "device" is one training process: `n_procs` of them share the cores, each
-with cores / n_procs intra-op threads (what train.py gives each rank), so every compute rate
-is measured with that many threads. Measured, each as the median of repeats after a warm-up:
-    GEMM          fp32 matmul over shapes -> peak = best shape; gemm_efficiency = median / best
+with max(1, cores // n_procs) intra-op threads (what train.py gives each rank). The compute
+micro-benchmarks run in all `n_procs` processes at once, and the platform takes the median
+rank's rate: with 4 processes on 2 cores each process gets about half a core, which a
+benchmark run in one process alone would not see (it measured ~2x too fast). Measured, each
+as the median of repeats after a warm-up:
+    GEMM          fp32 matmul over shapes -> peak = best shape; gemm_efficiency = median / best;
+                  and [2048, w] x [w, w] for w = 64..1024 -> gemm_width_efficiency
     grouped GEMM  model.GroupedExperts (SwiGLU, uneven token counts) -> its efficiency
     attention     scaled_dot_product_attention forward + backward -> its efficiency
+    layer overhead  forward + backward of one MoE decoder layer at 4 tokens (no math to speak
+                  of): the fixed per-layer cost of an eager framework -> layer_overhead
     memory        large tensor copy (read + write bytes / s) -> hbm_bandwidth
     all-to-all    torch.distributed all_to_all_single over message sizes on `n_procs` gloo
                   processes -> bandwidth and per-message latency by a least-squares fit
@@ -46,14 +52,24 @@ def fit_latency_bandwidth(sizes: list[float], times: list[float]) -> tuple[float
     return max(my - slope * mx, 0.0), 1.0 / slope
 
 
-def _median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+def _median_time(fn: Callable[[], object], repeats: int, warmup: int = 1,
+                 min_s: float = 0.05) -> float:
+    """Median seconds of one call of `fn`; each repeat times enough calls to last `min_s`.
+    With more processes than cores the OS shares a core in slices of a few ms: a 0.5 ms GEMM
+    timed alone often runs inside one slice at full speed, so only timings long against a
+    slice see a process's real share (4 processes on 2 cores: 72 GFLOP/s best-shape rate
+    with single calls, what one process alone gets)."""
+    t0 = time.perf_counter()
     for _ in range(warmup):
         fn()
+    one = (time.perf_counter() - t0) / max(warmup, 1)
+    n = max(1, int(min_s / max(one, 1e-9)))
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
+        for _ in range(n):
+            fn()
+        ts.append((time.perf_counter() - t0) / n)
     return statistics.median(ts)
 
 
@@ -91,10 +107,58 @@ def _attention_rate(B: int, H: int, S: int, hd: int, repeats: int) -> float:
     return 3 * 4 * B * H * S * S * hd / _median_time(step, repeats)
 
 
+def _layer_overhead(repeats: int) -> float:
+    """Seconds of one MoE decoder layer's forward + backward at 4 tokens: the tiny preset's
+    architecture (GQA, softmax top-2 router, 8 grouped SwiGLU experts) at widths 32, where
+    the ~0.1 MFLOP of math is negligible and what remains is per-op dispatch cost."""
+    import dataclasses
+
+    from model import presets
+    from model.transformer import Block
+
+    cfg = dataclasses.replace(presets.get("tiny"), d_model=32, n_heads=2, n_kv_heads=1,
+                              head_dim=16, moe_ffn_dim=32)
+    block = Block(cfg, 0)
+    x = torch.randn(1, 4, cfg.d_model, requires_grad=True)
+
+    def step() -> None:
+        block(x).sum().backward()
+
+    return _median_time(step, repeats, warmup=3)
+
+
 def _copy_bandwidth(nbytes: int, repeats: int) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
     return 2 * nbytes / _median_time(lambda: dst.copy_(src), repeats)
+
+
+WIDTHS = (64, 128, 256, 512, 1024)  # inner GEMM widths of the efficiency-by-width table
+
+
+def _compute_worker(rank: int, world: int, group: object, threads: int, quick: bool,
+                    reps: int) -> dict:
+    """Every compute rate, measured in each of the `world` processes at the same time."""
+    torch.set_num_threads(threads)
+    shapes = [(256, 256, 256), (512, 512, 512)] if quick else \
+        [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (2048, 512, 2048), (4096, 256, 1024)]
+    rates, widths = [], []
+    for shape in shapes:  # a barrier per shape keeps every process on the same work at once
+        dist.barrier(group)
+        rates += _gemm_rates([shape], reps)
+    for w in WIDTHS:
+        dist.barrier(group)
+        widths += _gemm_rates([(2048, w, w)], reps)
+    dist.barrier(group)
+    grouped = _grouped_rate(8, 128, 256, 1024 if quick else 4096, reps)
+    dist.barrier(group)
+    attn = _attention_rate(2, 4, 128 if quick else 256, 32, reps)
+    dist.barrier(group)
+    copy = _copy_bandwidth((32 if quick else 256) * 2**20, reps)
+    dist.barrier(group)
+    overhead = _layer_overhead(reps)
+    return {"rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
+            "overhead": overhead, "widths": widths}
 
 
 def _comm_worker(rank: int, world: int, group: object, sizes: list[int], repeats: int) -> dict:
@@ -103,7 +167,9 @@ def _comm_worker(rank: int, world: int, group: object, sizes: list[int], repeats
     for nb in sizes:
         n = max(world, nb // 4 // world * world)
         x, y = torch.ones(n), torch.empty(n)
-        out["a2a"].append(_median_time(lambda x=x, y=y: dist.all_to_all_single(y, x, group=group), repeats))
+        # min_s=0: every rank must make the same number of calls (each is a collective).
+        out["a2a"].append(_median_time(lambda x=x, y=y: dist.all_to_all_single(y, x, group=group),
+                                       repeats, min_s=0.0))
         buf = torch.ones(max(1, nb // 4))
 
         def ping(buf: torch.Tensor = buf) -> None:
@@ -115,7 +181,7 @@ def _comm_worker(rank: int, world: int, group: object, sizes: list[int], repeats
                 dist.send(buf, 0)
 
         # Half a round trip is one transfer.
-        out["p2p"].append(_median_time(ping, repeats) / 2)
+        out["p2p"].append(_median_time(ping, repeats, min_s=0.0) / 2)
         dist.barrier()
     return out
 
@@ -131,9 +197,12 @@ def write_platform_toml(p: Platform, path: Path, comments: dict[str, str]) -> Pa
         lines.append(f"\n[{section}]")
         for key, v in d[section].items():
             note = comments.get(key, "")
-            val = str(v) if isinstance(v, int) else f"{v:.6g}"
-            if "." not in val and "e" not in val and not isinstance(v, int):
-                val += ".0"
+            if isinstance(v, list):  # [[width, efficiency], ...]
+                val = "[" + ", ".join(f"[{w}, {e:.4g}]" for w, e in v) + "]"
+            else:
+                val = str(v) if isinstance(v, int) else f"{v:.6g}"
+                if "." not in val and "e" not in val and not isinstance(v, int):
+                    val += ".0"
             lines.append(f"{key} = {val}" + (f"  # {note}" if note else ""))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -148,19 +217,18 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False) -> Path:
         raise ValueError(f"n_procs={n_procs}: collectives need at least 2 processes")
     cores = os.cpu_count() or 1
     threads = max(1, cores // n_procs)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
     reps = 3 if quick else 7
-    try:
-        shapes = [(256, 256, 256), (512, 512, 512)] if quick else \
-            [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (2048, 512, 2048), (4096, 256, 1024)]
-        rates = _gemm_rates(shapes, reps)
-        peak = max(rates)
-        grouped = _grouped_rate(8, 128, 256, 1024 if quick else 4096, reps)
-        attn = _attention_rate(2, 4, 128 if quick else 256, 32, reps)
-        copy = _copy_bandwidth((32 if quick else 256) * 2**20, reps)
-    finally:
-        torch.set_num_threads(saved)
+    per_rank = run_local(_compute_worker, n_procs, threads, quick, reps, timeout_s=600.0)
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in per_rank)
+
+    # Each shape's rate is the median over ranks, so one lucky process does not set the peak.
+    rates = [statistics.median(r["rates"][i] for r in per_rank) for i in range(per_rank[0]["shapes"])]
+    peak = max(rates)
+    by_width = tuple((w, min(1.0, statistics.median(r["widths"][i] for r in per_rank) / peak))
+                     for i, w in enumerate(WIDTHS))
+    grouped, attn, copy, overhead = med("grouped"), med("attn"), med("copy"), med("overhead")
     sizes = [2**12, 2**16, 2**20] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22]
     res = run_local(_comm_worker, n_procs, sizes, reps)[0]
     a2a_lat, a2a_bw_total = fit_latency_bandwidth(sizes, res["a2a"])
@@ -177,13 +245,17 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False) -> Path:
         gemm_efficiency=min(1.0, statistics.median(rates) / peak),
         grouped_gemm_efficiency=min(1.0, grouped / peak),
         attention_efficiency=min(1.0, attn / peak), hbm_bandwidth=copy, usable_fraction=0.9,
+        layer_overhead=overhead, gemm_width_efficiency=by_width,
         intra_node_latency=a2a_lat, network_latency=p2p_lat,
     )
     notes = {
-        "peak_tflops": f"best fp32 GEMM of {len(shapes)} shapes, {threads} threads",
+        "peak_tflops": f"best fp32 GEMM of {len(rates)} shapes, {threads} threads, "
+                       f"all {n_procs} processes at once",
         "gemm_efficiency": "median GEMM / best",
         "grouped_gemm_efficiency": "model.GroupedExperts fwd+bwd, 8 experts, uneven counts",
         "attention_efficiency": "sdpa fwd+bwd, causal, no causal discount in FLOPs",
+        "gemm_width_efficiency": "[2048, w] x [w, w] rate / peak, by inner width w",
+        "layer_overhead_us": "MoE layer fwd+bwd at 4 tokens, width 32 (per-op dispatch)",
         "hbm_gb": "physical RAM / processes",
         "hbm_bandwidth_gbs": "tensor copy, read + write",
         "intra_node_bandwidth_gbs": f"gloo all_to_all_single fit, {n_procs} processes",

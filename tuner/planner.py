@@ -108,7 +108,9 @@ def run_plan(cfg: ModelConfig, platform: Platform, req: PlanRequest, out_dir: Pa
                           precision, assumptions)
     if lean is None or lean[0] > platform.usable_hbm:
         raise PlanError(_explain_no_fit(cfg, platform, req))
-    ev = Evaluator(space, cfg, platform, precision, assumptions)
+    # Branch and bound skips full evaluations of points that cannot beat the best found.
+    ev = Evaluator(space, cfg, platform, precision, assumptions,
+                   prune=assumptions.alltoall_model == "closed-form")
     name = f"{cfg.name}|{platform.name}|{req.n_gpus}|s{req.seq_len}|b{req.global_batch}"
     # The leanest layout goes first, so a study always holds at least one feasible layout.
     result = optuna_search(ev, req.trials, seed=req.seed, storage=req.storage, study_name=name,

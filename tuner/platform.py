@@ -10,6 +10,7 @@ published are documented in each file as assumed parameters; `python -m tuner me
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("compute", "gemm_efficiency", "gemm_efficiency", 1.0),
     ("compute", "grouped_gemm_efficiency", "grouped_gemm_efficiency", 1.0),
     ("compute", "attention_efficiency", "attention_efficiency", 1.0),
+    ("compute", "layer_overhead_us", "layer_overhead", 1e-6),
     ("memory", "hbm_gb", "hbm_bytes", 1e9),
     ("memory", "hbm_bandwidth_gbs", "hbm_bandwidth", 1e9),
     ("memory", "usable_fraction", "usable_fraction", 1.0),
@@ -60,6 +62,15 @@ class Platform:
     gemm_efficiency: float = 0.6
     grouped_gemm_efficiency: float = 0.6
     attention_efficiency: float = 0.6
+    # Fixed seconds per decoder layer per micro-batch (forward + backward) that do not scale
+    # with FLOPs: framework dispatch of the ~200 small ops of an eager MoE layer. Measured on
+    # CPU (`tuner measure`); 0 on the GPU platforms, whose layers are large enough that launch
+    # overheads hide behind the kernels (an assumption, not measured).
+    layer_overhead: float = 0.0
+    # Measured GEMM efficiency by width: ((w, efficiency), ...) for [2048, w] x [w, w]
+    # products, w ascending. Narrow GEMMs run far below peak on a CPU (width 128: ~0.3 of the
+    # best shape), which one efficiency cannot say. Empty (GPU platforms): gemm_efficiency.
+    gemm_width_efficiency: tuple[tuple[int, float], ...] = ()
     hbm_bandwidth: float = 1e12
     usable_fraction: float = 0.9
     nodes_per_domain: int = 1
@@ -77,13 +88,35 @@ class Platform:
             v = getattr(self, f.name)
             if f.name in _INT_FIELDS and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"platform {self.name!r}: {f.name}={v!r} must be an int >= 1")
+            if f.name == "gemm_width_efficiency":
+                if any(not 0.0 < e <= 1.0 or w < 1 for w, e in v) or \
+                        [w for w, _ in v] != sorted({w for w, _ in v}):
+                    raise ValueError(f"platform {self.name!r}: gemm_width_efficiency={v!r} needs "
+                                     f"ascending distinct widths >= 1 and efficiencies in (0, 1]")
+                continue
             if f.name in _FRACTIONS and not 0.0 < v <= 1.0:
                 raise ValueError(f"platform {self.name!r}: {f.name}={v} must be in (0, 1]")
+        if self.layer_overhead < 0:
+            raise ValueError(f"platform {self.name!r}: layer_overhead={self.layer_overhead} must be >= 0")
         for f in ("peak_flops", "hbm_bytes", "nic_bandwidth", "intra_node_bandwidth", "hbm_bandwidth"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"platform {self.name!r}: {f}={getattr(self, f)} must be > 0")
         if self.launcher not in ("slurm", "torchrun"):
             raise ValueError(f"platform {self.name!r}: launcher={self.launcher!r}; valid: slurm, torchrun")
+
+    def gemm_eff(self, width: float) -> float:
+        """GEMM efficiency for inner width `width` (min of K and N): interpolated in log2(width)
+        over `gemm_width_efficiency`, clamped at its ends; `gemm_efficiency` without a table."""
+        table = self.gemm_width_efficiency
+        if not table:
+            return self.gemm_efficiency
+        if width <= table[0][0]:
+            return table[0][1]
+        for (w0, e0), (w1, e1) in zip(table, table[1:], strict=False):
+            if width <= w1:
+                f = (math.log2(width) - math.log2(w0)) / (math.log2(w1) - math.log2(w0))
+                return e0 + f * (e1 - e0)
+        return table[-1][1]
 
     @property
     def usable_hbm(self) -> float:
@@ -114,11 +147,15 @@ class Platform:
             if key in body:
                 v = body[key]
                 kw[fname] = int(v) if fname in _INT_FIELDS else float(v) * scale
+        if "gemm_width_efficiency" in data.get("compute", {}):
+            kw["gemm_width_efficiency"] = tuple(
+                (int(w), float(e)) for w, e in data["compute"]["gemm_width_efficiency"])
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{source}: unknown platform keys {unknown}; valid: {sorted(known)}")
         for section in ("compute", "memory", "node", "network"):
             valid = {k for s, k, _, _ in _FIELDS if s == section}
+            valid |= {"gemm_width_efficiency"} if section == "compute" else set()
             bad = sorted(set(data.get(section, {})) - valid)
             if bad:
                 raise ValueError(f"{source}: unknown keys {bad} in [{section}]; valid: {sorted(valid)}")
@@ -136,6 +173,8 @@ class Platform:
         for section, key, fname, scale in _FIELDS:
             v = getattr(self, fname)
             out.setdefault(section, {})[key] = v if fname in _INT_FIELDS else round(v / scale, 9)
+        if self.gemm_width_efficiency:
+            out["compute"]["gemm_width_efficiency"] = [list(p) for p in self.gemm_width_efficiency]
         return out
 
 

@@ -1,9 +1,10 @@
 """What the planner hands back: a ranked table, a plot, a plan file and its launch lines.
 
 The plan file is TOML that `train.py --plan FILE` applies like a config file: the run config
-lives under `[run.<section>]` (model, parallel, comm, train); `[plan]` records the request and
-the prediction, plus the choices train.py has no option for yet (activation checkpointing,
-EP placement), so that a measured run can be compared with what was predicted.
+lives under `[run.<section>]` (model; parallel, incl. `ep_placement`; comm; train, incl.
+`checkpointing`), so every choice of the plan is run as planned; `[plan]` records the request
+and the prediction (and, after `--measure`, the measurement), so that a run can be compared
+with what was predicted.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ def plan_toml(e: Estimate, model_name: str, request: dict[str, object]) -> str:
     sections: dict[str, dict[str, object]] = {
         "plan": {
             **request,
-            "checkpointing": p.checkpointing, "ep_placement": p.ep_placement,
             "predicted_step_time_s": round(e.step_time, 4),
             "predicted_mfu": round(e.mfu, 4),
             "predicted_tflops_per_gpu": round(e.tflops_per_gpu, 2),
@@ -65,9 +65,11 @@ def plan_toml(e: Estimate, model_name: str, request: dict[str, object]) -> str:
         },
         "run.model": {"preset": model_name},
         "run.parallel": {"pp": p.pp, "ep": p.ep, "dp": p.dp, "schedule": p.schedule,
-                         "microbatches": p.microbatches, "n_virtual": p.n_virtual},
+                         "microbatches": p.microbatches, "n_virtual": p.n_virtual,
+                         "ep_placement": p.ep_placement},
         "run.comm": {"alltoall": p.alltoall},
-        "run.train": {"global_batch": p.global_batch, "seq_len": p.seq_len},
+        "run.train": {"global_batch": p.global_batch, "seq_len": p.seq_len,
+                      "checkpointing": p.checkpointing},
     }
     out = ["# Written by `python -m tuner plan`; run with: train.py --plan <this file>",
            "# [plan] is the request and the prediction; [run.*] is applied like a config file."]

@@ -6,8 +6,16 @@ the analytic `estimate` is the objective (predicted step time, minimised; MFU is
 reciprocal up to a constant for a fixed model and batch). Every trial records its prediction
 in user attributes, so a study stored in SQLite is a readable log and resumes where it stopped.
 
-Counters: `evaluations` are calls of the step-time model (distinct points), `memory_checks`
-calls of the memory model, `trials` all proposals including rejected and repeated ones.
+Counters: `evaluations` are calls of the full step-time model (distinct points),
+`memory_checks` calls of the memory model, `bound_checks` calls of the cheap step-time lower
+bound, `trials` all proposals including rejected and repeated ones.
+
+Pruning (`Evaluator(prune=True)`, branch and bound): once a feasible point has been
+evaluated, a new memory-feasible point first gets `tuner.estimate.step_time_lower_bound`
+(compute, all-to-all bandwidth term, bubble and optimizer; no latencies, P2P or DP sync);
+when that bound is already >= the best step time found, the point cannot win and its full
+evaluation is skipped. The ranking is unchanged at its top: a pruned point is slower than
+the incumbent. Only for the closed-form all-to-all model, where the bound is proven.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from dataclasses import dataclass, field
 import optuna
 
 from model import ModelConfig
-from tuner.estimate import Estimate, estimate, stage_memory
+from tuner.estimate import Estimate, estimate, stage_memory, step_time_lower_bound
 from tuner.layout import PUBLISHED_PRECISION, Assumptions, PrecisionPolicy
 from tuner.platform import Platform
 from tuner.space import Point, SearchSpace
@@ -36,6 +44,7 @@ class Candidate:
     rejected: str | None = None
     peak_memory: float | None = None
     estimate: Estimate | None = None
+    lower_bound: float | None = None  # step-time lower bound, when the point was pruned
 
     @property
     def step_time(self) -> float:
@@ -53,7 +62,15 @@ class Evaluator:
     assumptions: Assumptions = field(default_factory=Assumptions)
     evaluations: int = 0
     memory_checks: int = 0
+    prune: bool = False
+    bound_checks: int = 0
+    incumbent: float = math.inf  # best full step time evaluated so far
     cache: dict[tuple, Candidate] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.prune and self.assumptions.alltoall_model != "closed-form":
+            raise ValueError("prune=True needs alltoall_model='closed-form' (the lower bound is "
+                             f"proven for it only), got {self.assumptions.alltoall_model!r}")
 
     def __call__(self, pt: Point) -> Candidate:
         key = self.space.key(pt)
@@ -70,8 +87,19 @@ class Evaluator:
                 c.rejected = (f"peak memory {c.peak_memory / 1e9:.1f} GB > usable "
                               f"{self.platform.usable_hbm / 1e9:.1f} GB")
             else:
+                if self.prune and self.incumbent < math.inf:
+                    lb = step_time_lower_bound(self.cfg, plan, self.platform, self.precision,
+                                               self.assumptions)
+                    self.bound_checks += 1
+                    if lb >= self.incumbent:
+                        c.lower_bound = lb
+                        c.rejected = (f"bound: step time >= {lb:.3g} s, not better than the best "
+                                      f"found {self.incumbent:.3g} s")
+                        self.cache[key] = c
+                        return c
                 c.estimate = estimate(self.cfg, plan, self.platform, self.precision, self.assumptions)
                 self.evaluations += 1
+                self.incumbent = min(self.incumbent, c.estimate.step_time)
         self.cache[key] = c
         return c
 
@@ -82,10 +110,12 @@ class SearchResult:
     trials: int
     evaluations: int
     memory_checks: int
-    rejected: dict[str, int]  # reason kind -> count
+    rejected: dict[str, int]  # reason kind (structure, memory, bound) -> count
     study_name: str = ""
+    bound_checks: int = 0
     history: list[float] = field(default_factory=list)  # best step time after each proposal
     skipped: int = 0  # neighbours rejected by a structural constraint before becoming trials
+    study: optuna.Study | None = None  # the Optuna study (None for exhaustive enumeration)
 
     @property
     def best(self) -> Candidate | None:
@@ -98,13 +128,15 @@ def _result(ev: Evaluator, cands: list[Candidate], trials: int, name: str = "") 
     rejected: dict[str, int] = {}
     for c in cands:
         if c.rejected:
-            kind = "memory" if c.rejected.startswith("peak memory") else "structure"
+            kind = "memory" if c.rejected.startswith("peak memory") else \
+                "bound" if c.rejected.startswith("bound") else "structure"
             rejected[kind] = rejected.get(kind, 0) + 1
     history, best = [], math.inf
     for c in cands:
         best = min(best, c.step_time)
         history.append(best)
-    return SearchResult(ranked, trials, ev.evaluations, ev.memory_checks, rejected, name, history)
+    return SearchResult(ranked, trials, ev.evaluations, ev.memory_checks, rejected, name,
+                        ev.bound_checks, history)
 
 
 def exhaustive(ev: Evaluator) -> SearchResult:
@@ -188,6 +220,11 @@ def optuna_search(ev: Evaluator, n_trials: int, seed: int = 0, storage: str | No
         c = ev(pt)
         cands.append(c)
         if c.estimate is None:
+            if c.lower_bound is not None:  # feasible but pruned: no better than the incumbent
+                trial.set_constraint("memory", c.peak_memory / ev.platform.usable_hbm - 1)
+                trial.set_user_attr("prediction", {"pruned": c.rejected,
+                                                   "step_time_lower_bound_s": c.lower_bound})
+                return c.lower_bound
             # TPE ranks infeasible trials by their summed violation.
             if c.peak_memory is None:
                 trial.set_constraint("structure", 1.0)
@@ -241,6 +278,7 @@ def optuna_search(ev: Evaluator, n_trials: int, seed: int = 0, storage: str | No
         study.optimize(objective, n_trials=n_trials - len(study.trials))
     res = _result(ev, cands, len(study.trials), study_name)
     res.skipped = skipped
+    res.study = study
     return res
 
 

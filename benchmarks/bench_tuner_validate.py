@@ -1,0 +1,227 @@
+"""Validate `tuner.estimate` on this machine: predicted vs measured peak memory and step time.
+
+Issue 8's claim: for at least six distinct CPU configurations (varying PP, EP, DP, micro-batches
+and schedule), predicted peak memory per rank within 15 % and predicted step time within 25 %
+of measured.
+
+    flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_validate.py
+    flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_validate.py --reuse-platforms
+    .venv/bin/python benchmarks/bench_tuner_validate.py --repredict   # no runs: the last measured
+        rows of tuner_validate.jsonl against the current model and platform files
+(`flock` keeps other timing runs on this shared machine from overlapping with it.)
+
+1. Platform. A CPU "device" is one training process, and W processes share this machine's
+   cores, so compute rates depend on W: `tuner.measure` is run with W processes at once for
+   every world size used (2 and 4), each written to
+   benchmarks/results/tuner_validate_platform_w<W>.toml, and each config is predicted on the
+   platform of its own world size.
+2. Runs. Each config runs as a short real `torchrun` job of train.py (tiny preset, fp32, gloo)
+   through `tuner.launch.run_plan_locally`; after the warm-up steps the medians of
+   `step_time_s`, `mem_state_bytes_max` and `mem_act_peak_bytes_max` are the measurement.
+3. Prediction. `tuner.estimate` with the precision policy and activation set of this trainer
+   (`FP32_TRAINER_PRECISION`, `Assumptions(activation_set="trainer")`, 4 memory passes over
+   the saved activations for the unfused elementwise work, see `Assumptions`) on the platform
+   of the run's world size. Routing imbalance is a property of the router and data, not of the
+   layout: the model takes it as an input (`Assumptions.routing_imbalance`), and here it is
+   the run's own measured value (the trainer's max / mean EP-rank load, median over the
+   measured steps; 1.0 without EP). A young tiny router is far from balanced (~1.4), so the
+   a-priori prediction with balanced routing is recorded beside (`*_balanced`) and shown, but
+   pass/fail uses the measured imbalance.
+   Peak memory per rank = max over ranks of state + max over ranks of saved activations,
+   predicted the same way from the per-stage breakdown (the trainer reports each maximum
+   separately). Communication buffers are not seen by the trainer's meter, so they are left
+   out of both sides.
+
+Results: benchmarks/results/tuner_validate.jsonl (rows appended) and tuner_validate.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform as pyplatform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from model import presets
+from tuner import Assumptions, ParallelPlan, estimate, load_platform
+from tuner.launch import Measured, run_plan_locally
+from tuner.layout import FP32_TRAINER_PRECISION
+from tuner.measure import measure_platform
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MEM_TOL, TIME_TOL = 0.15, 0.25
+
+# (name, plan): world size <= 4; tiny preset, 16 sequences of 256 tokens per step.
+B, S = 16, 256
+CONFIGS: list[tuple[str, ParallelPlan]] = [
+    ("pp1-ep2", ParallelPlan(pp=1, ep=2, dp=1, microbatches=1, global_batch=B, seq_len=S)),
+    ("pp1-ep1-dp2", ParallelPlan(pp=1, ep=1, dp=2, microbatches=1, global_batch=B, seq_len=S)),
+    ("pp1-ep2-dp2", ParallelPlan(pp=1, ep=2, dp=2, microbatches=1, global_batch=B, seq_len=S)),
+    ("pp2-ep1 gpipe m4", ParallelPlan(pp=2, ep=1, dp=1, microbatches=4, global_batch=B,
+                                      seq_len=S, schedule="gpipe")),
+    ("pp2-ep1 interleaved:2 m4", ParallelPlan(pp=2, ep=1, dp=1, microbatches=4, global_batch=B,
+                                              seq_len=S, schedule="interleaved-1f1b", n_virtual=2)),
+    ("pp2-ep2 1f1b m4", ParallelPlan(pp=2, ep=2, dp=1, microbatches=4, global_batch=B, seq_len=S)),
+    ("pp2-ep2 gpipe m4", ParallelPlan(pp=2, ep=2, dp=1, microbatches=4, global_batch=B,
+                                      seq_len=S, schedule="gpipe")),
+    ("pp2-ep1 zb-h1 m4", ParallelPlan(pp=2, ep=1, dp=1, microbatches=4, global_batch=B,
+                                      seq_len=S, schedule="zb-h1")),
+    ("pp2-ep2 zb-h1 m8", ParallelPlan(pp=2, ep=2, dp=1, microbatches=8, global_batch=B,
+                                      seq_len=S, schedule="zb-h1")),
+    ("pp2-ep1-dp2 1f1b m2", ParallelPlan(pp=2, ep=1, dp=2, microbatches=2, global_batch=B, seq_len=S)),
+]
+
+
+def _sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def platform_path(world: int) -> Path:
+    return RESULTS / f"tuner_validate_platform_w{world}.toml"
+
+
+def predict(cfg, plan: ParallelPlan, world: int, imbalance: float = 1.0) -> dict[str, float]:
+    """Predicted per-rank peak memory (state + activations, bytes) and step time (s)."""
+    pf = load_platform(platform_path(world))
+    asm = Assumptions(activation_set="trainer", routing_imbalance=imbalance,
+                      activation_traffic_passes=4.0)
+    e = estimate(cfg, plan, pf, FP32_TRAINER_PRECISION, asm)
+    state = max(s.weights + s.grads + s.optimizer for s in e.stages)
+    act = max(s.activations for s in e.stages)
+    return {"state": state, "act": act, "memory": state + act, "step_time": e.step_time,
+            **{f"t_{k}": v for k, v in e.time.items()}}
+
+
+HDR = (f"{'config':26} {'W':>1} {'mem pred':>8} {'meas':>7} {'err':>6} {'step pred':>9} "
+       f"{'meas':>7} {'err':>6} {'imb':>5} ok  balanced: {'mem err':>7} {'step err':>8}")
+
+
+def _row(cfg, name: str, plan: ParallelPlan, m: Measured, args: argparse.Namespace,  # noqa: ANN001
+         measured_at: str = "") -> dict:
+    """Predict `plan`, compare with measurement `m`, print one line, return the JSON row."""
+    p = predict(cfg, plan, plan.n_gpus, max(1.0, m.imbalance))
+    p_bal = predict(cfg, plan, plan.n_gpus)
+    mem_err = p["memory"] / m.memory_bytes - 1
+    t_err = p["step_time"] / m.step_time_s - 1
+    ok = abs(mem_err) <= MEM_TOL and abs(t_err) <= TIME_TOL
+    row = {
+        "bench": "tuner_validate", "sha": _sha(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "measured_at": measured_at or time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "device": pyplatform.processor() or pyplatform.machine(), "config": name,
+        "plan": plan.to_dict(), "world": plan.n_gpus, "model": "tiny",
+        "steps": args.steps if not measured_at else m.steps + args.warmup, "warmup": args.warmup,
+        "pred_mem_gb": p["memory"] / 1e9, "meas_mem_gb": m.memory_bytes / 1e9,
+        "pred_state_gb": p["state"] / 1e9, "meas_state_gb": m.state_bytes / 1e9,
+        "pred_act_gb": p["act"] / 1e9, "meas_act_gb": m.act_peak_bytes / 1e9,
+        "meas_act_max_gb": m.act_peak_bytes_max / 1e9,
+        "pred_mem_balanced_gb": p_bal["memory"] / 1e9,
+        "pred_step_balanced_s": p_bal["step_time"], "meas_imbalance": m.imbalance,
+        "mem_err": mem_err, "pred_step_s": p["step_time"], "meas_step_s": m.step_time_s,
+        "step_err": t_err, "pred_time_breakdown": {k[2:]: v for k, v in p.items()
+                                                   if k.startswith("t_")},
+        "pass": ok,
+    }
+    print(f"{name:26} {plan.n_gpus:>1} {p['memory'] / 1e6:>7.1f}M {m.memory_bytes / 1e6:>6.1f}M "
+          f"{100 * mem_err:>+5.1f}% {p['step_time']:>8.3f}s {m.step_time_s:>6.3f}s "
+          f"{100 * t_err:>+5.1f}% {m.imbalance:>5.2f} {'yes' if ok else 'NO':3} "
+          f"{100 * (p_bal['memory'] / m.memory_bytes - 1):>+16.1f}% "
+          f"{100 * (p_bal['step_time'] / m.step_time_s - 1):>+7.1f}%")
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reuse-platforms", action="store_true",
+                    help="use the platform files already measured (skip ~2 min of benchmarks)")
+    ap.add_argument("--only", default="", help="comma-separated config names to run")
+    ap.add_argument("--repredict", action="store_true",
+                    help="no runs: compare the last measured rows with the current model")
+    args = ap.parse_args()
+
+    cfg = presets.get("tiny")
+    configs = [c for c in CONFIGS if not args.only or c[0] in args.only.split(",")]
+    worlds = sorted({p.n_gpus for _, p in configs})
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for w in worlds:
+        if (args.reuse_platforms or args.repredict) and platform_path(w).is_file():
+            continue
+        t0 = time.perf_counter()
+        measure_platform(platform_path(w), n_procs=w)
+        print(f"measured platform for {w} processes in {time.perf_counter() - t0:.0f} s: "
+              f"{platform_path(w)}")
+
+    rows = []
+    print(HDR + "\n" + "-" * len(HDR))
+    if args.repredict:
+        last = {}
+        for line in (RESULTS / "tuner_validate.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            last[r["config"]] = r
+        for name, plan in configs:
+            if name not in last:
+                raise SystemExit(f"--repredict: no measured row for {name!r}; run without it first")
+            r = last[name]
+            m = Measured(r["meas_step_s"], r["meas_state_gb"] * 1e9, r["meas_act_gb"] * 1e9,
+                         r["meas_act_max_gb"] * 1e9, r["meas_imbalance"], r["steps"] - r["warmup"])
+            rows.append(_row(cfg, name, plan, m, args, measured_at=r.get("time", "")))
+    else:
+        with tempfile.TemporaryDirectory(prefix="tuner-validate-") as tmp:
+            for name, plan in configs:
+                m = run_plan_locally(plan, "tiny", Path(tmp) / name.replace(" ", "_").replace(":", ""),
+                                     steps=args.steps, warmup=args.warmup)
+                rows.append(_row(cfg, name, plan, m, args))
+    n_ok = sum(r["pass"] for r in rows)
+    print(f"\n{n_ok} of {len(rows)} configurations within {MEM_TOL:.0%} (memory) and "
+          f"{TIME_TOL:.0%} (step time); claim needs >= 6: {'holds' if n_ok >= 6 else 'FAILS'}")
+    with open(RESULTS / "tuner_validate.jsonl", "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    _markdown(rows, RESULTS / "tuner_validate.md")
+
+
+# Why the zb-h1 rows miss (found while building this benchmark; see the tuner's report):
+ZB_NOTE = (
+    "zb-h1: with `--train.memory_report=true` the trainer's SavedTensorMeter and the split "
+    "backward (pipeline/split_backward.py) together keep every micro-batch's saved tensors "
+    "alive: in one process, two tiny layers under the meter with B then W grow RSS by ~12 MB "
+    "and the meter's live count by ~10 MB per micro-batch, gc included; without the meter RSS "
+    "stays flat. So these rows measure that leak (and its slower steps), not the schedule.")
+
+
+def _markdown(rows: list[dict], path: Path) -> None:
+    lines = [
+        "<!-- written by benchmarks/bench_tuner_validate.py -->",
+        f"tiny preset, {B} x {S} tokens per step, fp32 on CPU processes (gloo); sha "
+        f"{rows[0]['sha'] if rows else '?'}; measured {rows[0]['measured_at'] if rows else '?'}, "
+        f"predicted {rows[0]['time'] if rows else '?'}. Memory = max state + max saved "
+        "activations per rank; step time = median after the warm-up steps.",
+        "",
+        "| config | procs | memory pred (MB) | measured (MB) | error | step pred (s) | measured (s) "
+        "| error | routing imbalance (measured) | within 15 % / 25 % | balanced routing: memory "
+        "error | step error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['config']} | {r['world']} | {1e3 * r['pred_mem_gb']:.1f} | "
+            f"{1e3 * r['meas_mem_gb']:.1f} | {100 * r['mem_err']:+.1f} % | {r['pred_step_s']:.3f} | "
+            f"{r['meas_step_s']:.3f} | {100 * r['step_err']:+.1f} % | {r['meas_imbalance']:.2f} | "
+            f"{'yes' if r['pass'] else 'no'} | "
+            f"{100 * (r['pred_mem_balanced_gb'] / r['meas_mem_gb'] - 1):+.1f} % | "
+            f"{100 * (r['pred_step_balanced_s'] / r['meas_step_s'] - 1):+.1f} % |")
+    if any("zb-h1" in r["config"] for r in rows):
+        lines += ["", ZB_NOTE]
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

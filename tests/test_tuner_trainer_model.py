@@ -1,0 +1,112 @@
+"""The CPU trainer's memory model and the planner's branch and bound.
+
+References are independent of the formulas under test: element counts worked out by hand
+for the tiny preset, and what a real forward/backward of `model.MoETransformer` with AdamW
+saves and holds, measured by `trainer.memory`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from model import MoETransformer, presets
+from trainer.memory import SavedTensorMeter, state_bytes
+from tuner import Assumptions, ParallelPlan, estimate, load_platform, stage_memory
+from tuner.counts import layer_counts
+from tuner.estimate import step_time_lower_bound
+from tuner.layout import FP32_TRAINER_PRECISION
+from tuner.search import Evaluator, exhaustive, optuna_search
+from tuner.space import SearchSpace
+
+TRAINER = Assumptions(activation_set="trainer")
+
+
+def test_trainer_activation_set_by_hand():
+    # tiny: D=128, H=4, G=2, hd=32, E=8, k=2, F=256, norm_topk_prob
+    lc = layer_counts(presets.get("tiny"), 0, 1, 256, True)
+    assert lc.act_trainer["attention"] == 3 * 128 + 1 + 2 * 4 * 32 + 2 * 2 * 32 + 4  # 773
+    assert lc.act_trainer["router"] == 3 * 128 + 1 + 8 + 3 * 2 + 1  # 400
+    assert lc.act_trainer["dispatch"] == 2 * 128 + 5 * 2  # 266
+    assert lc.act_trainer["experts"] == 2 * (128 + 4 * 256)  # 2304
+    with pytest.raises(ValueError, match="derived for GQA"):
+        stage_memory(presets.get("deepseek-v3"),  # MLA
+                     ParallelPlan(pp=1, ep=1, dp=1, microbatches=1, global_batch=1, seq_len=64),
+                     load_platform("frontier"), FP32_TRAINER_PRECISION, TRAINER)
+    with pytest.raises(ValueError, match="activation_set='bogus'; valid: published, trainer"):
+        Assumptions(activation_set="bogus")
+
+
+@pytest.mark.parametrize("batch,seq,ckpt", [(2, 64, "none"), (3, 128, "none"),
+                                            (2, 64, "selective"), (2, 64, "full")])
+def test_trainer_memory_matches_a_real_step(batch, seq, ckpt):
+    """One process, fp32, AdamW: predicted state equals the held bytes up to AdamW's 0-dim
+    step counters; predicted activations equal the saved bytes within 0.1 % (left out: the
+    per-sequence aux-loss statistics). The recompute working set is real memory the model
+    adds, but torch's checkpoint saves it under its own hooks, unseen by the meter."""
+    from model.checkpointing import set_checkpointing
+
+    cfg = presets.get("tiny")
+    torch.manual_seed(0)
+    model = MoETransformer(cfg)
+    set_checkpointing(model, ckpt)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq))
+    meter = SavedTensorMeter(model)
+    with meter:
+        ce, aux = model(tokens, tokens)
+    (ce + aux).backward()
+    opt.step()
+    n_tensors = len(list(model.parameters()))
+    plan = ParallelPlan(pp=1, ep=1, dp=1, microbatches=1, global_batch=batch, seq_len=seq,
+                        checkpointing=ckpt)
+    st = stage_memory(cfg, plan, load_platform("frontier"), FP32_TRAINER_PRECISION, TRAINER)[0]
+    assert st.weights + st.grads + st.optimizer + 4 * n_tensors == state_bytes(model, opt)
+    seen = st.activations - st.act_by_part.get("recompute", 0.0)
+    assert seen == pytest.approx(meter.peak, rel=1e-3)
+
+
+def test_lower_bound_never_exceeds_the_estimate():
+    cfg, pf = presets.get("mixtral-8x7b"), load_platform("frontier")
+    sp = SearchSpace.default(cfg, pf, 64, 512, 4096, mbs=(1, 2))
+    n = 0
+    for pt in sp.points():
+        if sp.reject(pt) is None and n < 300:
+            plan = sp.to_plan(pt)
+            assert step_time_lower_bound(cfg, plan, pf) <= estimate(cfg, plan, pf).step_time
+            n += 1
+    assert n == 300
+    # A measured CPU platform (per-layer overhead, GEMM efficiency by width) and the trainer's
+    # memory-traffic term: the bound leaves the traffic out, so it still holds.
+    cfg, pf = presets.get("tiny"), load_platform("local")
+    asm = Assumptions(activation_set="trainer", activation_traffic_passes=4.0)
+    sp = SearchSpace.default(cfg, pf, 4, 16, 256)
+    for pt in sp.points():
+        if sp.reject(pt) is None:
+            plan = sp.to_plan(pt)
+            lb = step_time_lower_bound(cfg, plan, pf, FP32_TRAINER_PRECISION, asm)
+            assert lb <= estimate(cfg, plan, pf, FP32_TRAINER_PRECISION, asm).step_time
+    with pytest.raises(ValueError, match="closed-form"):
+        step_time_lower_bound(cfg, sp.to_plan(next(iter(sp.points()))), pf,
+                              assumptions=Assumptions(alltoall_model="netsim"))
+
+
+def test_branch_and_bound_keeps_the_optimum_with_fewer_evaluations():
+    cfg, pf = presets.get("mixtral-8x7b"), load_platform("frontier")
+    sp = SearchSpace.default(cfg, pf, 64, 512, 4096, mbs=(1, 2))
+    sp = dataclasses.replace(sp, choices=dict(sp.choices, pp=(2, 4, 8, 16),
+                                              schedule=("1f1b", "zb-h1", "interleaved-1f1b:2"),
+                                              checkpointing=("none", "full")))
+    ref = exhaustive(Evaluator(sp, cfg, pf))
+    # Exhaustive with pruning visits every point, so it must find the same optimum.
+    pruned = exhaustive(Evaluator(sp, cfg, pf, prune=True))
+    assert pruned.best.step_time == ref.best.step_time
+    assert pruned.evaluations < ref.evaluations and pruned.rejected["bound"] > 0
+    assert pruned.evaluations + pruned.rejected["bound"] == ref.evaluations
+    got = optuna_search(Evaluator(sp, cfg, pf, prune=True), n_trials=120, seed=0)
+    assert got.best.step_time <= 1.05 * ref.best.step_time
+    assert got.evaluations < ref.evaluations
+    with pytest.raises(ValueError, match="prune=True needs alltoall_model='closed-form'"):
+        Evaluator(sp, cfg, pf, assumptions=Assumptions(alltoall_model="netsim"), prune=True)
