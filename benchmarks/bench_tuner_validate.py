@@ -188,13 +188,14 @@ def main() -> None:
     _markdown(rows, RESULTS / "tuner_validate.md")
 
 
-# Why the zb-h1 rows miss (found while building this benchmark; see the tuner's report):
+# Why the zb-h1 step times run over the prediction (memory matches since the meter fix):
 ZB_NOTE = (
-    "zb-h1: with `--train.memory_report=true` the trainer's SavedTensorMeter and the split "
-    "backward (pipeline/split_backward.py) together keep every micro-batch's saved tensors "
-    "alive: in one process, two tiny layers under the meter with B then W grow RSS by ~12 MB "
-    "and the meter's live count by ~10 MB per micro-batch, gc included; without the meter RSS "
-    "stays flat. So these rows measure that leak (and its slower steps), not the schedule.")
+    "zb-h1: memory matches; the step time runs over the prediction because the split "
+    "backward (pipeline/split_backward.py) walks each micro-batch's autograd graph in Python "
+    "and runs two autograd passes (B, then W from the recorded cut nodes), a per-micro-batch "
+    "overhead the step-time model does not include. (Until the meter kept detached aliases, "
+    "`--train.memory_report=true` also leaked the saved tensors of graphs the split backward "
+    "retains, and these rows measured that leak.)")
 
 
 def _markdown(rows: list[dict], path: Path) -> None:
