@@ -62,7 +62,7 @@ def _plan(args: argparse.Namespace) -> int:
     best = r.best.estimate
     print(f"\nbest: MFU {100 * best.mfu:.1f} %, {best.tflops_per_gpu:.1f} TFLOPS/GPU, "
           f"{best.tokens_per_s:,.0f} tokens/s, peak memory {best.peak_memory / 1e9:.1f} GB")
-    for s in best.stages[:1] + best.stages[-1:]:
+    for s in (best.stages[:1] + best.stages[-1:])[:len(best.stages)]:  # first and last stage
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(s.state_by_part.items()))
         acts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(s.act_by_part.items()))
         print(f"  stage {s.rank} (layers {s.layers[0]}-{s.layers[-1]}): state GB [{parts}]; "
