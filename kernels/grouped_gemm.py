@@ -83,6 +83,25 @@ def _impl(backend: str):  # -> module with gmm, gmm_dx, gmm_dw
     return impl
 
 
+def _engine_needs(ctx, i: int) -> bool:
+    """Whether the running backward pass needs the gradient of input `i`.
+
+    `ctx.needs_input_grad` only says whether input `i` requires grad. A pass that asks for
+    some gradients only (a pipeline's split backward: the input gradient first, the weight
+    gradients later, each a separate `torch.autograd.grad`) reaches this node in both passes;
+    asking the engine whether it will run the node that consumes gradient `i` lets each pass
+    compute only its half instead of both halves twice."""
+    if not ctx.needs_input_grad[i]:
+        return False
+    node = ctx.next_functions[i][0]
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except (AttributeError, RuntimeError):  # not inside an engine pass / API not available
+        return True
+
+
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_EKN, offs_E, backend):  # type: ignore[override]
@@ -96,10 +115,10 @@ class _GroupedGemm(torch.autograd.Function):
         impl = _impl(ctx.backend)
         dy_MN = dy_MN.contiguous()
         dx = dw = None
-        if ctx.needs_input_grad[0]:
+        if _engine_needs(ctx, 0):
             # dx = dy @ w^T per expert: the forward GEMM on a transposed view (no copy).
             dx = impl.gmm_dx(dy_MN, w_EKN, offs_E)
-        if ctx.needs_input_grad[1]:
+        if _engine_needs(ctx, 1):
             dw = impl.gmm_dw(x_MK, dy_MN, offs_E)
         return dx, dw, None, None
 
