@@ -15,6 +15,8 @@ import sys
 import pytest
 from conftest import ROOT, netns_works
 
+from comm.emulate import leftovers
+
 pytestmark = [pytest.mark.netns, pytest.mark.multiproc]
 
 
@@ -24,7 +26,6 @@ pytestmark = [pytest.mark.netns, pytest.mark.multiproc]
 def test_halo_equals_flat_on_emulated_cluster(tmp_path):
     data = tmp_path / "d.txt"
     data.write_bytes(b"".join(p.read_bytes() for p in sorted((ROOT / "trainer").glob("*.py"))))
-    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     losses = {}
     for algo in ("flat", "halo", "auto"):
         out = tmp_path / algo
@@ -34,9 +35,19 @@ def test_halo_equals_flat_on_emulated_cluster(tmp_path):
                "--train.steps=4", "--train.seq_len=64", "--train.global_batch=8",
                "--train.eval_batches=1", "--train.plot=false", f"--data={data}",
                f"--train.out_dir={out}"]
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        try:
+            stdout, stderr = proc.communicate(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        r = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        # the emulator names its namespaces and links after its own pid: none may remain
+        # (other emulated clusters running on the machine at the same time are not ours)
+        assert leftovers(f"pmoe-{proc.pid}") == [], leftovers(f"pmoe-{proc.pid}")
         if algo != "flat":
             assert "Topology: 4 ranks on 2 nodes" in r.stdout  # discovered from the namespaces
         if algo == "auto":
@@ -46,5 +57,3 @@ def test_halo_equals_flat_on_emulated_cluster(tmp_path):
     assert len(losses["flat"]) == 4
     assert losses["halo"] == pytest.approx(losses["flat"], rel=1e-6)
     assert losses["auto"] == pytest.approx(losses["flat"], rel=1e-6)
-    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
-    assert after <= before  # the emulator tore its namespaces down
