@@ -188,14 +188,14 @@ def main() -> None:
     _markdown(rows, RESULTS / "tuner_validate.md")
 
 
-# Why the zb-h1 step times run over the prediction (memory matches since the meter fix):
+# What the zb-h1 rows carry that the model does not (memory matches since the meter fix):
 ZB_NOTE = (
-    "zb-h1: memory matches; the step time runs over the prediction because the split "
-    "backward (pipeline/split_backward.py) walks each micro-batch's autograd graph in Python "
-    "and runs two autograd passes (B, then W from the recorded cut nodes), a per-micro-batch "
-    "overhead the step-time model does not include. (Until the meter kept detached aliases, "
-    "`--train.memory_report=true` also leaked the saved tensors of graphs the split backward "
-    "retains, and these rows measured that leak.)")
+    "zb-h1: the split backward (pipeline/split_backward.py) walks each micro-batch's autograd "
+    "graph in Python and runs two autograd passes (B, then W from the recorded cut nodes), a "
+    "per-micro-batch overhead the step-time model does not include, so these rows run ~20 % "
+    "over the prediction. Earlier runs of this benchmark measured two bugs since fixed: the "
+    "memory meter leaked the graphs the split backward retains, and W repeated the expert "
+    "grouped GEMM's whole backward (25-35 % over).")
 
 
 def _markdown(rows: list[dict], path: Path) -> None:
