@@ -1,20 +1,25 @@
 """Emulate a multi-node cluster on one machine: one network namespace per node, shaped links.
 
     python -m comm.emulate --nodes N --gpus-per-node G --nic-mbit X [--latency-ms Y]
-                           [--groups K --global-mbit Z] [--mtu B] [--timeout-s T] -- CMD ...
+                           [--groups K --global-mbit Z] [--mtu B] [--tcp-cc NAME] [--fifo]
+                           [--timeout-s T] -- CMD ...
 
 Wiring (root and iproute2 needed; addresses in the benchmarking range 198.18.0.0/15):
 
     node i: netns <prefix>-n<i>, eth0 = 198.18.<i // 250>.<i % 250 + 1>/15
             veth pair eth0 <-> pmv<pid>n<i>, the host end enslaved to its group's bridge
     NIC:    tbf at X Mbit/s on both ends of the node's veth (egress in the namespace shapes
-            what the node sends, egress on the bridge port what it receives)
+            what the node sends, egress on the bridge port what it receives); under each
+            tbf one queue per peer node, served round-robin (`--fifo`: one FIFO), 1 s deep
+    TCP:    --tcp-cc in every node (default reno, loss-based: keeps the NIC queue busy; the
+            host's BBR left a two-way loaded link idle ~7 % of the time), no slow-start
+            restart after idle
     groups: with K > 1, every group bridge connects to one core bridge through a veth pair
             shaped at Z Mbit/s per direction (the global links of a Dragonfly group)
     delay:  netem under the tbf where the kernel has it; otherwise --latency-ms fails clearly
-    MTU:    --mtu on every emulated link (default 1500, Ethernet). TCP/IP headers and acks
-            then take ~10 % of a shaped link under load in both directions (measured: 0.90
-            of the rate is payload); 9000 (jumbo frames, common on cluster fabrics) ~2 %.
+    MTU:    --mtu on every emulated link (default 1500, Ethernet). TCP/IP/Ethernet headers
+            then take 4.4 % of a shaped link (at most 0.956 of the rate is TCP payload, one
+            way or loaded in both directions); 9000 (jumbo frames, cluster fabrics) ~1 %.
 
 Each namespace runs `torchrun --nnodes N --nproc-per-node G --node-rank i` with a static
 rendezvous at node 0 (GLOO_SOCKET_IFNAME=eth0 so gloo uses the shaped NIC; ranks of one node
@@ -60,13 +65,36 @@ def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess[str]
 
 
 def _tbf(mbit: float) -> list[str]:
-    # burst >= rate/HZ is needed to reach the rate; 2 ms of traffic (>= 16 KB) keeps bursts
-    # short enough that a 1 KB message still sees the shaped rate. A 1 s queue absorbs the
-    # synchronised bursts of an all-to-all (28 TCP flows into one node at 8x2) without
-    # tail drops, each of which would cost a >= 200 ms retransmission timeout.
+    # burst >= rate/HZ is needed to reach the rate, and >= one 64 KiB TSO/GSO packet (plus
+    # headers) so that tbf passes such packets whole, as a NIC puts a TSO packet on the wire
+    # at line rate, instead of segmenting each one in software (CPU the emulated cluster's
+    # processes need); 2 ms of traffic above that. A 1 s queue absorbs the synchronised
+    # bursts of an all-to-all (28 TCP flows into one node at 8x2) without tail drops, each
+    # of which would cost a >= 200 ms retransmission timeout.
     rate_bytes = mbit * 1e6 / 8
-    burst = max(int(rate_bytes * 0.002), 16 * 1024)
+    burst = max(int(rate_bytes * 0.002), 96 * 1024)
     return ["tbf", "rate", f"{mbit}mbit", "burst", str(burst), "latency", "1000ms"]
+
+
+def _peer_queues(dev: str, mbit: float, mtu: int, nodes: int, field: str) -> str:
+    """tc batch: under the tbf (handle 2:), an htb that only orders, never limits (every
+    class may take 10x the link), with one class per emulated node matched on the packet's
+    IPv4 `field` and served round-robin, a quantum of two frames each. A NIC arbitrates
+    between its queue pairs like this; one FIFO would let whichever socket wrote first hold
+    the link, so that in an all-to-all several senders crowd one receiver while others idle.
+    Each class queues 1 s of traffic (>= 10000 packets), like the tbf, so nothing drops."""
+    fast = f"{10 * mbit}mbit"
+    packets = max(10_000, int(mbit * 1e6 / 8 / 1000))
+    quantum = 2 * (mtu + 14)
+    lines = [f"qdisc add dev {dev} parent 2:1 handle 3: htb default {nodes + 1}"]
+    for k in range(1, nodes + 2):  # class k serves node k - 1; the last one the rest (ARP)
+        lines.append(f"class add dev {dev} parent 3: classid 3:{k} htb rate {fast} "
+                     f"ceil {fast} quantum {quantum}")
+        lines.append(f"qdisc add dev {dev} parent 3:{k} pfifo limit {packets}")
+    for i in range(nodes):
+        lines.append(f"filter add dev {dev} parent 3: protocol ip prio 1 u32 match ip "
+                     f"{field} {node_address(i)}/32 flowid 3:{i + 1}")
+    return "\n".join(lines) + "\n"
 
 
 def leftovers(prefix: str) -> list[str]:
@@ -97,6 +125,8 @@ class EmulatedCluster:
     global_mbit: float | None = None
     tag: str = field(default_factory=lambda: str(os.getpid()))
     mtu: int = 1500
+    tcp_cc: str = "reno"
+    fair_queue: bool = True
     _made_ns: list[str] = field(default_factory=list, init=False)
     _made_links: list[str] = field(default_factory=list, init=False)
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list, init=False)
@@ -114,6 +144,8 @@ class EmulatedCluster:
             raise ValueError(f"--groups {self.groups} needs --global-mbit > 0")
         if not isinstance(self.mtu, int) or not 576 <= self.mtu <= 65535:
             raise ValueError(f"mtu must be an int in 576..65535 bytes, got {self.mtu!r}")
+        if not isinstance(self.tcp_cc, str) or not self.tcp_cc.isidentifier():
+            raise ValueError(f"tcp_cc must be a congestion control name, got {self.tcp_cc!r}")
         if self.latency_ms is not None and self.latency_ms < 0:
             raise ValueError(f"latency_ms must be >= 0, got {self.latency_ms}")
 
@@ -148,7 +180,10 @@ class EmulatedCluster:
         self._made_links.append(name)
         return name
 
-    def _shape(self, dev: str, mbit: float, ns: str | None = None) -> None:
+    def _shape(self, dev: str, mbit: float, ns: str | None = None,
+               peer_field: str | None = None) -> None:
+        """tbf at `mbit` on dev's egress; with peer_field ("dst" or "src"), the queue under
+        the tbf serves one class per emulated peer node round-robin."""
         pre = ["ip", "netns", "exec", ns] if ns else []
         if self.latency_ms:
             netem = _run(pre + ["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:",
@@ -161,7 +196,27 @@ class EmulatedCluster:
             _run(pre + ["tc", "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:",
                         *_tbf(mbit)])
         else:
-            _run(pre + ["tc", "qdisc", "add", "dev", dev, "root", *_tbf(mbit)])
+            _run(pre + ["tc", "qdisc", "add", "dev", dev, "root", "handle", "2:", *_tbf(mbit)])
+        if peer_field and self.fair_queue:
+            batch = _peer_queues(dev, mbit, self.mtu, self.nodes, peer_field)
+            proc = subprocess.run(pre + ["tc", "-batch", "-"], input=batch, text=True,
+                                  capture_output=True)
+            if proc.returncode != 0:
+                raise EmulatorError(f"tc -batch on {dev} failed: {proc.stderr.strip()}")
+
+    def _set_cc(self, inside: list[str]) -> None:
+        # A namespace inherits the host's TCP congestion control. A model-based one (BBR)
+        # keeps the shaped queue nearly empty and, with the acks of one direction queued
+        # behind the data of the other, leaves the link idle part of the time; a cluster
+        # NIC under an all-to-all stays busy. The loss-based default keeps the queue full.
+        cc = _run(inside + ["sysctl", "-qw", f"net.ipv4.tcp_congestion_control={self.tcp_cc}"],
+                  check=False)
+        if cc.returncode != 0:
+            raise EmulatorError(
+                f"cannot select TCP congestion control {self.tcp_cc!r} in the emulated nodes "
+                f"({cc.stderr.strip()}); pass --tcp-cc with one of "
+                "/proc/sys/net/ipv4/tcp_available_congestion_control"
+            )
 
     def _build(self) -> None:
         t = self.tag
@@ -201,10 +256,11 @@ class EmulatedCluster:
             # Cluster fabrics (RDMA) have no such ramp, so the emulated nodes turn it off.
             _run(inside + ["sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"],
                  check=False)
+            self._set_cc(inside)
             _run(["ip", "link", "set", host, "mtu", str(self.mtu), "master",
                   bridges[self.group_of(i)], "up"])
-            self._shape("eth0", self.nic_mbit, ns)  # what node i sends
-            self._shape(host, self.nic_mbit)  # what node i receives
+            self._shape("eth0", self.nic_mbit, ns, "dst")  # what node i sends
+            self._shape(host, self.nic_mbit, None, "src")  # what node i receives
 
     def teardown(self) -> None:
         """Stop our processes, delete our namespaces and links; safe to call twice."""
@@ -300,6 +356,10 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--groups", type=int, default=1)
     p.add_argument("--global-mbit", type=float, default=None)
     p.add_argument("--mtu", type=int, default=1500, help="bytes per frame on every link")
+    p.add_argument("--tcp-cc", default="reno",
+                   help="TCP congestion control inside the emulated nodes (default reno)")
+    p.add_argument("--fifo", action="store_true",
+                   help="one FIFO behind each shaped NIC instead of a round-robin per peer")
     p.add_argument("--timeout-s", type=float, default=None)
     return p.parse_args(argv[:split]), argv[split + 1 :]
 
@@ -313,7 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         with EmulatedCluster(args.nodes, args.gpus_per_node, args.nic_mbit, args.latency_ms,
-                             args.groups, args.global_mbit, mtu=args.mtu) as cluster:
+                             args.groups, args.global_mbit, mtu=args.mtu, tcp_cc=args.tcp_cc,
+                             fair_queue=not args.fifo) as cluster:
             return cluster.run(cmd, args.timeout_s)
     except (EmulatorError, ValueError) as e:
         print(f"comm.emulate: {e}", file=sys.stderr)

@@ -1,16 +1,19 @@
 """Execute a HALO plan over torch.distributed point-to-point ops, with autograd.
 
-Per call (see `comm.halo_plan` for the layout algebra):
-    batch 1: receives of phases I and II, then sends of phase II, then sends of phase I
+Per call (see `comm.halo_plan` for the layout algebra), on gloo:
+    batch 1: receives of phases I, II and III, then sends of phase II, then sends of phase I
     local copies x -> y while batch 1 is in flight
-    wait for phase II (phase I keeps flowing), then
-    batch 2: receives of phase III, then sends of phase III (stage -> y), stage -> y copies
+    for each phase II receive (ascending source): wait for it, then send that source's rows
+        to the other ranks of the node (phase III, stage -> y) and copy the relay's own;
+        the relay hop of early sources overlaps the arrival of later ones
     wait for everything, scatter multi-segment receives into y.
+On NCCL (one Work per batch) phase III is a second batch after all of phase II.
 Every phase posts all of its receives before any of its sends: gloo's TCP transport
 serialises the two directions of a rank pair when a rank sends to a peer before it has
 posted the receive from that peer. Ops go through `batch_isend_irecv`, which NCCL runs as one
 group (no ordering deadlock between ranks) and gloo runs in list order. Tags keep the phases
-apart on gloo; NCCL ignores tags but matches in posting order, which every rank shares.
+(and on gloo the sources of phase III) apart; NCCL ignores tags but matches in posting
+order, which every rank shares.
 The backward runs the plan of the transposed split matrix on the output gradient.
 """
 
@@ -27,6 +30,7 @@ from comm.topology import Topology
 __all__ = ["HaloAllToAll", "halo_all_to_all", "halo_exchange"]
 
 _TAG_INTRA, _TAG_INTER, _TAG_RELAY = 41, 42, 43
+_TAG_RELAY_BASE = 1000  # + original source rank: phase III on gloo
 
 
 @dataclass
@@ -84,38 +88,54 @@ def halo_exchange(
     trailing = x.shape[1:]
     y = x.new_empty((plan.y_rows, *trailing))
     stage = x.new_empty((plan.stage_rows, *trailing))
+    # gloo gives one Work per op and matches on (peer, tag): the phase III receives (one
+    # tag per original source) are posted up front with the others, and each source is
+    # forwarded as soon as its phase II message is in. NCCL (one Work per batch, matching in
+    # posting order) runs phase III as a second batch after phase II.
+    pipelined = dist.get_backend(group) == dist.Backend.GLOO
 
     intra = [_post_recv(y, m) for m in plan.intra_recvs]
     inter = [_post_recv(stage, m) for m in plan.inter_recvs]
+    relay = [_post_recv(y, m) for m in plan.relay_recvs]
     sends = [(_pack(x, m), m.peer) for m in plan.inter_sends]
     sends += [(_pack(x, m), m.peer) for m in plan.intra_sends]
-    tags = [_TAG_INTRA] * len(intra) + [_TAG_INTER] * (len(inter) + len(plan.inter_sends))
-    tags += [_TAG_INTRA] * len(plan.intra_sends)
-    works = _run_batch(intra + inter, sends, tags, group)
+    first = intra + inter + (relay if pipelined else [])
+    tags = [_TAG_INTRA] * len(intra) + [_TAG_INTER] * len(inter)
+    tags += [_relay_tag(m) for m in plan.relay_recvs] if pipelined else []
+    tags += [_TAG_INTER] * len(plan.inter_sends) + [_TAG_INTRA] * len(plan.intra_sends)
+    works = _run_batch(first, sends, tags, group)
     for (src, _), (dst, n) in plan.self_copies:
         y.narrow(0, dst, n).copy_(x.narrow(0, src, n))
 
-    # Phase III needs the stage buffer complete. With gloo each op has its own Work, so only
-    # the phase II receives are awaited here and phase I keeps flowing; NCCL returns one
-    # Work per batch, in which case this waits for phase I too (it is on NVLink, short).
-    # A gloo Work must be waited exactly once (a second wait on a receive blocks for a new
-    # message), so the awaited ones leave the pending list.
+    by_source: dict[int, list] = {}
+    for m in plan.relay_sends:
+        by_source.setdefault(m.source, []).append(m)
+    copies: dict[int, list] = {}
+    for (src, n), dst in plan.stage_copies:
+        copies.setdefault(_source_at(plan, src), []).append(((src, n), dst))
     n_intra, n_inter = len(intra), len(inter)
-    if len(works) == n_intra + n_inter + len(sends):
-        for w in works[n_intra : n_intra + n_inter]:
+    if pipelined:
+        assert len(works) == len(first) + len(sends), "gloo returns one Work per op"
+        # A gloo Work must be waited exactly once (a second wait on a receive blocks for a
+        # new message), so the awaited ones leave the pending list.
+        pending = works[:n_intra] + works[n_intra + n_inter :]
+        for r, w in zip(inter, works[n_intra : n_intra + n_inter], strict=True):
             w.wait()
-        works = works[:n_intra] + works[n_intra + n_inter :]
+            source = r.message.peer
+            out = by_source.pop(source, [])
+            pending += _run_batch([], [(_pack(stage, m), m.peer) for m in out],
+                                  [_relay_tag(m) for m in out], group)
+            for (src, n), (dst, _) in copies.pop(source, []):
+                y.narrow(0, dst, n).copy_(stage.narrow(0, src, n))
+        works = pending
     else:
         for w in works:
             w.wait()
-        works = []
-    relay = [_post_recv(y, m) for m in plan.relay_recvs]
-    relay_sends = [(_pack(stage, m), m.peer) for m in plan.relay_sends]
-    works += _run_batch(
-        relay, relay_sends, [_TAG_RELAY] * (len(relay) + len(relay_sends)), group
-    )
-    for (src, _), (dst, n) in plan.stage_copies:
-        y.narrow(0, dst, n).copy_(stage.narrow(0, src, n))
+        out = plan.relay_sends  # per peer ascending source, as the peer posts its receives
+        works = _run_batch(relay, [(_pack(stage, m), m.peer) for m in out],
+                           [_TAG_RELAY] * (len(relay) + len(out)), group)
+        for (src, n), (dst, _) in [c for cs in copies.values() for c in cs]:
+            y.narrow(0, dst, n).copy_(stage.narrow(0, src, n))
     for w in works:
         w.wait()
     for r in intra + relay:
@@ -125,6 +145,19 @@ def halo_exchange(
                 y.narrow(0, start, n).copy_(r.buffer.narrow(0, offset, n))
                 offset += n
     return y
+
+
+def _relay_tag(m: Message) -> int:
+    return _TAG_RELAY_BASE + m.source
+
+
+def _source_at(plan: RankPlan, stage_row: int) -> int:
+    """The source whose phase II message holds stage row `stage_row`."""
+    for m in plan.inter_recvs:
+        start, n = m.segments[0]
+        if start <= stage_row < start + n:
+            return m.peer
+    raise AssertionError(f"stage row {stage_row} outside every phase II message")
 
 
 class HaloAllToAll(torch.autograd.Function):

@@ -13,8 +13,9 @@ Phases, seen from rank s on node n:
     II  inter-node: for every remote node m, one packed message x_s -> relay(s, m) on m holding
         s's rows for all ranks of m (ascending destination rank). The relay stores the messages
         it receives in its `stage` buffer, ordered by ascending source rank.
-    III redistribute: a relay sends each rank d of its node one message with the rows of every
-        source it relayed for d (ascending source), straight from `stage` into y_d.
+    III redistribute: for every source it relayed (ascending) and every rank d of its node, a
+        relay sends s's rows for d straight from `stage` into y_d, one message per source, so
+        it can forward each source as soon as that source's phase-II message has arrived.
 Phase I does not depend on II/III, so the executor overlaps them.
 
 Relay choice (why all NICs carry traffic): every rank sends its own packed messages, so each
@@ -53,6 +54,7 @@ class Message:
 
     peer: int
     segments: tuple[Segment, ...]
+    source: int = -1  # phase III: the original sender of the rows (-1 elsewhere)
 
     @property
     def rows(self) -> int:
@@ -203,16 +205,11 @@ def _rank_plan(S: list[list[int]], topo: Topology, me: int) -> RankPlan:
             stage_copies = [((stage_off[(s, d)], S[s][d]), (y_off[s], S[s][d]))
                             for s in relayed if S[s][d]]
             continue
-        segs = _coalesce([(stage_off[(s, d)], S[s][d]) for s in relayed if S[s][d]])
-        if segs:
-            relay_sends.append(Message(d, segs))
-    relay_recvs = []
-    for r in mine:
-        if r == me:
-            continue
-        segs = _coalesce([(y_off[s], S[s][me]) for s in remote if relay_of[s] == r])
-        if segs:
-            relay_recvs.append(Message(r, segs))
+        relay_sends += [Message(d, ((stage_off[(s, d)], S[s][d]),), s)
+                        for s in relayed if S[s][d]]
+    relay_recvs = [Message(r, ((y_off[s], S[s][me]),), s)
+                   for r in mine if r != me
+                   for s in remote if relay_of[s] == r and S[s][me]]
     return RankPlan(
         rank=me,
         x_rows=sum(S[me]),

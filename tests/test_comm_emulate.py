@@ -120,3 +120,42 @@ def test_sigterm_tears_everything_down() -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     assert leftovers(prefix) == []
+
+
+def test_peer_queues_cover_every_node_and_never_limit_or_drop() -> None:
+    from comm.emulate import _peer_queues, _tbf
+
+    batch = _peer_queues("eth0", 100.0, 1500, 3, "dst").splitlines()
+    assert batch[0] == "qdisc add dev eth0 parent 2:1 handle 3: htb default 4"
+    filters = [line for line in batch if line.startswith("filter")]
+    assert [f.split(" match ip ")[1].split()[:2] for f in filters] == [
+        ["dst", node_address(i) + "/32"] for i in range(3)]
+    assert [f.split()[-1] for f in filters] == ["3:1", "3:2", "3:3"]
+    classes = [line for line in batch if line.startswith("class")]
+    assert len(classes) == 4 and all("rate 1000.0mbit ceil 1000.0mbit" in c for c in classes)
+    queues = [line for line in batch if line.startswith("qdisc add dev eth0 parent 3:")]
+    assert len(queues) == 4 and all(q.endswith("pfifo limit 12500") for q in queues)
+    tbf = _tbf(100.0)
+    assert tbf[:3] == ["tbf", "rate", "100.0mbit"]
+    assert int(tbf[tbf.index("burst") + 1]) >= 65536 + 1514  # a whole GSO packet passes
+
+
+@pytest.mark.netns
+@needs_netns
+def test_nic_has_round_robin_peer_queues_and_chosen_tcp() -> None:
+    cluster = EmulatedCluster(nodes=2, gpus_per_node=1, nic_mbit=100, tag=f"{os.getpid()}q")
+    with cluster:
+        ns = ["ip", "netns", "exec", cluster.namespace(0)]
+        qdiscs = subprocess.run(ns + ["tc", "qdisc", "show", "dev", "eth0"],
+                                capture_output=True, text=True).stdout
+        cc = subprocess.run(ns + ["sysctl", "-n", "net.ipv4.tcp_congestion_control"],
+                            capture_output=True, text=True).stdout.strip()
+        host = subprocess.run(["tc", "filter", "show", "dev", f"pmv{cluster.tag}n0",
+                               "parent", "3:"],
+                              capture_output=True, text=True).stdout
+    assert "qdisc tbf 2: root" in qdiscs and "qdisc htb 3: parent 2:1" in qdiscs
+    assert qdiscs.count("pfifo") == 3 and cc == "reno"
+    assert "c6120001/ffffffff at 12" in host  # receive side: classified by source address
+    assert leftovers(cluster.prefix) == []
+    with pytest.raises(ValueError, match="tcp_cc"):
+        EmulatedCluster(nodes=1, gpus_per_node=1, nic_mbit=100, tcp_cc="no such")

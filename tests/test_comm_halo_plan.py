@@ -33,18 +33,22 @@ def _scatter(buf: list, segments: tuple[tuple[int, int], ...], rows: list) -> No
     assert next(it, None) is None, "message longer than its receive segments"
 
 
-def _deliver(plans: list[RankPlan], sends: str, recvs: str, src_bufs: list, dst_bufs: list):
-    """Match every send with the peer's receive (one message per pair and phase)."""
+def _deliver(plans: list[RankPlan], sends: str, recvs: str, src_bufs: list, dst_bufs: list,
+             per_source: bool = False):
+    """Match every send with the peer's receive: one message per pair and phase, or with
+    per_source (phase III) one per pair and original source, matched on that source."""
     posted = {}
     for p in plans:
         for m in getattr(p, sends):
-            key = (p.rank, m.peer)
+            key = (p.rank, m.peer, m.source if per_source else -1)
             assert key not in posted, f"two {sends} messages {key}"
+            assert (m.source >= 0) == per_source, f"{sends} source {m.source}"
             posted[key] = _gather(src_bufs[p.rank], m.segments)
     for p in plans:
         for m in getattr(p, recvs):
-            rows = posted.pop((m.peer, p.rank))
+            rows = posted.pop((m.peer, p.rank, m.source if per_source else -1))
             assert len(rows) == m.rows > 0, f"{recvs} size mismatch {m}"
+            assert all(src == m.source for src, _ in rows) or not per_source
             _scatter(dst_bufs[p.rank], m.segments, rows)
     assert not posted, f"unmatched {sends}: {sorted(posted)}"
 
@@ -64,7 +68,7 @@ def simulate(S: list[list[int]], topo: Topology) -> list[list]:
     for p in plans:
         for src, dst in p.stage_copies:
             _scatter(ys[p.rank], (dst,), _gather(stages[p.rank], (src,)))
-    _deliver(plans, "relay_sends", "relay_recvs", stages, ys)
+    _deliver(plans, "relay_sends", "relay_recvs", stages, ys, per_source=True)
     for p in plans:  # each phase only talks to the peers it should
         node = topo.rank2node
         assert all(node[m.peer] == node[p.rank] for m in p.intra_sends + p.relay_sends)
