@@ -106,6 +106,21 @@ def test_halo_equals_vendor_forward_and_backward(nodes: int, gpus: int) -> None:
     assert min(counts) >= len(split_cases(nodes * gpus, gpus)) + 2
 
 
+def _two_batch_worker(rank: int, world: int, group: dist.ProcessGroup, nodes: int,
+                      gpus: int) -> int:
+    import comm.halo
+
+    comm.halo._PIPELINE_ON_GLOO = False  # phase III as a second batch, the NCCL order
+    topo = Topology.uniform(nodes, gpus)
+    for i, (_name, S) in enumerate(split_cases(world, gpus).items()):
+        _check(rank, group, S, topo, "halo", seed=100 + i)
+    return len(split_cases(world, gpus))
+
+
+def test_halo_two_batch_order_equals_vendor() -> None:
+    assert min(run_local(_two_batch_worker, 9, 3, 3, timeout_s=90)) == 5
+
+
 def _mismatch_worker(rank: int, world: int, group: dist.ProcessGroup) -> str:
     try:
         all_to_all(torch.zeros(4, 1), [1] * world, group, "halo", Topology.uniform(1, 2))
