@@ -21,8 +21,14 @@ from comm.topology import Topology
 
 
 def _multiset(tr) -> list[tuple[int, int, float, int]]:
-    return sorted(zip(tr.src.tolist(), tr.dst.tolist(), tr.nbytes.tolist(), tr.phase.tolist(),
-                      strict=True))
+    """Bytes per (src, dst, phase). HALO's plan sends phase III as one message per relayed
+    source (the relay forwards each as it arrives); the simulator moves them as one flow per
+    (relay, destination): same bytes over the same endpoints and links."""
+    total: dict[tuple[int, int, int], float] = {}
+    for s, d, b, p in zip(tr.src.tolist(), tr.dst.tolist(), tr.nbytes.tolist(),
+                          tr.phase.tolist(), strict=True):
+        total[(s, d, p)] = total.get((s, d, p), 0.0) + b
+    return sorted((s, d, b, p) for (s, d, p), b in total.items())
 
 
 @settings(max_examples=30)

@@ -118,7 +118,10 @@ def halo_all_to_all(S: np.ndarray, topo: Topology) -> Traffic:
         s2, m2 = np.nonzero((node[:, None] != np.arange(n)[None, :]) & (to_node > 0))
         parts.append((s2, node_rank[m2, relay_local[local[s2]]], to_node[s2, m2], 1))
         # Phase III: the relay at local j of node(d) forwards to d the rows of every remote
-        # source whose local index l has relay_local[l] == j: U[j, d] bytes.
+        # source whose local index l has relay_local[l] == j: U[j, d] bytes. comm sends them
+        # as one message per relayed source (forwarded as each arrives); here they are one
+        # flow per (relay, destination): the same bytes between the same endpoints, without
+        # the extra messages' per-message cost.
         remote = np.where(same, 0.0, S)
         by_local = np.argsort(local, kind="stable")
         T = np.add.reduceat(remote[by_local], np.arange(0, R, n), axis=0)  # [l, d]
