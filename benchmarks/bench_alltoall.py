@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import git_sha  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 ROW_BYTES = 1024  # one row = 256 fp32 values
@@ -120,13 +122,6 @@ def worker(args: argparse.Namespace) -> int:
 
 
 # ---- driver ----------------------------------------------------------------------------
-def git_sha() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                             capture_output=True, text=True)
-        return out.stdout.strip() or "uncommitted"
-    except OSError:
-        return "unknown"
 
 
 def run_setup(setup: str, sizes: list[int], args: argparse.Namespace) -> list[dict]:

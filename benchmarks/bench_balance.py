@@ -30,12 +30,12 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import git_sha  # noqa: E402
 
 from balance import (
     MigrationPolicy,
@@ -51,14 +51,6 @@ from balance import (
 RESULTS = Path(__file__).resolve().parent / "results"
 # "minmax-tol0" is minmax with tolerance=0: lowest max first, moves only break ties.
 METHODS = ("none", "hill-climb", "minmax", "minmax-tol0", "greedy-repack")
-
-
-def _git_sha() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def _device() -> str:
@@ -264,7 +256,7 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"git": _git_sha(), "device": _device(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    meta = {"git": git_sha(), "device": _device(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "seed": args.seed, "tokens": args.tokens, "topk": args.topk, "window": args.window}
 
     static = static_grid(args)

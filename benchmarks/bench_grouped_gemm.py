@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -28,17 +27,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _common import git_sha  # noqa: E402
+
 from kernels import _cpu, grouped_gemm  # noqa: E402
 
 DEFAULT_PRESETS = ["mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3"]
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def device_name(device: torch.device) -> str:

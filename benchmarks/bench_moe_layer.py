@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_grouped_gemm import device_name, git_sha  # noqa: E402
+from _common import git_sha  # noqa: E402
+from bench_grouped_gemm import device_name  # noqa: E402
 
 SHAPES = {  # name: (d, f, E, k)
     "mixtral-like": (1024, 3584, 8, 2),

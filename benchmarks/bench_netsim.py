@@ -37,12 +37,12 @@ import importlib.util
 import json
 import platform
 import statistics
-import subprocess
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+from _common import git_sha  # noqa: E402
 
 from comm.netsim import (
     dgx_fat_tree,
@@ -60,15 +60,6 @@ from comm.topology import Topology
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PUBLISHED = (1.2, 9.0)  # HALO / vendor all-to-all bandwidth, 16-512 nodes (REFERENCE 1.4)
-
-
-def _git_sha() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def _device() -> str:
@@ -247,7 +238,7 @@ def main() -> None:
         last = max(r["time"] for r in old if r.get("kind") == "frontier")
         plot([r for r in old if r.get("time") == last], RESULTS / "bench_netsim.png")
         return
-    meta = {"git": _git_sha(), "device": _device(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    meta = {"git": git_sha(), "device": _device(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     rows = sweep(args) if "frontier" in sections else []
     rows += speed(args) if "speed" in sections else []
     rows += dgx(args) if "dgx" in sections else []

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import git_sha  # noqa: E402
 from bench_alltoall import ROW_BYTES, nic_bound_s, parse_size, split_matrix
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -228,12 +229,6 @@ def summary(rows: list[dict]) -> None:
                           f"median |error| {statistics.median(map(abs, errs)):.0%}, worst "
                           f"{worst:+.0%}, within 20 % at {sum(abs(e) <= 0.2 for e in errs)} "
                           f"of {len(errs)}")
-
-
-def git_sha() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                         text=True)
-    return out.stdout.strip() or "unknown"
 
 
 def markdown(cal: dict, rows: list[dict], mbit: float, meta: dict) -> str:

@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -40,14 +39,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _common import git_sha  # noqa: E402
+
 import pipeline  # noqa: E402
 from pipeline.launch import run_local  # noqa: E402
+from tuner.measure import p2p_one_way_s  # noqa: E402
 
 SCHEDULES = [("gpipe", {}), ("1f1b", {}), ("interleaved-1f1b", {"n_virtual": 2}), ("zb-h1", {})]
 
@@ -104,34 +107,15 @@ def _stage(d: int, n_layers: int, seed: int) -> nn.Module:
     return nn.Sequential(*[m for _ in range(n_layers) for m in (nn.Linear(d, d), nn.ReLU())])
 
 
-def _p2p_one_way(rank: int, rows: int, d: int, repeats: int = 21) -> float:
-    """Median one-way time of handing one [rows, d] fp32 activation from rank 0 to rank 1
-    (half a send/recv round trip); the other ranks wait at the barrier."""
-    import torch.distributed as dist
-
-    buf = torch.randn(rows, d)
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
-        elif rank == 1:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
-        times.append((time.perf_counter() - t0) / 2)
-    dist.barrier()
-    return statistics.median(times[1:])  # the first exchange also sets up the connection
-
-
 def _worker(rank: int, world: int, m: int, args: dict) -> dict:
     d, rows = args["dim"], args["rows"]
     out: dict[str, Any] = {}
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(rows, d, generator=g) for _ in range(m)]
     ys = [torch.randn(rows, d, generator=g) for _ in range(m)]
-    out["p2p_s"] = _p2p_one_way(rank, rows, d)
+    # one-way hand-over of one activation between ranks 0 and 1 (median of half round trips)
+    out["p2p_s"] = p2p_one_way_s(rank, torch.randn(rows, d), repeats=21)
+    dist.barrier()
     for name, kw in SCHEDULES:
         if name == "interleaved-1f1b" and m % world:
             continue
@@ -168,14 +152,6 @@ def _worker(rank: int, world: int, m: int, args: dict) -> dict:
         out[name] = {"bubbles": bubbles, "spans": all_spans, "peak_bytes": counter.peak,
                      "per_mb_bytes": per_mb}
     return out
-
-
-def _git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _device() -> str:
@@ -292,7 +268,7 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cfg = {k: getattr(args, k) for k in ("dim", "rows", "layers", "warmup", "repeats")}
-    sha, device, stamp = _git_sha(), _device(), time.strftime("%Y%m%d-%H%M%S")
+    sha, device, stamp = git_sha(), _device(), time.strftime("%Y%m%d-%H%M%S")
     rows = []
     for p in args.ranks:
         for m in args.microbatches:

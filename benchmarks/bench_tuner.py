@@ -29,9 +29,10 @@ import argparse
 import json
 import platform as pyplatform
 import statistics
-import subprocess
 import time
 from pathlib import Path
+
+from _common import git_sha  # noqa: E402
 
 from model import presets
 from tuner import load_platform
@@ -39,14 +40,6 @@ from tuner.search import Evaluator, exhaustive, optuna_search
 from tuner.space import SearchSpace
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:
@@ -88,7 +81,7 @@ def main() -> None:
             first = next((i + 1 for i, h in enumerate(got.history) if h <= 1.05 * best), None)
             calls = got.evaluations + got.memory_checks
             row = {
-                "bench": "tuner", "sha": _sha(), "device": pyplatform.processor() or pyplatform.machine(),
+                "bench": "tuner", "sha": git_sha(), "device": pyplatform.processor() or pyplatform.machine(),
                 "model": cfg.name, "platform": pf.name, "gpus": args.gpus, "seq": args.seq,
                 "global_batch": args.global_batch, "space": space.size, "seed": seed,
                 "multivariate": mv, "trials": got.trials, "skipped": got.skipped, "first_within_5pct": first,

@@ -40,10 +40,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform as pyplatform
-import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from _common import git_sha  # noqa: E402
 
 from model import presets
 from tuner import Assumptions, ParallelPlan, estimate, load_platform
@@ -75,14 +76,6 @@ CONFIGS: list[tuple[str, ParallelPlan]] = [
 ]
 
 
-def _sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def platform_path(world: int) -> Path:
     return RESULTS / f"tuner_validate_platform_w{world}.toml"
 
@@ -112,7 +105,7 @@ def _row(cfg, name: str, plan: ParallelPlan, m: Measured, args: argparse.Namespa
     t_err = p["step_time"] / m.step_time_s - 1
     ok = abs(mem_err) <= MEM_TOL and abs(t_err) <= TIME_TOL
     row = {
-        "bench": "tuner_validate", "sha": _sha(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "bench": "tuner_validate", "sha": git_sha(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "measured_at": measured_at or time.strftime("%Y-%m-%dT%H:%M:%S"),
         "device": pyplatform.processor() or pyplatform.machine(), "config": name,
         "plan": plan.to_dict(), "world": plan.n_gpus, "model": "tiny",

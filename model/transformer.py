@@ -119,11 +119,11 @@ class MoETransformer(nn.Module):
                 module.reset_state()
                 _normal(module.router.weight, std, seed, f"{mname}.router.weight")
                 experts = module.experts
-                slot2expert = torch.argsort(module.expert2slot).tolist()
                 for wname in ("w1", "w3", "w2"):
                     w = getattr(experts, wname)
                     for s in range(w.shape[0]):
-                        e = slot2expert[experts.first_slot + s]
+                        # reset_state made the placement the identity: slot g holds expert g
+                        e = experts.first_slot + s
                         _normal(w[s], std, seed, f"{mname}.experts.{wname}", e)
 
     # ---------------------------------------------------------------- forward

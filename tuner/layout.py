@@ -20,6 +20,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from model import CHECKPOINTING  # the modes model/checkpointing.py implements and train.py runs
+
 __all__ = [
     "ALLTOALL_ALGORITHMS",
     "Assumptions",
@@ -35,7 +37,6 @@ __all__ = [
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
 ALLTOALL_ALGORITHMS = ("flat", "halo")
-CHECKPOINTING = ("none", "selective", "full")
 EP_PLACEMENTS = ("local", "spread")
 ATTENTION_MODES = ("sharded", "replicated")
 

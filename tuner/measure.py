@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from tuner.platform import Platform
 
-__all__ = ["measure_platform", "fit_latency_bandwidth", "write_platform_toml"]
+__all__ = ["measure_platform", "fit_latency_bandwidth", "write_platform_toml", "p2p_one_way_s"]
 
 
 def fit_latency_bandwidth(sizes: list[float], times: list[float]) -> tuple[float, float]:
@@ -161,6 +161,21 @@ def _compute_worker(rank: int, world: int, group: object, threads: int, quick: b
             "overhead": overhead, "widths": widths}
 
 
+def p2p_one_way_s(rank: int, buf: torch.Tensor, repeats: int) -> float:
+    """Median seconds of one transfer of `buf` between ranks 0 and 1 of the default group:
+    half a send/recv round trip. Other ranks return at once (call a barrier after)."""
+
+    def ping() -> None:
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+
+    return _median_time(ping, repeats, min_s=0.0) / 2
+
+
 def _comm_worker(rank: int, world: int, group: object, sizes: list[int], repeats: int) -> dict:
     """Median seconds of all_to_all_single and of a 0 <-> 1 ping-pong per message size."""
     out: dict[str, list[float]] = {"a2a": [], "p2p": []}
@@ -170,18 +185,7 @@ def _comm_worker(rank: int, world: int, group: object, sizes: list[int], repeats
         # min_s=0: every rank must make the same number of calls (each is a collective).
         out["a2a"].append(_median_time(lambda x=x, y=y: dist.all_to_all_single(y, x, group=group),
                                        repeats, min_s=0.0))
-        buf = torch.ones(max(1, nb // 4))
-
-        def ping(buf: torch.Tensor = buf) -> None:
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-
-        # Half a round trip is one transfer.
-        out["p2p"].append(_median_time(ping, repeats, min_s=0.0) / 2)
+        out["p2p"].append(p2p_one_way_s(rank, torch.ones(max(1, nb // 4)), repeats))
         dist.barrier()
     return out
 
