@@ -6,8 +6,10 @@
 A setup `NxG@M` is N nodes x G ranks per node with M Mbit/s per node NIC. For every message
 size S (bytes per rank pair) and split pattern (balanced: every pair S; skewed: rank d gets
 weight 1/(1 + (d - s) mod R) from rank s, scaled so the mean pair is S), each algorithm runs
-warm-up + repeats; a repeat is barrier -> exchange -> max over ranks of the elapsed time, and
-the median repeat is reported. Numbers per row:
+warm-up + repeats, the three alternating inside each repeat in all six orders equally
+often; a repeat is barrier -> exchange -> max over ranks of the elapsed time, cheap points
+repeat until each algorithm has run --min-time-s, and the median repeat is reported.
+Numbers per row:
     algbw_MBps   bytes each rank sends to other ranks (max over ranks) / time
     vs_flat      time / flat time, measured in the same run (<= 1 means not slower)
     nic_frac     time the shaped NICs need at least (busiest node direction / rate) / time
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -36,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 ROW_BYTES = 1024  # one row = 256 fp32 values
 ALGORITHMS = ("flat", "halo", "auto")
+ORDERS = list(itertools.permutations(ALGORITHMS))  # repeat i runs ORDERS[i % 6]
 DEFAULT_SETUPS = "8x2@100,4x2@1000"  # the two targets
 
 
@@ -93,9 +97,14 @@ def worker(args: argparse.Namespace) -> int:
             x = torch.randn(sum(S[rank]), ROW_BYTES // 4)
             samples: dict[str, list[float]] = {a: [] for a in ALGORITHMS}
             # Algorithms alternate inside each repeat, so drifting load on the shared
-            # machine hits all of them alike instead of whichever ran last.
-            for i in range(args.warmup + args.repeats):
-                for algorithm in ALGORITHMS:
+            # machine hits all of them alike instead of whichever ran last, and the order
+            # runs through every permutation: on 2 oversubscribed cores an exchange right
+            # after another one measured up to 20 % faster or slower depending on which.
+            # Cheap points repeat until each algorithm has spent --min-time-s (at most
+            # --max-repeats; a multiple of 6, so every order occurs equally often).
+            i = spent = 0
+            while True:
+                for algorithm in ORDERS[i % len(ORDERS)]:
                     dist.barrier(group)
                     t0 = time.perf_counter()
                     all_to_all(x, S[rank], group, algorithm, topology=topo, cost_model=model)
@@ -103,6 +112,14 @@ def worker(args: argparse.Namespace) -> int:
                     dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
                     if i >= args.warmup:
                         samples[algorithm].append(dt.item())
+                        spent += dt.item()
+                i += 1
+                done = i - args.warmup
+                # Every rank holds the same all-reduced times, so all stop together.
+                if done >= args.repeats and done % len(ORDERS) == 0 and (
+                        spent >= args.min_time_s * len(ALGORITHMS)
+                        or done >= args.max_repeats):
+                    break
             times = {a: statistics.median(v) for a, v in samples.items()}
             choice = choose_algorithm(S, ROW_BYTES, topo, model)  # what auto ran
             sent = max(sum(S[s]) - S[s][s] for s in range(R)) * ROW_BYTES
@@ -112,7 +129,8 @@ def worker(args: argparse.Namespace) -> int:
                     "nodes": topo.num_nodes, "gpus_per_node": G, "nic_mbit": mbit,
                     "pattern": pattern, "pair_bytes": size, "algorithm": algorithm,
                     "time_s": t, "algbw_MBps": sent / t / 1e6, "vs_flat": t / times["flat"],
-                    "nic_frac": bound / t, "repeats": args.repeats, "auto_choice": choice,
+                    "nic_frac": bound / t, "repeats": len(samples[algorithm]),
+                    "auto_choice": choice,
                     **calibrated,
                 })
     if rank == 0:
@@ -134,7 +152,8 @@ def run_setup(setup: str, sizes: list[int], args: argparse.Namespace) -> list[di
                "--timeout-s", str(args.timeout_s), "--",
                sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out),
                "--sizes", ",".join(map(str, sizes)), "--patterns", ",".join(args.patterns),
-               "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+               "--warmup", str(args.warmup), "--repeats", str(args.repeats),
+               "--min-time-s", str(args.min_time_s), "--max-repeats", str(args.max_repeats)]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}
         rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
         if rc != 0 or not out.exists():
@@ -207,7 +226,10 @@ def main() -> int:
                    "100 Mbit/s would take 36 s per repeat)")
     p.add_argument("--patterns", default="balanced,skewed")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="at least this many timed repeats")
+    p.add_argument("--min-time-s", type=float, default=2.0,
+                   help="cheap points repeat until each algorithm spent this long")
+    p.add_argument("--max-repeats", type=int, default=60)
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--mtu", type=int, default=1500, help="emulated link MTU (bytes)")
     args = p.parse_args()

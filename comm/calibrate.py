@@ -1,10 +1,14 @@
 """Calibrate `CostModel` on the running job: a few timed exchanges, one agreed result.
 
 Collective: every rank of `group` calls it with the same arguments. It times flat and HALO
-with one row per rank pair (fixed costs dominate) and with L and 2L rows per pair (bandwidth
-dominates), takes the median of `repeats` after a warm-up, and the maximum over ranks (the
-slowest rank ends the collective). Every rank then fits the same numbers, so the returned
-model is identical everywhere and `algorithm="auto"` stays deadlock-free:
+alternating inside each repeat, in an order that rotates from repeat to repeat (on a loaded
+host an exchange measured up to 20 % faster or slower depending on which one ran just
+before), takes the median of the repeats after a warm-up and the maximum over ranks (the
+slowest rank ends the collective). Balanced exchanges are timed with one row per rank pair
+(fixed costs dominate; `small_repeats` of them, they are cheap) and with L rows, L growing
+x4 from `large_rows` until one exchange takes >= 5x the one-row time, then 2L (bandwidth
+dominates). Every rank fits the same numbers, so the returned model is identical everywhere
+and `algorithm="auto"` stays deadlock-free:
     alpha_net = alpha_local  flat small time / (R - 1) messages (all peers at once)
     local_bandwidth          intra-node bytes per rank of L rows / (flat time of an
                              intra-node-only exchange of 2L rows - of L rows)
@@ -13,9 +17,11 @@ model is identical everywhere and `algorithm="auto"` stays deadlock-free:
                              predicted relay hop of L rows)
     flat_nic_bandwidth       busiest-NIC bytes of L rows / (flat(2L) - flat(L) - the
                              intra-node part of L rows)
+    corrections              measured / fitted-model time of each algorithm at every
+                             balanced exchange timed (see `CostModel.corrections`)
 The fitted model is the concurrent flat model (flat_pairwise=False): the two algorithms
 then differ in fixed costs, in the NIC rate each reaches and in HALO's relay hop, all
-measured on the machine at hand.
+measured on the machine at hand; the corrections hold what those few numbers miss.
 """
 
 from __future__ import annotations
@@ -28,10 +34,51 @@ import torch
 import torch.distributed as dist
 
 from comm.alltoall import all_to_all
-from comm.cost import CostModel, predict_halo
+from comm.cost import CostModel, busiest_nic_bytes, predict_flat, predict_halo
 from comm.topology import Topology
 
-__all__ = ["calibrate", "time_all_to_all"]
+__all__ = ["calibrate", "time_algorithms", "time_all_to_all"]
+
+
+def time_algorithms(
+    group: dist.ProcessGroup | None,
+    topo: Topology,
+    S: list[list[int]],
+    row_numel: int,
+    algorithms: tuple[str, ...] = ("flat", "halo"),
+    repeats: int = 3,
+    warmup: int = 1,
+    model: CostModel | None = None,
+    min_time_s: float = 0.0,
+    max_repeats: int = 0,
+) -> dict[str, float]:
+    """Median over repeats of the slowest rank's time for one exchange of S (seconds) per
+    algorithm; the algorithms alternate inside each repeat, the order rotating.
+
+    At least `repeats`; then more (up to `max_repeats`) until each algorithm has run
+    `min_time_s` in total: cheap exchanges get the samples their noise needs. Every rank
+    sees the same all-reduced times, so all stop after the same repeat.
+    """
+    rank = dist.get_rank(group)
+    x = torch.randn(sum(S[rank]), row_numel)
+    samples: dict[str, list[float]] = {a: [] for a in algorithms}
+    i = 0
+    while True:
+        for j in range(len(algorithms)):
+            algorithm = algorithms[(i + j) % len(algorithms)]
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            all_to_all(x, S[rank], group, algorithm, topology=topo, cost_model=model)
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
+            if i >= warmup:
+                samples[algorithm].append(float(dt.item()))
+        i += 1
+        done = i - warmup
+        if done >= repeats and (done >= max_repeats or min(
+                sum(v) for v in samples.values()) >= min_time_s):
+            break
+    return {a: statistics.median(v) for a, v in samples.items()}
 
 
 def time_all_to_all(
@@ -45,30 +92,8 @@ def time_all_to_all(
     model: CostModel | None = None,
 ) -> float:
     """Median over repeats of the slowest rank's time for one exchange of S (seconds)."""
-    rank = dist.get_rank(group)
-    x = torch.randn(sum(S[rank]), row_numel)
-    samples = []
-    for i in range(warmup + repeats):
-        dist.barrier(group)
-        t0 = time.perf_counter()
-        all_to_all(x, S[rank], group, algorithm, topology=topo, cost_model=model)
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
-        if i >= warmup:
-            samples.append(float(dt.item()))
-    return statistics.median(samples)
-
-
-def _busiest_nic_bytes(S: list[list[int]], row_bytes: int, topo: Topology) -> float:
-    out: dict[tuple[int, int], float] = {}
-    inn: dict[tuple[int, int], float] = {}
-    node, nic = topo.rank2node, topo.rank2nic
-    for s, row in enumerate(S):
-        for d, rows in enumerate(row):
-            if node[s] != node[d]:
-                out[(node[s], nic[s])] = out.get((node[s], nic[s]), 0.0) + rows * row_bytes
-                inn[(node[d], nic[d])] = inn.get((node[d], nic[d]), 0.0) + rows * row_bytes
-    return max([*out.values(), *inn.values()], default=0.0)
+    return time_algorithms(group, topo, S, row_numel, (algorithm,), repeats, warmup,
+                           model)[algorithm]
 
 
 def _uniform(R: int, rows: int) -> list[list[int]]:
@@ -83,8 +108,10 @@ def calibrate(
     repeats: int = 3,
     base: CostModel | None = None,
     max_rows: int = 16384,
+    small_repeats: int = 15,
 ) -> CostModel:
-    """Fit alpha, HALO overhead, local and NIC bandwidth of `base` (default: for the backend).
+    """Fit alpha, HALO overhead, local and NIC bandwidth of `base` (default: for the backend)
+    and the per-size corrections.
 
     Bandwidths come from the time difference between L and 2L rows per pair, with L grown
     (x4 from `large_rows`, at most `max_rows`) until one exchange takes >= 5x the one-row
@@ -97,29 +124,37 @@ def calibrate(
     if large_rows < 1 or row_numel < 1 or max_rows < large_rows:
         raise ValueError(f"need 1 <= large_rows={large_rows} <= max_rows={max_rows} and "
                          f"row_numel={row_numel} >= 1")
+    if repeats < 1 or small_repeats < 1:
+        raise ValueError(f"repeats={repeats} and small_repeats={small_repeats} must be >= 1")
     base = base or CostModel.for_backend(dist.get_backend(group))
     # The fitted flat model is the concurrent one (what gloo's all_to_all_single and NCCL
     # post: every peer at once); gloo's partial serialisation of pair directions shows up
     # in the fitted flat_nic_bandwidth instead of a pessimistic pairwise schedule.
-    base = dataclasses.replace(base, flat_pairwise=False, flat_nic_bandwidth=None)
+    base = dataclasses.replace(base, flat_pairwise=False, flat_nic_bandwidth=None,
+                               corrections=())
     row_bytes = 4 * row_numel  # float32 rows
     small = _uniform(R, 1)
-    flat_small = time_all_to_all(group, topo, small, row_numel, "flat", repeats)
     if topo.num_nodes == 1:
+        flat_small = time_all_to_all(group, topo, small, row_numel, "flat", small_repeats)
         return dataclasses.replace(base, alpha_net=flat_small / max(1, R - 1),
                                    alpha_local=flat_small / max(1, R - 1))
-    alpha = flat_small / (R - 1)
+    # Cheap exchanges repeat until each algorithm ran 0.25 s (at most small_repeats).
+    timed = {"min_time_s": 0.25, "max_repeats": max(repeats, small_repeats)}
+    measured = {1: time_algorithms(group, topo, small, row_numel, repeats=small_repeats)}
+    alpha = measured[1]["flat"] / (R - 1)
     fitted = dataclasses.replace(base, alpha_net=alpha, alpha_local=alpha, halo_overhead_s=0.0)
-    halo_small = time_all_to_all(group, topo, small, row_numel, "halo", repeats)
 
     rows = large_rows
-    t_a = time_all_to_all(group, topo, _uniform(R, rows), row_numel, "halo", repeats)
-    while t_a < 5 * halo_small and rows * 4 <= max_rows:
+    measured[rows] = time_algorithms(group, topo, _uniform(R, rows), row_numel, repeats=repeats,
+                                     **timed)
+    while measured[rows]["halo"] < 5 * measured[1]["halo"] and rows * 4 <= max_rows:
         rows *= 4
-        t_a = time_all_to_all(group, topo, _uniform(R, rows), row_numel, "halo", repeats)
-    t_b = time_all_to_all(group, topo, _uniform(R, 2 * rows), row_numel, "halo", repeats)
-    f_a = time_all_to_all(group, topo, _uniform(R, rows), row_numel, "flat", repeats)
-    f_b = time_all_to_all(group, topo, _uniform(R, 2 * rows), row_numel, "flat", repeats)
+        measured[rows] = time_algorithms(group, topo, _uniform(R, rows), row_numel,
+                                         repeats=repeats, **timed)
+    measured[2 * rows] = time_algorithms(group, topo, _uniform(R, 2 * rows), row_numel,
+                                         repeats=repeats, **timed)
+    t_a, t_b = measured[rows]["halo"], measured[2 * rows]["halo"]
+    f_a, f_b = measured[rows]["flat"], measured[2 * rows]["flat"]
 
     G = max(topo.ranks_per_node())
     local_s = 0.0  # seconds the intra-node rows of L more rows per pair add to flat
@@ -136,12 +171,12 @@ def calibrate(
         if l_b > l_a:
             fitted = dataclasses.replace(fitted, local_bandwidth=per_rank / (l_b - l_a))
             local_s = l_b - l_a
-    overhead = max(0.0, halo_small - predict_halo(small, row_bytes, topo, fitted))
+    overhead = max(0.0, measured[1]["halo"] - predict_halo(small, row_bytes, topo, fitted))
     # HALO(2L) - HALO(L) = NIC time of L rows + relay hop of L rows: strip the fitted hop.
     no_nic = dataclasses.replace(fitted, nic_bandwidth=1e30)
     hop = (predict_halo(_uniform(R, 2 * rows), row_bytes, topo, no_nic)
            - predict_halo(_uniform(R, rows), row_bytes, topo, no_nic))
-    busiest = _busiest_nic_bytes(_uniform(R, rows), row_bytes, topo)
+    busiest = busiest_nic_bytes(_uniform(R, rows), row_bytes, topo)
     bandwidth = base.nic_bandwidth
     if t_b - t_a - hop > 0:
         bandwidth = busiest / (t_b - t_a - hop)
@@ -149,5 +184,12 @@ def calibrate(
     flat_bw = bandwidth
     if f_b - f_a - local_s > 0:
         flat_bw = busiest / (f_b - f_a - local_s)
-    return dataclasses.replace(fitted, halo_overhead_s=overhead, nic_bandwidth=bandwidth,
-                               flat_nic_bandwidth=flat_bw)
+    fitted = dataclasses.replace(fitted, halo_overhead_s=overhead, nic_bandwidth=bandwidth,
+                                 flat_nic_bandwidth=flat_bw)
+    corrections = []
+    for n, t in sorted(measured.items()):
+        S = _uniform(R, n)
+        corrections.append((busiest_nic_bytes(S, row_bytes, topo),
+                            t["flat"] / predict_flat(S, row_bytes, topo, fitted),
+                            t["halo"] / predict_halo(S, row_bytes, topo, fitted)))
+    return dataclasses.replace(fitted, corrections=tuple(corrections))

@@ -15,6 +15,7 @@ so all ranks pick the same algorithm without another collective.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ from comm.topology import Topology
 
 __all__ = [
     "CostModel",
+    "busiest_nic_bytes",
     "choose_algorithm",
     "predict_flat",
     "predict_halo",
@@ -46,6 +48,13 @@ class CostModel:
         when it differs from HALO's (None: nic_bandwidth). `calibrate` measures it: gloo's
         all_to_all_single posts each send before the receive from the same peer, and its
         TCP pairs then move some pairs' two directions one after the other.
+    corrections: measured / predicted time of each algorithm at the exchanges `calibrate`
+        timed, as (busiest-NIC bytes, flat factor, HALO factor) sorted by bytes. `auto`
+        scales its two predictions by the factors interpolated at the call's busiest-NIC
+        bytes (log scale, held constant beyond the ends), so the decision reproduces the
+        measurement where one was taken and the alpha-beta model shapes it in between
+        (what a few parameters miss on a loaded host: CPU-bound copies, transport quirks).
+        Empty: the raw model.
     """
 
     nic_bandwidth: float = 12.5e6  # 100 Mbit/s: the emulator's default shaped NIC
@@ -55,6 +64,7 @@ class CostModel:
     halo_overhead_s: float = 200e-6
     flat_pairwise: bool = False
     flat_nic_bandwidth: float | None = None
+    corrections: tuple[tuple[float, float, float], ...] = ()
 
     @classmethod
     def for_backend(cls, backend: str, **overrides: float) -> CostModel:
@@ -77,6 +87,29 @@ class CostModel:
         for name in ("alpha_net", "alpha_local", "halo_overhead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 s, got {getattr(self, name)}")
+        points = [tuple(c) for c in self.corrections]
+        if any(len(c) != 3 or not all(v > 0 for v in c) for c in points) or any(
+                a[0] >= b[0] for a, b in zip(points, points[1:], strict=False)):
+            raise ValueError("corrections must be (busiest-NIC bytes, flat factor, HALO "
+                             f"factor) triples of positive numbers, bytes increasing, got "
+                             f"{self.corrections!r}")
+        object.__setattr__(self, "corrections", tuple(points))
+
+    def correction(self, nic_bytes: float) -> tuple[float, float]:
+        """(flat, HALO) factors at `nic_bytes` busiest-NIC bytes; (1, 1) without corrections."""
+        if not self.corrections:
+            return 1.0, 1.0
+        points = self.corrections
+        if nic_bytes <= points[0][0]:
+            return points[0][1], points[0][2]
+        for (x0, f0, h0), (x1, f1, h1) in zip(points, points[1:], strict=False):
+            if nic_bytes <= x1:  # plain python: this runs on every `auto` call
+                w = math.log(nic_bytes / x0) / math.log(x1 / x0)
+                return f0 + w * (f1 - f0), h0 + w * (h1 - h0)
+        return points[-1][1], points[-1][2]
+
+
+SMALL_GROUP = 32  # up to this many ranks `choose_algorithm` runs `_predict_both_loops`
 
 
 def _nic_time(bytes_by_nic: dict[tuple[int, int], float], bw: float) -> float:
@@ -184,36 +217,68 @@ def reference_predict_halo(
 
 # ---- vectorised predictions (what `auto` runs on every call) -----------------------------
 # Every rank evaluates the model on every call; with 16 ranks on 2 cores the plain loops
-# cost ~3 ms of CPU per rank per call (~25 ms of wall time on the emulator), numpy ~0.2 ms.
+# cost ~3 ms of CPU per rank per call (~25 ms of wall time on the emulator). Everything that
+# depends only on the topology is built once and memoised on the (immutable) Topology, so a
+# call costs a few small numpy operations on the split matrix.
 
 
-def _arrays(
-    S: list[list[int]], row_bytes: int, topo: Topology
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
-    B = np.asarray(S, dtype=np.float64) * row_bytes  # B[s, d] bytes
-    node = np.asarray(topo.rank2node)
-    nic_ids = {key: i for i, key in enumerate(dict.fromkeys(zip(topo.rank2node, topo.rank2nic,
-                                                                 strict=True)))}
-    nic = np.asarray([nic_ids[k] for k in zip(topo.rank2node, topo.rank2nic, strict=True)])
-    remote = node[:, None] != node[None, :]
-    local = ~remote & ~np.eye(len(node), dtype=bool)
-    return B, node, nic, len(nic_ids), remote, local
+@dataclass(frozen=True)
+class _Layout:
+    node: np.ndarray  # [R] node of each rank
+    nic: np.ndarray  # [R] global NIC id (node, NIC index) of each rank
+    n_nics: int
+    remote: np.ndarray  # [R, R] bool: s and d on different nodes
+    local: np.ndarray  # [R, R] bool: same node, s != d
+    onehot: np.ndarray  # [R, N] float: rank d on node m
+    relay_nic: np.ndarray  # [R, N] NIC of the relay receiving s's rows for node m
+    hop: np.ndarray  # [R, R] who relays s's rows for d (d's node's relay for s)
+    forwarding: np.ndarray  # [R, R] bool: remote and relayed by someone other than d
+    lists: tuple  # the same as python lists, for `_predict_both_loops`
 
 
-def _nic_max(owner: np.ndarray, nbytes: np.ndarray, n_nics: int, bw: float) -> float:
-    return float(np.bincount(owner.ravel(), nbytes.ravel(), minlength=n_nics).max()) / bw
+def _layout(topo: Topology) -> _Layout:
+    memo = topo.__dict__.get("_cost_layout")
+    if memo is None:
+        node = np.asarray(topo.rank2node)
+        keys = list(zip(topo.rank2node, topo.rank2nic, strict=True))
+        ids = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+        nic = np.asarray([ids[k] for k in keys])
+        R, N = len(node), topo.num_nodes
+        remote = node[:, None] != node[None, :]
+        relay = np.asarray(relay_table(topo))  # [R, N]
+        hop = relay[:, node]
+        forwarding = remote & (hop != np.arange(R)[None, :])
+        # Per source s: (d, node of d, NIC of d, relay forwarding s's rows for d or -1).
+        peers = tuple(tuple((d, int(node[d]), int(nic[d]),
+                             int(hop[s, d]) if forwarding[s, d] else -1)
+                            for d in range(R) if d != s) for s in range(R))
+        memo = _Layout(node=node, nic=nic, n_nics=len(ids), remote=remote,
+                       local=~remote & ~np.eye(R, dtype=bool),
+                       onehot=(node[:, None] == np.arange(N)[None, :]).astype(np.float64),
+                       relay_nic=nic[relay], hop=hop, forwarding=forwarding,
+                       lists=(node.tolist(), nic.tolist(), nic[relay].tolist(), peers))
+        object.__setattr__(topo, "_cost_layout", memo)
+    return memo
 
 
-def predict_flat(S: list[list[int]], row_bytes: int, topo: Topology, model: CostModel) -> float:
-    """Predicted seconds of the flat all-to-all (the slowest NIC / rank decides)."""
-    B, node, nic, n_nics, remote, local = _arrays(S, row_bytes, topo)
-    R = len(node)
+def _bytes(S: list[list[int]], row_bytes: int) -> np.ndarray:
+    return np.asarray(S, dtype=np.float64) * row_bytes  # B[s, d] bytes
+
+
+def _nic_load(L: _Layout, far: np.ndarray) -> tuple[float, float]:
+    """Bytes out of / into the busiest NIC for the off-node bytes `far` [R, R]."""
+    return (float(np.bincount(L.nic, far.sum(axis=1), minlength=L.n_nics).max()),
+            float(np.bincount(L.nic, far.sum(axis=0), minlength=L.n_nics).max()))
+
+
+def _flat(B: np.ndarray, L: _Layout, model: CostModel) -> float:
+    R = len(L.node)
     if model.flat_pairwise:
         ar = np.arange(R)
         steps = np.arange(1, R)[:, None]
         dst, src = (ar + steps) % R, (ar - steps) % R  # [R-1, R]
         send, recv = B[ar, dst], B[src, ar]
-        send_remote, recv_remote = remote[ar, dst], remote[src, ar]
+        send_remote, recv_remote = L.remote[ar, dst], L.remote[src, ar]
 
         def cost(nbytes: np.ndarray, far: np.ndarray) -> np.ndarray:
             bw = np.where(far, model.nic_bandwidth, model.local_bandwidth)
@@ -222,52 +287,131 @@ def predict_flat(S: list[list[int]], row_bytes: int, topo: Topology, model: Cost
 
         rank_t = (cost(send, send_remote) + cost(recv, recv_remote)).max(axis=1)
         wire = (send * send_remote).ravel()
-        base = (np.arange(R - 1)[:, None] * n_nics).repeat(R, 1)  # one NIC table per step
-        size = (R - 1) * n_nics
-        out = np.bincount((base + nic[None, :]).ravel(), wire, minlength=size)
-        inn = np.bincount((base + nic[dst]).ravel(), wire, minlength=size)
-        nic_t = np.maximum(out.reshape(R - 1, n_nics).max(axis=1),
-                           inn.reshape(R - 1, n_nics).max(axis=1)) / model.nic_bandwidth
+        base = (np.arange(R - 1)[:, None] * L.n_nics).repeat(R, 1)  # one NIC table per step
+        size = (R - 1) * L.n_nics
+        out = np.bincount((base + L.nic[None, :]).ravel(), wire, minlength=size)
+        inn = np.bincount((base + L.nic[dst]).ravel(), wire, minlength=size)
+        nic_t = np.maximum(out.reshape(R - 1, L.n_nics).max(axis=1),
+                           inn.reshape(R - 1, L.n_nics).max(axis=1)) / model.nic_bandwidth
         return float(np.maximum(rank_t, nic_t).sum())
-    far = B * remote
-    bw = model.flat_nic_bandwidth or model.nic_bandwidth
-    net = max(_nic_max(nic[:, None].repeat(R, 1), far, n_nics, bw),
-              _nic_max(nic[None, :].repeat(R, 0), far, n_nics, bw))
-    net_msgs = int(((B > 0) & remote).sum(axis=1).max())
-    local_bytes = float((B * local).sum(axis=1).max())
-    local_msgs = int(((B > 0) & local).sum(axis=1).max())
+    nonzero = B > 0
+    net = max(_nic_load(L, B * L.remote)) / (model.flat_nic_bandwidth or model.nic_bandwidth)
+    net_msgs = int((nonzero & L.remote).sum(axis=1).max())
+    local_bytes = float((B * L.local).sum(axis=1).max())
+    local_msgs = int((nonzero & L.local).sum(axis=1).max())
     return (net + net_msgs * model.alpha_net + local_bytes / model.local_bandwidth
             + local_msgs * model.alpha_local)
 
 
+def _halo(B: np.ndarray, L: _Layout, model: CostModel) -> float:
+    R = len(L.node)
+    per_node = (B * L.remote) @ L.onehot  # [R, N] bytes s sends to node m
+    out_b = float(np.bincount(L.nic, per_node.sum(axis=1), minlength=L.n_nics).max())
+    in_b = float(np.bincount(L.relay_nic.ravel(), per_node.ravel(), minlength=L.n_nics).max())
+    net_msgs = int((per_node > 0).sum(axis=1).max())
+    t_inter = max(out_b, in_b) / model.nic_bandwidth + net_msgs * model.alpha_net
+    forwarded = L.forwarding & (B > 0)
+    hops, dsts = L.hop[forwarded], np.nonzero(forwarded)[1]
+    relayed = np.bincount(hops, B[forwarded], minlength=R)
+    seen = np.zeros((R, R), dtype=bool)  # seen[r, d]: relay r forwards something to d
+    seen[hops, dsts] = True
+    t_relay = float((relayed / model.local_bandwidth
+                     + seen.sum(axis=1) * model.alpha_local).max())
+    t_intra = float(((B * L.local).sum(axis=1) / model.local_bandwidth
+                     + ((B > 0) & L.local).sum(axis=1) * model.alpha_local).max())
+    return max(t_intra, t_inter + t_relay) + model.halo_overhead_s
+
+
+def _predict_both_loops(
+    S: list[list[int]], row_bytes: int, L: _Layout, model: CostModel
+) -> tuple[float, float, float]:
+    """(concurrent flat, HALO, busiest-NIC bytes) in one pass over S, for small groups.
+
+    numpy pays ~5-10 us per operation when its code is cold in the cache, as it is between
+    exchanges: ~250 us for the two vectorised predictions of 8 ranks, 4x that in wall time
+    with 8 ranks on 2 cores. One pass of plain Python over R^2 split entries costs less
+    up to a few dozen ranks (`choose_algorithm` switches at SMALL_GROUP).
+    """
+    node, nic, relay_nic, peers = L.lists
+    R, N = len(node), int(L.onehot.shape[1])
+    out, inn_flat, inn_halo = [0] * L.n_nics, [0] * L.n_nics, [0] * L.n_nics
+    relayed, relay_peers = [0] * R, [0] * R  # rows a relay forwards; bit mask of their d
+    flat_msgs = halo_msgs = local_rows = local_msgs = 0
+    t_intra = 0.0
+    for s, row in enumerate(S):
+        my_node = node[s]
+        per_node = [0] * N
+        msgs = lr = lm = 0
+        for d, d_node, d_nic, r in peers[s]:
+            v = row[d]
+            if not v:
+                continue
+            if d_node == my_node:
+                lr += v
+                lm += 1
+                continue
+            msgs += 1
+            per_node[d_node] += v
+            inn_flat[d_nic] += v
+            if r >= 0:
+                relayed[r] += v
+                relay_peers[r] |= 1 << d
+        sent = packed = 0
+        for m, v in enumerate(per_node):
+            if v:
+                sent += v
+                packed += 1
+                inn_halo[relay_nic[s][m]] += v
+        out[nic[s]] += sent
+        halo_msgs = max(halo_msgs, packed)
+        flat_msgs = max(flat_msgs, msgs)
+        local_rows, local_msgs = max(local_rows, lr), max(local_msgs, lm)
+        t_intra = max(t_intra, lr * row_bytes / model.local_bandwidth + lm * model.alpha_local)
+    busiest = max(max(out), max(inn_flat)) * row_bytes
+    flat = (busiest / (model.flat_nic_bandwidth or model.nic_bandwidth)
+            + flat_msgs * model.alpha_net + local_rows * row_bytes / model.local_bandwidth
+            + local_msgs * model.alpha_local)
+    t_inter = (max(max(out), max(inn_halo)) * row_bytes / model.nic_bandwidth
+               + halo_msgs * model.alpha_net)
+    t_relay = max(v * row_bytes / model.local_bandwidth + bin(mask).count("1") * model.alpha_local
+                  for v, mask in zip(relayed, relay_peers, strict=True))
+    return flat, max(t_intra, t_inter + t_relay) + model.halo_overhead_s, busiest
+
+
+def predict_flat(S: list[list[int]], row_bytes: int, topo: Topology, model: CostModel) -> float:
+    """Predicted seconds of the flat all-to-all (the slowest NIC / rank decides)."""
+    return _flat(_bytes(S, row_bytes), _layout(topo), model)
+
+
 def predict_halo(S: list[list[int]], row_bytes: int, topo: Topology, model: CostModel) -> float:
     """Predicted seconds of HALO: max(phase I, phase II + phase III) + fixed overhead."""
-    B, node, nic, n_nics, remote, local = _arrays(S, row_bytes, topo)
-    R, N = len(node), topo.num_nodes
-    relay = np.asarray(relay_table(topo))  # [R, N]
-    far = B * remote
-    per_node = np.stack([far[:, node == m].sum(axis=1) for m in range(N)], axis=1)  # [R, N]
-    out_t = _nic_max(nic[:, None].repeat(N, 1), per_node, n_nics, model.nic_bandwidth)
-    in_t = _nic_max(nic[relay], per_node, n_nics, model.nic_bandwidth)
-    net_msgs = int((per_node > 0).sum(axis=1).max())
-    t_inter = max(out_t, in_t) + net_msgs * model.alpha_net
-    hop = relay[:, node]  # hop[s, d]: who relays s's rows for d
-    forwarded = remote & (B > 0) & (hop != np.arange(R)[None, :])
-    relayed = np.bincount(hop[forwarded], B[forwarded], minlength=R)
-    pairs = np.unique(hop[forwarded] * R + np.nonzero(forwarded)[1])
-    peers = np.bincount(pairs // R, minlength=R)
-    t_relay = float((relayed / model.local_bandwidth + peers * model.alpha_local).max())
-    t_intra = float(((B * local).sum(axis=1) / model.local_bandwidth
-                     + ((B > 0) & local).sum(axis=1) * model.alpha_local).max())
-    return max(t_intra, t_inter + t_relay) + model.halo_overhead_s
+    return _halo(_bytes(S, row_bytes), _layout(topo), model)
+
+
+def busiest_nic_bytes(S: list[list[int]], row_bytes: int, topo: Topology) -> float:
+    """Bytes through the busiest NIC direction (sent or received off-node); both algorithms
+    move the same."""
+    L = _layout(topo)
+    return max(_nic_load(L, _bytes(S, row_bytes) * L.remote))
 
 
 def choose_algorithm(
     S: list[list[int]], row_bytes: int, topo: Topology, model: CostModel
 ) -> str:
-    """"halo" when it is predicted strictly faster, else "flat" (the safe default)."""
+    """"halo" when it is predicted strictly faster, else "flat" (the safe default).
+
+    The predictions are scaled by `model.correction` at the exchange's busiest-NIC bytes.
+    """
     if topo.num_nodes == 1:
         return "flat"  # nothing to aggregate: HALO degenerates to flat plus overhead
-    flat = predict_flat(S, row_bytes, topo, model)
-    halo = predict_halo(S, row_bytes, topo, model)
+    L = _layout(topo)
+    if topo.world_size <= SMALL_GROUP and not model.flat_pairwise:
+        flat, halo, busiest = _predict_both_loops(S, row_bytes, L, model)
+    else:
+        B = _bytes(S, row_bytes)
+        flat, halo = _flat(B, L, model), _halo(B, L, model)
+        busiest = max(_nic_load(L, B * L.remote)) if model.corrections else 0.0
+    if model.corrections:
+        c_flat, c_halo = model.correction(busiest)
+        flat, halo = flat * c_flat, halo * c_halo
     return "halo" if halo < flat else "flat"

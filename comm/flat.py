@@ -82,8 +82,7 @@ def gather_split_matrix(
     send = torch.tensor(in_splits * world, dtype=torch.int64, device=device)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    flat = [int(v) for v in recv.tolist()]
-    return [flat[s * world : (s + 1) * world] for s in range(world)]
+    return recv.view(world, world).tolist()
 
 
 def _exchange_rows(

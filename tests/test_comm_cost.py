@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch.distributed as dist
@@ -18,7 +19,13 @@ from comm import (
     predict_halo,
     run_local,
 )
-from comm.cost import reference_predict_flat, reference_predict_halo
+from comm.cost import (
+    _layout,
+    _predict_both_loops,
+    busiest_nic_bytes,
+    reference_predict_flat,
+    reference_predict_halo,
+)
 
 # 1 row = 100 bytes; NICs move 1 row/s, local links 10 rows/s: numbers stay hand-checkable.
 MODEL = CostModel(nic_bandwidth=100.0, local_bandwidth=1000.0, alpha_net=0.1,
@@ -57,6 +64,25 @@ def test_two_by_two_counts_the_relay_hop() -> None:
     assert choose_algorithm(S, 100, topo, slow_halo) == "flat"
 
 
+def test_measured_corrections_steer_the_choice() -> None:
+    topo = Topology.uniform(2, 2)
+    S = [[1] * 4 for _ in range(4)]  # busiest NIC direction: 2 remote rows per rail = 200 B
+    assert busiest_nic_bytes(S, 100, topo) == 200.0
+    # Raw model: HALO 2.21 s < flat 2.31 s. Measured 10 % slower HALO, 5 % faster flat at
+    # 100 B and neutral at 10 kB: log-interpolated at 200 B the factors are 1.085 / 0.9575,
+    # so HALO 2.398 > flat 2.212.
+    model = dataclasses.replace(MODEL, corrections=((100.0, 0.95, 1.1), (1e4, 1.0, 1.0)))
+    assert model.correction(100.0) == pytest.approx((0.95, 1.1))
+    assert model.correction(1e6) == pytest.approx((1.0, 1.0))  # held beyond the ends
+    assert model.correction(200.0) == pytest.approx((0.95 + 0.05 * 0.5 * math.log10(2),
+                                                     1.1 - 0.1 * 0.5 * math.log10(2)))
+    assert choose_algorithm(S, 100, topo, MODEL) == "halo"
+    assert choose_algorithm(S, 100, topo, model) == "flat"
+    for bad in (((100.0, 1.0),), ((1e4, 1.0, 1.0), (100.0, 1.0, 1.0)), ((1e2, 1.0, 1.0), (1e2, 2.0, 1.0)), ((100.0, 0.0, 1.0),)):
+        with pytest.raises(ValueError, match="corrections"):
+            dataclasses.replace(MODEL, corrections=bad)
+
+
 def test_single_node_is_always_flat() -> None:
     topo = Topology.uniform(1, 4)
     S = [[5] * 4 for _ in range(4)]
@@ -90,6 +116,10 @@ def test_calibration_agrees_on_every_rank() -> None:
     assert not m["flat_pairwise"] and m["flat_nic_bandwidth"] > 0
     assert m["alpha_net"] > 0 and m["nic_bandwidth"] > 0
     assert m["halo_overhead_s"] >= 0
+    # One correction per balanced exchange timed: 1 row, L = 16 (x4 up to 64), then 2L.
+    sizes = [c[0] for c in m["corrections"]]
+    assert len(sizes) >= 3 and sizes == sorted(sizes)
+    assert all(c[1] > 0 and c[2] > 0 for c in m["corrections"])
 
 
 @settings(max_examples=60, deadline=None)
@@ -113,3 +143,8 @@ def test_vectorised_predictions_match_the_loops(nodes: int, gpus: int, nic_shift
         reference_predict_flat(S, 64, topo, model))
     assert predict_halo(S, 64, topo, model) == pytest.approx(
         reference_predict_halo(S, 64, topo, model))
+    if not pairwise:  # the one-pass loop `auto` runs for small groups
+        flat, halo, busiest = _predict_both_loops(S, 64, _layout(topo), model)
+        assert flat == pytest.approx(reference_predict_flat(S, 64, topo, model))
+        assert halo == pytest.approx(reference_predict_halo(S, 64, topo, model))
+        assert busiest == pytest.approx(busiest_nic_bytes(S, 64, topo))
