@@ -6,9 +6,11 @@
 A setup `NxG@M` is N nodes x G ranks per node with M Mbit/s per node NIC. For every message
 size S (bytes per rank pair) and split pattern (balanced: every pair S; skewed: rank d gets
 weight 1/(1 + (d - s) mod R) from rank s, scaled so the mean pair is S), each algorithm runs
-warm-up + repeats, the three alternating inside each repeat in all six orders equally
-often; a repeat is barrier -> exchange -> max over ranks of the elapsed time, cheap points
-repeat until each algorithm has run --min-time-s, and the median repeat is reported.
+warm-up + repeats, the three alternating inside each repeat, every arm in every position
+and after every other equally often; a repeat is barrier -> exchange -> max over ranks of
+the elapsed time, cheap points repeat until each arm has run --min-time-s, and the median
+repeat is reported. `--control` adds the flat call again as a fourth arm: how far two
+medians of the same exchange differ is the resolution of every comparison in the run.
 Numbers per row:
     algbw_MBps   bytes each rank sends to other ranks (max over ranks) / time
     vs_flat      time / flat time, measured in the same run (<= 1 means not slower)
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import os
 import platform
@@ -39,7 +40,15 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 ROW_BYTES = 1024  # one row = 256 fp32 values
 ALGORITHMS = ("flat", "halo", "auto")
-ORDERS = list(itertools.permutations(ALGORITHMS))  # repeat i runs ORDERS[i % 6]
+CONTROL = "flat-again"  # --control: the flat call measured a second time, as its own arm
+
+
+def orders(arms: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Every rotation of the arms and of their reverse: each arm runs in every position
+    equally often and after each other arm (all six orders for three arms)."""
+    back = arms[::-1]
+    return [arms[k:] + arms[:k] for k in range(len(arms))] + \
+        [back[k:] + back[:k] for k in range(len(arms))]
 DEFAULT_SETUPS = "8x2@100,4x2@1000"  # the issue's two targets
 
 
@@ -95,29 +104,32 @@ def worker(args: argparse.Namespace) -> int:
         for size in args.sizes:
             S = split_matrix(R, size, pattern)
             x = torch.randn(sum(S[rank]), ROW_BYTES // 4)
-            samples: dict[str, list[float]] = {a: [] for a in ALGORITHMS}
-            # Algorithms alternate inside each repeat, so drifting load on the shared
-            # machine hits all of them alike instead of whichever ran last, and the order
-            # runs through every permutation: on 2 oversubscribed cores an exchange right
-            # after another one measured up to 20 % faster or slower depending on which.
-            # Cheap points repeat until each algorithm has spent --min-time-s (at most
-            # --max-repeats; a multiple of 6, so every order occurs equally often).
+            arms = ALGORITHMS + ((CONTROL,) if args.control else ())
+            cycle = orders(arms)
+            samples: dict[str, list[float]] = {a: [] for a in arms}
+            # The arms alternate inside each repeat, so drifting load on the shared machine
+            # hits all of them alike instead of whichever ran last, and the order runs
+            # through `orders`: on 2 oversubscribed cores an exchange right after another
+            # one measured up to 20 % faster or slower depending on which. Cheap points
+            # repeat until each arm has spent --min-time-s (at most --max-repeats; always a
+            # whole number of cycles, so every order occurs equally often).
             i = spent = 0
             while True:
-                for algorithm in ORDERS[i % len(ORDERS)]:
+                for arm in cycle[i % len(cycle)]:
+                    algorithm = "flat" if arm == CONTROL else arm
                     dist.barrier(group)
                     t0 = time.perf_counter()
                     all_to_all(x, S[rank], group, algorithm, topology=topo, cost_model=model)
                     dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                     dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
                     if i >= args.warmup:
-                        samples[algorithm].append(dt.item())
+                        samples[arm].append(dt.item())
                         spent += dt.item()
                 i += 1
                 done = i - args.warmup
                 # Every rank holds the same all-reduced times, so all stop together.
-                if done >= args.repeats and done % len(ORDERS) == 0 and (
-                        spent >= args.min_time_s * len(ALGORITHMS)
+                if done >= args.repeats and done % len(cycle) == 0 and (
+                        spent >= args.min_time_s * len(arms)
                         or done >= args.max_repeats):
                     break
             times = {a: statistics.median(v) for a, v in samples.items()}
@@ -153,7 +165,8 @@ def run_setup(setup: str, sizes: list[int], args: argparse.Namespace) -> list[di
                sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out),
                "--sizes", ",".join(map(str, sizes)), "--patterns", ",".join(args.patterns),
                "--warmup", str(args.warmup), "--repeats", str(args.repeats),
-               "--min-time-s", str(args.min_time_s), "--max-repeats", str(args.max_repeats)]
+               "--min-time-s", str(args.min_time_s), "--max-repeats", str(args.max_repeats),
+               *(["--control"] if args.control else [])]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}
         rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
         if rc != 0 or not out.exists():
@@ -179,6 +192,12 @@ def summarize(rows: list[dict]) -> None:
         # The choice alone: the measured time of the algorithm auto ran, over the best.
         chose = [v[v["auto"]["auto_choice"]]["time_s"] / b
                  for v, b in zip(pts.values(), best, strict=True)]
+        control = [abs(v[CONTROL]["time_s"] / v["flat"]["time_s"] - 1) for v in pts.values()
+                   if CONTROL in v]
+        if control:
+            print(f"{setup[0]}x{setup[1]}@{setup[2]:g}: control (flat measured twice as two "
+                  f"arms) differs by {min(control):.1%}-{max(control):.1%}: the resolution "
+                  "of these medians")
         print(f"{setup[0]}x{setup[1]}@{setup[2]:g}: >= 256 KiB HALO/flat "
               f"{min(ratio, default=0):.2f}-{max(ratio, default=0):.2f}, HALO NIC fraction "
               f"{min(frac, default=0):.2f}-{max(frac, default=0):.2f}; auto/best "
@@ -230,6 +249,9 @@ def main() -> int:
     p.add_argument("--min-time-s", type=float, default=2.0,
                    help="cheap points repeat until each algorithm spent this long")
     p.add_argument("--max-repeats", type=int, default=60)
+    p.add_argument("--control", action="store_true",
+                   help=f"add a fourth arm, {CONTROL!r}: the flat call again, to show how far "
+                   "two medians of the same exchange differ")
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--mtu", type=int, default=1500, help="emulated link MTU (bytes)")
     args = p.parse_args()
