@@ -3,6 +3,7 @@ its own folder on sys.path)."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 from pathlib import Path
 
@@ -11,8 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 __all__ = ["git_sha"]
 
 
+@functools.cache
 def git_sha() -> str:
-    """Short SHA of the checkout's HEAD, recorded with every result row; "unknown" without git."""
+    """Short SHA of the checkout's HEAD, recorded with every result row; "unknown" without git.
+    Looked up once per run (scripts call it per row)."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                              capture_output=True, text=True)

@@ -41,14 +41,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 ROW_BYTES = 1024  # one row = 256 fp32 values
 ALGORITHMS = ("flat", "halo", "auto")
 CONTROL = "flat-again"  # --control: the flat call measured a second time, as its own arm
-
-
-def orders(arms: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """Every rotation of the arms and of their reverse: each arm runs in every position
-    equally often and after each other arm (all six orders for three arms)."""
-    back = arms[::-1]
-    return [arms[k:] + arms[:k] for k in range(len(arms))] + \
-        [back[k:] + back[:k] for k in range(len(arms))]
 DEFAULT_SETUPS = "8x2@100,4x2@1000"  # the issue's two targets
 
 
@@ -85,7 +77,8 @@ def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from comm import CostModel, Topology, all_to_all, calibrate, choose_algorithm
+    from comm import CostModel, Topology, calibrate, choose_algorithm
+    from comm.calibrate import time_samples
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -103,35 +96,13 @@ def worker(args: argparse.Namespace) -> int:
     for pattern in args.patterns:
         for size in args.sizes:
             S = split_matrix(R, size, pattern)
-            x = torch.randn(sum(S[rank]), ROW_BYTES // 4)
-            arms = ALGORITHMS + ((CONTROL,) if args.control else ())
-            cycle = orders(arms)
-            samples: dict[str, list[float]] = {a: [] for a in arms}
-            # The arms alternate inside each repeat, so drifting load on the shared machine
-            # hits all of them alike instead of whichever ran last, and the order runs
-            # through `orders`: on 2 oversubscribed cores an exchange right after another
-            # one measured up to 20 % faster or slower depending on which. Cheap points
-            # repeat until each arm has spent --min-time-s (at most --max-repeats; always a
-            # whole number of cycles, so every order occurs equally often).
-            i = spent = 0
-            while True:
-                for arm in cycle[i % len(cycle)]:
-                    algorithm = "flat" if arm == CONTROL else arm
-                    dist.barrier(group)
-                    t0 = time.perf_counter()
-                    all_to_all(x, S[rank], group, algorithm, topology=topo, cost_model=model)
-                    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                    dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
-                    if i >= args.warmup:
-                        samples[arm].append(dt.item())
-                        spent += dt.item()
-                i += 1
-                done = i - args.warmup
-                # Every rank holds the same all-reduced times, so all stop together.
-                if done >= args.repeats and done % len(cycle) == 0 and (
-                        spent >= args.min_time_s * len(arms)
-                        or done >= args.max_repeats):
-                    break
+            arms = {a: a for a in ALGORITHMS} | ({CONTROL: "flat"} if args.control else {})
+            # Arms in every order (`comm.calibrate.arm_orders`), a whole number of rounds so
+            # every order occurs equally often; cheap points repeat until each arm has run
+            # --min-time-s (at most --max-repeats).
+            samples = time_samples(group, topo, S, ROW_BYTES // 4, arms, args.repeats,
+                                   args.warmup, model, args.min_time_s, args.max_repeats,
+                                   whole_cycles=True)
             times = {a: statistics.median(v) for a, v in samples.items()}
             choice = choose_algorithm(S, ROW_BYTES, topo, model)  # what auto ran
             sent = max(sum(S[s]) - S[s][s] for s in range(R)) * ROW_BYTES

@@ -86,7 +86,7 @@ def predict(cfg, plan: ParallelPlan, world: int, imbalance: float = 1.0) -> dict
     asm = Assumptions(activation_set="trainer", routing_imbalance=imbalance,
                       activation_traffic_passes=4.0)
     e = estimate(cfg, plan, pf, FP32_TRAINER_PRECISION, asm)
-    state = max(s.weights + s.grads + s.optimizer for s in e.stages)
+    state = max(s.state for s in e.stages)
     act = max(s.activations for s in e.stages)
     return {"state": state, "act": act, "memory": state + act, "step_time": e.step_time,
             **{f"t_{k}": v for k, v in e.time.items()}}

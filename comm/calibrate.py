@@ -37,7 +37,60 @@ from comm.alltoall import all_to_all
 from comm.cost import CostModel, busiest_nic_bytes, predict_flat, predict_halo
 from comm.topology import Topology
 
-__all__ = ["calibrate", "time_algorithms", "time_all_to_all"]
+__all__ = ["arm_orders", "calibrate", "time_algorithms", "time_all_to_all", "time_samples"]
+
+
+def arm_orders(arms: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Every rotation of the arms and of their reverse (duplicates dropped): run in turn,
+    each arm takes every position equally often and follows each other arm (for two arms
+    the two orders, for three all six)."""
+    back = arms[::-1]
+    return list(dict.fromkeys([arms[k:] + arms[:k] for k in range(len(arms))]
+                              + [back[k:] + back[:k] for k in range(len(arms))]))
+
+
+def time_samples(
+    group: dist.ProcessGroup | None,
+    topo: Topology,
+    S: list[list[int]],
+    row_numel: int,
+    arms: dict[str, str],
+    repeats: int = 3,
+    warmup: int = 1,
+    model: CostModel | None = None,
+    min_time_s: float = 0.0,
+    max_repeats: int = 0,
+    whole_cycles: bool = False,
+) -> dict[str, list[float]]:
+    """The slowest rank's time (seconds) of each timed repeat of one exchange of S, per arm
+    (label -> algorithm; two labels may run the same algorithm, as a control).
+
+    The arms alternate inside each repeat, going through `arm_orders` from repeat to
+    repeat: on a loaded host an exchange measured up to 20 % faster or slower depending on
+    which one ran just before. At least `repeats`; then more (up to `max_repeats`) until
+    each arm has run `min_time_s` in total: cheap exchanges get the samples their noise
+    needs. `whole_cycles` stops only after a whole round of orders. Every rank sees the same
+    all-reduced times, so all stop after the same repeat.
+    """
+    rank = dist.get_rank(group)
+    x = torch.randn(sum(S[rank]), row_numel)
+    cycle = arm_orders(tuple(arms))
+    samples: dict[str, list[float]] = {a: [] for a in arms}
+    i = 0
+    while True:
+        for arm in cycle[i % len(cycle)]:
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            all_to_all(x, S[rank], group, arms[arm], topology=topo, cost_model=model)
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
+            if i >= warmup:
+                samples[arm].append(float(dt.item()))
+        i += 1
+        done = i - warmup
+        if done >= repeats and (not whole_cycles or done % len(cycle) == 0) and (
+                done >= max_repeats or min(sum(v) for v in samples.values()) >= min_time_s):
+            return samples
 
 
 def time_algorithms(
@@ -52,32 +105,9 @@ def time_algorithms(
     min_time_s: float = 0.0,
     max_repeats: int = 0,
 ) -> dict[str, float]:
-    """Median over repeats of the slowest rank's time for one exchange of S (seconds) per
-    algorithm; the algorithms alternate inside each repeat, the order rotating.
-
-    At least `repeats`; then more (up to `max_repeats`) until each algorithm has run
-    `min_time_s` in total: cheap exchanges get the samples their noise needs. Every rank
-    sees the same all-reduced times, so all stop after the same repeat.
-    """
-    rank = dist.get_rank(group)
-    x = torch.randn(sum(S[rank]), row_numel)
-    samples: dict[str, list[float]] = {a: [] for a in algorithms}
-    i = 0
-    while True:
-        for j in range(len(algorithms)):
-            algorithm = algorithms[(i + j) % len(algorithms)]
-            dist.barrier(group)
-            t0 = time.perf_counter()
-            all_to_all(x, S[rank], group, algorithm, topology=topo, cost_model=model)
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
-            if i >= warmup:
-                samples[algorithm].append(float(dt.item()))
-        i += 1
-        done = i - warmup
-        if done >= repeats and (done >= max_repeats or min(
-                sum(v) for v in samples.values()) >= min_time_s):
-            break
+    """Median of `time_samples` per algorithm (seconds)."""
+    samples = time_samples(group, topo, S, row_numel, {a: a for a in algorithms}, repeats,
+                           warmup, model, min_time_s, max_repeats)
     return {a: statistics.median(v) for a, v in samples.items()}
 
 

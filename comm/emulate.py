@@ -57,8 +57,9 @@ def node_address(i: int) -> str:
     return f"198.18.{i // 250}.{i % 250 + 1}"
 
 
-def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def _run(cmd: list[str], check: bool = True,
+         stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, input=stdin)
     if check and proc.returncode != 0:
         raise EmulatorError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.stdout}")
     return proc
@@ -199,10 +200,7 @@ class EmulatedCluster:
             _run(pre + ["tc", "qdisc", "add", "dev", dev, "root", "handle", "2:", *_tbf(mbit)])
         if peer_field and self.fair_queue:
             batch = _peer_queues(dev, mbit, self.mtu, self.nodes, peer_field)
-            proc = subprocess.run(pre + ["tc", "-batch", "-"], input=batch, text=True,
-                                  capture_output=True)
-            if proc.returncode != 0:
-                raise EmulatorError(f"tc -batch on {dev} failed: {proc.stderr.strip()}")
+            _run(pre + ["tc", "-batch", "-"], stdin=batch)
 
     def _set_cc(self, inside: list[str]) -> None:
         # A namespace inherits the host's TCP congestion control. A model-based one (BBR)

@@ -20,6 +20,7 @@ The backward runs the plan of the transposed split matrix on the output gradient
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -126,15 +127,19 @@ def halo_exchange(
     for (src, _), (dst, n) in plan.self_copies:
         y.narrow(0, dst, n).copy_(x.narrow(0, src, n))
 
-    by_source: dict[int, list] = {}
-    for m in plan.relay_sends:
-        by_source.setdefault(m.source, []).append(m)
-    copies: dict[int, list] = {}
-    for (src, n), dst in plan.stage_copies:
-        copies.setdefault(_source_at(plan, src), []).append(((src, n), dst))
     n_intra, n_inter = len(intra), len(inter)
     if pipelined:
         assert len(works) == len(first) + len(sends), "gloo returns one Work per op"
+        by_source: dict[int, list] = {}
+        for m in plan.relay_sends:
+            by_source.setdefault(m.source, []).append(m)
+        # The relay's own rows of each source: its phase II message holds them (messages
+        # lie in the stage buffer in ascending source and offset order).
+        starts = [m.segments[0][0] for m in plan.inter_recvs]
+        copies: dict[int, list] = {}
+        for (src, n), dst in plan.stage_copies:
+            source = plan.inter_recvs[bisect.bisect_right(starts, src) - 1].peer
+            copies.setdefault(source, []).append(((src, n), dst))
         # A gloo Work must be waited exactly once (a second wait on a receive blocks for a
         # new message), so the awaited ones leave the pending list.
         pending = works[:n_intra] + works[n_intra + n_inter :]
@@ -153,7 +158,7 @@ def halo_exchange(
         out = plan.relay_sends  # per peer ascending source, as the peer posts its receives
         works = poster.run(relay, [(_pack(stage, m), m.peer) for m in out],
                            [_TAG_RELAY] * (len(relay) + len(out)))
-        for (src, n), (dst, _) in [c for cs in copies.values() for c in cs]:
+        for (src, n), (dst, _) in plan.stage_copies:
             y.narrow(0, dst, n).copy_(stage.narrow(0, src, n))
     for w in works:
         w.wait()
@@ -168,15 +173,6 @@ def halo_exchange(
 
 def _relay_tag(m: Message) -> int:
     return _TAG_RELAY_BASE + m.source
-
-
-def _source_at(plan: RankPlan, stage_row: int) -> int:
-    """The source whose phase II message holds stage row `stage_row`."""
-    for m in plan.inter_recvs:
-        start, n = m.segments[0]
-        if start <= stage_row < start + n:
-            return m.peer
-    raise AssertionError(f"stage row {stage_row} outside every phase II message")
 
 
 class HaloAllToAll(torch.autograd.Function):

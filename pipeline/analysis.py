@@ -218,7 +218,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, transfer: float = 0
     if not transfer >= 0:
         raise ValueError(f"transfer={transfer} must be >= 0 (seconds, or unit steps)")
     cost = _cost_fn(costs)
-    ran_on: dict[Action, int] = {}
+    rank_of = stage2rank(schedule)
     orders = {r: [a for a in slots if a is not None] for r, slots in schedule.items()}
     n_stage = n_stages(schedule)
     end: dict[Action, float] = {}
@@ -234,14 +234,13 @@ def simulate(schedule: Schedule, costs: Costs | None = None, transfer: float = 0
                 deps = dependencies(a, n_stage)
                 if not all(d in end for d in deps):
                     break
-                start = max([free[r]] + [end[d] + (transfer if ran_on[d] != r else 0.0)
+                start = max([free[r]] + [end[d] + (transfer if rank_of[d.stage] != r else 0.0)
                                          for d in deps])
                 c = cost(a)
                 if c < 0:
                     raise ValueError(f"cost of {a} is {c}; costs must be >= 0")
                 spans.append(Span(r, a, start, start + c))
                 end[a] = free[r] = start + c
-                ran_on[a] = r
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
@@ -282,15 +281,13 @@ def bubble_fraction(schedule: Schedule, costs: Costs | None = None, transfer: fl
     steps) of the unit-time layout as given ((p-1)/(m+p-1) for GPipe and 1F1B). With `costs`
     (per kind, e.g. {"F": 1.0, "B": 2.0, "W": 1.0}, or a function of the Action) and/or a
     point-to-point `transfer` time (see `simulate`): the simulated timeline's idle share."""
-    if transfer:
-        return bubble_from_spans(simulate(schedule, costs, transfer), len(schedule))
-    if costs is None:
+    if costs is None and not transfer:
         length = max(len(s) for s in schedule.values())
         if length == 0:
             raise ValueError("empty schedule has no timeline")
         idle = sum(length - sum(a is not None for a in s) for s in schedule.values())
         return idle / (length * len(schedule))
-    return bubble_from_spans(simulate(schedule, costs), len(schedule))
+    return bubble_from_spans(simulate(schedule, costs, transfer), len(schedule))
 
 
 def peak_inflight(schedule: Schedule) -> dict[int, int]:

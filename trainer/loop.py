@@ -253,9 +253,9 @@ class Trainer:
         self.mesh.build_groups(timedelta(seconds=self.cfg.train.timeout_s))
         algo = self.cfg.comm.alltoall
         topo = self._ep_topology(algo)
-        parallelize(self.model, self.mesh, alltoall=algo, topology=topo)
-        if algo == "auto" and topo is not None and topo.num_nodes > 1:
-            self._calibrate_auto(topo)
+        cost_model = self._calibrate_auto(topo) \
+            if algo == "auto" and topo is not None and topo.num_nodes > 1 else None
+        parallelize(self.model, self.mesh, alltoall=algo, topology=topo, cost_model=cost_model)
         self.stages: dict = {}
         if self.mesh.pp > 1:
             self._build_pipeline()
@@ -289,7 +289,7 @@ class Trainer:
             if self.cfg.train.peak_tflops > 0 else _peak_flops(self.device)
         self.flops_per_token = self.mcfg.flops_per_token(self.cfg.train.seq_len)
 
-    def _calibrate_auto(self, topo) -> None:
+    def _calibrate_auto(self, topo):
         """Fit the flat-vs-HALO cost model on this EP group's real links, once, so that
         `auto` decides with measured numbers (collective over every EP group at once)."""
         from comm import calibrate
@@ -298,13 +298,12 @@ class Trainer:
         log("calibrating the all-to-all cost model for comm.alltoall=auto (EP group spans "
             f"{topo.num_nodes} nodes) ...", self.rank)
         model = calibrate(self.mesh.ep_group, topo, row_numel=self.mcfg.d_model)
-        for layer in self.model.moe_layers():
-            layer.dispatcher.cost_model = model
         log(f"calibrated in {time.perf_counter() - t0:.1f} s: NIC {model.nic_bandwidth / 1e6:.1f} "
             f"MB/s (HALO), {(model.flat_nic_bandwidth or model.nic_bandwidth) / 1e6:.1f} MB/s "
             f"(flat), intra-node {model.local_bandwidth / 1e6:.0f} MB/s, per message "
             f"{1e6 * model.alpha_net:.0f} us, HALO overhead {1e6 * model.halo_overhead_s:.0f} us",
             self.rank)
+        return model
 
     def _ep_topology(self, algo: str):
         """The EP group's topology for HALO/auto (collective: every rank calls it)."""

@@ -43,14 +43,15 @@ class EPDispatcher:
     before the mirrored all-to-all.
     """
 
-    def __init__(self, group, ep: int, num_slots: int, algorithm: str = "flat", topology=None):
+    def __init__(self, group, ep: int, num_slots: int, algorithm: str = "flat", topology=None,
+                 cost_model=None):
         if num_slots % ep:
             raise MeshError(f"ep={ep} does not divide {num_slots} experts; valid ep: "
                             f"{valid_divisors(num_slots)}")
         self.group, self.ep, self.num_slots = group, ep, num_slots
         self.local = num_slots // ep
         self.algorithm, self.topology = algorithm, topology
-        self.cost_model = None  # comm.CostModel for algorithm="auto" (None: backend defaults)
+        self.cost_model = cost_model  # comm.CostModel for "auto" (None: backend defaults)
         # wall seconds this rank spent inside forward exchanges since the last reset: with
         # uneven expert loads it is dominated by waiting for the most-loaded rank
         self.exchange_s = 0.0
@@ -98,12 +99,14 @@ class EPDispatcher:
         return back
 
 
-def parallelize(model: nn.Module, mesh: Mesh, alltoall: str = "flat", topology=None) -> nn.Module:
+def parallelize(model: nn.Module, mesh: Mesh, alltoall: str = "flat", topology=None,
+                cost_model=None) -> nn.Module:
     """Shard the experts of every MoE layer over the mesh's EP group (in place)."""
     if mesh.ep == 1:
         return model
     for layer in model.moe_layers():
-        disp = EPDispatcher(mesh.ep_group, mesh.ep, layer.expert2slot.numel(), alltoall, topology)
+        disp = EPDispatcher(mesh.ep_group, mesh.ep, layer.expert2slot.numel(), alltoall, topology,
+                            cost_model)
         lo, hi = mesh.ep_idx * disp.local, (mesh.ep_idx + 1) * disp.local
         ex = layer.experts
         for name in ("w1", "w2", "w3"):

@@ -42,10 +42,11 @@ def _plan(args: argparse.Namespace) -> int:
         storage = args.storage if "://" in args.storage else f"sqlite:///{Path(args.storage).resolve()}"
     req = PlanRequest(args.model, args.platform, args.gpus, args.seq, args.global_batch,
                       args.trials, args.seed, storage)
+    from tuner.counts import trainer_act_supported
     from tuner.layout import FP32_TRAINER_PRECISION, PUBLISHED_PRECISION, Assumptions
 
     cpu = platform.backend == "gloo"
-    trainer_set = cpu and cfg.attention == "gqa" and not cfg.qk_norm
+    trainer_set = cpu and trainer_act_supported(cfg)
     out = run_plan(cfg, platform, req, Path(args.out),
                    precision=FP32_TRAINER_PRECISION if cpu else PUBLISHED_PRECISION,
                    assumptions=Assumptions(alltoall_model=args.alltoall_model,
@@ -94,8 +95,6 @@ def _check_measurable(args: argparse.Namespace, cfg, platform) -> None:  # noqa:
     if args.gpus > MAX_LOCAL_PROCS:
         raise ValueError(f"--measure with --gpus {args.gpus}: this machine runs at most "
                          f"{MAX_LOCAL_PROCS} training processes; use --gpus 2 or 4")
-    if args.seq > cfg.max_seq_len:
-        raise ValueError(f"--seq {args.seq} exceeds {cfg.name}'s max_seq_len {cfg.max_seq_len}")
 
 
 def _measure_top(args: argparse.Namespace, cfg, platform, out) -> None:  # noqa: ANN001
@@ -112,7 +111,7 @@ def _measure_top(args: argparse.Namespace, cfg, platform, out) -> None:  # noqa:
     for i, (c, m) in enumerate(got):
         e, p = c.estimate, c.estimate.plan
         sched = p.schedule + (f":{p.n_virtual}" if p.n_virtual > 1 else "")
-        mem = max(s.weights + s.grads + s.optimizer for s in e.stages) + max(s.activations for s in e.stages)
+        mem = max(s.state for s in e.stages) + max(s.activations for s in e.stages)
         print(f"{i + 1:>2} {r.ranked.index(c) + 1:>6} {p.pp:>2} {p.ep:>2} {p.dp:>2} {p.microbatches:>2} "
               f"{sched:>18} {e.step_time:>11.3f} {m.step_time_s:>10.3f} "
               f"{100 * (e.step_time / m.step_time_s - 1):>+6.1f}% {mem / 1e6:>11.1f} "

@@ -43,6 +43,7 @@ from model import ModelConfig
 
 __all__ = [
     "LayerCounts",
+    "trainer_act_supported",
     "layer_counts",
     "chunk_layers",
     "attention_matmul_params",
@@ -111,14 +112,15 @@ def _trainer_selective(cfg: ModelConfig, act: dict[str, float]) -> dict[str, flo
     return out
 
 
+def trainer_act_supported(cfg: ModelConfig) -> bool:
+    """Whether the trainer activation set is derived for `cfg`: GQA attention without q/k
+    norms (the CPU presets); MLA saves other tensors."""
+    return cfg.attention == "gqa" and not cfg.qk_norm
+
+
 def _trainer_act(cfg: ModelConfig, moe: bool) -> dict[str, float]:
-    """Elements per token of one layer that the eager fp32 trainer saves (module docstring).
-    Only derived for GQA attention without q/k norms (the CPU presets); MLA saves other
-    tensors, so asking for it raises rather than guessing."""
-    if cfg.attention != "gqa" or cfg.qk_norm:
-        raise ValueError(f"the trainer activation set is derived for GQA without qk_norm; "
-                         f"{cfg.name} has attention={cfg.attention!r}, qk_norm={cfg.qk_norm}: "
-                         f"use activation_set='published'")
+    """Elements per token of one layer that the eager fp32 trainer saves (module docstring);
+    only for `trainer_act_supported` configs."""
     D, H, G, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, int(cfg.head_dim)
     out = {"attention": float(3 * D + 1 + 2 * H * hd + 2 * G * hd + H)}
     if moe:
@@ -168,7 +170,7 @@ def layer_counts(cfg: ModelConfig, i: int, ep: int, seq_len: int, flash_attentio
         act["dense_ffn"] = float(3 * Fd + D)
         sel["dense_ffn"] = float(D)
         flops["dense_ffn"] = 2.0 * 3 * D * Fd
-    trainer = _trainer_act(cfg, moe) if cfg.attention == "gqa" and not cfg.qk_norm else {}
+    trainer = _trainer_act(cfg, moe) if trainer_act_supported(cfg) else {}
     return LayerCounts(i, moe, params, act, sel, flops, trainer, _trainer_selective(cfg, trainer))
 
 

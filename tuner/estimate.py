@@ -72,8 +72,13 @@ class StageMemory:
     act_by_part: dict[str, float] = field(default_factory=dict)
 
     @property
+    def state(self) -> float:
+        """Weights + gradients + optimizer state: what the optimizer step streams."""
+        return self.weights + self.grads + self.optimizer
+
+    @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.buffers
+        return self.state + self.activations + self.buffers
 
 
 @dataclass(frozen=True)
@@ -267,7 +272,8 @@ def _layer_fwd(lc: LayerCounts, t_attn: float, t_exp: float, pf: Platform,
 
 def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                           precision: PrecisionPolicy = PUBLISHED_PRECISION,
-                          assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+                          assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+                          stages: list[StageMemory] | None = None) -> float:
     """A lower bound of `estimate(...).step_time` that needs no communication model.
 
     Kept from the step time: each rank's compute (same formula), its all-to-all bytes at the
@@ -275,7 +281,8 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
     share at the NIC rate, whichever takes longer; no latency: both `flat` and `halo` take at
     least that), the pipeline bubble, and the optimizer. Dropped (all >= 0): latencies, P2P,
     DP sync, the algorithm's extra phases. Valid for the closed-form all-to-all model only;
-    the planner uses it to skip full evaluations of points that cannot beat its incumbent."""
+    the planner uses it to skip full evaluations of points that cannot beat its incumbent.
+    `stages`: `stage_memory(...)` of the same arguments when the caller has it already."""
     cfg_, asm, pf = cfg, assumptions, platform
     if asm.alltoall_model != "closed-form":
         raise ValueError("step_time_lower_bound holds for alltoall_model='closed-form' only")
@@ -305,8 +312,7 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
                 fwd += 2.0 * cfg_.vocab_size * cfg_.d_model * t_attn / gemm
             busy += 3 * fwd + rec + len(c) * pf.layer_overhead
         busiest = max(busiest, busy * plan.microbatches)
-    n_state = max(st.weights + st.grads + st.optimizer
-                  for st in stage_memory(cfg_, plan, pf, precision, asm))
+    n_state = max(st.state for st in stages or stage_memory(cfg_, plan, pf, precision, asm))
     return busiest / (1.0 - bubble) + 2 * n_state / pf.hbm_bandwidth
 
 
@@ -390,7 +396,7 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
         t = allreduce_time(rep * precision.grad_bytes, groups["rep"], pf)
         t += allreduce_time(exp * precision.grad_bytes, groups["dp"], pf)
         dp_sync = max(dp_sync, t * (1 - asm.dp_overlap))
-    optim = max(2 * (sm.weights + sm.grads + sm.optimizer) for sm in stages) / pf.hbm_bandwidth
+    optim = max(2 * sm.state for sm in stages) / pf.hbm_bandwidth
     step = pipe + dp_sync + optim
     time = {"compute": per_rank[busiest][0], "alltoall": per_rank[busiest][1],
             "p2p": per_rank[busiest][2], "bubble": pipe - busy, "dp_sync": dp_sync,

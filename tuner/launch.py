@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tuner.layout import ParallelPlan
+from tuner.report import run_sections
 
 __all__ = ["MAX_LOCAL_PROCS", "Measured", "LaunchError", "train_args", "run_plan_locally",
            "read_metrics", "check_runnable", "measure_top", "small_corpus"]
@@ -74,16 +75,12 @@ def check_runnable(plan: ParallelPlan, model: str, max_procs: int = MAX_LOCAL_PR
 def train_args(plan: ParallelPlan, model: str, out_dir: Path, steps: int, data: Path | None,
                threads: int = 0) -> list[str]:
     """train.py options that run `plan` for `steps` steps with the memory report on."""
-    args = [f"--model.preset={model}", f"--parallel.pp={plan.pp}", f"--parallel.ep={plan.ep}",
-            f"--parallel.dp={plan.dp}", f"--parallel.schedule={plan.schedule}",
-            f"--parallel.microbatches={plan.microbatches}", f"--parallel.n_virtual={plan.n_virtual}",
-            f"--comm.alltoall={plan.alltoall}", f"--train.global_batch={plan.global_batch}",
-            f"--train.seq_len={plan.seq_len}", f"--train.steps={steps}", "--train.eval_every=0",
-            "--train.eval_batches=1", "--train.ckpt_every=0", "--train.plot=false",
-            "--train.memory_report=true", f"--train.threads={threads}",
-            f"--train.out_dir={out_dir}"]
-    args += [f"--train.checkpointing={plan.checkpointing}",
-             f"--parallel.ep_placement={plan.ep_placement}"]
+    args = [f"--model.preset={model}"]
+    args += [f"--{name}.{k}={v}" for name, body in run_sections(plan).items()
+             for k, v in body.items()]
+    args += [f"--train.steps={steps}", "--train.eval_every=0", "--train.eval_batches=1",
+             "--train.ckpt_every=0", "--train.plot=false", "--train.memory_report=true",
+             f"--train.threads={threads}", f"--train.out_dir={out_dir}"]
     if data is not None:
         args.append(f"--data={data}")
     return args
@@ -176,7 +173,7 @@ def measure_top(ranked: list, model: str, k: int, out_dir: Path, steps: int = 8,
             study.set_user_attr(f"measured/{i}", {
                 "point": c.point, "predicted_step_time_s": e.step_time,
                 "predicted_peak_memory_gb": e.peak_memory / 1e9,
-                "predicted_state_bytes": max(s.weights + s.grads + s.optimizer for s in e.stages),
+                "predicted_state_bytes": max(s.state for s in e.stages),
                 "predicted_act_peak_bytes": max(s.activations for s in e.stages),
                 **{f"measured_{k2}": v for k2, v in m.to_dict().items()}})
     return sorted(out, key=lambda cm: cm[1].step_time_s)

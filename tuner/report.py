@@ -13,10 +13,11 @@ import shlex
 from pathlib import Path
 
 from tuner.estimate import Estimate
+from tuner.layout import ParallelPlan
 from tuner.platform import Platform
 from tuner.search import Candidate
 
-__all__ = ["format_table", "plan_toml", "launch_lines", "sbatch_script", "plot_frontier"]
+__all__ = ["format_table", "plan_toml", "run_sections", "launch_lines", "sbatch_script", "plot_frontier"]
 
 _COLS = ("#", "pp", "ep", "dp", "M", "mbs", "schedule", "a2a", "ckpt", "place", "mem GB",
          "step s", "compute", "all2all", "p2p", "bubble", "dp sync", "MFU %", "TFLOPS")
@@ -51,6 +52,19 @@ def _toml_value(v: object) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def run_sections(p: ParallelPlan) -> dict[str, dict]:
+    """The trainer config sections (`train.py` `--section.field`) that run plan `p`: what a
+    plan file's [run.*] holds and what `tuner.launch.train_args` passes."""
+    return {
+        "parallel": {"pp": p.pp, "ep": p.ep, "dp": p.dp, "schedule": p.schedule,
+                     "microbatches": p.microbatches, "n_virtual": p.n_virtual,
+                     "ep_placement": p.ep_placement},
+        "comm": {"alltoall": p.alltoall},
+        "train": {"global_batch": p.global_batch, "seq_len": p.seq_len,
+                  "checkpointing": p.checkpointing},
+    }
+
+
 def plan_toml(e: Estimate, model_name: str, request: dict[str, object]) -> str:
     """The plan file for estimate `e` (see the module docstring)."""
     p = e.plan
@@ -64,12 +78,7 @@ def plan_toml(e: Estimate, model_name: str, request: dict[str, object]) -> str:
             **{f"predicted_{k}_s": round(v, 4) for k, v in e.time.items()},
         },
         "run.model": {"preset": model_name},
-        "run.parallel": {"pp": p.pp, "ep": p.ep, "dp": p.dp, "schedule": p.schedule,
-                         "microbatches": p.microbatches, "n_virtual": p.n_virtual,
-                         "ep_placement": p.ep_placement},
-        "run.comm": {"alltoall": p.alltoall},
-        "run.train": {"global_batch": p.global_batch, "seq_len": p.seq_len,
-                      "checkpointing": p.checkpointing},
+        **{f"run.{name}": body for name, body in run_sections(p).items()},
     }
     out = ["# Written by `python -m tuner plan`; run with: train.py --plan <this file>",
            "# [plan] is the request and the prediction; [run.*] is applied like a config file."]

@@ -89,7 +89,7 @@ class Evaluator:
             else:
                 if self.prune and self.incumbent < math.inf:
                     lb = step_time_lower_bound(self.cfg, plan, self.platform, self.precision,
-                                               self.assumptions)
+                                               self.assumptions, stages=mem)
                     self.bound_checks += 1
                     if lb >= self.incumbent:
                         c.lower_bound = lb
