@@ -8,6 +8,12 @@ same exchange with the splits swapped. `algorithm` picks how the rows travel:
     "flat" one all_to_all_single (the vendor collective)
     "halo" hierarchical I (intra-node) || II (packed per remote node) -> III (redistribute)
     "auto" the cheaper of the two under `cost_model`, decided identically on every rank
+
+"auto" (calibrated, concurrent flat model) first sends every peer its row count together
+with a summary of the sender's whole row (`comm.cost.row_summary`, O(R) per rank); the
+summaries decide in O(R) steps per rank where the model's answer does not depend on HALO's
+relay hop, the usual case, and the flat path then needs nothing more. Otherwise the full
+split matrix is gathered (HALO needs it) and the model evaluated on it.
 """
 
 from __future__ import annotations
@@ -17,8 +23,19 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from comm.cost import CostModel, choose_algorithm
-from comm.flat import _split_device, flat_all_to_all, gather_split_matrix, normalize_splits
+from comm.cost import (
+    CostModel,
+    choose_algorithm,
+    decide_from_summaries,
+    row_summary,
+)
+from comm.flat import (
+    _split_device,
+    exchange_ints,
+    flat_all_to_all,
+    gather_split_matrix,
+    normalize_splits,
+)
 from comm.halo import halo_all_to_all
 from comm.topology import Topology
 
@@ -84,22 +101,39 @@ def _hierarchical_or_auto(
         )
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a comm.CostModel, got {cost_model!r}")
+    rank = dist.get_rank(group)
+    choice = None if algorithm == "auto" else algorithm
+    if algorithm == "auto":
+        if topology.num_nodes == 1:  # nothing to aggregate (`choose_algorithm` says so too)
+            return flat_all_to_all(x, splits, group, known_out)
+        row_bytes = x.element_size() * _row_numel(x)
+        model = cost_model or CostModel.for_backend(dist.get_backend(group))
+        if not model.flat_pairwise:
+            # Round 1: my count for each peer + the summary of my row, to every peer.
+            summary = row_summary(splits, rank, topology)
+            stride = 1 + len(summary)
+            values = ([0] + summary) * world
+            values[0::stride] = splits
+            values = exchange_ints(values, group, device)
+            out = values[0::stride]
+            _check_out(known_out, out)
+            choice = decide_from_summaries(values, 1, stride, row_bytes, topology, model)
+            if choice == "flat":
+                return flat_all_to_all(x, splits, group, out)
     # HALO's relays need every rank's splits: one all-gather of R*R ints replaces the
     # all_to_all of R ints that the flat path uses.
     S = gather_split_matrix(splits, group, device)
-    rank = dist.get_rank(group)
-    if known_out is not None and known_out != [S[s][rank] for s in range(world)]:
-        raise ValueError(
-            f"out_splits {known_out} disagree with what the peers send "
-            f"{[S[s][rank] for s in range(world)]}"
-        )
-    if algorithm == "auto":
-        row_bytes = x.element_size() * _row_numel(x)
-        model = cost_model or CostModel.for_backend(dist.get_backend(group))
-        algorithm = choose_algorithm(S, row_bytes, topology, model)
-    if algorithm == "flat":
+    _check_out(known_out, [S[s][rank] for s in range(world)])
+    if choice is None:
+        choice = choose_algorithm(S, row_bytes, topology, model)
+    if choice == "flat":
         return flat_all_to_all(x, splits, group, [S[s][rank] for s in range(world)])
     return halo_all_to_all(x, S, topology, group)
+
+
+def _check_out(known_out: list[int] | None, out: list[int]) -> None:
+    if known_out is not None and known_out != out:
+        raise ValueError(f"out_splits {known_out} disagree with what the peers send {out}")
 
 
 def _row_numel(x: torch.Tensor) -> int:

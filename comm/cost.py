@@ -27,10 +27,14 @@ __all__ = [
     "CostModel",
     "busiest_nic_bytes",
     "choose_algorithm",
+    "decide_from_summaries",
     "predict_flat",
     "predict_halo",
     "reference_predict_flat",
     "reference_predict_halo",
+    "row_summary",
+    "summary_bracket",
+    "summary_width",
 ]
 
 
@@ -234,6 +238,9 @@ class _Layout:
     hop: np.ndarray  # [R, R] who relays s's rows for d (d's node's relay for s)
     forwarding: np.ndarray  # [R, R] bool: remote and relayed by someone other than d
     lists: tuple  # the same as python lists, for `_predict_both_loops`
+    nic_node: tuple[int, ...]  # node of each NIC
+    one_nic: bool  # every node has exactly one NIC (HALO's relays then use the same NICs)
+    g_max: int  # most ranks on one node
 
 
 def _layout(topo: Topology) -> _Layout:
@@ -256,7 +263,9 @@ def _layout(topo: Topology) -> _Layout:
                        local=~remote & ~np.eye(R, dtype=bool),
                        onehot=(node[:, None] == np.arange(N)[None, :]).astype(np.float64),
                        relay_nic=nic[relay], hop=hop, forwarding=forwarding,
-                       lists=(node.tolist(), nic.tolist(), nic[relay].tolist(), peers))
+                       lists=(node.tolist(), nic.tolist(), nic[relay].tolist(), peers),
+                       nic_node=tuple(k[0] for k in ids), one_nic=len(ids) == N,
+                       g_max=max(topo.ranks_per_node()))
         object.__setattr__(topo, "_cost_layout", memo)
     return memo
 
@@ -376,6 +385,124 @@ def _predict_both_loops(
     t_relay = max(v * row_bytes / model.local_bandwidth + bin(mask).count("1") * model.alpha_local
                   for v, mask in zip(relayed, relay_peers, strict=True))
     return flat, max(t_intra, t_inter + t_relay) + model.halo_overhead_s, busiest
+
+
+# ---- the first round of `auto`: row summaries, a bracket, and a decision or "gather" -------
+# Every rank evaluating the model on the whole split matrix costs O(R^2) Python per call,
+# 4-7 % of a small exchange in wall time with 8-16 ranks on 2 cores. Instead each rank
+# summarises its own row (O(R)) and sends the summary to every peer along with the row
+# count the flat path exchanges anyway (`comm.all_to_all`). From the R summaries every rank
+# gets the flat prediction and HALO's phases I and II exactly, and brackets HALO's relay hop
+# (phase III) between what the busiest relay forwards at least and at most. When the whole
+# bracket lies on one side of flat the decision is the model's; otherwise the caller
+# gathers the matrix (HALO needs it anyway) and runs `choose_algorithm`.
+
+SUMMARY_FIELDS = 6  # remote rows, flat messages, HALO messages, local rows, local messages,
+# remote rows that a relay forwards (to a rank other than itself)
+
+
+def summary_width(topo: Topology) -> int:
+    """Length of `row_summary`: the fields plus off-node rows per NIC (flat, and HALO's
+    relay NICs when a node has more than one NIC)."""
+    L = _layout(topo)
+    return SUMMARY_FIELDS + L.n_nics * (1 if L.one_nic else 2)
+
+
+def row_summary(row: list[int], rank: int, topo: Topology) -> list[int]:
+    """What `decide_from_summaries` needs of rank `rank`'s split row, as `summary_width`
+    python ints (one pass of `_predict_both_loops` over a single row)."""
+    L = _layout(topo)
+    node, _, relay_nic, peers = L.lists
+    my_node, n = node[rank], L.n_nics
+    per_node = [0] * len(L.onehot[0])
+    flat_in = [0] * n
+    flat_msgs = local_rows = local_msgs = forwarded = 0
+    for d, d_node, d_nic, r in peers[rank]:
+        v = row[d]
+        if not v:
+            continue
+        if d_node == my_node:
+            local_rows += v
+            local_msgs += 1
+            continue
+        flat_msgs += 1
+        per_node[d_node] += v
+        flat_in[d_nic] += v
+        if r >= 0:
+            forwarded += v
+    halo_in = flat_in if L.one_nic else [0] * n
+    sent = halo_msgs = 0
+    for m, v in enumerate(per_node):
+        if v:
+            sent += v
+            halo_msgs += 1
+            if not L.one_nic:
+                halo_in[relay_nic[rank][m]] += v
+    head = [sent, flat_msgs, halo_msgs, local_rows, local_msgs, forwarded]
+    return head + flat_in if L.one_nic else head + flat_in + halo_in
+
+
+def summary_bracket(
+    values: list[int], offset: int, stride: int, row_bytes: int, topo: Topology,
+    model: CostModel,
+) -> tuple[float, float, float, float]:
+    """(flat, HALO at least, HALO at most, busiest-NIC bytes) from the rows' summaries:
+    values[offset + s * stride:][:summary_width] is `row_summary` of rank s.
+
+    Flat and the busiest-NIC bytes equal `_predict_both_loops` (the same expressions on the
+    same integers); HALO lies in the bracket. The concurrent flat model only.
+    """
+    L = _layout(topo)
+    R, n = len(L.node), L.n_nics
+    field = [values[offset + i::stride] for i in range(SUMMARY_FIELDS)]
+    sent, flat_msgs, halo_msgs, lrows, lmsgs, forwarded = field
+    out = [0] * n
+    for k, v in zip(L.lists[1], sent, strict=True):
+        out[k] += v
+    base = offset + SUMMARY_FIELDS
+    flat_in = [sum(values[base + k::stride]) for k in range(n)]
+    halo_in = flat_in if L.one_nic else [sum(values[base + n + k::stride]) for k in range(n)]
+    rb, bw_local, a_local = row_bytes, model.local_bandwidth, model.alpha_local
+    busiest = max(max(out), max(flat_in)) * rb
+    flat = (busiest / (model.flat_nic_bandwidth or model.nic_bandwidth)
+            + max(flat_msgs) * model.alpha_net + max(lrows) * rb / bw_local
+            + max(lmsgs) * a_local)
+    t_intra = max(lr * rb / bw_local + lm * a_local for lr, lm in zip(lrows, lmsgs, strict=True))
+    t_inter = (max(max(out), max(halo_in)) * rb / model.nic_bandwidth
+               + max(halo_msgs) * model.alpha_net)
+    total = sum(forwarded)
+    low = high = 0.0
+    if total:
+        # Every forwarded row passes one relay: the busiest forwards >= the mean over R ranks
+        # to >= 1 peer, and no relay more than all rows entering its node, to <= G - 1 peers.
+        node_in = [0] * L.onehot.shape[1]
+        for m, v in zip(L.nic_node, halo_in, strict=True):
+            node_in[m] += v
+        low = total / R * rb / bw_local + a_local
+        high = min(total, max(node_in)) * rb / bw_local + (L.g_max - 1) * a_local
+    return (flat, max(t_intra, t_inter + low) + model.halo_overhead_s,
+            max(t_intra, t_inter + high) + model.halo_overhead_s, busiest)
+
+
+def decide_from_summaries(
+    values: list[int], offset: int, stride: int, row_bytes: int, topo: Topology,
+    model: CostModel,
+) -> str | None:
+    """"flat" / "halo" where `summary_bracket` decides (then it is what `choose_algorithm`
+    decides on the whole matrix), None where HALO's bracket straddles flat."""
+    if model.flat_pairwise:
+        raise ValueError("decide_from_summaries needs the concurrent flat model "
+                         "(flat_pairwise=False); use choose_algorithm")
+    flat, halo_low, halo_high, busiest = summary_bracket(values, offset, stride, row_bytes,
+                                                         topo, model)
+    if model.corrections:
+        c_flat, c_halo = model.correction(busiest)
+        flat, halo_low, halo_high = flat * c_flat, halo_low * c_halo, halo_high * c_halo
+    if flat <= halo_low:
+        return "flat"
+    if halo_high < flat:
+        return "halo"
+    return None
 
 
 def predict_flat(S: list[list[int]], row_bytes: int, topo: Topology, model: CostModel) -> float:

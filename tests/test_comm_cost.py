@@ -23,8 +23,12 @@ from comm.cost import (
     _layout,
     _predict_both_loops,
     busiest_nic_bytes,
+    decide_from_summaries,
     reference_predict_flat,
     reference_predict_halo,
+    row_summary,
+    summary_bracket,
+    summary_width,
 )
 
 # 1 row = 100 bytes; NICs move 1 row/s, local links 10 rows/s: numbers stay hand-checkable.
@@ -148,3 +152,58 @@ def test_vectorised_predictions_match_the_loops(nodes: int, gpus: int, nic_shift
         assert flat == pytest.approx(reference_predict_flat(S, 64, topo, model))
         assert halo == pytest.approx(reference_predict_halo(S, 64, topo, model))
         assert busiest == pytest.approx(busiest_nic_bytes(S, 64, topo))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.integers(2, 5), st.integers(1, 4), st.integers(0, 2),
+    st.lists(st.integers(0, 40), min_size=256, max_size=256), st.floats(0.0, 0.9),
+    st.floats(1e-4, 0.2), st.floats(0.0, 1.0), st.floats(0.5, 2.0),
+)
+def test_row_summaries_bracket_the_model(nodes: int, gpus: int, nic_shift: int,
+                                         values: list[int], zero_p: float, alpha: float,
+                                         overhead: float, halo_factor: float) -> None:
+    """auto's first round: summaries of single rows give flat and the busiest NIC exactly,
+    bracket HALO, and whatever they decide is `choose_algorithm`'s decision."""
+    nics = max(1, gpus >> nic_shift)
+    while gpus % nics:
+        nics -= 1
+    topo = Topology.uniform(nodes, gpus, nics_per_node=nics)
+    R = topo.world_size
+    S = [[values[(s * R + d) % 256] if (s * 5 + d * 3) % 10 >= zero_p * 10 else 0
+          for d in range(R)] for s in range(R)]
+    model = dataclasses.replace(MODEL, alpha_net=alpha, alpha_local=alpha / 3,
+                                halo_overhead_s=overhead, flat_nic_bandwidth=80.0,
+                                corrections=((100.0, 1.0, halo_factor), (1e4, 1.1, 0.9)))
+    width = summary_width(topo)
+    packed = []  # what one rank receives: (row count for it, summary) from every source
+    for s in range(R):
+        summary = row_summary(S[s], s, topo)
+        assert len(summary) == width
+        packed += [S[s][0]] + summary
+    flat, low, high, busiest = summary_bracket(packed, 1, width + 1, 64, topo, model)
+    exact_flat, exact_halo, exact_busiest = _predict_both_loops(S, 64, _layout(topo), model)
+    assert flat == exact_flat and busiest == exact_busiest == busiest_nic_bytes(S, 64, topo)
+    assert low <= exact_halo <= high
+    decided = decide_from_summaries(packed, 1, width + 1, 64, topo, model)
+    assert decided in (None, choose_algorithm(S, 64, topo, model))
+
+
+def test_summaries_decide_the_usual_exchanges() -> None:
+    """The bracket is narrow enough to decide a balanced exchange either way (no gather)."""
+    topo = Topology.uniform(8, 2, nics_per_node=1)
+    model = CostModel(nic_bandwidth=12.5e6, local_bandwidth=150e6, alpha_net=2e-3,
+                      alpha_local=2e-3, halo_overhead_s=20e-3, flat_nic_bandwidth=10e6)
+    width = summary_width(topo)
+    for rows, expect in ((1, "flat"), (4096, "halo")):
+        S = [[rows] * 16 for _ in range(16)]
+        packed = sum(([rows] + row_summary(S[s], s, topo) for s in range(16)), [])
+        assert choose_algorithm(S, 1024, topo, model) == expect
+        assert decide_from_summaries(packed, 1, width + 1, 1024, topo, model) == expect
+
+
+def test_summaries_refuse_the_pairwise_model() -> None:
+    topo = Topology.uniform(2, 1)
+    with pytest.raises(ValueError, match="flat_pairwise"):
+        decide_from_summaries([0] * 20, 1, 10, 4, topo, dataclasses.replace(
+            MODEL, flat_pairwise=True))

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from comm import CostModel, Topology, all_to_all, run_local
+from comm.cost import decide_from_summaries, row_summary, summary_width
 from comm.flat import reference_all_to_all
 
 pytestmark = pytest.mark.multiproc
@@ -62,6 +63,20 @@ def _check(rank: int, group: dist.ProcessGroup, S: list[list[int]], topo: Topolo
     assert torch.equal(x.grad, gx_vendor), algorithm
 
 
+def _straddling_model(S: list[list[int]], topo: Topology) -> CostModel:
+    """A concurrent model under which the row summaries of S leave auto undecided."""
+    R = topo.world_size
+    packed = sum(([S[s][0]] + row_summary(S[s], s, topo) for s in range(R)), [])
+    stride = 1 + summary_width(topo)
+    for i in range(1, 400):  # flat's NIC rate from 100 down: it crosses HALO's bracket
+        model = CostModel(nic_bandwidth=100.0, local_bandwidth=100.0, alpha_net=0.0,
+                          alpha_local=0.0, halo_overhead_s=0.0, flat_nic_bandwidth=100.0 / (
+                              1 + 0.01 * i))
+        if decide_from_summaries(packed, 1, stride, 4, topo, model) is None:
+            return model
+    raise AssertionError("no straddling model found")
+
+
 def _halo_worker(rank: int, world: int, group: dist.ProcessGroup, nodes: int,
                  gpus: int) -> int:
     topo = Topology.uniform(nodes, gpus)
@@ -69,12 +84,16 @@ def _halo_worker(rank: int, world: int, group: dist.ProcessGroup, nodes: int,
     for i, (_name, S) in enumerate(split_cases(world, gpus).items()):
         _check(rank, group, S, topo, "halo", seed=i)
         checks += 1
-    # auto with a model that makes per-message cost dominate (picks halo) and one that makes
-    # the extra hop dominate (picks flat): both must still be exact.
+    # auto with a model that makes per-message cost dominate (picks halo), one that makes
+    # the extra hop dominate (picks flat), one whose first round cannot decide (the matrix
+    # is gathered) and gloo's pairwise default (decided on the gathered matrix): all exact.
     S = split_cases(world, gpus)["random"]
-    for model in (CostModel(alpha_net=1.0, halo_overhead_s=0.0),
-                  CostModel(local_bandwidth=1.0, alpha_net=0.0)):
-        _check(rank, group, S, topo, "auto", seed=50, model=model)
+    models = (CostModel(alpha_net=1.0, halo_overhead_s=0.0),
+              CostModel(local_bandwidth=1.0, alpha_net=0.0),
+              _straddling_model(S, topo), CostModel.for_backend("gloo"))
+    for i, model in enumerate(models):
+        for j, Sj in enumerate(split_cases(world, gpus).values()):
+            _check(rank, group, Sj, topo, "auto", seed=50 + 10 * i + j, model=model)
         checks += 1
     if nodes >= 3:
         # An EP sub-group spanning nodes (one rank per node + one extra): group ranks differ
