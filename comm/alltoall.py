@@ -9,11 +9,11 @@ same exchange with the splits swapped. `algorithm` picks how the rows travel:
     "halo" hierarchical I (intra-node) || II (packed per remote node) -> III (redistribute)
     "auto" the cheaper of the two under `cost_model`, decided identically on every rank
 
-"auto" (calibrated, concurrent flat model) first sends every peer its row count together
-with a summary of the sender's whole row (`comm.cost.row_summary`, O(R) per rank); the
-summaries decide in O(R) steps per rank where the model's answer does not depend on HALO's
-relay hop, the usual case, and the flat path then needs nothing more. Otherwise the full
-split matrix is gathered (HALO needs it) and the model evaluated on it.
+"auto" (calibrated, concurrent flat model) sends every peer the sender's row together with
+an O(R) summary of it (`comm.cost.row_summary`), in the one small exchange that flat (split
+sizes) and HALO (the split matrix) make anyway. The summaries decide in O(R) steps per rank
+wherever the model's answer does not hinge on HALO's relay hop, the usual case; otherwise
+the model is evaluated on the matrix (O(R^2) steps per rank).
 """
 
 from __future__ import annotations
@@ -102,28 +102,32 @@ def _hierarchical_or_auto(
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a comm.CostModel, got {cost_model!r}")
     rank = dist.get_rank(group)
+    if algorithm == "auto" and topology.num_nodes == 1:
+        return flat_all_to_all(x, splits, group, known_out)  # nothing to aggregate
+    row_bytes = x.element_size() * _row_numel(x)
+    model = cost_model or CostModel.for_backend(dist.get_backend(group))
     choice = None if algorithm == "auto" else algorithm
-    if algorithm == "auto":
-        if topology.num_nodes == 1:  # nothing to aggregate (`choose_algorithm` says so too)
-            return flat_all_to_all(x, splits, group, known_out)
-        row_bytes = x.element_size() * _row_numel(x)
-        model = cost_model or CostModel.for_backend(dist.get_backend(group))
-        if not model.flat_pairwise:
-            # Round 1: my count for each peer + the summary of my row, to every peer.
-            summary = row_summary(splits, rank, topology)
-            stride = 1 + len(summary)
-            values = ([0] + summary) * world
-            values[0::stride] = splits
-            values = exchange_ints(values, group, device)
-            out = values[0::stride]
-            _check_out(known_out, out)
-            choice = decide_from_summaries(values, 1, stride, row_bytes, topology, model)
-            if choice == "flat":
-                return flat_all_to_all(x, splits, group, out)
-    # HALO's relays need every rank's splits: one all-gather of R*R ints replaces the
-    # all_to_all of R ints that the flat path uses.
-    S = gather_split_matrix(splits, group, device)
-    _check_out(known_out, [S[s][rank] for s in range(world)])
+    if algorithm == "auto" and not model.flat_pairwise:
+        # My row and its summary to every peer: every rank gets the split matrix (HALO's
+        # relays need it) and R summaries that decide in O(R) steps where they can.
+        if x.shape[0] >= 2**31:  # every value sent is at most the rows of x
+            raise ValueError(f"x has {x.shape[0]} rows; algorithm='auto' handles < 2**31")
+        summary = row_summary(splits, rank, topology)
+        stride = world + len(summary)
+        # int32 halves the bytes of this exchange, which runs in R - 1 dependent steps on
+        # gloo and before every call's rows.
+        values = exchange_ints((splits + summary) * world, group, device, torch.int32)
+        out = values[rank::stride]
+        _check_out(known_out, out)
+        choice = decide_from_summaries(values, world, stride, row_bytes, topology, model)
+        if choice == "flat":
+            return flat_all_to_all(x, splits, group, out)
+        S = [values[s * stride:s * stride + world] for s in range(world)]
+    else:
+        # HALO's relays need every rank's splits: one all-gather of R*R ints replaces the
+        # all_to_all of R ints that the flat path uses.
+        S = gather_split_matrix(splits, group, device)
+        _check_out(known_out, [S[s][rank] for s in range(world)])
     if choice is None:
         choice = choose_algorithm(S, row_bytes, topology, model)
     if choice == "flat":

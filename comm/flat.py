@@ -65,21 +65,25 @@ def _split_device(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.dev
 
 
 def exchange_ints(
-    values: list[int], group: dist.ProcessGroup | None, device: torch.device
+    values: list[int], group: dist.ProcessGroup | None, device: torch.device,
+    dtype: torch.dtype = torch.int64,
 ) -> list[int]:
-    """One int64 all_to_all_single: equal chunks of `values` go to the ranks in order, and
-    the chunks received come back in source order as python ints.
+    """One all_to_all_single of ints (`dtype`: int64 or int32, which the values must fit):
+    equal chunks of `values` go to the ranks in order, and the chunks received come back in
+    source order as python ints.
 
     On the CPU the two buffers are `array`s seen by torch without a copy:
     `torch.tensor(list)` and `.tolist()` cost ~3x more CPU when their code is cold in the
     cache, as it is between exchanges, and every exchange pays this before moving a row.
     """
     if device.type == "cpu":
-        send, recv = array("q", values), array("q", bytes(8 * len(values)))
-        dist.all_to_all_single(torch.frombuffer(recv, dtype=torch.int64),
-                               torch.frombuffer(send, dtype=torch.int64), group=group)
+        code = {torch.int64: "q", torch.int32: "i"}[dtype]
+        send = array(code, values)
+        recv = array(code, bytes(send.itemsize * len(values)))
+        dist.all_to_all_single(torch.frombuffer(recv, dtype=dtype),
+                               torch.frombuffer(send, dtype=dtype), group=group)
         return recv.tolist()
-    send_t = torch.tensor(values, dtype=torch.int64, device=device)
+    send_t = torch.tensor(values, dtype=dtype, device=device)
     recv_t = torch.empty_like(send_t)
     dist.all_to_all_single(recv_t, send_t, group=group)
     return recv_t.tolist()

@@ -176,16 +176,16 @@ def test_row_summaries_bracket_the_model(nodes: int, gpus: int, nic_shift: int,
                                 halo_overhead_s=overhead, flat_nic_bandwidth=80.0,
                                 corrections=((100.0, 1.0, halo_factor), (1e4, 1.1, 0.9)))
     width = summary_width(topo)
-    packed = []  # what one rank receives: (row count for it, summary) from every source
+    packed = []  # what every rank receives: (row, summary of the row) from every source
     for s in range(R):
         summary = row_summary(S[s], s, topo)
         assert len(summary) == width
-        packed += [S[s][0]] + summary
-    flat, low, high, busiest = summary_bracket(packed, 1, width + 1, 64, topo, model)
+        packed += S[s] + summary
+    flat, low, high, busiest = summary_bracket(packed, R, width + R, 64, topo, model)
     exact_flat, exact_halo, exact_busiest = _predict_both_loops(S, 64, _layout(topo), model)
     assert flat == exact_flat and busiest == exact_busiest == busiest_nic_bytes(S, 64, topo)
     assert low <= exact_halo <= high
-    decided = decide_from_summaries(packed, 1, width + 1, 64, topo, model)
+    decided = decide_from_summaries(packed, R, width + R, 64, topo, model)
     assert decided in (None, choose_algorithm(S, 64, topo, model))
 
 
@@ -197,9 +197,9 @@ def test_summaries_decide_the_usual_exchanges() -> None:
     width = summary_width(topo)
     for rows, expect in ((1, "flat"), (4096, "halo")):
         S = [[rows] * 16 for _ in range(16)]
-        packed = sum(([rows] + row_summary(S[s], s, topo) for s in range(16)), [])
+        packed = sum((S[s] + row_summary(S[s], s, topo) for s in range(16)), [])
         assert choose_algorithm(S, 1024, topo, model) == expect
-        assert decide_from_summaries(packed, 1, width + 1, 1024, topo, model) == expect
+        assert decide_from_summaries(packed, 16, width + 16, 1024, topo, model) == expect
 
 
 def test_summaries_refuse_the_pairwise_model() -> None:

@@ -66,13 +66,13 @@ def _check(rank: int, group: dist.ProcessGroup, S: list[list[int]], topo: Topolo
 def _straddling_model(S: list[list[int]], topo: Topology) -> CostModel:
     """A concurrent model under which the row summaries of S leave auto undecided."""
     R = topo.world_size
-    packed = sum(([S[s][0]] + row_summary(S[s], s, topo) for s in range(R)), [])
-    stride = 1 + summary_width(topo)
+    packed = sum((S[s] + row_summary(S[s], s, topo) for s in range(R)), [])
+    stride = R + summary_width(topo)
     for i in range(1, 400):  # flat's NIC rate from 100 down: it crosses HALO's bracket
         model = CostModel(nic_bandwidth=100.0, local_bandwidth=100.0, alpha_net=0.0,
                           alpha_local=0.0, halo_overhead_s=0.0, flat_nic_bandwidth=100.0 / (
                               1 + 0.01 * i))
-        if decide_from_summaries(packed, 1, stride, 4, topo, model) is None:
+        if decide_from_summaries(packed, R, stride, 4, topo, model) is None:
             return model
     raise AssertionError("no straddling model found")
 
