@@ -139,6 +139,7 @@ def calibrate(
     base: CostModel | None = None,
     max_rows: int = 16384,
     small_repeats: int = 15,
+    min_time_s: float = 1.5,
 ) -> CostModel:
     """Fit alpha, HALO overhead, local and NIC bandwidth of `base` (default: for the backend)
     and the per-size corrections.
@@ -146,7 +147,8 @@ def calibrate(
     Bandwidths come from the time difference between L and 2L rows per pair, with L grown
     (x4 from `large_rows`, at most `max_rows`) until one exchange takes >= 5x the one-row
     time: fixed costs cancel and noise on a loaded machine cannot make the difference
-    vanish. A fit that still comes out non-positive keeps `base`'s value.
+    vanish. A fit that still comes out non-positive keeps `base`'s value. Every timed size
+    repeats until each algorithm ran `min_time_s` (at most `small_repeats` times).
     """
     R = dist.get_world_size(group)
     if topo.world_size != R:
@@ -154,8 +156,9 @@ def calibrate(
     if large_rows < 1 or row_numel < 1 or max_rows < large_rows:
         raise ValueError(f"need 1 <= large_rows={large_rows} <= max_rows={max_rows} and "
                          f"row_numel={row_numel} >= 1")
-    if repeats < 1 or small_repeats < 1:
-        raise ValueError(f"repeats={repeats} and small_repeats={small_repeats} must be >= 1")
+    if repeats < 1 or small_repeats < 1 or min_time_s < 0:
+        raise ValueError(f"repeats={repeats} and small_repeats={small_repeats} must be >= 1, "
+                         f"min_time_s={min_time_s} >= 0")
     base = base or CostModel.for_backend(dist.get_backend(group))
     # The fitted flat model is the concurrent one (what gloo's all_to_all_single and NCCL
     # post: every peer at once); gloo's partial serialisation of pair directions shows up
@@ -168,10 +171,12 @@ def calibrate(
         flat_small = time_all_to_all(group, topo, small, row_numel, "flat", small_repeats)
         return dataclasses.replace(base, alpha_net=flat_small / max(1, R - 1),
                                    alpha_local=flat_small / max(1, R - 1))
-    # Cheap exchanges repeat until each algorithm ran 0.5 s (at most small_repeats): gloo's
+    # Exchanges repeat until each algorithm ran `min_time_s` (at most small_repeats): gloo's
     # flat collective is bimodal from repeat to repeat (see CostModel.flat_nic_bandwidth),
-    # and a median of 3 picked either mode.
-    timed = {"min_time_s": 0.5, "max_repeats": max(repeats, small_repeats)}
+    # and a median of 3 picked either mode; with 0.5 s (3-4 repeats of a 1 MB per pair
+    # exchange at 4x2 @ 1 Gbit/s) the fitted flat rate came out up to 18 % off and `auto`
+    # ran flat where HALO was 6-17 % faster.
+    timed = {"min_time_s": min_time_s, "max_repeats": max(repeats, small_repeats)}
     measured = {1: time_algorithms(group, topo, small, row_numel, repeats=small_repeats)}
     alpha = measured[1]["flat"] / (R - 1)
     fitted = dataclasses.replace(base, alpha_net=alpha, alpha_local=alpha, halo_overhead_s=0.0)
@@ -195,10 +200,9 @@ def calibrate(
         # loopback TCP hop is far slower than the 1 GB/s default and decides flat vs HALO.
         node = topo.rank2node
         local = [[1 if node[s] == node[d] else 0 for d in range(R)] for s in range(R)]
-        l_a = time_all_to_all(group, topo, [[v * rows for v in r] for r in local], row_numel,
-                              "flat", repeats)
-        l_b = time_all_to_all(group, topo, [[v * 2 * rows for v in r] for r in local],
-                              row_numel, "flat", repeats)
+        l_a, l_b = (time_algorithms(group, topo, [[v * n for v in r] for r in local],
+                                    row_numel, ("flat",), repeats, **timed)["flat"]
+                    for n in (rows, 2 * rows))
         per_rank = (G - 1) * rows * row_bytes
         if l_b > l_a:
             fitted = dataclasses.replace(fitted, local_bandwidth=per_rank / (l_b - l_a))
