@@ -140,6 +140,7 @@ def calibrate(
     max_rows: int = 16384,
     small_repeats: int = 15,
     min_time_s: float = 1.5,
+    max_repeats: int = 400,
 ) -> CostModel:
     """Fit alpha, HALO overhead, local and NIC bandwidth of `base` (default: for the backend)
     and the per-size corrections.
@@ -148,7 +149,8 @@ def calibrate(
     (x4 from `large_rows`, at most `max_rows`) until one exchange takes >= 5x the one-row
     time: fixed costs cancel and noise on a loaded machine cannot make the difference
     vanish. A fit that still comes out non-positive keeps `base`'s value. Every timed size
-    repeats until each algorithm ran `min_time_s` (at most `small_repeats` times).
+    repeats until each algorithm ran `min_time_s` (at least `repeats`, the one-row exchange
+    `small_repeats`, times; at most `max_repeats`).
     """
     R = dist.get_world_size(group)
     if topo.world_size != R:
@@ -171,13 +173,15 @@ def calibrate(
         flat_small = time_all_to_all(group, topo, small, row_numel, "flat", small_repeats)
         return dataclasses.replace(base, alpha_net=flat_small / max(1, R - 1),
                                    alpha_local=flat_small / max(1, R - 1))
-    # Exchanges repeat until each algorithm ran `min_time_s` (at most small_repeats): gloo's
+    # Exchanges repeat until each algorithm ran `min_time_s` (at most max_repeats): gloo's
     # flat collective is bimodal from repeat to repeat (see CostModel.flat_nic_bandwidth),
-    # and a median of 3 picked either mode; with 0.5 s (3-4 repeats of a 1 MB per pair
-    # exchange at 4x2 @ 1 Gbit/s) the fitted flat rate came out up to 18 % off and `auto`
-    # ran flat where HALO was 6-17 % faster.
-    timed = {"min_time_s": min_time_s, "max_repeats": max(repeats, small_repeats)}
-    measured = {1: time_algorithms(group, topo, small, row_numel, repeats=small_repeats)}
+    # and with 0.5 s (3-4 repeats of a 1 MB per pair exchange at 4x2 @ 1 Gbit/s) the fitted
+    # flat rate came out up to 18 % off and `auto` ran flat where HALO was 6-17 % faster. A
+    # 12 ms exchange of 8 ranks on 2 cores spreads over +-40 %: 15 repeats of the one-row
+    # exchange once made `auto` pick HALO where it was 13 % slower.
+    timed = {"min_time_s": min_time_s, "max_repeats": max(repeats, small_repeats, max_repeats)}
+    measured = {1: time_algorithms(group, topo, small, row_numel, repeats=small_repeats,
+                                   **timed)}
     alpha = measured[1]["flat"] / (R - 1)
     fitted = dataclasses.replace(base, alpha_net=alpha, alpha_local=alpha, halo_overhead_s=0.0)
 

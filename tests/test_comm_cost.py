@@ -107,7 +107,7 @@ def test_model_validation_and_backend_defaults() -> None:
 
 def _calibrate_worker(rank: int, world: int, group: dist.ProcessGroup) -> dict:
     model = calibrate(group, Topology.uniform(2, 2), row_numel=64, large_rows=16, repeats=1,
-                      max_rows=64)
+                      max_rows=64, min_time_s=0.05)
     return dataclasses.asdict(model)
 
 
