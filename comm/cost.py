@@ -59,6 +59,10 @@ class CostModel:
         measurement where one was taken and the alpha-beta model shapes it in between
         (what a few parameters miss on a loaded host: CPU-bound copies, transport quirks).
         Empty: the raw model.
+    flat_empty_messages: the flat collective exchanges a message with every peer, empty
+        ones included (gloo's all_to_all_single: a 1 KB skewed exchange with half its pairs
+        empty takes as long as the balanced one at 8x2), so its message counts are the peer
+        counts; False counts only the peers with rows (HALO always does).
     """
 
     nic_bandwidth: float = 12.5e6  # 100 Mbit/s: the emulator's default shaped NIC
@@ -69,6 +73,7 @@ class CostModel:
     flat_pairwise: bool = False
     flat_nic_bandwidth: float | None = None
     corrections: tuple[tuple[float, float, float], ...] = ()
+    flat_empty_messages: bool = False
 
     @classmethod
     def for_backend(cls, backend: str, **overrides: float) -> CostModel:
@@ -79,7 +84,8 @@ class CostModel:
         a 2-rank exchange of 4 MB each way at 100 Mbit/s takes 0.70 s instead of 0.34 s
         (measured on the emulator). NCCL / RCCL run all peers concurrently.
         """
-        return cls(**{"flat_pairwise": backend == "gloo", **overrides})
+        gloo = backend == "gloo"
+        return cls(**{"flat_pairwise": gloo, "flat_empty_messages": gloo, **overrides})
 
     def __post_init__(self) -> None:
         for name in ("nic_bandwidth", "local_bandwidth"):
@@ -132,7 +138,7 @@ def _reference_flat_pairwise(
             d, src = (s + i) % R, (s - i) % R
             t = 0.0
             for a, b, rows in ((s, d, S[s][d]), (src, s, S[src][s])):
-                if rows == 0:
+                if rows == 0 and not model.flat_empty_messages:
                     continue
                 nbytes = rows * row_bytes
                 if node[a] == node[b]:
@@ -161,7 +167,7 @@ def reference_predict_flat(
     for s, row in enumerate(S):
         msgs, lb, lm = 0, 0.0, 0
         for d, rows in enumerate(row):
-            if rows == 0 or d == s:
+            if d == s or (rows == 0 and not model.flat_empty_messages):
                 continue
             b = rows * row_bytes
             if node[d] == node[s]:
@@ -241,6 +247,7 @@ class _Layout:
     nic_node: tuple[int, ...]  # node of each NIC
     one_nic: bool  # every node has exactly one NIC (HALO's relays then use the same NICs)
     g_max: int  # most ranks on one node
+    peers_max: tuple[int, int]  # most off-node / other on-node peers of one rank
 
 
 def _layout(topo: Topology) -> _Layout:
@@ -265,7 +272,8 @@ def _layout(topo: Topology) -> _Layout:
                        relay_nic=nic[relay], hop=hop, forwarding=forwarding,
                        lists=(node.tolist(), nic.tolist(), nic[relay].tolist(), peers),
                        nic_node=tuple(k[0] for k in ids), one_nic=len(ids) == N,
-                       g_max=max(topo.ranks_per_node()))
+                       g_max=max(topo.ranks_per_node()),
+                       peers_max=(R - min(topo.ranks_per_node()), max(topo.ranks_per_node()) - 1))
         object.__setattr__(topo, "_cost_layout", memo)
     return memo
 
@@ -292,6 +300,8 @@ def _flat(B: np.ndarray, L: _Layout, model: CostModel) -> float:
         def cost(nbytes: np.ndarray, far: np.ndarray) -> np.ndarray:
             bw = np.where(far, model.nic_bandwidth, model.local_bandwidth)
             alpha = np.where(far, model.alpha_net, model.alpha_local)
+            if model.flat_empty_messages:
+                return nbytes / bw + alpha
             return np.where(nbytes > 0, nbytes / bw + alpha, 0.0)
 
         rank_t = (cost(send, send_remote) + cost(recv, recv_remote)).max(axis=1)
@@ -303,7 +313,7 @@ def _flat(B: np.ndarray, L: _Layout, model: CostModel) -> float:
         nic_t = np.maximum(out.reshape(R - 1, L.n_nics).max(axis=1),
                            inn.reshape(R - 1, L.n_nics).max(axis=1)) / model.nic_bandwidth
         return float(np.maximum(rank_t, nic_t).sum())
-    nonzero = B > 0
+    nonzero = np.ones_like(B, dtype=bool) if model.flat_empty_messages else B > 0
     net = max(_nic_load(L, B * L.remote)) / (model.flat_nic_bandwidth or model.nic_bandwidth)
     net_msgs = int((nonzero & L.remote).sum(axis=1).max())
     local_bytes = float((B * L.local).sum(axis=1).max())
@@ -377,6 +387,8 @@ def _predict_both_loops(
         local_rows, local_msgs = max(local_rows, lr), max(local_msgs, lm)
         t_intra = max(t_intra, lr * row_bytes / model.local_bandwidth + lm * model.alpha_local)
     busiest = max(max(out), max(inn_flat)) * row_bytes
+    if model.flat_empty_messages:
+        flat_msgs, local_msgs = L.peers_max
     flat = (busiest / (model.flat_nic_bandwidth or model.nic_bandwidth)
             + flat_msgs * model.alpha_net + local_rows * row_bytes / model.local_bandwidth
             + local_msgs * model.alpha_local)
@@ -464,9 +476,10 @@ def summary_bracket(
     halo_in = flat_in if L.one_nic else [sum(values[base + n + k::stride]) for k in range(n)]
     rb, bw_local, a_local = row_bytes, model.local_bandwidth, model.alpha_local
     busiest = max(max(out), max(flat_in)) * rb
+    n_msgs, n_local = L.peers_max if model.flat_empty_messages else (max(flat_msgs),
+                                                                       max(lmsgs))
     flat = (busiest / (model.flat_nic_bandwidth or model.nic_bandwidth)
-            + max(flat_msgs) * model.alpha_net + max(lrows) * rb / bw_local
-            + max(lmsgs) * a_local)
+            + n_msgs * model.alpha_net + max(lrows) * rb / bw_local + n_local * a_local)
     t_intra = max(lr * rb / bw_local + lm * a_local for lr, lm in zip(lrows, lmsgs, strict=True))
     t_inter = (max(max(out), max(halo_in)) * rb / model.nic_bandwidth
                + max(halo_msgs) * model.alpha_net)

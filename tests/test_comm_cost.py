@@ -53,6 +53,14 @@ def test_two_ranks_on_two_nodes() -> None:
     assert choose_algorithm(S, 100, topo, half) == "halo"
     assert choose_algorithm(S, 100, topo, dataclasses.replace(MODEL, flat_nic_bandwidth=200.0,
                                                                alpha_net=0.0)) == "flat"
+    # gloo's collective exchanges a message with every peer, empty or not; HALO skips them.
+    empty = [[0, 0], [0, 0]]
+    assert predict_flat(empty, 100, topo, MODEL) == 0.0
+    gloo_like = dataclasses.replace(MODEL, flat_empty_messages=True)
+    assert predict_flat(empty, 100, topo, gloo_like) == pytest.approx(0.1)
+    assert predict_halo(empty, 100, topo, gloo_like) == 0.0
+    assert CostModel.for_backend("gloo").flat_empty_messages
+    assert not CostModel.for_backend("nccl").flat_empty_messages
 
 
 def test_two_by_two_counts_the_relay_hop() -> None:
@@ -130,10 +138,11 @@ def test_calibration_agrees_on_every_rank() -> None:
 @given(
     st.integers(1, 4), st.integers(1, 4), st.integers(0, 2), st.booleans(),
     st.lists(st.integers(0, 5), min_size=256, max_size=256), st.floats(0.0, 0.9),
+    st.booleans(),
 )
 def test_vectorised_predictions_match_the_loops(nodes: int, gpus: int, nic_shift: int,
                                                 pairwise: bool, values: list[int],
-                                                zero_p: float) -> None:
+                                                zero_p: float, empty_messages: bool) -> None:
     nics = max(1, gpus >> nic_shift)
     while gpus % nics:
         nics -= 1
@@ -142,7 +151,8 @@ def test_vectorised_predictions_match_the_loops(nodes: int, gpus: int, nic_shift
     S = [[values[(s * R + d) % 256] if (s * 7 + d * 3) % 10 >= zero_p * 10 else 0
           for d in range(R)] for s in range(R)]
     model = dataclasses.replace(MODEL, flat_pairwise=pairwise, halo_overhead_s=0.3,
-                                flat_nic_bandwidth=None if pairwise else 70.0)
+                                flat_nic_bandwidth=None if pairwise else 70.0,
+                                flat_empty_messages=empty_messages)
     assert predict_flat(S, 64, topo, model) == pytest.approx(
         reference_predict_flat(S, 64, topo, model))
     assert predict_halo(S, 64, topo, model) == pytest.approx(
@@ -158,11 +168,12 @@ def test_vectorised_predictions_match_the_loops(nodes: int, gpus: int, nic_shift
 @given(
     st.integers(2, 5), st.integers(1, 4), st.integers(0, 2),
     st.lists(st.integers(0, 40), min_size=256, max_size=256), st.floats(0.0, 0.9),
-    st.floats(1e-4, 0.2), st.floats(0.0, 1.0), st.floats(0.5, 2.0),
+    st.floats(1e-4, 0.2), st.floats(0.0, 1.0), st.floats(0.5, 2.0), st.booleans(),
 )
 def test_row_summaries_bracket_the_model(nodes: int, gpus: int, nic_shift: int,
                                          values: list[int], zero_p: float, alpha: float,
-                                         overhead: float, halo_factor: float) -> None:
+                                         overhead: float, halo_factor: float,
+                                         empty_messages: bool) -> None:
     """auto's first round: summaries of single rows give flat and the busiest NIC exactly,
     bracket HALO, and whatever they decide is `choose_algorithm`'s decision."""
     nics = max(1, gpus >> nic_shift)
@@ -174,7 +185,7 @@ def test_row_summaries_bracket_the_model(nodes: int, gpus: int, nic_shift: int,
           for d in range(R)] for s in range(R)]
     model = dataclasses.replace(MODEL, alpha_net=alpha, alpha_local=alpha / 3,
                                 halo_overhead_s=overhead, flat_nic_bandwidth=80.0,
-                                corrections=((100.0, 1.0, halo_factor), (1e4, 1.1, 0.9)))
+                                flat_empty_messages=empty_messages, corrections=((100.0, 1.0, halo_factor), (1e4, 1.1, 0.9)))
     width = summary_width(topo)
     packed = []  # what every rank receives: (row, summary of the row) from every source
     for s in range(R):
