@@ -127,11 +127,12 @@ def _hierarchical_or_auto(
         # HALO's relays need every rank's splits: one all-gather of R*R ints replaces the
         # all_to_all of R ints that the flat path uses.
         S = gather_split_matrix(splits, group, device)
-        _check_out(known_out, [S[s][rank] for s in range(world)])
+        out = [S[s][rank] for s in range(world)]
+        _check_out(known_out, out)
     if choice is None:
         choice = choose_algorithm(S, row_bytes, topology, model)
     if choice == "flat":
-        return flat_all_to_all(x, splits, group, [S[s][rank] for s in range(world)])
+        return flat_all_to_all(x, splits, group, out)
     return halo_all_to_all(x, S, topology, group)
 
 

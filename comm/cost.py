@@ -60,7 +60,7 @@ class CostModel:
         (what a few parameters miss on a loaded host: CPU-bound copies, transport quirks).
         Empty: the raw model.
     flat_empty_messages: the flat collective exchanges a message with every peer, empty
-        ones included (gloo's all_to_all_single: a 1 KB skewed exchange with half its pairs
+        ones included (gloo's all_to_all_single: a 1 KB skewed exchange with 7 of 16 pairs
         empty takes as long as the balanced one at 8x2), so its message counts are the peer
         counts; False counts only the peers with rows (HALO always does).
     """
@@ -399,15 +399,14 @@ def _predict_both_loops(
     return flat, max(t_intra, t_inter + t_relay) + model.halo_overhead_s, busiest
 
 
-# ---- the first round of `auto`: row summaries, a bracket, and a decision or "gather" -------
+# ---- `auto` from row summaries: a bracket, and a decision or "run the full model" ---------
 # Every rank evaluating the model on the whole split matrix costs O(R^2) Python per call,
-# 4-7 % of a small exchange in wall time with 8-16 ranks on 2 cores. Instead each rank
-# summarises its own row (O(R)) and sends the summary to every peer along with the row
-# count the flat path exchanges anyway (`comm.all_to_all`). From the R summaries every rank
-# gets the flat prediction and HALO's phases I and II exactly, and brackets HALO's relay hop
-# (phase III) between what the busiest relay forwards at least and at most. When the whole
-# bracket lies on one side of flat the decision is the model's; otherwise the caller
-# gathers the matrix (HALO needs it anyway) and runs `choose_algorithm`.
+# 3-7 % of a small exchange in wall time with 8-16 ranks on 2 cores. Instead each rank
+# summarises its own row (O(R)) and sends the summary to every peer with the row itself
+# (`comm.all_to_all`). From the R summaries every rank gets the flat prediction and HALO's
+# phases I and II exactly, and brackets HALO's relay hop (phase III) between what the
+# busiest relay forwards at least and at most. When the whole bracket lies on one side of
+# flat the decision is the model's; otherwise the caller runs `choose_algorithm` on the rows.
 
 SUMMARY_FIELDS = 6  # remote rows, flat messages, HALO messages, local rows, local messages,
 # remote rows that a relay forwards (to a rank other than itself)
@@ -426,7 +425,7 @@ def row_summary(row: list[int], rank: int, topo: Topology) -> list[int]:
     L = _layout(topo)
     node, _, relay_nic, peers = L.lists
     my_node, n = node[rank], L.n_nics
-    per_node = [0] * len(L.onehot[0])
+    per_node = [0] * topo.num_nodes
     flat_in = [0] * n
     flat_msgs = local_rows = local_msgs = forwarded = 0
     for d, d_node, d_nic, r in peers[rank]:
@@ -488,7 +487,7 @@ def summary_bracket(
     if total:
         # Every forwarded row passes one relay: the busiest forwards >= the mean over R ranks
         # to >= 1 peer, and no relay more than all rows entering its node, to <= G - 1 peers.
-        node_in = [0] * L.onehot.shape[1]
+        node_in = [0] * topo.num_nodes
         for m, v in zip(L.nic_node, halo_in, strict=True):
             node_in[m] += v
         low = total / R * rb / bw_local + a_local

@@ -134,6 +134,20 @@ def test_calibration_agrees_on_every_rank() -> None:
     assert all(c[1] > 0 and c[2] > 0 for c in m["corrections"])
 
 
+def _topology_and_splits(nodes: int, gpus: int, nic_shift: int, values: list[int],
+                         zero_p: float, salt: int) -> tuple[Topology, list[list[int]]]:
+    """A uniform topology with gpus >> nic_shift NICs per node (rounded to a divisor) and a
+    split matrix from `values`, with about a zero_p share of its entries zero."""
+    nics = max(1, gpus >> nic_shift)
+    while gpus % nics:
+        nics -= 1
+    topo = Topology.uniform(nodes, gpus, nics_per_node=nics)
+    R = topo.world_size
+    S = [[values[(s * R + d) % 256] if (s * salt + d * 3) % 10 >= zero_p * 10 else 0
+          for d in range(R)] for s in range(R)]
+    return topo, S
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.integers(1, 4), st.integers(1, 4), st.integers(0, 2), st.booleans(),
@@ -143,13 +157,7 @@ def test_calibration_agrees_on_every_rank() -> None:
 def test_vectorised_predictions_match_the_loops(nodes: int, gpus: int, nic_shift: int,
                                                 pairwise: bool, values: list[int],
                                                 zero_p: float, empty_messages: bool) -> None:
-    nics = max(1, gpus >> nic_shift)
-    while gpus % nics:
-        nics -= 1
-    topo = Topology.uniform(nodes, gpus, nics_per_node=nics)
-    R = topo.world_size
-    S = [[values[(s * R + d) % 256] if (s * 7 + d * 3) % 10 >= zero_p * 10 else 0
-          for d in range(R)] for s in range(R)]
+    topo, S = _topology_and_splits(nodes, gpus, nic_shift, values, zero_p, 7)
     model = dataclasses.replace(MODEL, flat_pairwise=pairwise, halo_overhead_s=0.3,
                                 flat_nic_bandwidth=None if pairwise else 70.0,
                                 flat_empty_messages=empty_messages)
@@ -176,16 +184,12 @@ def test_row_summaries_bracket_the_model(nodes: int, gpus: int, nic_shift: int,
                                          empty_messages: bool) -> None:
     """auto's first round: summaries of single rows give flat and the busiest NIC exactly,
     bracket HALO, and whatever they decide is `choose_algorithm`'s decision."""
-    nics = max(1, gpus >> nic_shift)
-    while gpus % nics:
-        nics -= 1
-    topo = Topology.uniform(nodes, gpus, nics_per_node=nics)
+    topo, S = _topology_and_splits(nodes, gpus, nic_shift, values, zero_p, 5)
     R = topo.world_size
-    S = [[values[(s * R + d) % 256] if (s * 5 + d * 3) % 10 >= zero_p * 10 else 0
-          for d in range(R)] for s in range(R)]
     model = dataclasses.replace(MODEL, alpha_net=alpha, alpha_local=alpha / 3,
                                 halo_overhead_s=overhead, flat_nic_bandwidth=80.0,
-                                flat_empty_messages=empty_messages, corrections=((100.0, 1.0, halo_factor), (1e4, 1.1, 0.9)))
+                                flat_empty_messages=empty_messages,
+                                corrections=((100.0, 1.0, halo_factor), (1e4, 1.1, 0.9)))
     width = summary_width(topo)
     packed = []  # what every rank receives: (row, summary of the row) from every source
     for s in range(R):
