@@ -1,7 +1,8 @@
 """comm: topology, flat and HALO all-to-all, cost model, single-machine launch helpers.
 
 Public API:
-    all_to_all(x, in_splits, group, algorithm="flat"|"halo"|"auto", topology=None)
+    all_to_all(x, in_splits, group, algorithm="flat"|"halo"|"auto", topology=None, plan=None)
+    plan_all_to_all (settle sizes and algorithm ahead, carrying the caller's ints) -> AllToAllPlan
     Topology (uniform / from_file / discover / restrict / summary)
     halo_plan, RankPlan, Message (the pure plan), CostModel, choose_algorithm, calibrate
     run_local (N local gloo processes), python -m comm.emulate (emulated cluster)
@@ -9,7 +10,7 @@ Public API:
 
 from __future__ import annotations
 
-from comm.alltoall import ALGORITHMS, all_to_all
+from comm.alltoall import ALGORITHMS, AllToAllPlan, all_to_all, plan_all_to_all
 from comm.calibrate import calibrate, time_all_to_all
 from comm.cost import CostModel, choose_algorithm, predict_flat, predict_halo
 from comm.discover import decode_slingshot_mac, discover, topology_from_records
@@ -22,6 +23,7 @@ from comm.topology_file import dump_topology, load_topology
 
 __all__ = [
     "ALGORITHMS",
+    "AllToAllPlan",
     "CostModel",
     "FlatAllToAll",
     "HaloAllToAll",
@@ -38,6 +40,7 @@ __all__ = [
     "halo_all_to_all",
     "halo_plan",
     "load_topology",
+    "plan_all_to_all",
     "predict_flat",
     "predict_halo",
     "run_local",

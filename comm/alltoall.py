@@ -18,7 +18,9 @@ the model is evaluated on the matrix (O(R^2) steps per rank).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -33,15 +35,94 @@ from comm.flat import (
     _split_device,
     exchange_ints,
     flat_all_to_all,
-    gather_split_matrix,
     normalize_splits,
 )
 from comm.halo import halo_all_to_all
 from comm.topology import Topology
 
-__all__ = ["ALGORITHMS", "all_to_all"]
+__all__ = ["ALGORITHMS", "AllToAllPlan", "all_to_all", "plan_all_to_all"]
 
 ALGORITHMS = ("flat", "halo", "auto")
+
+
+@dataclass(frozen=True)
+class AllToAllPlan:
+    """Everything an exchange needs besides its rows, identical on every rank of the group
+    (`plan_all_to_all`): this rank's splits, the algorithm that runs and, for HALO (and
+    `auto`, which keeps it for the mirrored exchange), the whole split matrix."""
+
+    in_splits: tuple[int, ...]
+    out_splits: tuple[int, ...]
+    algorithm: str  # "flat" or "halo": what runs
+    matrix: tuple[tuple[int, ...], ...] | None
+    requested: str = field(default="flat", compare=False)  # what the caller asked for
+    topology: Topology | None = field(default=None, compare=False, repr=False)
+    cost_model: CostModel | None = field(default=None, compare=False, repr=False)
+    row_bytes: int = field(default=0, compare=False)
+
+    def reverse(self) -> AllToAllPlan:
+        """The plan of the mirrored exchange (rows go back; the splits swap), decided the
+        way its own call would decide it: `auto` runs the model on the transposed matrix
+        here, on every rank alike, instead of another exchange."""
+        if self.matrix is None:
+            return dataclasses.replace(self, in_splits=self.out_splits,
+                                       out_splits=self.in_splits)
+        T = tuple(tuple(col) for col in zip(*self.matrix, strict=True))
+        algorithm = self.algorithm
+        if self.requested == "auto":
+            assert self.topology is not None and self.cost_model is not None
+            algorithm = choose_algorithm([list(r) for r in T], self.row_bytes, self.topology,
+                                         self.cost_model)
+        return dataclasses.replace(self, in_splits=self.out_splits, out_splits=self.in_splits,
+                                   algorithm=algorithm, matrix=T)
+
+
+def plan_all_to_all(
+    in_splits: Sequence[int] | torch.Tensor,
+    group: dist.ProcessGroup | None,
+    algorithm: str = "flat",
+    topology: Topology | None = None,
+    cost_model: CostModel | None = None,
+    row_bytes: int = 4,
+    payload: Sequence[Sequence[int]] | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[AllToAllPlan, list[list[int]]]:
+    """Settle an exchange before its rows exist, in one small exchange of ints that can
+    carry the caller's own: `payload[d]` (k ints, the same k on every rank) goes to rank d.
+
+    Returns (plan, received) with received[s] = rank s's payload for this rank. The plan
+    goes to `all_to_all(..., plan=plan)` (which then exchanges nothing before the rows) and
+    `plan.reverse()` to the mirrored exchange. The MoE dispatcher sends its per-expert
+    counts as the payload, so `halo` and `auto` cost no more small exchanges than `flat`:
+    flat sends each peer its split, HALO every rank's split row, `auto` also the row's
+    summary (see `comm.cost.row_summary`). `row_bytes` is the bytes of one row (for `auto`);
+    `device` that of the rows (NCCL exchanges on it, gloo on the CPU).
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
+    world = dist.get_world_size(group)
+    splits = normalize_splits(in_splits, world, "in_splits")
+    rows = _payload_rows(payload, world)
+    if isinstance(row_bytes, bool) or not isinstance(row_bytes, int) or row_bytes < 1:
+        raise ValueError(f"row_bytes must be a positive int, got {row_bytes!r}")
+    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.device(device)
+    if algorithm == "auto" and topology is None:
+        algorithm = "flat"
+    if algorithm != "flat":
+        model = _check_topology(topology, cost_model, algorithm, world)
+        if algorithm == "auto" and topology.num_nodes == 1:
+            algorithm = "flat"  # nothing to aggregate
+    if algorithm == "flat":
+        k = len(rows[0])
+        values = exchange_ints([v for d in range(world) for v in (*rows[d], splits[d])],
+                               group, device)
+        got = [values[s * (k + 1):(s + 1) * (k + 1)] for s in range(world)]
+        plan = AllToAllPlan(tuple(splits), tuple(g[k] for g in got), "flat", None, "flat")
+        return plan, [g[:k] for g in got]
+    plan, values, k = _plan_matrix(splits, group, algorithm, topology, model, row_bytes,
+                                   rows, device, torch.int64)
+    stride = len(values) // world
+    return plan, [values[s * stride:s * stride + k] for s in range(world)]
 
 
 def all_to_all(
@@ -52,6 +133,7 @@ def all_to_all(
     topology: Topology | None = None,
     out_splits: Sequence[int] | torch.Tensor | None = None,
     cost_model: CostModel | None = None,
+    plan: AllToAllPlan | None = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """Uneven all-to-all of the rows of `x`; returns (y, out_splits as list[int]).
 
@@ -59,7 +141,9 @@ def all_to_all(
     `topology` describes the ranks of `group` in group-rank order (see `Topology.restrict`);
     "halo" needs it, "auto" falls back to "flat" without it. `out_splits`, when the caller
     already knows them, skips the split-size exchange of the flat path. `cost_model`
-    drives "auto" (default: `CostModel.for_backend` of the group's backend).
+    drives "auto" (default: `CostModel.for_backend` of the group's backend). `plan` (from
+    `plan_all_to_all`, or its `reverse()`) settles sizes and algorithm: nothing is
+    exchanged before the rows, and `algorithm` is not consulted.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
@@ -72,28 +156,56 @@ def all_to_all(
             f"in_splits {splits} sum to {sum(splits)} but x has {x.shape[0]} rows"
         )
     known_out = None if out_splits is None else normalize_splits(out_splits, world, "out_splits")
+    if plan is not None:
+        if not isinstance(plan, AllToAllPlan):
+            raise ValueError(f"plan must come from comm.plan_all_to_all, got {plan!r}")
+        if tuple(splits) != plan.in_splits:
+            raise ValueError(f"in_splits {splits} differ from the plan's {list(plan.in_splits)}")
+        _check_out(known_out, list(plan.out_splits))
+        return _run(x, plan, group)
     if algorithm == "flat" or (algorithm == "auto" and topology is None):
         return flat_all_to_all(x, splits, group, known_out)
-    return _hierarchical_or_auto(
-        x, splits, group, algorithm, topology, known_out, cost_model, _split_device(x, group)
-    )
+    model = _check_topology(topology, cost_model, algorithm, world)
+    if algorithm == "auto" and topology.num_nodes == 1:
+        return flat_all_to_all(x, splits, group, known_out)  # nothing to aggregate
+    if x.shape[0] >= 2**31:  # every value sent is at most the rows of x
+        raise ValueError(f"x has {x.shape[0]} rows; algorithm={algorithm!r} handles < 2**31")
+    row_bytes = x.element_size() * _row_numel(x)
+    # int32 halves the bytes of this exchange, which runs before every call's rows.
+    plan = _plan_matrix(splits, group, algorithm, topology, model, row_bytes,
+                        [[]] * world, _split_device(x, group), torch.int32)[0]
+    _check_out(known_out, list(plan.out_splits))
+    return _run(x, plan, group)
 
 
-def _hierarchical_or_auto(
-    x: torch.Tensor,
-    splits: list[int],
-    group: dist.ProcessGroup | None,
-    algorithm: str,
-    topology: object | None,
-    known_out: list[int] | None,
-    cost_model: object | None,
-    device: torch.device,
-) -> tuple[torch.Tensor, list[int]]:
+def _run(x: torch.Tensor, plan: AllToAllPlan, group: dist.ProcessGroup | None
+         ) -> tuple[torch.Tensor, list[int]]:
+    if plan.algorithm == "flat":
+        return flat_all_to_all(x, list(plan.in_splits), group, list(plan.out_splits))
+    assert plan.matrix is not None and plan.topology is not None
+    return halo_all_to_all(x, [list(r) for r in plan.matrix], plan.topology, group)
+
+
+def _payload_rows(payload: Sequence[Sequence[int]] | None, world: int) -> list[list[int]]:
+    if payload is None:
+        return [[] for _ in range(world)]
+    rows = [list(r) for r in payload]
+    if len(rows) != world or len({len(r) for r in rows}) > 1:
+        raise ValueError(f"payload must hold {world} lists of equal length (one per rank), "
+                         f"got lengths {[len(r) for r in rows]}")
+    for r in rows:
+        for v in r:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"payload must hold ints, got {v!r}")
+    return rows
+
+
+def _check_topology(topology: object, cost_model: object, algorithm: str, world: int
+                    ) -> CostModel | None:
     if not isinstance(topology, Topology):
         raise ValueError(
             f"algorithm={algorithm!r} needs topology=comm.Topology(...), got {topology!r}"
         )
-    world = dist.get_world_size(group)
     if topology.world_size != world:
         raise ValueError(
             f"topology describes {topology.world_size} ranks but the group has {world}; "
@@ -101,39 +213,44 @@ def _hierarchical_or_auto(
         )
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a comm.CostModel, got {cost_model!r}")
+    return cost_model
+
+
+def _plan_matrix(
+    splits: list[int],
+    group: dist.ProcessGroup | None,
+    algorithm: str,
+    topology: Topology,
+    cost_model: CostModel | None,
+    row_bytes: int,
+    payload: list[list[int]],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[AllToAllPlan, list[int], int]:
+    """HALO or auto on more than one node: every rank sends each peer (payload for it, my
+    row[, my row's summary]) in one exchange; returns (plan, values received, k)."""
+    world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    if algorithm == "auto" and topology.num_nodes == 1:
-        return flat_all_to_all(x, splits, group, known_out)  # nothing to aggregate
-    row_bytes = x.element_size() * _row_numel(x)
     model = cost_model or CostModel.for_backend(dist.get_backend(group))
-    choice = None if algorithm == "auto" else algorithm
-    if algorithm == "auto" and not model.flat_pairwise:
-        # My row and its summary to every peer: every rank gets the split matrix (HALO's
-        # relays need it) and R summaries that decide in O(R) steps where they can.
-        if x.shape[0] >= 2**31:  # every value sent is at most the rows of x
-            raise ValueError(f"x has {x.shape[0]} rows; algorithm='auto' handles < 2**31")
-        summary = row_summary(splits, rank, topology)
-        stride = world + len(summary)
-        # int32 halves the bytes of this exchange, which runs in R - 1 dependent steps on
-        # gloo and before every call's rows.
-        values = exchange_ints((splits + summary) * world, group, device, torch.int32)
-        out = values[rank::stride]
-        _check_out(known_out, out)
-        choice = decide_from_summaries(values, world, stride, row_bytes, topology, model)
-        if choice == "flat":
-            return flat_all_to_all(x, splits, group, out)
-        S = [values[s * stride:s * stride + world] for s in range(world)]
-    else:
-        # HALO's relays need every rank's splits: one all-gather of R*R ints replaces the
-        # all_to_all of R ints that the flat path uses.
-        S = gather_split_matrix(splits, group, device)
-        out = [S[s][rank] for s in range(world)]
-        _check_out(known_out, out)
-    if choice is None:
-        choice = choose_algorithm(S, row_bytes, topology, model)
-    if choice == "flat":
-        return flat_all_to_all(x, splits, group, out)
-    return halo_all_to_all(x, S, topology, group)
+    # auto with the concurrent model sends the summaries that decide in O(R) steps where
+    # they can; HALO (and auto with the pairwise model) send the row alone.
+    summary = row_summary(splits, rank, topology) \
+        if algorithm == "auto" and not model.flat_pairwise else []
+    k = len(payload[0])
+    stride = k + world + len(summary)
+    tail = splits + summary
+    values = exchange_ints([v for d in range(world) for v in (*payload[d], *tail)],
+                           group, device, dtype)
+    S = tuple(tuple(values[s * stride + k:s * stride + k + world]) for s in range(world))
+    out = tuple(values[s * stride + k + rank] for s in range(world))
+    choice = algorithm
+    if algorithm == "auto":
+        choice = decide_from_summaries(values, k + world, stride, row_bytes, topology, model) \
+            if summary else None
+        if choice is None:
+            choice = choose_algorithm([list(r) for r in S], row_bytes, topology, model)
+    plan = AllToAllPlan(tuple(splits), out, choice, S, algorithm, topology, model, row_bytes)
+    return plan, values, k
 
 
 def _check_out(known_out: list[int] | None, out: list[int]) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from comm import CostModel, Topology, all_to_all, run_local
+from comm import CostModel, Topology, all_to_all, choose_algorithm, plan_all_to_all, run_local
 from comm.cost import decide_from_summaries, row_summary, summary_width
 from comm.flat import reference_all_to_all
 
@@ -63,6 +63,37 @@ def _check(rank: int, group: dist.ProcessGroup, S: list[list[int]], topo: Topolo
     assert torch.equal(x.grad, gx_vendor), algorithm
 
 
+def _check_plan(rank: int, group: dist.ProcessGroup, S: list[list[int]], topo: Topology,
+                algorithm: str, seed: int, model: CostModel | None = None) -> None:
+    """plan_all_to_all delivers the payload, settles the sizes and the algorithm of both
+    directions as the model decides them, and the planned exchanges are exact."""
+    R = len(S)
+    ST = [list(col) for col in zip(*S, strict=True)]
+    payload = [[rank * 100 + d, S[rank][d], seed] for d in range(R)]
+    plan, got = plan_all_to_all(S[rank], group, algorithm, topo, model, 24, payload)
+    assert got == [[s * 100 + rank, S[s][rank], seed] for s in range(R)]
+    assert list(plan.out_splits) == ST[rank]
+    back = plan.reverse()
+    assert (list(back.in_splits), list(back.out_splits)) == (ST[rank], S[rank])
+    if algorithm == "auto":
+        assert model is not None
+        assert plan.algorithm == choose_algorithm(S, 24, topo, model)
+        assert back.algorithm == choose_algorithm(ST, 24, topo, model)
+    else:
+        assert plan.algorithm == back.algorithm == algorithm
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(sum(S[s]), 3, generator=g, dtype=torch.float64) for s in range(R)]
+    ws = [torch.randn(sum(ST[s]), 3, generator=g, dtype=torch.float64) for s in range(R)]
+    x = xs[rank].clone().requires_grad_(True)
+    y, out = all_to_all(x, S[rank], group, plan=plan)
+    assert out == ST[rank] and torch.equal(y, reference_all_to_all(xs, S)[rank])
+    (y * ws[rank]).sum().backward()
+    assert torch.equal(x.grad, reference_all_to_all(ws, ST)[rank])
+    z, out = all_to_all(ws[rank], ST[rank], group, plan=back)  # the mirrored exchange
+    assert out == S[rank] and torch.equal(z, reference_all_to_all(ws, ST)[rank])
+    assert plan.algorithm in ("flat", "halo") and back.algorithm in ("flat", "halo")
+
+
 def _straddling_model(S: list[list[int]], topo: Topology) -> CostModel:
     """A concurrent model under which the row summaries of S leave auto undecided."""
     R = topo.world_size
@@ -94,6 +125,12 @@ def _halo_worker(rank: int, world: int, group: dist.ProcessGroup, nodes: int,
     for i, model in enumerate(models):
         for j, Sj in enumerate(split_cases(world, gpus).values()):
             _check(rank, group, Sj, topo, "auto", seed=50 + 10 * i + j, model=model)
+        checks += 1
+    # Planned ahead (the MoE dispatcher's path): every algorithm, every split case.
+    for i, model in enumerate((None, None, *models)):
+        algorithm = ("flat", "halo", "auto", "auto", "auto", "auto")[i]
+        for j, Sj in enumerate(split_cases(world, gpus).values()):
+            _check_plan(rank, group, Sj, topo, algorithm, seed=200 + 10 * i + j, model=model)
         checks += 1
     if nodes >= 3:
         # An EP sub-group spanning nodes (one rank per node + one extra): group ranks differ
@@ -151,3 +188,29 @@ def _mismatch_worker(rank: int, world: int, group: dist.ProcessGroup) -> str:
 def test_halo_rejects_topology_of_wrong_size() -> None:
     messages = run_local(_mismatch_worker, 4)
     assert all("restrict" in m and "4" in m for m in messages)
+
+
+def _plan_errors_worker(rank: int, world: int, group: dist.ProcessGroup) -> list[str]:
+    topo = Topology.uniform(2, 1)
+    plan, _ = plan_all_to_all([1, 2], group, "halo", topo)
+    errors = []
+    for call in (lambda: all_to_all(torch.zeros(3, 1), [2, 1], group, plan=plan),
+                 lambda: all_to_all(torch.zeros(3, 1), [1, 2], group, plan=object()),
+                 lambda: plan_all_to_all([1, 2], group, "halo", topo, payload=[[1], [1, 2]]),
+                 lambda: plan_all_to_all([1, 2], group, "auto", topo, row_bytes=0),
+                 lambda: plan_all_to_all([1, 2], group, "fast", topo)):
+        try:
+            call()
+            errors.append("")
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_plan_rejects_bad_input_before_exchanging() -> None:
+    for errors in run_local(_plan_errors_worker, 2):
+        assert "differ from the plan's [1, 2]" in errors[0]
+        assert "plan_all_to_all" in errors[1]
+        assert "equal length" in errors[2] and "[1, 2]" in errors[2]
+        assert "row_bytes" in errors[3] and "0" in errors[3]
+        assert "'fast'" in errors[4]

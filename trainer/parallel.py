@@ -61,15 +61,17 @@ class EPDispatcher:
 
         R, El = self.ep, self.local
         counts_RE = counts_E.to(torch.int64).reshape(R, El)
-        # recv_SE[s, j]: rows source rank s sends to my local slot j
-        recv_SE = torch.empty_like(counts_RE)
-        dist.all_to_all_single(recv_SE, counts_RE.contiguous(), group=self.group)
         in_splits = counts_RE.sum(1).tolist()
-        out_splits = recv_SE.sum(1).tolist()
+        # One small exchange carries the per-slot counts (recv_SE[s, j]: rows source rank s
+        # sends to my local slot j) and settles the all-to-all of both directions: sizes,
+        # and for halo / auto the split matrix and the algorithm.
+        row_bytes = x_sorted.element_size() * math.prod(x_sorted.shape[1:])
+        plan, recv = comm.plan_all_to_all(in_splits, self.group, self.algorithm,
+                                          self.topology, self.cost_model, row_bytes,
+                                          counts_RE.tolist(), x_sorted.device)
+        recv_SE = torch.tensor(recv, dtype=torch.int64)
         t0 = time.perf_counter()
-        y, _ = comm.all_to_all(x_sorted, in_splits, self.group, algorithm=self.algorithm,
-                               topology=self.topology, out_splits=out_splits,
-                               cost_model=self.cost_model)
+        y, _ = comm.all_to_all(x_sorted, in_splits, self.group, plan=plan)
         self.exchange_s += time.perf_counter() - t0
         # rows arrive source-major: block (s, j) starts at starts_SE[s, j]. Output is slot-major:
         # blocks in (j, s) order; position p of output block b reads starts[b] + (p - out_start[b]).
@@ -82,19 +84,17 @@ class EPDispatcher:
         order = order.to(y.device)
         x_loc = y.index_select(0, order)
         counts_loc = recv_SE.sum(0)
-        return x_loc, counts_loc.to(counts_E.device), (order, in_splits, out_splits)
+        return x_loc, counts_loc.to(counts_E.device), (order, plan)
 
     def combine(self, y_loc: torch.Tensor, ctx):
         import comm
 
-        order, in_splits, out_splits = ctx
+        order, plan = ctx
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
         y_src = y_loc.index_select(0, inv)
         t0 = time.perf_counter()
-        back, _ = comm.all_to_all(y_src, out_splits, self.group, algorithm=self.algorithm,
-                                  topology=self.topology, out_splits=in_splits,
-                                  cost_model=self.cost_model)
+        back, _ = comm.all_to_all(y_src, plan.out_splits, self.group, plan=plan.reverse())
         self.exchange_s += time.perf_counter() - t0
         return back
 
