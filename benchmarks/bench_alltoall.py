@@ -73,6 +73,39 @@ def nic_bound_s(S: list[list[int]], G: int, mbit: float) -> float:
 
 
 # ---- worker (runs under torchrun inside the emulated cluster) ---------------------------
+SLOTS = 4  # --dispatch: experts per rank whose counts travel ahead of the rows
+
+
+def dispatch_arms(S: list[list[int]], group, topo, model) -> dict:
+    """--dispatch: the MoE dispatcher's exchange, per-slot counts first (trainer.parallel).
+    Planned arms send the counts in `comm.plan_all_to_all`'s one small exchange;
+    "auto-unplanned" is the dispatcher before it: the counts in their own exchange, then
+    all_to_all(auto) with the out splits known, which still makes its summary round."""
+    import torch
+    import torch.distributed as dist
+
+    from comm import all_to_all, plan_all_to_all
+    from comm.flat import exchange_ints
+
+    rank, R = dist.get_rank(group), len(S)
+    counts = [[S[rank][d] // SLOTS + (j < S[rank][d] % SLOTS) for j in range(SLOTS)]
+              for d in range(R)]
+
+    def planned(algorithm: str):
+        def run(x: torch.Tensor) -> None:
+            plan, _ = plan_all_to_all(S[rank], group, algorithm, topo, model, ROW_BYTES,
+                                      counts)
+            all_to_all(x, S[rank], group, plan=plan)
+        return run
+
+    def unplanned(x: torch.Tensor) -> None:
+        got = exchange_ints([v for row in counts for v in row], group, torch.device("cpu"))
+        out = [sum(got[s * SLOTS:(s + 1) * SLOTS]) for s in range(R)]
+        all_to_all(x, S[rank], group, "auto", topo, out_splits=out, cost_model=model)
+
+    return {a: planned(a) for a in ALGORITHMS} | {"auto-unplanned": unplanned}
+
+
 def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -97,6 +130,8 @@ def worker(args: argparse.Namespace) -> int:
         for size in args.sizes:
             S = split_matrix(R, size, pattern)
             arms = {a: a for a in ALGORITHMS} | ({CONTROL: "flat"} if args.control else {})
+            if args.dispatch:
+                arms = dispatch_arms(S, group, topo, model)
             # Arms in every order (`comm.calibrate.arm_orders`), a whole number of rounds so
             # every order occurs equally often; cheap points repeat until each arm has run
             # --min-time-s (at most --max-repeats).
@@ -137,7 +172,8 @@ def run_setup(setup: str, sizes: list[int], args: argparse.Namespace) -> list[di
                "--sizes", ",".join(map(str, sizes)), "--patterns", ",".join(args.patterns),
                "--warmup", str(args.warmup), "--repeats", str(args.repeats),
                "--min-time-s", str(args.min_time_s), "--max-repeats", str(args.max_repeats),
-               *(["--control"] if args.control else [])]
+               *(["--control"] if args.control else []),
+               *(["--dispatch"] if args.dispatch else [])]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}
         rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
         if rc != 0 or not out.exists():
@@ -175,6 +211,22 @@ def summarize(rows: list[dict]) -> None:
               f"{min(auto):.2f}-{max(auto):.2f}, within 5 % at {sum(a <= 1.05 for a in auto)} "
               f"of {len(auto)} points; its choice within 5 % at "
               f"{sum(c <= 1.05 for c in chose)} of {len(chose)}")
+
+
+def summarize_dispatch(rows: list[dict]) -> None:
+    """Planned auto against the better planned algorithm, and against the unplanned call."""
+    by_point: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        key = (r["nodes"], r["gpus_per_node"], r["nic_mbit"], r["pattern"], r["pair_bytes"])
+        by_point.setdefault(key, {})[r["algorithm"]] = r
+    for setup in sorted({k[:3] for k in by_point}):
+        pts = [v for k, v in by_point.items() if k[:3] == setup]
+        best = [v["auto"]["time_s"] / min(v["flat"]["time_s"], v["halo"]["time_s"])
+                for v in pts]
+        old = [v["auto"]["time_s"] / v["auto-unplanned"]["time_s"] for v in pts]
+        print(f"{setup[0]}x{setup[1]}@{setup[2]:g} dispatch: planned auto / better planned "
+              f"{min(best):.2f}-{max(best):.2f}, within 5 % at {sum(b <= 1.05 for b in best)} "
+              f"of {len(best)}; planned auto / unplanned auto {min(old):.2f}-{max(old):.2f}")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -225,6 +277,10 @@ def main() -> int:
     p.add_argument("--control", action="store_true",
                    help=f"add a fourth arm, {CONTROL!r}: the flat call again, to show how far "
                    "two medians of the same exchange differ")
+    p.add_argument("--dispatch", action="store_true",
+                   help="time the MoE dispatcher's path instead: per-slot counts ahead of the "
+                   "rows, planned (flat, halo, auto) and auto as the dispatcher ran it before "
+                   "plan_all_to_all (auto-unplanned); rows go to alltoall_dispatch.jsonl")
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--mtu", type=int, default=1500, help="emulated link MTU (bytes)")
     args = p.parse_args()
@@ -241,7 +297,8 @@ def main() -> int:
         default = "1K,16K,256K,1M" if mbit <= 100 else "1K,16K,256K,1M,4M,16M"
         sizes = [parse_size(s) for s in (args.sizes or default).split(",")]
         rows += [{**meta, **r} for r in run_setup(setup, sizes, args)]
-    with open(RESULTS / "alltoall.jsonl", "a") as f:
+    name = "alltoall_dispatch" if args.dispatch else "alltoall"
+    with open(RESULTS / f"{name}.jsonl", "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     print(f"{'setup':<12} {'pattern':<9} {'pair':>8} {'algo':<5} {'time ms':>9} "
@@ -251,6 +308,9 @@ def main() -> int:
         print(f"{setup:<12} {r['pattern']:<9} {r['pair_bytes']:>8} {r['algorithm']:<5} "
               f"{r['time_s'] * 1e3:>9.2f} {r['algbw_MBps']:>10.2f} {r['vs_flat']:>8.3f} "
               f"{r['nic_frac']:>8.3f} {r['auto_choice']:>8}")
+    if args.dispatch:
+        summarize_dispatch(rows)
+        return 0 if rows else 1
     summarize(rows)
     if rows:  # the default run owns alltoall.png; other setups get their own picture
         tag = "" if args.setups == DEFAULT_SETUPS else "_" + args.setups.replace(",", "_")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,7 @@ def time_samples(
     topo: Topology,
     S: list[list[int]],
     row_numel: int,
-    arms: dict[str, str],
+    arms: dict[str, str | Callable[[torch.Tensor], object]],
     repeats: int = 3,
     warmup: int = 1,
     model: CostModel | None = None,
@@ -63,7 +64,8 @@ def time_samples(
     whole_cycles: bool = False,
 ) -> dict[str, list[float]]:
     """The slowest rank's time (seconds) of each timed repeat of one exchange of S, per arm
-    (label -> algorithm; two labels may run the same algorithm, as a control).
+    (label -> algorithm, or a function called with this rank's rows that runs the exchange
+    its own way; two labels may run the same algorithm, as a control).
 
     The arms alternate inside each repeat, going through `arm_orders` from repeat to
     repeat: on a loaded host an exchange measured up to 20 % faster or slower depending on
@@ -81,7 +83,11 @@ def time_samples(
         for arm in cycle[i % len(cycle)]:
             dist.barrier(group)
             t0 = time.perf_counter()
-            all_to_all(x, S[rank], group, arms[arm], topology=topo, cost_model=model)
+            run = arms[arm]
+            if callable(run):
+                run(x)
+            else:
+                all_to_all(x, S[rank], group, run, topology=topo, cost_model=model)
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
             if i >= warmup:
