@@ -14,6 +14,10 @@ an O(R) summary of it (`comm.cost.row_summary`), in the one small exchange that 
 sizes) and HALO (the split matrix) make anyway. The summaries decide in O(R) steps per rank
 wherever the model's answer does not hinge on HALO's relay hop, the usual case; otherwise
 the model is evaluated on the matrix (O(R^2) steps per rank).
+
+`plan_all_to_all` makes that small exchange ahead of the rows and carries the caller's own
+ints in it (the MoE dispatcher's per-expert counts); `all_to_all(..., plan=plan)` then moves
+the rows only, and `plan.reverse()` settles the mirrored exchange (combine) without another.
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ def plan_all_to_all(
     if algorithm == "auto" and topology is None:
         algorithm = "flat"
     if algorithm != "flat":
-        model = _check_topology(topology, cost_model, algorithm, world)
+        _check_topology(topology, cost_model, algorithm, world)
         if algorithm == "auto" and topology.num_nodes == 1:
             algorithm = "flat"  # nothing to aggregate
     if algorithm == "flat":
@@ -119,9 +123,15 @@ def plan_all_to_all(
         got = [values[s * (k + 1):(s + 1) * (k + 1)] for s in range(world)]
         plan = AllToAllPlan(tuple(splits), tuple(g[k] for g in got), "flat", None, "flat")
         return plan, [g[:k] for g in got]
-    plan, values, k = _plan_matrix(splits, group, algorithm, topology, model, row_bytes,
-                                   rows, device, torch.int64)
-    stride = len(values) // world
+    model = cost_model or CostModel.for_backend(dist.get_backend(group))
+    values, k, stride, choice = _exchange_matrix(splits, group, algorithm, topology, model,
+                                                 row_bytes, rows, device, torch.int64)
+    S = _matrix(values, k, stride, world)
+    if choice is None:
+        choice = choose_algorithm(S, row_bytes, topology, model)
+    rank = dist.get_rank(group)
+    plan = AllToAllPlan(tuple(splits), tuple(S[s][rank] for s in range(world)), choice,
+                        tuple(map(tuple, S)), algorithm, topology, model, row_bytes)
     return plan, [values[s * stride:s * stride + k] for s in range(world)]
 
 
@@ -165,17 +175,27 @@ def all_to_all(
         return _run(x, plan, group)
     if algorithm == "flat" or (algorithm == "auto" and topology is None):
         return flat_all_to_all(x, splits, group, known_out)
-    model = _check_topology(topology, cost_model, algorithm, world)
+    _check_topology(topology, cost_model, algorithm, world)
     if algorithm == "auto" and topology.num_nodes == 1:
         return flat_all_to_all(x, splits, group, known_out)  # nothing to aggregate
     if x.shape[0] >= 2**31:  # every value sent is at most the rows of x
         raise ValueError(f"x has {x.shape[0]} rows; algorithm={algorithm!r} handles < 2**31")
     row_bytes = x.element_size() * _row_numel(x)
+    model = cost_model or CostModel.for_backend(dist.get_backend(group))
     # int32 halves the bytes of this exchange, which runs before every call's rows.
-    plan = _plan_matrix(splits, group, algorithm, topology, model, row_bytes,
-                        [[]] * world, _split_device(x, group), torch.int32)[0]
-    _check_out(known_out, list(plan.out_splits))
-    return _run(x, plan, group)
+    values, _, stride, choice = _exchange_matrix(splits, group, algorithm, topology, model,
+                                                 row_bytes, None, _split_device(x, group),
+                                                 torch.int32)
+    out = values[dist.get_rank(group)::stride]
+    _check_out(known_out, out)
+    if choice == "flat":
+        return flat_all_to_all(x, splits, group, out)
+    S = _matrix(values, 0, stride, world)
+    if choice is None:
+        choice = choose_algorithm(S, row_bytes, topology, model)
+    if choice == "flat":
+        return flat_all_to_all(x, splits, group, out)
+    return halo_all_to_all(x, S, topology, group)
 
 
 def _run(x: torch.Tensor, plan: AllToAllPlan, group: dist.ProcessGroup | None
@@ -183,7 +203,7 @@ def _run(x: torch.Tensor, plan: AllToAllPlan, group: dist.ProcessGroup | None
     if plan.algorithm == "flat":
         return flat_all_to_all(x, list(plan.in_splits), group, list(plan.out_splits))
     assert plan.matrix is not None and plan.topology is not None
-    return halo_all_to_all(x, [list(r) for r in plan.matrix], plan.topology, group)
+    return halo_all_to_all(x, plan.matrix, plan.topology, group)  # type: ignore[arg-type]
 
 
 def _payload_rows(payload: Sequence[Sequence[int]] | None, world: int) -> list[list[int]]:
@@ -201,7 +221,7 @@ def _payload_rows(payload: Sequence[Sequence[int]] | None, world: int) -> list[l
 
 
 def _check_topology(topology: object, cost_model: object, algorithm: str, world: int
-                    ) -> CostModel | None:
+                    ) -> None:
     if not isinstance(topology, Topology):
         raise ValueError(
             f"algorithm={algorithm!r} needs topology=comm.Topology(...), got {topology!r}"
@@ -213,44 +233,42 @@ def _check_topology(topology: object, cost_model: object, algorithm: str, world:
         )
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a comm.CostModel, got {cost_model!r}")
-    return cost_model
 
 
-def _plan_matrix(
+def _exchange_matrix(
     splits: list[int],
     group: dist.ProcessGroup | None,
     algorithm: str,
     topology: Topology,
-    cost_model: CostModel | None,
+    model: CostModel,
     row_bytes: int,
-    payload: list[list[int]],
+    payload: list[list[int]] | None,
     device: torch.device,
     dtype: torch.dtype,
-) -> tuple[AllToAllPlan, list[int], int]:
+) -> tuple[list[int], int, int, str | None]:
     """HALO or auto on more than one node: every rank sends each peer (payload for it, my
-    row[, my row's summary]) in one exchange; returns (plan, values received, k)."""
+    row[, my row's summary]) in one exchange. Returns (values, k, stride, choice): rank s's
+    payload for me is values[s * stride:][:k], its split row the next R values; choice is
+    the algorithm, or None where auto's summaries leave it to the model on the matrix."""
     world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    model = cost_model or CostModel.for_backend(dist.get_backend(group))
     # auto with the concurrent model sends the summaries that decide in O(R) steps where
     # they can; HALO (and auto with the pairwise model) send the row alone.
-    summary = row_summary(splits, rank, topology) \
+    summary = row_summary(splits, dist.get_rank(group), topology) \
         if algorithm == "auto" and not model.flat_pairwise else []
-    k = len(payload[0])
+    k = len(payload[0]) if payload else 0
     stride = k + world + len(summary)
-    tail = splits + summary
-    values = exchange_ints([v for d in range(world) for v in (*payload[d], *tail)],
-                           group, device, dtype)
-    S = tuple(tuple(values[s * stride + k:s * stride + k + world]) for s in range(world))
-    out = tuple(values[s * stride + k + rank] for s in range(world))
-    choice = algorithm
-    if algorithm == "auto":
-        choice = decide_from_summaries(values, k + world, stride, row_bytes, topology, model) \
-            if summary else None
-        if choice is None:
-            choice = choose_algorithm([list(r) for r in S], row_bytes, topology, model)
-    plan = AllToAllPlan(tuple(splits), out, choice, S, algorithm, topology, model, row_bytes)
-    return plan, values, k
+    send = [v for d in range(world) for v in (*payload[d], *splits, *summary)] if k \
+        else (splits + summary) * world
+    values = exchange_ints(send, group, device, dtype)
+    if algorithm != "auto":
+        return values, k, stride, algorithm
+    choice = decide_from_summaries(values, k + world, stride, row_bytes, topology, model) \
+        if summary else None
+    return values, k, stride, choice
+
+
+def _matrix(values: list[int], k: int, stride: int, world: int) -> list[list[int]]:
+    return [values[s * stride + k:s * stride + k + world] for s in range(world)]
 
 
 def _check_out(known_out: list[int] | None, out: list[int]) -> None:
