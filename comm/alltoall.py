@@ -109,13 +109,8 @@ def plan_all_to_all(
     rows = _payload_rows(payload, world)
     if isinstance(row_bytes, bool) or not isinstance(row_bytes, int) or row_bytes < 1:
         raise ValueError(f"row_bytes must be a positive int, got {row_bytes!r}")
-    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.device(device)
-    if algorithm == "auto" and topology is None:
-        algorithm = "flat"
-    if algorithm != "flat":
-        _check_topology(topology, cost_model, algorithm, world)
-        if algorithm == "auto" and topology.num_nodes == 1:
-            algorithm = "flat"  # nothing to aggregate
+    device = _split_device(device, group)
+    algorithm = _fixed_algorithm(algorithm, topology, cost_model, world)
     if algorithm == "flat":
         k = len(rows[0])
         values = exchange_ints([v for d in range(world) for v in (*rows[d], splits[d])],
@@ -173,24 +168,19 @@ def all_to_all(
             raise ValueError(f"in_splits {splits} differ from the plan's {list(plan.in_splits)}")
         _check_out(known_out, list(plan.out_splits))
         return _run(x, plan, group)
-    if algorithm == "flat" or (algorithm == "auto" and topology is None):
+    if _fixed_algorithm(algorithm, topology, cost_model, world) == "flat":
         return flat_all_to_all(x, splits, group, known_out)
-    _check_topology(topology, cost_model, algorithm, world)
-    if algorithm == "auto" and topology.num_nodes == 1:
-        return flat_all_to_all(x, splits, group, known_out)  # nothing to aggregate
     if x.shape[0] >= 2**31:  # every value sent is at most the rows of x
         raise ValueError(f"x has {x.shape[0]} rows; algorithm={algorithm!r} handles < 2**31")
     row_bytes = x.element_size() * _row_numel(x)
     model = cost_model or CostModel.for_backend(dist.get_backend(group))
     # int32 halves the bytes of this exchange, which runs before every call's rows.
     values, _, stride, choice = _exchange_matrix(splits, group, algorithm, topology, model,
-                                                 row_bytes, None, _split_device(x, group),
-                                                 torch.int32)
+                                                 row_bytes, None,
+                                                 _split_device(x.device, group), torch.int32)
     out = values[dist.get_rank(group)::stride]
     _check_out(known_out, out)
-    if choice == "flat":
-        return flat_all_to_all(x, splits, group, out)
-    S = _matrix(values, 0, stride, world)
+    S = None if choice == "flat" else _matrix(values, 0, stride, world)  # flat: not needed
     if choice is None:
         choice = choose_algorithm(S, row_bytes, topology, model)
     if choice == "flat":
@@ -220,8 +210,13 @@ def _payload_rows(payload: Sequence[Sequence[int]] | None, world: int) -> list[l
     return rows
 
 
-def _check_topology(topology: object, cost_model: object, algorithm: str, world: int
-                    ) -> None:
+def _fixed_algorithm(algorithm: str, topology: object, cost_model: object, world: int
+                     ) -> str:
+    """"flat" where the answer is known before any exchange (flat asked for, or auto without
+    a topology or on one node: nothing to aggregate), else `algorithm`, after checking that
+    the topology fits the group and the cost model is one."""
+    if algorithm == "flat" or (algorithm == "auto" and topology is None):
+        return "flat"
     if not isinstance(topology, Topology):
         raise ValueError(
             f"algorithm={algorithm!r} needs topology=comm.Topology(...), got {topology!r}"
@@ -233,6 +228,7 @@ def _check_topology(topology: object, cost_model: object, algorithm: str, world:
         )
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a comm.CostModel, got {cost_model!r}")
+    return "flat" if algorithm == "auto" and topology.num_nodes == 1 else algorithm
 
 
 def _exchange_matrix(

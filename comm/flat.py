@@ -54,13 +54,14 @@ def normalize_splits(splits: Splits, world: int, name: str = "in_splits") -> lis
     return values
 
 
-def _split_device(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.device:
-    # NCCL only moves device tensors; gloo moves CPU tensors. The split exchange follows x
-    # except when x lives on a device the backend cannot serve (gloo with CUDA x).
-    backend = dist.get_backend(group)
-    if backend == "gloo":
+def _split_device(
+    rows_device: torch.device | str, group: dist.ProcessGroup | None
+) -> torch.device:
+    # NCCL only moves device tensors; gloo moves CPU tensors. The split exchange follows the
+    # rows except when they live on a device the backend cannot serve (gloo with CUDA rows).
+    if dist.get_backend(group) == "gloo":
         return torch.device("cpu")
-    return x.device
+    return torch.device(rows_device)
 
 
 def exchange_ints(
@@ -141,7 +142,7 @@ def flat_all_to_all(
 ) -> tuple[torch.Tensor, list[int]]:
     """Flat uneven all-to-all on validated python split lists; see the module docstring."""
     if out_splits is None:
-        out_splits = exchange_splits(in_splits, group, _split_device(x, group))
+        out_splits = exchange_splits(in_splits, group, _split_device(x.device, group))
     return FlatAllToAll.apply(x, in_splits, out_splits, group), out_splits
 
 
