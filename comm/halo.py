@@ -3,7 +3,7 @@
 Per call (see `comm.halo_plan` for the layout algebra), on gloo:
     batch 1: receives of phases I, II and III, then sends of phase II, then sends of phase I
     local copies x -> y while batch 1 is in flight
-    for each phase II receive (ascending source): wait for it, then send that source's rows
+    for each phase II receive (smallest first, the plan's order): wait for it, then send its rows
         to the other ranks of the node (phase III, stage -> y) and copy the relay's own;
         the relay hop of early sources overlaps the arrival of later ones
     wait for everything, scatter multi-segment receives into y.
@@ -135,10 +135,11 @@ def halo_exchange(
             by_source.setdefault(m.source, []).append(m)
         # The relay's own rows of each source: its phase II message holds them (messages
         # lie in the stage buffer in ascending source and offset order).
-        starts = [m.segments[0][0] for m in plan.inter_recvs]
+        landing = sorted((m.segments[0][0], m.peer) for m in plan.inter_recvs)
+        starts = [start for start, _ in landing]
         copies: dict[int, list] = {}
         for (src, n), dst in plan.stage_copies:
-            source = plan.inter_recvs[bisect.bisect_right(starts, src) - 1].peer
+            source = landing[bisect.bisect_right(starts, src) - 1][1]
             copies.setdefault(source, []).append(((src, n), dst))
         # A gloo Work must be waited exactly once (a second wait on a receive blocks for a
         # new message), so the awaited ones leave the pending list.

@@ -11,8 +11,10 @@ Layout algebra (offsets are row indices):
 Phases, seen from rank s on node n:
     I   intra-node: for every d on node n, x_s -> y_d directly (d == s is a local copy).
     II  inter-node: for every remote node m, one packed message x_s -> relay(s, m) on m holding
-        s's rows for all ranks of m (ascending destination rank). The relay stores the messages
-        it receives in its `stage` buffer, ordered by ascending source rank.
+        s's rows for all ranks of m (ascending destination rank), posted largest first (ties:
+        node + 1, node + 2, ...). The relay stores the messages it receives in its `stage`
+        buffer, ordered by ascending source rank, and lists them in the order it awaits them:
+        smallest first.
     III redistribute: for every source it relayed (ascending) and every rank d of its node, a
         relay sends s's rows for d straight from `stage` into y_d, one message per source, so
         it can forward each source as soon as that source's phase-II message has arrived.
@@ -176,14 +178,18 @@ def _rank_plan(S: list[list[int]], topo: Topology, me: int) -> RankPlan:
     intra_sends = [Message(d, ((x_off[d], S[me][d]),)) for d in mine if d != me and S[me][d]]
     intra_recvs = [Message(s, ((y_off[s], S[s][me]),)) for s in mine if s != me and S[s][me]]
 
-    inter_sends = []
-    for m in range(topo.num_nodes):
+    # Largest message first (ties: the next node first, a rotation): the exchange ends when
+    # its biggest flow does, and a send posted early gets its socket buffer filled first.
+    N = topo.num_nodes
+    packed = []
+    for m in range(N):
         if m == node[me]:
             continue
-        dests = sorted(topo.node_ranks(m))
-        segs = _coalesce([(x_off[d], S[me][d]) for d in dests])
+        segs = _coalesce([(x_off[d], S[me][d]) for d in sorted(topo.node_ranks(m))])
         if segs:
-            inter_sends.append(Message(table[me][m], segs))
+            message = Message(table[me][m], segs)
+            packed.append((-message.rows, (m - node[me]) % N, message))
+    inter_sends = [message for _, _, message in sorted(packed)]
 
     # My stage buffer: packed messages of the sources I relay, ascending source rank, each
     # holding rows for my node's ranks in ascending rank order.
@@ -198,6 +204,10 @@ def _rank_plan(S: list[list[int]], topo: Topology, me: int) -> RankPlan:
         for d in mine:
             stage_off[(s, d)] = stage_rows
             stage_rows += S[s][d]
+    # The order to await them in: smallest first (under fair sharing the small ones arrive
+    # first, and awaiting a later one would hold back forwarding those already in), ties
+    # from the previous node first (it posts to this node first, see inter_sends).
+    inter_recvs.sort(key=lambda m: (m.rows, (node[me] - node[m.peer]) % N, m.peer))
     relayed = [s for s in remote if relay_of[s] == me]
     relay_sends, stage_copies = [], []
     for d in mine:
