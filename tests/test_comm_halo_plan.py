@@ -157,3 +157,29 @@ def test_plan_rejects_bad_matrix() -> None:
     with pytest.raises(ValueError, match=">= 0"):
         halo_plan([[0, 0, 0, -1]] + [[0] * 4] * 3, topo)
     assert Message(0, ((0, 2), (5, 3))).rows == 5
+
+
+@pytest.mark.parametrize("pattern", ["balanced", "skewed"])
+def test_phase_two_sends_largest_first_and_awaits_smallest_first(pattern: str) -> None:
+    """The executor posts inter_sends and awaits inter_recvs in list order: the biggest flow
+    goes out first (ties: node + 1, node + 2, ... so that no node is everyone's first
+    target), and a relay awaits the smallest message first (ties: node - 1 first, whose
+    rotation reaches this node first)."""
+    topo = Topology.uniform(4, 2)
+    R, N, node = topo.world_size, topo.num_nodes, topo.rank2node
+    S = [[3] * R for _ in range(R)] if pattern == "balanced" else \
+        [[12 // (1 + (d - s) % R) for d in range(R)] for s in range(R)]
+    for p in halo_plan(S, topo):
+        me = p.rank
+
+        def to_node(m: int, me: int = me) -> int:
+            return sum(S[me][d] for d in range(R) if node[d] == m)
+
+        want = sorted((m for m in range(N) if m != node[me] and to_node(m)),
+                      key=lambda m: (-to_node(m), (m - node[me]) % N))
+        assert [node[m.peer] for m in p.inter_sends] == want
+        assert [m.rows for m in p.inter_sends] == [to_node(m) for m in want]
+        got = [(m.rows, (node[me] - node[m.peer]) % N, m.peer) for m in p.inter_recvs]
+        assert got == sorted(got) and len(got) == len({m.peer for m in p.inter_recvs})
+        if pattern == "balanced":  # a rotation: node + 1 first
+            assert want == [(node[me] + k) % N for k in range(1, N)]
