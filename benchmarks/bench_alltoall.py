@@ -281,7 +281,9 @@ def main() -> int:
                    help="time the MoE dispatcher's path instead: per-slot counts ahead of the "
                    "rows, planned (flat, halo, auto) and auto as the dispatcher ran it before "
                    "plan_all_to_all (auto-unplanned); rows go to alltoall_dispatch.jsonl")
-    p.add_argument("--timeout-s", type=float, default=900)
+    # Each setup's emulated job: the default run with --min-time-s 20 takes ~20 min at 4x2.
+    p.add_argument("--timeout-s", type=float, default=2400,
+                   help="seconds one setup's emulated job may run before it is stopped")
     p.add_argument("--mtu", type=int, default=1500, help="emulated link MTU (bytes)")
     args = p.parse_args()
     args.patterns = args.patterns.split(",")
