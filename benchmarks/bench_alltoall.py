@@ -182,15 +182,21 @@ def run_setup(setup: str, sizes: list[int], args: argparse.Namespace) -> list[di
         return [{**r, "mtu": args.mtu} for r in json.loads(out.read_text())]
 
 
-def summarize(rows: list[dict]) -> None:
-    """The issue's targets per setup: HALO/flat and NIC fraction at >= 256 KiB per pair,
-    and auto against the better of flat and HALO at every point (all within one run)."""
+def points_by_setup(rows: list[dict]) -> dict[tuple, dict[tuple, dict[str, dict]]]:
+    """setup (nodes, ranks per node, Mbit/s) -> point (setup, pattern, pair bytes) ->
+    algorithm (arm) -> row, setups in sorted order."""
     by_point: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         key = (r["nodes"], r["gpus_per_node"], r["nic_mbit"], r["pattern"], r["pair_bytes"])
         by_point.setdefault(key, {})[r["algorithm"]] = r
-    for setup in sorted({k[:3] for k in by_point}):
-        pts = {k: v for k, v in by_point.items() if k[:3] == setup}
+    return {setup: {k: v for k, v in by_point.items() if k[:3] == setup}
+            for setup in sorted({k[:3] for k in by_point})}
+
+
+def summarize(rows: list[dict]) -> None:
+    """The issue's targets per setup: HALO/flat and NIC fraction at >= 256 KiB per pair,
+    and auto against the better of flat and HALO at every point (all within one run)."""
+    for setup, pts in points_by_setup(rows).items():
         big = [v for k, v in pts.items() if k[4] >= 256 << 10]
         ratio = [v["halo"]["vs_flat"] for v in big]
         frac = [v["halo"]["nic_frac"] for v in big]
@@ -215,12 +221,8 @@ def summarize(rows: list[dict]) -> None:
 
 def summarize_dispatch(rows: list[dict]) -> None:
     """Planned auto against the better planned algorithm, and against the unplanned call."""
-    by_point: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        key = (r["nodes"], r["gpus_per_node"], r["nic_mbit"], r["pattern"], r["pair_bytes"])
-        by_point.setdefault(key, {})[r["algorithm"]] = r
-    for setup in sorted({k[:3] for k in by_point}):
-        pts = [v for k, v in by_point.items() if k[:3] == setup]
+    for setup, by_point in points_by_setup(rows).items():
+        pts = list(by_point.values())
         best = [v["auto"]["time_s"] / min(v["flat"]["time_s"], v["halo"]["time_s"])
                 for v in pts]
         old = [v["auto"]["time_s"] / v["auto-unplanned"]["time_s"] for v in pts]
