@@ -7,10 +7,14 @@ A setup `NxG@M` is N nodes x G ranks per node with M Mbit/s per node NIC. For ev
 size S (bytes per rank pair) and split pattern (balanced: every pair S; skewed: rank d gets
 weight 1/(1 + (d - s) mod R) from rank s, scaled so the mean pair is S), each algorithm runs
 warm-up + repeats, the three alternating inside each repeat, every arm in every position
-and after every other equally often; a repeat is barrier -> exchange -> max over ranks of
+and after every other equally often; a repeat is start -> exchange -> max over ranks of
 the elapsed time, cheap points repeat until each arm has run --min-time-s, and the median
-repeat is reported. `--control` adds the flat call again as a fourth arm: how far two
-medians of the same exchange differ is the resolution of every comparison in the run.
+repeat is reported. The emulated nodes share this host's clock, so by default
+(--start-at clock) all ranks are released at one agreed time on it and timed from that
+time; --start-at barrier times each rank from its own exit of a barrier instead, which on
+2 cores adds the exits' spread (ms; printed with the summary) to every exchange.
+`--control` adds the flat call again as a fourth arm: how far two medians of the same
+exchange differ is the resolution of every comparison in the run.
 Numbers per row:
     algbw_MBps   bytes each rank sends to other ranks (max over ranks) / time
     vs_flat      time / flat time, measured in the same run (<= 1 means not slower)
@@ -135,9 +139,10 @@ def worker(args: argparse.Namespace) -> int:
             # Arms in every order (`comm.calibrate.arm_orders`), a whole number of rounds so
             # every order occurs equally often; cheap points repeat until each arm has run
             # --min-time-s (at most --max-repeats).
+            spread: dict[str, list[float]] = {}
             samples = time_samples(group, topo, S, ROW_BYTES // 4, arms, args.repeats,
                                    args.warmup, model, args.min_time_s, args.max_repeats,
-                                   whole_cycles=True)
+                                   whole_cycles=True, start=args.start, start_spread=spread)
             times = {a: statistics.median(v) for a, v in samples.items()}
             choice = choose_algorithm(S, ROW_BYTES, topo, model)  # what auto ran
             sent = max(sum(S[s]) - S[s][s] for s in range(R)) * ROW_BYTES
@@ -148,6 +153,8 @@ def worker(args: argparse.Namespace) -> int:
                     "pattern": pattern, "pair_bytes": size, "algorithm": algorithm,
                     "time_s": t, "algbw_MBps": sent / t / 1e6, "vs_flat": t / times["flat"],
                     "nic_frac": bound / t, "repeats": len(samples[algorithm]),
+                    "start": args.start,
+                    "start_spread_ms": statistics.median(spread[algorithm]) * 1e3,
                     "auto_choice": choice,
                     **calibrated,
                 })
@@ -172,6 +179,7 @@ def run_setup(setup: str, sizes: list[int], args: argparse.Namespace) -> list[di
                "--sizes", ",".join(map(str, sizes)), "--patterns", ",".join(args.patterns),
                "--warmup", str(args.warmup), "--repeats", str(args.repeats),
                "--min-time-s", str(args.min_time_s), "--max-repeats", str(args.max_repeats),
+               "--start-at", args.start,
                *(["--control"] if args.control else []),
                *(["--dispatch"] if args.dispatch else [])]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}
@@ -207,6 +215,12 @@ def summarize(rows: list[dict]) -> None:
                  for v, b in zip(pts.values(), best, strict=True)]
         control = [abs(v[CONTROL]["time_s"] / v["flat"]["time_s"] - 1) for v in pts.values()
                    if CONTROL in v]
+        spread = [r["start_spread_ms"] for v in pts.values() for r in v.values()
+                  if "start_spread_ms" in r]
+        if spread:
+            print(f"{setup[0]}x{setup[1]}@{setup[2]:g}: ranks started "
+                  f"{min(spread):.2f}-{max(spread):.2f} ms apart (median per arm and point, "
+                  f"start={next(iter(next(iter(pts.values())).values()))['start']})")
         if control:
             print(f"{setup[0]}x{setup[1]}@{setup[2]:g}: control (flat measured twice as two "
                   f"arms) differs by {min(control):.1%}-{max(control):.1%}: the resolution "
@@ -287,6 +301,11 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=2400,
                    help="seconds one setup's emulated job may run before it is stopped")
     p.add_argument("--mtu", type=int, default=1500, help="emulated link MTU (bytes)")
+    # comm.calibrate.START_MODES, spelt out: the driver does not import torch.
+    p.add_argument("--start-at", dest="start", choices=("clock", "barrier"), default="clock",
+                   help="when a repeat starts: 'clock' releases all ranks at one time on the "
+                   "host's clock (the emulated nodes share it); 'barrier' times each rank "
+                   "from its own exit of a barrier, whose spread counts against the exchange")
     args = p.parse_args()
     args.patterns = args.patterns.split(",")
     if args.worker:

@@ -38,7 +38,10 @@ from comm.alltoall import all_to_all
 from comm.cost import CostModel, busiest_nic_bytes, predict_flat, predict_halo
 from comm.topology import Topology
 
-__all__ = ["arm_orders", "calibrate", "time_algorithms", "time_all_to_all", "time_samples"]
+__all__ = [
+    "START_MODES", "arm_orders", "calibrate", "time_algorithms", "time_all_to_all",
+    "time_samples",
+]
 
 
 def arm_orders(arms: tuple[str, ...]) -> list[tuple[str, ...]]:
@@ -48,6 +51,37 @@ def arm_orders(arms: tuple[str, ...]) -> list[tuple[str, ...]]:
     back = arms[::-1]
     return list(dict.fromkeys([arms[k:] + arms[:k] for k in range(len(arms))]
                               + [back[k:] + back[:k] for k in range(len(arms))]))
+
+
+START_MODES = ("barrier", "clock")
+_clock = time.perf_counter  # one host's monotonic clock; tests swap it to fake a second host
+
+
+def _check_shared_clock(group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank unless all ranks read one clock. After an all-reduce (max) of the
+    ranks' clocks, none can read less than that maximum if the clock is shared; ranks on
+    separate hosts (clocks apart by more than the all-reduce's latency) fail this."""
+    t = torch.tensor([_clock()], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    ok = torch.tensor([float(_clock() >= t.item())], dtype=torch.float64)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if ok.item() != 1.0:
+        raise RuntimeError("start='clock' needs every rank on one host's clock (as on the "
+                           "namespace emulator, comm.emulate); these ranks' clocks differ: "
+                           "use start='barrier'")
+
+
+def _release(group: dist.ProcessGroup | None, margin_s: float) -> tuple[float, float]:
+    """start='clock': agree on a start time `margin_s` after the last rank arrived (an
+    all-reduce of the ranks' clocks, max) and sleep until it. Returns (start, delay): how long
+    after the last arrival this rank left the all-reduce."""
+    t = torch.tensor([_clock()], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    now = _clock()
+    start = t.item() + margin_s
+    if start > now:
+        time.sleep(start - now)
+    return start, now - t.item()
 
 
 def time_samples(
@@ -62,6 +96,8 @@ def time_samples(
     min_time_s: float = 0.0,
     max_repeats: int = 0,
     whole_cycles: bool = False,
+    start: str = "barrier",
+    start_spread: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """The slowest rank's time (seconds) of each timed repeat of one exchange of S, per arm
     (label -> algorithm, or a function called with this rank's rows that runs the exchange
@@ -73,29 +109,52 @@ def time_samples(
     each arm has run `min_time_s` in total: cheap exchanges get the samples their noise
     needs. `whole_cycles` stops only after a whole round of orders. Every rank sees the same
     all-reduced times, so all stop after the same repeat.
+
+    `start` says when a repeat begins. "barrier": each rank times from its own exit of a
+    barrier, so the spread of the exits (5-15 ms with 16 ranks on 2 cores) counts against
+    the exchange. "clock" (ranks on one host's clock only, checked): all ranks are released
+    at one agreed time on that clock and time from it, a rank released late included; the
+    agreed time lies twice the recent release delay after the last rank arrived (1-50 ms).
+    `start_spread`, if given, gets per arm the spread of the ranks' start (seconds, last
+    minus first) of every timed repeat.
     """
+    if start not in START_MODES:
+        raise ValueError(f"start must be one of {START_MODES}, got {start!r}")
+    if start == "clock":
+        _check_shared_clock(group)
     rank = dist.get_rank(group)
     x = torch.randn(sum(S[rank]), row_numel)
     cycle = arm_orders(tuple(arms))
     samples: dict[str, list[float]] = {a: [] for a in arms}
+    spreads: dict[str, list[float]] = {a: [] for a in arms}
+    delays = [0.005]  # release delays after the last arrival (s), all-reduced
     i = 0
     while True:
         for arm in cycle[i % len(cycle)]:
-            dist.barrier(group)
-            t0 = time.perf_counter()
+            if start == "clock":
+                t0, delay = _release(group, min(0.05, max(0.001, 2 * max(delays[-16:]))))
+                began = _clock()
+            else:
+                dist.barrier(group)
+                t0 = began = _clock()
+                delay = 0.0
             run = arms[arm]
             if callable(run):
                 run(x)
             else:
                 all_to_all(x, S[rank], group, run, topology=topo, cost_model=model)
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
+            stats = torch.tensor([_clock() - t0, began, -began, delay], dtype=torch.float64)
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+            delays.append(float(stats[3]))
             if i >= warmup:
-                samples[arm].append(float(dt.item()))
+                samples[arm].append(float(stats[0]))
+                spreads[arm].append(float(stats[1] + stats[2]))
         i += 1
         done = i - warmup
         if done >= repeats and (not whole_cycles or done % len(cycle) == 0) and (
                 done >= max_repeats or min(sum(v) for v in samples.values()) >= min_time_s):
+            if start_spread is not None:
+                start_spread.update(spreads)
             return samples
 
 

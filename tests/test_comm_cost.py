@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
+import time
 
 import pytest
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from comm import (
     predict_halo,
     run_local,
 )
+from comm.calibrate import time_samples
 from comm.cost import (
     _layout,
     _predict_both_loops,
@@ -132,6 +135,50 @@ def test_calibration_agrees_on_every_rank() -> None:
     sizes = [c[0] for c in m["corrections"]]
     assert len(sizes) >= 3 and sizes == sorted(sizes)
     assert all(c[1] > 0 and c[2] > 0 for c in m["corrections"])
+
+
+def _sleep_arm(x) -> None:
+    time.sleep(0.02)
+
+
+def _timing_worker(rank: int, world: int, group: dist.ProcessGroup, start: str,
+                   behind_s: float) -> tuple:
+    if rank == 1 and behind_s:  # rank 1 reads a clock behind rank 0's, as on a second host
+        # (comm.calibrate the module: the package exports the function of that name)
+        importlib.import_module("comm.calibrate")._clock = lambda: time.perf_counter() - behind_s
+    spread: dict[str, list[float]] = {}
+    try:
+        samples = time_samples(group, Topology.uniform(2, 2), [[1] * 4 for _ in range(4)], 4,
+                               {"sleep": _sleep_arm, "flat": "flat"}, repeats=4, warmup=1,
+                               start=start, start_spread=spread)
+    except RuntimeError as e:
+        return str(e), None
+    return samples, spread
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("start", ["clock", "barrier"])
+def test_repeats_are_timed_from_the_start_every_rank_shares(start: str) -> None:
+    results = run_local(_timing_worker, 4, start, 0.0)
+    assert all(r == results[0] for r in results)  # all-reduced: every rank stops together
+    samples, spread = results[0]
+    assert set(samples) == {"sleep", "flat"} and all(len(v) == 4 for v in samples.values())
+    # Every rank sleeps 20 ms after the common start, so no repeat can be shorter.
+    assert min(samples["sleep"]) >= 0.02 and min(samples["flat"]) > 0
+    assert all(len(spread[a]) == 4 and min(spread[a]) >= 0 for a in samples)
+
+
+@pytest.mark.multiproc
+def test_clock_start_refuses_ranks_on_different_clocks() -> None:
+    results = run_local(_timing_worker, 2, "clock", 100.0)
+    for message, spread in results:  # every rank raises, none hangs in the exchange
+        assert spread is None and "one host's clock" in message
+
+
+def test_time_samples_rejects_an_unknown_start() -> None:
+    with pytest.raises(ValueError, match="start must be one of .*'clock'.* got 'gun'"):
+        time_samples(None, Topology.uniform(1, 2), [[1, 1], [1, 1]], 4, {"flat": "flat"},
+                     start="gun")
 
 
 def _topology_and_splits(nodes: int, gpus: int, nic_shift: int, values: list[int],
