@@ -41,7 +41,7 @@ from comm.flat import (
     flat_all_to_all,
     normalize_splits,
 )
-from comm.halo import halo_all_to_all
+from comm.halo import halo_all_to_all, halo_gather_ints
 from comm.topology import Topology
 
 __all__ = ["ALGORITHMS", "AllToAllPlan", "all_to_all", "plan_all_to_all"]
@@ -253,9 +253,13 @@ def _exchange_matrix(
         if algorithm == "auto" and not model.flat_pairwise else []
     k = len(payload[0]) if payload else 0
     stride = k + world + len(summary)
-    send = [v for d in range(world) for v in (*payload[d], *splits, *summary)] if k \
-        else (splits + summary) * world
-    values = exchange_ints(send, group, device, dtype)
+    # Without a payload every peer gets the same ints: HALO's two-level all-gather sends
+    # (G - 1) + (N - 1) messages per rank instead of R - 1 (None where it does not apply).
+    values = None if k else halo_gather_ints(splits + summary, group, topology, device, dtype)
+    if values is None:
+        send = [v for d in range(world) for v in (*payload[d], *splits, *summary)] if k \
+            else (splits + summary) * world
+        values = exchange_ints(send, group, device, dtype)
     if algorithm != "auto":
         return values, k, stride, algorithm
     choice = decide_from_summaries(values, k + world, stride, row_bytes, topology, model) \

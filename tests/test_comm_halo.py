@@ -13,6 +13,7 @@ import torch.distributed as dist
 from comm import CostModel, Topology, all_to_all, choose_algorithm, plan_all_to_all, run_local
 from comm.cost import decide_from_summaries, row_summary, summary_width
 from comm.flat import reference_all_to_all
+from comm.halo import halo_gather_ints
 
 pytestmark = pytest.mark.multiproc
 
@@ -175,6 +176,39 @@ def _two_batch_worker(rank: int, world: int, group: dist.ProcessGroup, nodes: in
 
 def test_halo_two_batch_order_equals_vendor() -> None:
     assert min(run_local(_two_batch_worker, 9, 3, 3, timeout_s=90)) == 5
+
+
+def _placement(nodes: tuple[int, ...], local: tuple[int, ...]) -> Topology:
+    return Topology(rank2node=nodes, rank2local=local, rank2domain=nodes,
+                    rank2group=(0,) * len(nodes), rank2nic=(0,) * len(nodes))
+
+
+def _gather_worker(rank: int, world: int, group: dist.ProcessGroup,
+                   cases: list[tuple[Topology, torch.dtype]]) -> list:
+    out = []
+    for topo, dtype in cases:
+        big = 2**40 + rank if dtype == torch.int64 else -(2**31) + rank
+        values = [rank * 1000 + i for i in range(5)] + [big, 0]
+        got = halo_gather_ints(values, group, topo, torch.device("cpu"), dtype)
+        ref = [torch.zeros(len(values), dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(ref, torch.tensor(values), group=group)
+        out.append((got, [v for t in ref for v in t.tolist()]))
+    return out
+
+
+@pytest.mark.parametrize("world, gathered, flat", [
+    # 2x2 node-major (int32 and int64); 2x2 with nodes interleaved over the ranks.
+    (4, [(Topology.uniform(2, 2), torch.int32), (Topology.uniform(2, 2), torch.int64),
+         (_placement((0, 1, 0, 1), (0, 0, 1, 1)), torch.int64)],
+     # one node; one rank per node; nodes of 1 and 3 ranks: no two-level gather.
+     [Topology.uniform(1, 4), Topology.uniform(4, 1), _placement((0, 1, 1, 1), (0, 0, 1, 2))]),
+    (6, [(Topology.uniform(3, 2), torch.int64), (Topology.uniform(2, 3), torch.int32)], []),
+])
+def test_two_level_gather_equals_all_gather(world: int, gathered: list, flat: list) -> None:
+    cases = gathered + [(t, torch.int64) for t in flat]
+    for per_rank in run_local(_gather_worker, world, cases):
+        for i, (got, ref) in enumerate(per_rank):
+            assert got == ref if i < len(gathered) else got is None
 
 
 def _mismatch_worker(rank: int, world: int, group: dist.ProcessGroup) -> str:
