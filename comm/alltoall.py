@@ -253,9 +253,12 @@ def _exchange_matrix(
         if algorithm == "auto" and not model.flat_pairwise else []
     k = len(payload[0]) if payload else 0
     stride = k + world + len(summary)
-    # Without a payload every peer gets the same ints: HALO's two-level all-gather sends
-    # (G - 1) + (N - 1) messages per rank instead of R - 1 (None where it does not apply).
-    values = None if k else halo_gather_ints(splits + summary, group, topology, device, dtype)
+    # HALO without a payload: every peer gets the same ints, and the two-level all-gather
+    # sends (G - 1) + (N - 1) messages per rank instead of R - 1 (None where it does not
+    # apply). `auto` keeps flat's one collective: it must not cost more than flat where it
+    # runs flat, and at 4 x 2 on 2 cores the two dependent steps took longer than it.
+    values = halo_gather_ints(splits + summary, group, topology, device, dtype) \
+        if algorithm == "halo" and not k else None
     if values is None:
         send = [v for d in range(world) for v in (*payload[d], *splits, *summary)] if k \
             else (splits + summary) * world
