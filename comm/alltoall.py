@@ -9,9 +9,10 @@ same exchange with the splits swapped. `algorithm` picks how the rows travel:
     "halo" hierarchical I (intra-node) || II (packed per remote node) -> III (redistribute)
     "auto" the cheaper of the two under `cost_model`, decided identically on every rank
 
-"auto" (calibrated, concurrent flat model) sends every peer the sender's row together with
-an O(R) summary of it (`comm.cost.row_summary`), in the one small exchange that flat (split
-sizes) and HALO (the split matrix) make anyway. The summaries decide in O(R) steps per rank
+"halo" first gathers every rank's split row, in two levels (`comm.halo.halo_gather_ints`:
+(G - 1) + (N - 1) messages per rank instead of R - 1). "auto" (calibrated, concurrent flat
+model) sends every peer the sender's row together with an O(R) summary of it
+(`comm.cost.row_summary`), in one collective like flat's exchange of split sizes. The summaries decide in O(R) steps per rank
 wherever the model's answer does not hinge on HALO's relay hop, the usual case; otherwise
 the model is evaluated on the matrix (O(R^2) steps per rank).
 

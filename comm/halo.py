@@ -16,6 +16,8 @@ on the ProcessGroup (`_Poster`). Tags keep the phases
 (and on gloo the sources of phase III) apart; NCCL ignores tags but matches in posting
 order, which every rank shares.
 The backward runs the plan of the transposed split matrix on the output gradient.
+`halo_gather_ints` brings the split rows ahead of a call in the same two levels (node,
+then the rank with the same local index on every other node).
 """
 
 from __future__ import annotations
