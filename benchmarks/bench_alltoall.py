@@ -215,12 +215,12 @@ def summarize(rows: list[dict]) -> None:
                  for v, b in zip(pts.values(), best, strict=True)]
         control = [abs(v[CONTROL]["time_s"] / v["flat"]["time_s"] - 1) for v in pts.values()
                    if CONTROL in v]
-        spread = [r["start_spread_ms"] for v in pts.values() for r in v.values()
-                  if "start_spread_ms" in r]
-        if spread:
+        timed = [r for v in pts.values() for r in v.values() if "start" in r]
+        if timed:
+            spread = [r["start_spread_ms"] for r in timed]
             print(f"{setup[0]}x{setup[1]}@{setup[2]:g}: ranks started "
                   f"{min(spread):.2f}-{max(spread):.2f} ms apart (median per arm and point, "
-                  f"start={next(iter(next(iter(pts.values())).values()))['start']})")
+                  f"start={','.join(sorted({r['start'] for r in timed}))})")
         if control:
             print(f"{setup[0]}x{setup[1]}@{setup[2]:g}: control (flat measured twice as two "
                   f"arms) differs by {min(control):.1%}-{max(control):.1%}: the resolution "

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -57,13 +58,19 @@ START_MODES = ("barrier", "clock")
 _clock = time.perf_counter  # one host's monotonic clock; tests swap it to fake a second host
 
 
+def _latest_clock(group: dist.ProcessGroup | None) -> float:
+    """The ranks' clocks, all-reduced (max): when the last rank arrived."""
+    t = torch.tensor([_clock()], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
 def _check_shared_clock(group: dist.ProcessGroup | None) -> None:
     """Raise on every rank unless all ranks read one clock. After an all-reduce (max) of the
     ranks' clocks, none can read less than that maximum if the clock is shared; ranks on
     separate hosts (clocks apart by more than the all-reduce's latency) fail this."""
-    t = torch.tensor([_clock()], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    ok = torch.tensor([float(_clock() >= t.item())], dtype=torch.float64)
+    latest = _latest_clock(group)
+    ok = torch.tensor([float(_clock() >= latest)], dtype=torch.float64)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if ok.item() != 1.0:
         raise RuntimeError("start='clock' needs every rank on one host's clock (as on the "
@@ -75,13 +82,12 @@ def _release(group: dist.ProcessGroup | None, margin_s: float) -> tuple[float, f
     """start='clock': agree on a start time `margin_s` after the last rank arrived (an
     all-reduce of the ranks' clocks, max) and sleep until it. Returns (start, delay): how long
     after the last arrival this rank left the all-reduce."""
-    t = torch.tensor([_clock()], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    latest = _latest_clock(group)
     now = _clock()
-    start = t.item() + margin_s
+    start = latest + margin_s
     if start > now:
         time.sleep(start - now)
-    return start, now - t.item()
+    return start, now - latest
 
 
 def time_samples(
@@ -127,12 +133,12 @@ def time_samples(
     cycle = arm_orders(tuple(arms))
     samples: dict[str, list[float]] = {a: [] for a in arms}
     spreads: dict[str, list[float]] = {a: [] for a in arms}
-    delays = [0.005]  # release delays after the last arrival (s), all-reduced
+    delays = deque([0.005], maxlen=16)  # recent release delays after the last arrival (s)
     i = 0
     while True:
         for arm in cycle[i % len(cycle)]:
             if start == "clock":
-                t0, delay = _release(group, min(0.05, max(0.001, 2 * max(delays[-16:]))))
+                t0, delay = _release(group, min(0.05, max(0.001, 2 * max(delays))))
                 began = _clock()
             else:
                 dist.barrier(group)

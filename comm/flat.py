@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "ARRAY_CODE",
     "FlatAllToAll",
     "exchange_ints",
     "exchange_splits",
@@ -64,6 +65,9 @@ def _split_device(
     return torch.device(rows_device)
 
 
+ARRAY_CODE = {torch.int64: "q", torch.int32: "i"}  # `array` type codes of the int dtypes
+
+
 def exchange_ints(
     values: list[int], group: dist.ProcessGroup | None, device: torch.device,
     dtype: torch.dtype = torch.int64,
@@ -77,7 +81,7 @@ def exchange_ints(
     cache, as it is between exchanges, and every exchange pays this before moving a row.
     """
     if device.type == "cpu":
-        code = {torch.int64: "q", torch.int32: "i"}[dtype]
+        code = ARRAY_CODE[dtype]
         send = array(code, values)
         recv = array(code, bytes(send.itemsize * len(values)))
         dist.all_to_all_single(torch.frombuffer(recv, dtype=dtype),

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from comm.flat import ARRAY_CODE
 from comm.halo_plan import Message, RankPlan, rank_plan, transpose
 from comm.topology import Topology
 
@@ -188,21 +189,20 @@ def halo_gather_ints(
     other ranks of its node; step 2, each rank sends its node's values to the rank with its
     local index on every other node. R = N x G ranks send (G - 1) + (N - 1) messages each
     instead of the R - 1 of an all-to-all (8 instead of 15 at 8 x 2, 134 instead of 1023
-    at 128 x 8): the small exchange ahead of every HALO and `auto` call. Returns None where
-    that does not apply (one node, one rank per node, or nodes of unequal size): the caller
-    exchanges the flat way.
+    at 128 x 8): the small exchange ahead of every HALO call. Returns None where that does
+    not apply (one node, one rank per node, or nodes of unequal size): the caller exchanges
+    the flat way.
     """
     world = dist.get_world_size(group)
     if topo.world_size != world:
         raise ValueError(f"topology describes {topo.world_size} ranks but the group has {world}")
-    sizes = set(topo.ranks_per_node())
-    N, G = topo.num_nodes, max(sizes)
-    if N == 1 or G == 1 or len(sizes) != 1:
+    G, node_major = _gather_shape(topo)
+    if not G:
         return None
-    rank = dist.get_rank(group)
+    N, rank = topo.num_nodes, dist.get_rank(group)
     node, local, k = topo.rank2node[rank], topo.rank2local[rank], len(values)
     if device.type == "cpu":  # array buffers: see `comm.flat.exchange_ints`
-        code = {torch.int64: "q", torch.int32: "i"}[dtype]
+        code = ARRAY_CODE[dtype]
         store = array(code, bytes(array(code).itemsize * N * G * k))
         at = (node * G + local) * k
         store[at:at + k] = array(code, values)
@@ -221,13 +221,29 @@ def halo_gather_ints(
         for w in poster.run(recvs, [(mine, p) for p in peers], [tag] * (2 * len(peers))):
             w.wait()
     flat = store.tolist() if device.type == "cpu" else buf.flatten().tolist()
-    if all(topo.node_ranks(m) == tuple(range(m * G, (m + 1) * G)) for m in range(N)):
-        return flat  # node-major ranks: bundles are already in rank order
+    if node_major:
+        return flat  # bundles are already in rank order
     out: list[int] = []
     for r in range(world):
         at = (topo.rank2node[r] * G + topo.rank2local[r]) * k
         out += flat[at:at + k]
     return out
+
+
+def _gather_shape(topo: Topology) -> tuple[int, bool]:
+    """(G, node-major) for `halo_gather_ints`, memoised on `topo` as `relay_table` is: G
+    ranks on every node (0 where the two levels do not apply: one node, one rank per node or
+    nodes of unequal size), and whether node m holds ranks m*G .. m*G + G - 1."""
+    memo = topo.__dict__.get("_gather_shape")
+    if memo is None:
+        sizes = set(topo.ranks_per_node())
+        G = max(sizes)
+        usable = topo.num_nodes > 1 and G > 1 and len(sizes) == 1
+        memo = (G if usable else 0, usable and all(
+            topo.node_ranks(m) == tuple(range(m * G, (m + 1) * G))
+            for m in range(topo.num_nodes)))
+        object.__setattr__(topo, "_gather_shape", memo)
+    return memo
 
 
 def _relay_tag(m: Message) -> int:
