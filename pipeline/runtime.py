@@ -1,18 +1,39 @@
 """Execute a pipeline schedule over a process group: `PipelineRuntime`.
 
 Every rank walks its own slot list of the (validated) schedule. P2P is derived, never
-hand-written: before its own step-t action a rank posts (one `batch_isend_irecv`) the
-receives of everything its peers produce for it at step t, and after the action the sends of
-what it produced. Receives thus go up a step early (the batch holds receives only, so the
-gloo rule "receives before sends" holds) and a transfer can start as soon as its producer
-is done. `comm_plan` gives both ends of every rank pair the same (step, producer) order and
-every transfer a unique tag, so matching is deterministic.
-A rank blocks only when an action needs a tensor that has not arrived yet; sends complete in
-the background and are waited for at the end of `step`.
+hand-written: after its step-t slot (an action or idle) a rank posts one `batch_isend_irecv`
+holding the step-t *boundary*: the receives of everything its peers produce for it at step t
+and the sends of everything it produced at step t. `comm_plan` gives both ends of every rank
+pair the same (step, producer) order and every transfer a unique tag, so matching is
+deterministic. A rank blocks only when an action needs a tensor that has not arrived yet;
+sends complete in the background and are waited for at the end of `step`.
 
-Stage modules may run collectives on *other* process groups (e.g. EP all-to-alls) inside
-forward or backward: those run on the calling thread in program order, while pipeline P2P
-only uses the PP group, so the two never share a communicator.
+Why the boundary batch, and why no host sync inside a step (NCCL). A communicator runs its
+operations on one stream, in issue order, and a receive kernel does not finish before the
+peer's send kernel runs. Posting step t's receives before the action and its sends after it
+(as a first version did) queues, on both ranks of a pair that exchange at the same step
+(1F1B at p=2, M=8: 6 steps; interleaved: 10), "recv(t)" ahead of "send(t)", and each recv(t)
+waits for a send(t) queued behind the peer's own recv(t): a deadlock on the GPU, and on the
+host too once something (a `torch.cuda.synchronize` to time the action) waits for it. In
+one batch, NCCL runs the sends and receives of a boundary as one group, which progresses
+as a whole.
+
+One global issue order (PP P2P and EP collectives). Stage modules run collectives on other
+communicators inside forward and backward (the EP all-to-all, its split exchange, HALO's
+P2P batches), on the calling thread. NCCL can deadlock when two communicators' operations
+are issued in different orders on different ranks, so give every operation a key:
+(t, 0, i) for the i-th collective inside the step-t action, (t, 1) for the step-t boundary
+batch. Each rank issues its operations in increasing key order (the program order above).
+Every participant of an operation gives it the same key: the members of an EP group share a
+pipeline position (`trainer.mesh`: same pp index), hence the same slot list, and run the same
+action at step t, whose collectives come in the same program order (the model code has no
+rank-dependent branches around them); both ends of a P2P transfer post it in their step-t
+batch, t being the producer's step. So the operations of all ranks follow one total order,
+and by induction over it each operation starts once its participants have issued everything
+before it: nothing waits on an operation with a larger key, so nothing deadlocks.
+`tests/test_pipeline_order.py` records the issue sequence per rank and communicator of real
+gloo runs (PP=2 x EP=2 with a flat all-to-all in every stage) and checks that one order
+exists (no cycle after merging matched operations), and that the old order has a cycle.
 
 Gradients: the loss of micro-batch m is scaled by 1/M before backward, so after `step` the
 stage modules' `.grad` hold the gradient of the mean micro-batch loss (= the full-batch mean
@@ -30,9 +51,11 @@ Tensor | None`. It is called right after each stage forward; a returned scalar i
 1/M and added to that micro-batch's objective (backpropagated along with the stage output).
 The returned per-micro-batch losses exclude it; its values are kept in `last_aux`.
 
-Timing: every action is timed with `clock` (wall clock; waits for incoming tensors are not
-part of a span, so they show up as bubble). `spans` holds this rank's `Span`s of the last
-step; `gather_spans()` collects all ranks' on every rank.
+Timing: every action is timed (waits for incoming tensors are not part of a span, so they
+show up as bubble): with `clock` on the CPU; on a GPU with CUDA events on the current stream,
+read after the step's last wait (the host blocks on the device only at the start of a step
+and after its last wait: `_host_sync`, never with a receive outstanding). `spans` holds this
+rank's `Span`s of the last step; `gather_spans()` collects all ranks' on every rank.
 
 Legend: M micro-batches, p pipeline ranks, s stage, m micro-batch.
 """
@@ -64,7 +87,8 @@ class PipelineRuntime:
     loss_fn    `loss_fn(output, target) -> scalar`, applied on the last stage.
     act_shape  shape of the tensor crossing each stage boundary for one micro-batch (one
                tuple for all, or `{s: shape of stage s's output}`); gradients share it.
-    dtype      dtype of those tensors (fp32 default).
+    dtype      dtype of those tensors; default: the stages' `boundary_dtype` when they declare
+               one (`trainer.pipe.Stage`: bf16 under autocast), else fp32.
     group      the PP process group (None = WORLD); its rank i runs `schedule[i]`.
     device     where receive buffers live (default: the first stage's parameters' device).
     aux_fn     optional auxiliary-loss hook (see the module docstring).
@@ -78,7 +102,7 @@ class PipelineRuntime:
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
         act_shape: Sequence[int] | Mapping[int, Sequence[int]],
         *,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         aux_fn: AuxFn | None = None,
@@ -103,7 +127,7 @@ class PipelineRuntime:
         self.stages = dict(stages)
         self.loss_fn = loss_fn
         self.aux_fn = aux_fn
-        self.dtype = dtype
+        self.dtype = dtype if dtype is not None else self._boundary_dtype(self.stages)
         self.clock = clock
         self.n_stages = n_stages(schedule)
         self.n_microbatches = 1 + max(
@@ -124,6 +148,14 @@ class PipelineRuntime:
             self._ops_at.setdefault(op[2].step, []).append(op)
         self.spans: list[Span] = []
         self.last_aux: dict[tuple[int, int], float] = {}
+        self._group_ready = False
+
+    @staticmethod
+    def _boundary_dtype(stages: Mapping[int, nn.Module]) -> torch.dtype:
+        declared = {s: getattr(m, "boundary_dtype", torch.float32) for s, m in stages.items()}
+        if len(set(declared.values())) > 1:
+            raise ValueError(f"stages declare different boundary dtypes {declared}; pass dtype=")
+        return next(iter(declared.values()), torch.float32)
 
     def _shapes(self, act_shape: Sequence[int] | Mapping[int, Sequence[int]]) -> dict[int, tuple]:
         if isinstance(act_shape, Mapping):
@@ -135,9 +167,13 @@ class PipelineRuntime:
 
     # -- P2P ------------------------------------------------------------------------------
 
-    def _post(self, t: int, which: str) -> None:
-        """Post the `which` ("recv" or "send") operations of step t as one batch."""
-        ops = [o for o in self._ops_at.get(t, []) if o[0] == which]
+    def _post(self, t: int) -> None:
+        """Post the step-t boundary as one batch: the receives of what peers produced at step
+        t, then the sends of what this rank produced at step t (see the module docstring)."""
+        ops = self._ops_at.get(t, [])
+        ops = [o for o in ops if o[0] == "recv"] + [o for o in ops if o[0] == "send"]
+        if not ops:
+            return
         p2p = []
         for kind, peer, x in ops:
             if kind == "recv":
@@ -151,8 +187,6 @@ class PipelineRuntime:
                 p2p.append(dist.P2POp(dist.isend, buf, group=self.group, group_peer=peer,
                                       tag=self._tag[x]))
                 self._sent.append(buf)  # keep alive until the send completes
-        if not p2p:
-            return
         works = dist.batch_isend_irecv(p2p)
         for i, (kind, _, x) in enumerate(ops):
             if kind == "recv":
@@ -188,6 +222,26 @@ class PipelineRuntime:
             self._local[consumer] = tensor
         else:
             self._outbox[producer] = tensor.contiguous()
+
+    def _ready_group(self) -> None:
+        """Once per runtime, before its first batch: one collective over the PP group. NCCL
+        creates a group's communicator at its first operation, and `batch_isend_irecv` as
+        that first operation needs every rank of the group in the call (torch documents
+        anything else as undefined); the step-0 batch involves only the ranks that hand off
+        at step 0."""
+        if self._group_ready:
+            return
+        if dist.get_world_size(self.group) > 1:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+        self._group_ready = True
+
+    def _host_sync(self, why: str) -> None:
+        """The only points where the runtime blocks the host on the device: `why` is "step
+        start" (before any receive of the step is posted) or "spans" (after every receive and
+        send of the step has been waited for). Stream-local: the current stream, not the
+        device. A no-op on CPU; tests wrap it to check that no receive is outstanding."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     # -- actions --------------------------------------------------------------------------
 
@@ -272,30 +326,30 @@ class PipelineRuntime:
         self._losses: dict[int, torch.Tensor] = {}
         self.spans = []
         self.last_aux = {}
+        self._ready_group()
+        timer = _Timer(self.device, self.clock, self._host_sync)
         for t, a in enumerate(self.schedule[self.rank]):
-            # Receives of step t go up before this rank's own step-t action, so a transfer
-            # can start the moment its producer finishes instead of when this rank is done.
-            self._post(t, "recv")
             if a is not None:
-                # Inputs from other ranks are awaited before the clock starts: waiting is bubble.
+                # Inputs from other ranks are awaited before the span starts: waiting is bubble.
                 if a.kind == "F" and a.stage > 0 or a.kind == "B" and a.stage < last:
                     self._local[a] = self._take(a)
-                start = self.clock()
+                mark = timer.start()
                 if a.kind == "F":
                     self._forward(a, inputs, targets)
                 elif a.kind == "B":
                     self._backward(a)
                 else:
                     self._weight(a)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                self.spans.append(Span(self.rank, a, start, self.clock()))
-            self._post(t, "send")
+                timer.stop(a, mark)
+            self._post(t)
         for work in self._send_works:
             self._wait(work)
         leftovers = list(self._inbox) + list(self._local) + list(self._stash)
         if leftovers:
             raise RuntimeError(f"rank {self.rank} finished with unconsumed state {leftovers}")
+        # Every receive of the step has been waited for: only now may the host block on the
+        # device (CUDA events of the spans).
+        self.spans = timer.spans(self.rank)
         self._sent.clear()
         self._send_works.clear()
         self._waited.clear()
@@ -308,3 +362,40 @@ class PipelineRuntime:
         out: list[list[Span] | None] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(out, self.spans, group=self.group)
         return [s for spans in out for s in spans]
+
+
+class _Timer:
+    """Spans of one step's actions. CPU: `clock` around each action. CUDA: a pair of events
+    on the current stream per action (no host wait inside the step), converted to `clock`
+    time once the step's communication is over: the step start syncs the current stream and
+    reads `clock` with a first event, so `clock() + elapsed(first, e)` is when e ran."""
+
+    def __init__(self, device: torch.device, clock: Callable[[], float],
+                 host_sync: Callable[[str], None]) -> None:
+        self.cuda = device.type == "cuda"
+        self.clock = clock
+        self.host_sync = host_sync
+        self.marks: list[tuple[Action, Any, Any]] = []
+        host_sync("step start")
+        if self.cuda:
+            self.t0 = clock()
+            self.ev0 = self._event()
+
+    @staticmethod
+    def _event() -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def start(self) -> Any:
+        return self._event() if self.cuda else self.clock()
+
+    def stop(self, a: Action, start: Any) -> None:
+        self.marks.append((a, start, self._event() if self.cuda else self.clock()))
+
+    def spans(self, rank: int) -> list[Span]:
+        self.host_sync("spans")
+        if not self.cuda:
+            return [Span(rank, a, s, e) for a, s, e in self.marks]
+        at = lambda ev: self.t0 + self.ev0.elapsed_time(ev) / 1e3  # noqa: E731 (ms -> s)
+        return [Span(rank, a, at(s), at(e)) for a, s, e in self.marks]

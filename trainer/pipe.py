@@ -68,7 +68,16 @@ class RemovedLayer(nn.Module):
 
 
 class Stage(nn.Module):
-    """Layers [lo, hi) of `model`, plus the embedding (first) and norm + head (last)."""
+    """Layers [lo, hi) of `model`, plus the embedding (first) and norm + head (last).
+
+    `autocast`: run under bf16 autocast on the input's device (the trainer sets it on GPUs).
+    What crosses a stage boundary (the activation, and its gradient coming back) is then
+    bf16, `boundary_dtype`: half the P2P bytes of fp32, and the dtype the planner's P2P model
+    (`tuner.estimate`: activation bytes of the precision policy) assumes. Inside a stage the
+    residual stream stays fp32 as in the 1-process model (under autocast the embedding and
+    every residual add are fp32): a received activation is upcast on entry, so the only
+    difference from one process is one bf16 rounding per boundary. The last stage's logits
+    are fp32 for the loss."""
 
     def __init__(self, model: nn.Module, lo: int, hi: int, first: bool, last: bool,
                  autocast: bool = False) -> None:
@@ -79,18 +88,24 @@ class Stage(nn.Module):
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
 
+    @property
+    def boundary_dtype(self) -> torch.dtype:
+        """dtype of the activations and gradients this stage exchanges with its neighbours."""
+        return torch.bfloat16 if self.autocast else torch.float32
+
     def moe_layers(self) -> list[nn.Module]:
         return [b.ffn for b in self.blocks if getattr(b, "is_moe", False)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        ctx = torch.autocast(x.device.type, dtype=torch.bfloat16) if self.autocast \
+            else contextlib.nullcontext()
         with ctx:
-            h = self.embed(x) if self.first else x
+            h = self.embed(x) if self.first else x.float()
             for b in self.blocks:
                 h = b(h)
             if self.last:
                 return self.lm_head(self.norm(h)).float()
-            return h.float()
+            return h.to(self.boundary_dtype)
 
 
 def build_stages(model: nn.Module, pp: int, pp_idx: int, n_virtual: int, bounds: list[int],
@@ -133,7 +148,7 @@ def pp_eval_forward(stages: dict[int, Stage], pp: int, n_stages: int, pp_ranks: 
         r = s % pp
         if s in stages:
             if s > 0 and (s - 1) % pp != r:
-                x = torch.empty(act_shape, device=device)
+                x = torch.empty(act_shape, dtype=stages[s].boundary_dtype, device=device)
                 dist.recv(x, src=pp_ranks[(s - 1) % pp])
             x = stages[s](x)
             if s < n_stages - 1 and (s + 1) % pp != r:
