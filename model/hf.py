@@ -63,6 +63,52 @@ def _rope(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Spellings transformers accepts for one field: its config classes' `attribute_map` (alias ->
+# canonical) plus the names older releases wrote. Per model type, canonical name -> aliases;
+# `normalize_hf_config` fills the canonical name this module reads from whichever is present.
+# tests/test_hf_checkpoint.py checks this table against transformers' attribute maps.
+HF_ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
+    "mixtral": {"num_local_experts": ("num_experts",)},
+    "qwen2_moe": {"num_experts": ("num_local_experts",)},
+    "qwen3_moe": {"num_experts": ("num_local_experts",)},
+    "deepseek_v2": {"n_routed_experts": ("num_experts", "num_local_experts")},
+    "deepseek_v3": {
+        "n_routed_experts": ("num_local_experts", "num_experts"),
+        "num_nextn_predict_layers": ("num_mtp_layers",),
+    },
+    "kimi_k2": {
+        "n_routed_experts": ("num_local_experts", "num_experts"),
+        "num_nextn_predict_layers": ("num_mtp_layers",),
+    },
+    "llama4_text": {"num_local_experts": ("num_experts",)},
+}
+
+
+def normalize_hf_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A copy of config dict `d` in which every aliased field of its model type is present under
+    the canonical name this module reads (see HF_ALIASES); the original keys are kept."""
+    out = dict(d)
+    for canon, aliases in HF_ALIASES.get(str(d.get("model_type")), {}).items():
+        if out.get(canon) is None:
+            for a in aliases:
+                if out.get(a) is not None:
+                    out[canon] = out[a]
+                    break
+    return out
+
+
+class _Fields(dict):
+    """The config dict; a missing required field raises a ValueError naming it (and the
+    spellings accepted for it) instead of a bare KeyError."""
+
+    def __missing__(self, key: str) -> Any:
+        mt = dict.get(self, "model_type")
+        alts = HF_ALIASES.get(str(mt), {}).get(key, ())
+        also = f" (also accepted: {', '.join(alts)})" if alts else ""
+        raise ValueError(f"config.json of model_type={mt!r} has no field {key!r}{also}; it is "
+                         f"required to build the model")
+
+
 def _common(d: dict[str, Any]) -> dict[str, Any]:
     heads = int(d["num_attention_heads"])
     return dict(
@@ -91,6 +137,7 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         raise ValueError(
             f"model_type={mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    d = _Fields(normalize_hf_config(d))
     c = _common(d)
     if mt == "mixtral":
         if d.get("sliding_window") is not None:
@@ -306,4 +353,11 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     return d
 
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "config_from_hf", "config_to_hf", "convert_hf_state_dict"]
+__all__ = [
+    "HF_ALIASES",
+    "SUPPORTED_MODEL_TYPES",
+    "config_from_hf",
+    "config_to_hf",
+    "convert_hf_state_dict",
+    "normalize_hf_config",
+]

@@ -4,7 +4,8 @@ Sources, later ones win: dataclass defaults -> TOML file (`--config FILE`) -> a 
 (`--plan FILE`, written by `python -m tuner plan`) -> CLI overrides `--section.field=value`.
 Convenience flags: `--data PATH` (= `--data.path=PATH`), `--resume [PATH]` (= `--train.resume`).
 
-The `[model]` section takes `preset = "<name>"` plus any `model.ModelConfig` field as an override.
+The `[model]` section takes `preset = "<name>"` (or `hf_path = "<Hugging Face checkpoint folder>"`)
+plus any `model.ModelConfig` field as an override.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class ConfigError(ValueError):
 @dataclass
 class ModelSection:
     preset: str = "tiny"
+    # a Hugging Face checkpoint folder (config.json + *.safetensors): the architecture comes from
+    # its config.json (the preset is ignored) and the initial weights from its tensors, each
+    # rank reading only what it holds; other [model] fields still override (e.g. n_layers)
+    hf_path: str = ""
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -179,7 +184,7 @@ def _apply(cfg: RunConfig, section: str, name: str, value: Any, *, from_cli: boo
     if section not in _SECTIONS:
         raise ConfigError(f"unknown config section {section!r}; valid: {', '.join(_SECTIONS)}")
     sec = getattr(cfg, section)
-    if section == "model" and name != "preset":
+    if section == "model" and name not in ("preset", "hf_path"):
         cfg.model.overrides[name] = _parse_literal(value) if from_cli else value
         return
     names = [f.name for f in dataclasses.fields(sec)]
@@ -266,5 +271,6 @@ def _help() -> str:
         sec = getattr(RunConfig(), name)
         fields_ = ", ".join(f"{f.name}={getattr(sec, f.name)!r}" for f in dataclasses.fields(sec))
         lines.append(f"  [{name}] {fields_}")
-    lines.append("  [model] also takes any model.ModelConfig field as an override")
+    lines.append("  [model] also takes any model.ModelConfig field as an override; hf_path=DIR "
+                 "starts from a Hugging Face checkpoint folder")
     return "\n".join(lines)

@@ -57,13 +57,18 @@ def log(msg: str, rank: int = 0) -> None:
         print(msg, flush=True)
 
 
-def build_model_config(cfg: RunConfig):
+def build_model_config(cfg: RunConfig, hf=None):
+    """The run's ModelConfig: the preset's (or, with `hf`, an opened `model.HFCheckpoint` of
+    --model.hf_path, its config.json's), then the [model] overrides."""
     from model import presets
 
-    try:
-        mcfg = presets.get(cfg.model.preset)
-    except KeyError as e:
-        raise ConfigError(str(e.args[0]) if e.args else str(e)) from None
+    if hf is not None:
+        mcfg = hf.model_config()
+    else:
+        try:
+            mcfg = presets.get(cfg.model.preset)
+        except KeyError as e:
+            raise ConfigError(str(e.args[0]) if e.args else str(e)) from None
     if cfg.model.overrides:
         valid = {f.name for f in dataclasses.fields(mcfg)}
         bad = sorted(set(cfg.model.overrides) - valid)
@@ -83,18 +88,30 @@ class Prepared:
     mesh: Mesh
     corpus: Corpus
     resume_path: Path | None
+    hf: Any = None  # model.HFCheckpoint of --model.hf_path (headers only), or None
+    hf_skipped: tuple[int, ...] = ()  # checkpoint layers a run with fewer layers does not load
 
 
 def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     """All request validation, before any training work. Raises a ValueError subclass."""
-    mcfg = build_model_config(cfg)
+    hf = hf_skipped = None
+    if cfg.model.hf_path:
+        from model.hf_checkpoint import HFCheckpoint
+
+        hf = HFCheckpoint(cfg.model.hf_path)  # config.json and safetensors headers only
+    mcfg = build_model_config(cfg, hf)
+    if hf is not None:
+        try:
+            hf_skipped = hf.validate(mcfg)  # missing / extra / mis-shaped tensors, named
+        except ValueError as e:
+            raise ConfigError(f"--model.hf_path: {e}") from None
     par = cfg.parallel
     mesh = Mesh.plan(world_size, rank, pp=par.pp, ep=par.ep, dp=par.dp, placement=par.ep_placement)
     if mesh.pp > 1:
         _check_pipeline(cfg, mcfg, mesh)
     E = mcfg.n_routed_experts
     if E % mesh.ep:
-        raise MeshError(f"ep={mesh.ep} does not divide {E} experts of preset {cfg.model.preset!r}; "
+        raise MeshError(f"ep={mesh.ep} does not divide {E} experts of model {_model_name(cfg)!r}; "
                         f"valid ep: {valid_divisors(E)}")
     if cfg.comm.alltoall not in ("flat", "halo", "auto"):
         raise ConfigError(f"comm.alltoall={cfg.comm.alltoall!r}; valid: flat, halo, auto")
@@ -122,9 +139,13 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     if t.steps < 1:
         raise ConfigError(f"train.steps={t.steps} must be >= 1")
     o = cfg.optim
-    if not (math.isfinite(o.lr) and o.lr > 0) or not (math.isfinite(o.min_lr) and o.min_lr >= 0):
-        raise ConfigError(f"optim.lr={o.lr}, optim.min_lr={o.min_lr}: need a finite lr > 0 and "
+    # lr = 0 is allowed (weights stay bitwise unchanged: import/export round trips, evaluation)
+    if not (math.isfinite(o.lr) and o.lr >= 0) or not (math.isfinite(o.min_lr) and o.min_lr >= 0):
+        raise ConfigError(f"optim.lr={o.lr}, optim.min_lr={o.min_lr}: need a finite lr >= 0 and "
                           f"min_lr >= 0")
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} exceeds optim.lr={o.lr}: the cosine schedule "
+                          f"decays from lr to min_lr; use min_lr <= lr")
     if o.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     for name, b in (("beta1", o.beta1), ("beta2", o.beta2)):
@@ -173,7 +194,15 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
         if resume_path is not None:
             meta = read_meta(resume_path)  # fails early on an incomplete/corrupt checkpoint
             check_same_model(resume_path, meta, mcfg.to_dict())
-    return Prepared(cfg, mcfg, mesh, corpus, resume_path)
+    if hf_skipped and rank == 0:
+        print(f"warning: --model.hf_path {cfg.model.hf_path!r} has {len(hf_skipped) + mcfg.n_layers}"
+              f" layers, the run builds {mcfg.n_layers} (model.n_layers): checkpoint layers "
+              f"{list(hf_skipped)} are skipped", file=sys.stderr, flush=True)
+    return Prepared(cfg, mcfg, mesh, corpus, resume_path, hf, tuple(hf_skipped or ()))
+
+
+def _model_name(cfg: RunConfig) -> str:
+    return cfg.model.hf_path or cfg.model.preset
 
 
 def build_schedule(par, pp: int):
@@ -230,6 +259,7 @@ class Trainer:
     def __init__(self, prep: Prepared):
         self.cfg, self.mcfg, self.mesh, self.corpus = prep.cfg, prep.mcfg, prep.mesh, prep.corpus
         self.resume_path = prep.resume_path
+        self.hf = prep.hf
         self.rank = self.mesh.rank
         if torch.cuda.is_available():
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -260,6 +290,8 @@ class Trainer:
         if self.mesh.pp > 1:
             self._build_pipeline()
         self.model.materialize(self.device, seed=self.cfg.train.seed)
+        if self.hf is not None and self.resume_path is None:
+            self._import_hf()
         if self.cfg.balance.skew:
             for layer in self.model.moe_layers():
                 E = layer.expert2slot.numel()
@@ -288,6 +320,29 @@ class Trainer:
         self.peak, self.peak_src = (self.cfg.train.peak_tflops * 1e12, "--train.peak_tflops") \
             if self.cfg.train.peak_tflops > 0 else _peak_flops(self.device)
         self.flops_per_token = self.mcfg.flops_per_token(self.cfg.train.seq_len)
+
+    def _import_hf(self) -> None:
+        """Initial weights from --model.hf_path: each rank reads only the tensors it holds
+        (its stage's layers, its experts in their slots); what it read goes to
+        <out_dir>/hf_import/rank_<r>.json."""
+        from model.hf_checkpoint import load_hf_weights
+
+        t0 = time.perf_counter()
+        log(f"loading weights from {self.cfg.model.hf_path} ({self.hf.model_type}, "
+            f"{len(self.hf.shapes):,} tensors in {len(set(self.hf.files.values()))} file(s)) ...",
+            self.rank)
+        got = load_hf_weights(self.model, self.hf)
+        self.hf.close()
+        rec = self.out / "hf_import"
+        rec.mkdir(parents=True, exist_ok=True)
+        (rec / f"rank_{self.rank}.json").write_text(json.dumps(
+            {"rank": self.rank, "bytes": got["bytes"], "keys": sorted({k for k, _ in self.hf.reads})}))
+        total = torch.tensor([float(got["bytes"])], dtype=torch.float64, device=self.device)
+        mine = float(total)
+        if self.mesh.world_size > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        log(f"loaded in {time.perf_counter() - t0:.1f} s: rank 0 read {got['tensors']} tensors "
+            f"({mine / 1e6:.1f} MB), the most any rank read {float(total) / 1e6:.1f} MB", self.rank)
 
     def _calibrate_auto(self, topo):
         """Fit the flat-vs-HALO cost model on this EP group's real links, once, so that
@@ -535,6 +590,9 @@ class Trainer:
     def save(self) -> Path:
         meta = {"model": self.mcfg.to_dict(), "run": self.cfg.to_dict(),
                 "mesh": {"pp": self.mesh.pp, "dp": self.mesh.dp, "ep": self.mesh.ep}}
+        if self.hf is not None:  # what trainer.export needs to write the same model type back
+            meta["hf"] = {"model_type": self.hf.model_type, "source": str(self.hf.path.resolve()),
+                          "config": self.hf.config}
         layer_state = self.balancer.state_by_layer() if self.balancer else {}
         return save_checkpoint(self.ckpt_root, self.step, self.model, self.optim, meta,
                                keep=self.cfg.train.ckpt_keep, layer_state=layer_state)
@@ -557,7 +615,7 @@ class Trainer:
         if self.rank == 0:
             _truncate_metrics(metrics_path, self.step)
             _truncate_metrics(self.out / "counts.jsonl", self.step)
-        log(f"{self.mesh.describe()} | model {self.cfg.model.preset}: "
+        log(f"{self.mesh.describe()} | model {_model_name(self.cfg)}: "
             f"{self.mcfg.num_params() / 1e6:.2f}M params ({self.mcfg.num_active_params() / 1e6:.2f}M "
             f"active) | data {self.corpus.source}: {len(self.corpus.train):,} train / "
             f"{len(self.corpus.val):,} val tokens | MFU vs {self.peak_src} "
