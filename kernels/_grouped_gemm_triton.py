@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tuning import pick
+from kernels._tuning import GROUP_M, pick
 
 
 @triton.jit
@@ -157,7 +157,7 @@ def gmm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, *, op: st
         x_MK.stride(0), x_MK.stride(1),
         w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2),
         y.stride(0), y.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=8,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=GROUP_M,
         INPUT_PRECISION=_input_precision(x_MK.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

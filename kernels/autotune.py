@@ -23,7 +23,14 @@ from pathlib import Path
 
 import torch
 
-from kernels._tuning import GemmConfig, default_cache_path, gemm_configs, problem_key, store
+from kernels._tuning import (
+    GemmConfig,
+    default_cache_path,
+    device_target,
+    gemm_configs,
+    problem_key,
+    store,
+)
 
 
 def problems(D: int, F: int) -> list[tuple[str, int, int]]:
@@ -67,13 +74,15 @@ def tune(model: str, tokens: int, dtype: torch.dtype, max_configs: int,
     M = tokens * k
     elem = torch.empty((), dtype=dtype).element_size()
     winners: dict[str, GemmConfig] = {}
-    print(f"{model}: D={D} F={F} E={E} k={k} M={M} {dtype} on {torch.cuda.get_device_name(device)}")
+    target = device_target(device)  # candidates that fit this GPU's shared memory only
+    print(f"{model}: D={D} F={F} E={E} k={k} M={M} {dtype} on {torch.cuda.get_device_name(device)} "
+          f"({target.name}, {target.smem_limit} B shared memory per block)")
     for op, N, K in problems(D, F):
         key = problem_key(op, dtype, N, K, E)
         if key in winners:
             continue
         results = []
-        for c in gemm_configs(op, N, K, E, elem)[:max_configs]:
+        for c in gemm_configs(op, N, K, E, elem, target)[:max_configs]:
             try:
                 ms = _bench(op, c, M, N, K, E, dtype, device)
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
@@ -85,7 +94,7 @@ def tune(model: str, tokens: int, dtype: torch.dtype, max_configs: int,
             continue
         results.sort(key=lambda r: r[0])
         ms, best = results[0]
-        default_ms = next((m for m, c in results if c == gemm_configs(op, N, K, E, elem)[0]), ms)
+        default_ms = next((m for m, c in results if c == gemm_configs(op, N, K, E, elem, target)[0]), ms)
         flops = 2.0 * M * N * K
         print(f"  {key}: best {best} {ms:.3f} ms ({flops / ms / 1e9:.1f} TFLOPS), "
               f"default {default_ms:.3f} ms, {len(results)} configs")

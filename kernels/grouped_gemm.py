@@ -102,12 +102,19 @@ def _engine_needs(ctx, i: int) -> bool:
         return True
 
 
+def _with_config(fn, configs: dict | None, op: str):
+    """``fn`` with ``config=`` bound when an explicit launch config was asked for ``op``."""
+    cfg = (configs or {}).get(op)
+    return fn if cfg is None else (lambda *a: fn(*a, config=cfg))
+
+
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_EKN, offs_E, backend):  # type: ignore[override]
+    def forward(ctx, x_MK, w_EKN, offs_E, backend, configs):  # type: ignore[override]
         ctx.save_for_backward(x_MK, w_EKN, offs_E)
         ctx.backend = backend
-        return _impl(backend).gmm(x_MK, w_EKN, offs_E)
+        ctx.configs = configs
+        return _with_config(_impl(backend).gmm, configs, "fwd")(x_MK, w_EKN, offs_E)
 
     @staticmethod
     def backward(ctx, dy_MN):  # type: ignore[override]
@@ -117,22 +124,35 @@ class _GroupedGemm(torch.autograd.Function):
         dx = dw = None
         if _engine_needs(ctx, 0):
             # dx = dy @ w^T per expert: the forward GEMM on a transposed view (no copy).
-            dx = impl.gmm_dx(dy_MN, w_EKN, offs_E)
+            dx = _with_config(impl.gmm_dx, ctx.configs, "dx")(dy_MN, w_EKN, offs_E)
         if _engine_needs(ctx, 1):
-            dw = impl.gmm_dw(x_MK, dy_MN, offs_E)
-        return dx, dw, None, None
+            dw = _with_config(impl.gmm_dw, ctx.configs, "dw")(x_MK, dy_MN, offs_E)
+        return dx, dw, None, None, None
 
 
 def grouped_gemm(
-    x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, *, backend: str | None = None
+    x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, *, backend: str | None = None,
+    configs: dict | None = None,
 ) -> torch.Tensor:
     """y [M, N]: rows offs[e-1]:offs[e] of x times w[e]; rows past offs[-1] are zero.
 
     Differentiable in x and w. ``backend`` ("triton", "torch", "reference") overrides the
-    per-device choice, for benchmarks and tests.
+    per-device choice, for benchmarks and tests. ``configs`` ({"fwd"|"dx"|"dw":
+    ``kernels._tuning.GemmConfig``}, Triton backend only) launches those ops with the given
+    configs instead of ``pick()``'s: how tests run a GPU target's configs under the interpreter.
     """
     _check(x_MK, w_EKN, offs_E)
     name = resolve_backend(x_MK.device, backend)
+    if configs:
+        from kernels._tuning import OPS, GemmConfig
+
+        bad = [k for k, v in configs.items() if k not in OPS or not isinstance(v, GemmConfig)]
+        if bad:
+            raise ValueError(f"configs keys {bad} are not ops with a GemmConfig; valid keys: "
+                             f"{', '.join(OPS)}")
+        if name != "triton":
+            raise ValueError(f"configs= applies to the Triton backend only; this call resolved "
+                             f"backend={name!r}")
     if name == "reference":
         return reference_grouped_gemm(x_MK, w_EKN, offs_E)
-    return _GroupedGemm.apply(x_MK, w_EKN, offs_E, name)
+    return _GroupedGemm.apply(x_MK, w_EKN, offs_E, name, configs)
