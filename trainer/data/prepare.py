@@ -210,10 +210,10 @@ def _tasks(files: list[Path], batch_bytes: int) -> Iterator[_Task]:
 _W: dict = {}
 
 
-def _init_worker(tok_json: str, eos_id: int, dtype: str, field: str) -> None:
+def _init_worker(tok_json: str, eos_id: int, dtype: str, field: str, tok=None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
-    _W.update(tok=_load_tokenizer(Path(tok_json)), eos_id=eos_id, dtype=TOKEN_DTYPES[dtype],
-              field=field)
+    _W.update(tok=tok or _load_tokenizer(Path(tok_json)), eos_id=eos_id,
+              dtype=TOKEN_DTYPES[dtype], field=field)
 
 
 def _encode(task: _Task) -> tuple[np.ndarray, int, int]:
@@ -296,7 +296,7 @@ def prepare(tokenizer: str | Path, inputs: list[str], out: str | Path, field: st
     t0 = time.perf_counter()
     init = (str(tok_json), eos_id, dtype, field)
     try:
-        run = _run(files, init, workers, batch_bytes, total_bytes, progress)
+        run = _run(files, init, workers, batch_bytes, total_bytes, progress, tok)
         with part.open("wb") as fh, contextlib.closing(run):
             for ids, docs, _ in run:
                 ids.tofile(fh)
@@ -334,14 +334,15 @@ def prepare(tokenizer: str | Path, inputs: list[str], out: str | Path, field: st
 
 
 def _run(files: list[Path], init: tuple, workers: int, batch_bytes: int, total_bytes: int,
-         progress: bool) -> Iterator[tuple[np.ndarray, int, int]]:
-    """Results of every task in task order, with a progress bar over input bytes."""
+         progress: bool, tok) -> Iterator[tuple[np.ndarray, int, int]]:
+    """Results of every task in task order, with a progress bar over input bytes; workers=1
+    encodes in this process with the already loaded `tok`."""
     from tqdm import tqdm
 
     tasks = _tasks(files, batch_bytes)
     if workers == 1:
         old = os.environ.get("TOKENIZERS_PARALLELISM")
-        _init_worker(*init)
+        _init_worker(*init, tok=tok)
         results: Iterator = map(_encode, tasks)
         pool = None
     else:

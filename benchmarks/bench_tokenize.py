@@ -1,0 +1,174 @@
+"""Tokenization throughput of `python -m trainer.data prepare` (tokens/s), 1 worker vs N.
+
+Corpus: the running interpreter's standard-library `.py` files (the trainer's default corpus,
+no download), as plain-text documents (one file = one document) and as one JSONL file (one
+record per source file). Tokenizer: a byte-level BPE trained here on the first 4 MB of that
+corpus (cached under --work-dir), or a real one with --tokenizer PATH.
+
+Each configuration (input kind x workers) runs `prepare()` end to end (listing, reading,
+encoding, writing FILE.bin + sidecar), `--repeats` times after one warm-up; reported: median
+tokens/s and the ratio against 1 worker measured in the same run. A library reference,
+`Tokenizer.encode_batch_fast` on all documents in one call with the tokenizers library's own
+thread pool (all cores, no I/O, no EOS), bounds what the pipeline could reach. The outputs of
+1 and N workers are checked byte-identical.
+
+    flock /tmp/piper-bench.lock python benchmarks/bench_tokenize.py               # ~8 MB subset
+    flock /tmp/piper-bench.lock python benchmarks/bench_tokenize.py --mb 0 --workers 1 2 4
+
+Results: rows appended to benchmarks/results/tokenize.jsonl (git SHA, CPU, cores, load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import ROOT, git_sha
+
+sys.path.insert(0, str(ROOT))
+
+from trainer.data import default_corpus_files  # noqa: E402
+from trainer.data.prepare import _available_cores, prepare  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def corpus(mb: float) -> list[Path]:
+    """The stdlib sources in sorted order, the first `mb` megabytes of them (0 = all)."""
+    files, size = [], 0
+    for f in default_corpus_files():
+        if mb and size >= mb * 1e6:
+            break
+        try:
+            f.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # a handful of stdlib test files are latin-1 on purpose
+            continue
+        files.append(f)
+        size += f.stat().st_size
+    return files
+
+
+def train_tokenizer(work: Path, vocab: int) -> Path:
+    """Byte-level BPE with `vocab` ids trained on the first 4 MB of the corpus (cached)."""
+    out = work / f"bpe{vocab}" / "tokenizer.json"
+    if out.is_file():
+        return out
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = [f.read_text(encoding="utf-8") for f in corpus(4)]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out))
+    (out.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return out
+
+
+def library_reference(tok_json: Path, files: list[Path], repeats: int) -> float:
+    """Tokens/s of the tokenizers library alone: encode_batch_fast over all documents, its own
+    thread pool, texts already in memory."""
+    from tokenizers import Tokenizer
+
+    os.environ.pop("TOKENIZERS_PARALLELISM", None)
+    tok = Tokenizer.from_file(str(tok_json))
+    texts = [f.read_text(encoding="utf-8") for f in files]
+    tok.encode_batch_fast(texts[:50])  # warm-up
+    rates = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        n = sum(len(e.ids) for e in tok.encode_batch_fast(texts))
+        rates.append(n / (time.perf_counter() - t))
+    return statistics.median(rates)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer.json or folder (default: "
+                    "train a byte-level BPE on the corpus)")
+    ap.add_argument("--vocab", type=int, default=32_000, help="vocab of the trained BPE")
+    ap.add_argument("--mb", type=float, default=8.0, help="corpus megabytes (0: all ~30 MB)")
+    ap.add_argument("--workers", type=int, nargs="+", default=None,
+                    help="worker counts (default: 1 and the cores available)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "piper-bench-tok"))
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    tok_json = Path(args.tokenizer) if args.tokenizer else train_tokenizer(work, args.vocab)
+    files = corpus(args.mb)
+    n_bytes = sum(f.stat().st_size for f in files)
+    jsonl = work / f"corpus_{args.mb:g}mb.jsonl"
+    if not jsonl.is_file():
+        with jsonl.open("w") as fh:
+            for f in files:
+                fh.write(json.dumps({"text": f.read_text(encoding="utf-8")}) + "\n")
+    workers = args.workers or sorted({1, _available_cores()})
+    common = {"bench": "tokenize", "git": git_sha(), "device": _cpu(),
+              "cores": _available_cores(), "tokenizer": str(tok_json), "mb": n_bytes / 1e6,
+              "documents": len(files), "repeats": args.repeats,
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    print(f"corpus: {len(files)} stdlib files, {n_bytes / 1e6:.1f} MB; tokenizer {tok_json}; "
+          f"{common['cores']} cores, load {os.getloadavg()[0]:.1f}")
+    rows = []
+    for kind, inputs in (("text", [str(f) for f in files]), ("jsonl", [str(jsonl)])):
+        base = None
+        outputs = {}
+        for w in workers:
+            out = work / f"out_{kind}_w{w}.bin"
+            rates = []
+            for r in range(args.repeats + 1):  # run 0 warms the page cache and the imports
+                meta = prepare(tok_json, inputs, out, workers=w, overwrite=True, progress=False)
+                if r:
+                    rates.append(meta["n_tokens"] / meta["seconds"])
+            outputs[w] = out.read_bytes()
+            med = statistics.median(rates)
+            base = base or med
+            row = {**common, "input": kind, "workers": w, "tokens": meta["n_tokens"],
+                   "dtype": meta["dtype"], "tokens_per_s": med, "tokens_per_s_all": rates,
+                   "vs_1_worker": med / base, "load": os.getloadavg()[0]}
+            rows.append(row)
+            print(f"{kind:5s} workers={w:2d}: {med:12,.0f} tokens/s (median of {args.repeats}; "
+                  f"runs {', '.join(f'{x:,.0f}' for x in rates)})  x{med / base:.2f} vs 1 worker")
+        same = len({*outputs.values()}) == 1
+        print(f"{kind}: outputs of workers {workers} identical: {same}")
+        if not same:
+            raise SystemExit("outputs differ between worker counts")
+    ref = library_reference(tok_json, files, args.repeats)
+    best = max(r["tokens_per_s"] for r in rows if r["input"] == "text")
+    rows.append({**common, "input": "library encode_batch_fast (threads, in memory)",
+                 "workers": common["cores"], "tokens_per_s": ref, "load": os.getloadavg()[0]})
+    print(f"library reference (encode_batch_fast, {common['cores']} threads, in memory): "
+          f"{ref:12,.0f} tokens/s; best text pipeline = {best / ref:.2f} of it")
+    if not args.no_save:
+        RESULTS.mkdir(exist_ok=True)
+        with (RESULTS / "tokenize.jsonl").open("a") as fh:
+            for row in rows:
+                fh.write(json.dumps(row) + "\n")
+        print(f"appended {len(rows)} rows to {RESULTS / 'tokenize.jsonl'}")
+
+
+if __name__ == "__main__":
+    main()
