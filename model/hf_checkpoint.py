@@ -245,6 +245,16 @@ class HFCheckpoint:
         b = q.get("weight_block_size") or (128, 128)
         return int(b[0]), int(b[1])
 
+    def resolve(self, key: str) -> str:
+        """The checkpoint's spelling of `key`: transformers 5 names Mixtral's MoE block `mlp`
+        (in memory and in fused-layout files) where published checkpoints say
+        `block_sparse_moe`."""
+        if key not in self.shapes and ".block_sparse_moe." in key:
+            alt = key.replace(".block_sparse_moe.", ".mlp.")
+            if alt in self.shapes:
+                return alt
+        return key
+
     # ------------------------------------------------------------------ checks
     def validate(self, cfg: ModelConfig) -> list[int]:
         """Check the tensors against the model `cfg` describes, before any work: missing,
@@ -264,15 +274,15 @@ class HFCheckpoint:
                         used.add(k)
                         if self.shapes[k] != (dout, din):
                             wrong.append(f"{k}: checkpoint {self.shapes[k]}, model {(dout, din)}")
-                elif src.fused in self.shapes:
-                    used.add(src.fused)
+                elif (fused := self.resolve(src.fused)) in self.shapes:
+                    used.add(fused)
                     want = (E, 2 * dout, din) if src.part >= 0 else (E, dout, din)
-                    if self.shapes[src.fused] != want:
-                        wrong.append(f"{src.fused}: checkpoint {self.shapes[src.fused]}, "
-                                     f"model {want}")
+                    if self.shapes[fused] != want:
+                        wrong.append(f"{fused}: checkpoint {self.shapes[fused]}, model {want}")
                 else:
                     missing.extend(k for k in src.per_expert if k not in self.shapes)
                 continue
+            src = self.resolve(src)
             if src not in self.shapes:
                 if src.endswith("e_score_correction_bias"):
                     continue  # absent in some exports: zero bias, as transformers initialises it
@@ -395,9 +405,10 @@ def load_hf_weights(model: nn.Module, ckpt: HFCheckpoint) -> dict[str, int]:
                     F_ = t.shape[2] if src.part >= 0 else t.shape[1]
                     rows = slice(None) if src.part < 0 else slice(src.part * F_,
                                                                  (src.part + 1) * F_)
-                    w = ckpt.read(src.fused, (slice(e, e + 1), rows))[0]
+                    w = ckpt.read(ckpt.resolve(src.fused), (slice(e, e + 1), rows))[0]
                 t[j].copy_(w.t())
             continue
+        src = ckpt.resolve(src)
         if src not in ckpt.files:  # e.g. a router bias the export left out: keep zeros
             continue
         t.copy_(ckpt.read(src))

@@ -331,12 +331,15 @@ class Trainer:
         log(f"loading weights from {self.cfg.model.hf_path} ({self.hf.model_type}, "
             f"{len(self.hf.shapes):,} tensors in {len(set(self.hf.files.values()))} file(s)) ...",
             self.rank)
+        rss0 = _rss_reset_peak()
         got = load_hf_weights(self.model, self.hf)
         self.hf.close()
+        peak = _rss_peak()
         rec = self.out / "hf_import"
         rec.mkdir(parents=True, exist_ok=True)
         (rec / f"rank_{self.rank}.json").write_text(json.dumps(
-            {"rank": self.rank, "bytes": got["bytes"], "keys": sorted({k for k, _ in self.hf.reads})}))
+            {"rank": self.rank, "bytes": got["bytes"], "rss_before": rss0, "rss_peak": peak,
+             "keys": sorted({k for k, _ in self.hf.reads})}))
         total = torch.tensor([float(got["bytes"])], dtype=torch.float64, device=self.device)
         mine = float(total)
         if self.mesh.world_size > 1:
@@ -696,6 +699,30 @@ def _format_event(ev: dict[str, Any]) -> str:
     if "imbalance_before" in ev:
         s += f", imbalance {ev['imbalance_before']:.2f} -> {ev['imbalance_after_planned']:.2f} (window)"
     return s
+
+
+def _proc_status_kb(field: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return -1
+
+
+def _rss_reset_peak() -> int:
+    """Current RSS in bytes after resetting the peak (VmHWM) where Linux allows it; -1 if
+    unknown. With `_rss_peak` after some work: the most memory that work held at once."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return _proc_status_kb("VmRSS")
+
+
+def _rss_peak() -> int:
+    return _proc_status_kb("VmHWM")
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
