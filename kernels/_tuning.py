@@ -23,6 +23,8 @@ pipeline buffer and keep the fp32 accumulator in registers:
                               tf32 wgmma cannot read)
             = num_stages - 1  otherwise (mma.sync on sm_80, FMA for fp32 "ieee", AMD's stream
                               pipeliner; at least 1)
+            = num_stages      on a live GPU outside those families (sm_100, gfx950, ...):
+                              not validated, so the larger of the two (a safe upper bound)
 
 The epilogue's layout conversion reuses the freed pipeline buffers, so it adds nothing.
 ``num_stages=1`` is over-estimated on AMD (the compiler stages only the B tile there); no
@@ -57,6 +59,15 @@ class Target:
     warp_size: int
     smem_limit: int
     source: str  # where smem_limit comes from
+
+    @property
+    def validated(self) -> bool:
+        """Whether the model below was checked against triton.compile for this arch family
+        (sm_80-sm_90, gfx90a, gfx942); elsewhere it assumes every stage is buffered (an upper
+        bound of both rules)."""
+        if self.backend == "cuda":
+            return isinstance(self.arch, int) and 80 <= self.arch < 100
+        return self.arch in ("gfx90a", "gfx942")
 
     @property
     def wgmma(self) -> bool:
@@ -122,7 +133,10 @@ class GemmConfig:
         m, k, n = self.dot_tiles(op)
         wgmma = t.wgmma and m >= 64 and (
             elem_bytes == 2 or (input_precision == "tf32" and op != "dw"))
-        buffers = self.num_stages if wgmma else max(1, self.num_stages - 1)
+        if wgmma or not t.validated:
+            buffers = self.num_stages
+        else:
+            buffers = max(1, self.num_stages - 1)
         return (m * k + k * n) * elem_bytes * buffers
 
     def max_smem_bytes(self, op: str, elem_bytes: int, target: Target | str) -> int:

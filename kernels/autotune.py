@@ -2,6 +2,7 @@
 
     python -m kernels.autotune --model mixtral-8x7b [--tokens 8192] [--dtype bfloat16]
                                [--cache PATH] [--max-configs 12]
+    python -m kernels.autotune --model mixtral-8x7b --list gfx90a   # no GPU needed
 
 Legend: D d_model, F moe_ffn_dim, E routed experts, k top-k, M = tokens * k rows.
 
@@ -10,8 +11,11 @@ fwd w1/w3 (K=D, N=F) and w2 (K=F, N=D); dx of those (same kernel on w^T: N and K
 dw of those (a grouped reduction over rows). For each, every candidate of
 ``kernels._tuning.gemm_configs`` is timed with ``triton.testing.do_bench`` on balanced routing
 (M / E rows per expert) and the fastest is stored in the JSON cache under
-"<device name>|triton-<version>"; ``grouped_gemm`` reads that cache at launch. Without a GPU
-this says so and exits with status 2.
+"<device name>|triton-<version>"; ``grouped_gemm`` reads that cache at launch. Candidates are
+only those whose modelled shared memory fits the GPU (``kernels._tuning``). ``--list TARGET``
+prints the candidates for a target (sm80, sm90, gfx90a, gfx942) with their modelled bytes and
+the limit, without a GPU. Without a GPU (and without ``--list``) this says so and exits with
+status 2.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 import torch
 
 from kernels._tuning import (
+    TARGETS,
     GemmConfig,
     default_cache_path,
     device_target,
@@ -103,6 +108,21 @@ def tune(model: str, tokens: int, dtype: torch.dtype, max_configs: int,
     return winners
 
 
+def list_candidates(model: str, dtype: torch.dtype, target: str) -> list[str]:
+    """One line per (problem, candidate): config, modelled shared memory, the target's limit."""
+    from model import presets
+
+    cfg = presets.get(model)
+    t = TARGETS[target]
+    elem = torch.empty((), dtype=dtype).element_size()
+    lines = [f"{model} {dtype} on {t.name}: limit {t.smem_limit} B per block ({t.source})"]
+    for op, N, K in problems(cfg.d_model, cfg.moe_ffn_dim):
+        for i, c in enumerate(gemm_configs(op, N, K, cfg.n_routed_experts, elem, t)):
+            lines.append(f"  {problem_key(op, dtype, N, K, cfg.n_routed_experts)}: {c} "
+                         f"{c.max_smem_bytes(op, elem, t)} B{' (default)' if i == 0 else ''}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels.autotune", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="a model.presets name, e.g. mixtral-8x7b")
@@ -110,7 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--cache", type=Path, default=None, help=f"JSON cache (default {default_cache_path()}; launches read a non-default one when PIPER_KERNELS_CACHE names it)")
     p.add_argument("--max-configs", type=int, default=12, help="candidates tried per problem")
+    p.add_argument("--list", choices=list(TARGETS), default=None, metavar="TARGET",
+                   help=f"print the candidates for TARGET ({', '.join(TARGETS)}) and exit")
     args = p.parse_args(argv)
+    if args.list:
+        try:
+            print("\n".join(list_candidates(args.model, getattr(torch, args.dtype), args.list)))
+        except KeyError as exc:
+            print(f"kernels.autotune: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if not torch.cuda.is_available():
         print("kernels.autotune: no CUDA/ROCm GPU visible; autotuning measures a GPU, nothing "
               "to do on this machine", file=sys.stderr)

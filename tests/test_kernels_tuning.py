@@ -103,6 +103,25 @@ def test_smem_model_reproduces_compiled_bytes(op, cfg, elem, target, prec, compi
     assert cfg.smem_bytes(op, elem, target, prec) == compiled
 
 
+def test_unvalidated_target_is_bounded_from_above() -> None:
+    # A live GPU outside the validated families (here a made-up sm_100 entry) gets every stage
+    # counted: never less than either rule would give.
+    sm100 = _tuning.Target("sm100", "cuda", 100, 32, 227 * 1024, "test")
+    c = GemmConfig(64, 128, 64, 4, 4)
+    assert not sm100.validated and all(TARGETS[t].validated for t in TARGETS)
+    assert c.smem_bytes("dw", 2, sm100) == (64 * 64 + 64 * 128) * 2 * 4
+    assert c.smem_bytes("fwd", 4, sm100) >= c.smem_bytes("fwd", 4, "sm80")
+
+
+def test_list_candidates_without_gpu() -> None:
+    from kernels.autotune import list_candidates
+
+    lines = list_candidates("tiny", torch.bfloat16, "gfx90a")
+    assert "limit 65536 B" in lines[0] and len(lines) > 6
+    for line in lines[1:]:
+        assert int(line.rsplit(" B", 1)[0].rsplit(" ", 1)[1]) <= 65536, line
+
+
 def test_old_defaults_over_mi250x_limit_new_ones_fit() -> None:
     old_dw = GemmConfig(128, 128, 64, 8, 3)
     assert not old_dw.fits("dw", 2, "gfx90a")
