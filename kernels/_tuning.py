@@ -227,7 +227,10 @@ def gemm_configs(op: str, N: int, K: int, E: int, elem_bytes: int = 2,
                 if c is not None:
                     out.append(c)
     default = default_config(op, N, K, E, elem_bytes)
-    return [default] + [c for c in out if c != default]
+    # The default fits TARGETS by construction; a live GPU outside them (device_target) may
+    # be smaller, and then its first fitting candidate leads instead.
+    head = [default] if all(default.fits(op, elem_bytes, t) for t in targets) else []
+    return head + [c for c in out if c != default]
 
 
 @functools.cache
@@ -317,4 +320,11 @@ def pick(op: str, dtype: torch.dtype, N: int, K: int, E: int, device: torch.devi
         cfg = GemmConfig(**hit)
         if device.type != "cuda" or cfg.fits(op, elem, device_target(device)):
             return cfg
+    if device.type == "cuda":
+        fitting = gemm_configs(op, N, K, E, elem, device_target(device))
+        if not fitting:
+            t = device_target(device)
+            raise ValueError(f"no grouped-GEMM config for {op} fits {t.name}'s "
+                             f"{t.smem_limit} B of shared memory per block")
+        return fitting[0]
     return default_config(op, N, K, E, elem)

@@ -113,6 +113,15 @@ def test_unvalidated_target_is_bounded_from_above() -> None:
     assert c.smem_bytes("fwd", 4, sm100) >= c.smem_bytes("fwd", 4, "sm80")
 
 
+def test_smaller_live_gpu_drops_the_default() -> None:
+    # A device reporting less than TARGETS' limits (e.g. a partitioned or future part) gets
+    # only configs that fit it, led by the first that does.
+    small = _tuning.Target("gfx90a", "hip", "gfx90a", 64, 48 * 1024, "test")
+    cfgs = gemm_configs("fwd", 14336, 4096, 8, 2, small)
+    assert cfgs and default_config("fwd", 14336, 4096, 8, 2) not in cfgs
+    assert all(c.smem_bytes("fwd", 2, small) <= 48 * 1024 for c in cfgs)
+
+
 def test_list_candidates_without_gpu() -> None:
     from kernels.autotune import list_candidates
 
