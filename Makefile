@@ -22,6 +22,16 @@ $(STAMP): $(PY) pyproject.toml
 	  echo "[setup] installing torch==2.13.0 (CPU build)"; \
 	  $(PY) -m pip install -q "torch==2.13.0"; \
 	else echo "[setup] keeping installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; fi
+	@# A kept torch below pyproject's floor would make pip replace it with a download (or fail
+	@# later on a missing API): refuse, naming both versions and the ways out.
+	@$(PY) -c 'import re, sys, tomllib, torch; \
+	  deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; \
+	  floor = next(d for d in deps if d.startswith("torch>=")).split(">=")[1]; \
+	  num = lambda v: tuple(int(x) for x in re.findall(r"\d+", v)[:2]); \
+	  sys.exit(0 if num(torch.__version__) >= num(floor) else \
+	    f"[setup] error: torch {torch.__version__} ({torch.__file__}) is older than the floor torch>={floor} " \
+	    f"of pyproject.toml. Install torch>={floor} for $(PYTHON) (e.g. a newer cluster module), or " \
+	    f"build a venv without it: make clean-venv && make VENV_FLAGS=--clear (pip installs torch 2.13.0)")'
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
 

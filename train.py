@@ -54,6 +54,18 @@ def _report_bad_request(e: ValueError, rank: int) -> int:
     return 2
 
 
+def check_local_gpus(local_world: int, visible_gpus: int) -> None:
+    """On a CUDA machine every local process takes `cuda:LOCAL_RANK`: with more processes than
+    visible GPUs the extra ranks would die later on an invalid device ordinal. `visible_gpus`
+    is `torch.cuda.device_count()` (0 where CUDA is unavailable: gloo on the CPU, no check)."""
+    if visible_gpus > 0 and local_world > visible_gpus:
+        raise ValueError(
+            f"{local_world} local processes (LOCAL_WORLD_SIZE) but {visible_gpus} visible GPU(s) "
+            f"(torch.cuda.device_count()); each process needs its own GPU. Launch "
+            f"--nproc-per-node {visible_gpus} (or fewer), pick GPUs with CUDA_VISIBLE_DEVICES=..., "
+            f'or train on the CPU (gloo) with CUDA_VISIBLE_DEVICES=""')
+
+
 def main(argv: list[str]) -> int:
     from datetime import timedelta
 
@@ -65,6 +77,7 @@ def main(argv: list[str]) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     try:
         cfg = parse_args(argv)
+        check_local_gpus(local_world, torch.cuda.device_count() if torch.cuda.is_available() else 0)
         prep = prepare(cfg, world, rank)  # every check on the request happens here, before any work
     except ValueError as e:
         return _report_bad_request(e, rank)
