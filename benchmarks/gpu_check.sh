@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# One command for the scarce GPU time (issue 3, `make gpu-check`): the GPU test tier (compiled
-# Triton kernels, fp16 + bf16), autotuning of one preset, and both benchmarks, every result in
-# one folder. Budget: under 8 minutes on one GPU; each step has its own time limit so one hang
-# cannot eat the rest, and a failed step does not stop the later ones.
+# One command for the scarce GPU time (issues 3 and 22, `make gpu-check`): the GPU test tier
+# (compiled Triton kernels, fp16 + bf16), a short bf16 training of the tiny model on one GPU
+# (EP=1, PP=1: its loss curve and tokens/s), autotuning of one preset, and both benchmarks,
+# every result in one folder. Budget: under 8 minutes on one GPU (the step limits add up to
+# 470 s); each step has its own time limit so one hang cannot eat the rest, and a failed step
+# does not stop the later ones. Several GPUs: benchmarks/gpu_check_multi.sh (PP x EP, NCCL).
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]     (default benchmarks/results/gpu-<date>)
-#   PRESET=qwen3-30b-a3b PY=python benchmarks/gpu_check.sh /tmp/run1
+#   PRESET=qwen3-30b-a3b PY=python TRAIN_STEPS=30 benchmarks/gpu_check.sh /tmp/run1
 #
 # OUT_DIR gets: env.txt, summary.txt (one line per step with its exit status and seconds),
-# <step>.log for every step, gpu-tests.xml (JUnit), autotune-cache.json, bench_*.jsonl/.png.
+# <step>.log for every step, gpu-tests.xml (JUnit), train-bf16/ (the run's metrics.jsonl),
+# autotune-cache.json, bench_*.jsonl/.png.
 # Exit status: 0 when every step passed, 1 otherwise, 2 when no GPU is visible.
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-$ROOT/benchmarks/results/gpu-$(date +%Y%m%d-%H%M%S)}"
 PRESET="${PRESET:-mixtral-8x7b}"
+TRAIN_STEPS="${TRAIN_STEPS:-30}"
 if [ -z "${PY:-}" ]; then
   if [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; else PY="$(command -v python3 || command -v python)"; fi
 fi
@@ -58,13 +62,23 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to OUT/NAME.log
 #    Most of the time is Triton compiling ~20 kernel variants.
 step gpu-tests 130 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_triton.py \
   --junitxml="$OUT/gpu-tests.xml" --durations=10
-# 2. Autotune one preset (6 GEMM problems x 4 candidates, ~3 s of compiling each); every
+# 2. The trainer end to end on one GPU: the tiny model, bf16 autocast, EP=1, PP=1, default
+#    corpus. The first steps compile the grouped-GEMM kernels; then its loss curve and
+#    tokens/s (median over the second half), failing on a non-finite loss or one that does
+#    not fall by 5 % from the first to the last steps.
+step train-bf16 70 "$PY" train.py --config configs/tiny.toml --parallel.pp=1 --parallel.ep=1 \
+  --train.steps="$TRAIN_STEPS" --train.dtype=bf16 --train.out_dir="$OUT/train-bf16" \
+  --train.eval_every=0 --train.plot=false --train.timeout_s=60 --optim.warmup_steps=5 \
+  --comm.alltoall=flat
+step train-curve 10 "$PY" benchmarks/gpu_check_losses.py curve "$OUT/train-bf16"
+sed 's/^/   /' "$OUT/train-curve.log"
+# 3. Autotune one preset (6 GEMM problems x 4 candidates, ~3 s of compiling each); every
 #    winner is written to $PIPER_KERNELS_CACHE as soon as it is known.
-step autotune 120 "$PY" -m kernels.autotune --model "$PRESET" --tokens 4096 --max-configs 4
-# 3. Grouped GEMM TFLOPS vs torch._grouped_mm, a per-expert loop and a dense GEMM.
-step bench-grouped-gemm 100 "$PY" benchmarks/bench_grouped_gemm.py --out "$OUT" --repeats 10
-# 4. MoE layer fwd+bwd vs transformers' MixtralSparseMoeBlock and a dense SwiGLU (bf16).
-step bench-moe-layer 90 "$PY" benchmarks/bench_moe_layer.py --out "$OUT" --repeats 10 \
+step autotune 105 "$PY" -m kernels.autotune --model "$PRESET" --tokens 4096 --max-configs 4
+# 4. Grouped GEMM TFLOPS vs torch._grouped_mm, a per-expert loop and a dense GEMM.
+step bench-grouped-gemm 85 "$PY" benchmarks/bench_grouped_gemm.py --out "$OUT" --repeats 10
+# 5. MoE layer fwd+bwd vs transformers' MixtralSparseMoeBlock and a dense SwiGLU (bf16).
+step bench-moe-layer 70 "$PY" benchmarks/bench_moe_layer.py --out "$OUT" --repeats 10 \
   --warmup 3 --skip-eager
 
 echo "results in $OUT (status $status)"
