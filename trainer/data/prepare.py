@@ -114,7 +114,8 @@ def resolve_eos(tok, tok_json: Path, eos: str | None) -> tuple[str, int]:
 
 def list_inputs(inputs: list[str], exclude: tuple[Path, ...] = ()) -> list[Path]:
     """Files of `inputs` in order: a file as is, a folder's files recursively in sorted path
-    order (hidden files and folders skipped); `exclude` (the output files) left out."""
+    order (hidden files and folders skipped); `exclude` (the output files) left out. A `.bin`
+    among them is refused (it is token ids, e.g. an earlier output, not text)."""
     if not inputs:
         raise DataError("no --input given; pass text files, .jsonl files or folders of them")
     skip = {p.resolve() for p in exclude}
@@ -132,6 +133,12 @@ def list_inputs(inputs: list[str], exclude: tuple[Path, ...] = ()) -> list[Path]
         else:
             raise DataError(
                 f"input {name!r} does not exist; pass text files, .jsonl files or folders of them"
+            )
+        binary = [f for f in found if f.suffix == ".bin"]
+        if binary:
+            raise DataError(
+                f"input {name!r} holds {str(binary[0])!r}, a .bin of token ids, not text; "
+                f"tokenize text files or .jsonl files only"
             )
         files.extend(found)
     return files
