@@ -346,3 +346,20 @@ def test_bad_exports(tmp_path, data_bin) -> None:
     cli = subprocess.run([sys.executable, "-m", "trainer.export", "--checkpoint", str(step),
                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert cli.returncode == 2 and "error: --out" in cli.stderr
+
+
+def test_plan_for_a_hf_checkpoint_launches_from_it(tmp_path, data_bin) -> None:
+    from trainer import parse_args, prepare
+    from tuner.cli import main as tuner_main
+
+    src = make_hf(tmp_path / "src", "mixtral", shard="50MB")
+    rc = tuner_main(["plan", "--model", str(src), "--platform", "local", "--gpus", "4",
+                     "--seq", "32", "--global-batch", "8", "--trials", "10",
+                     "--out", str(tmp_path / "plans")])
+    assert rc == 0
+    plan = next((tmp_path / "plans").glob("*.toml"))
+    assert f'hf_path = "{src.resolve()}"' in plan.read_text()
+    cfg = parse_args(["--plan", str(plan), "--data", data_bin])
+    assert cfg.model.hf_path == str(src.resolve())
+    prep = prepare(cfg, 4, 0)
+    assert prep.hf is not None and prep.mcfg.n_routed_experts == 4

@@ -1,6 +1,6 @@
 """Command line of the tuner: `python -m tuner plan | reproduce-paper | measure`.
 
-    python -m tuner plan --model deepseek-v3 --platform frontier --gpus 1024 --seq 4096 \\
+    python -m tuner plan --model deepseek-v3|HF_CHECKPOINT_DIR --platform frontier --gpus 1024 --seq 4096 \\
         --global-batch 4096 [--trials 300] [--seed 0] [--storage study.db] [--out runs/plans]
         [--alltoall-model closed-form|netsim] [--measure K [--measure-steps 8]]
     python -m tuner reproduce-paper [--out benchmarks/results/reproduce_paper.md]
@@ -27,13 +27,37 @@ from pathlib import Path
 __all__ = ["main"]
 
 
+def _hf_model_path(model: str) -> str:
+    """The absolute folder of a Hugging Face checkpoint when --model names one (a folder with a
+    config.json, or the config.json itself), else "" (a preset name)."""
+    p = Path(model)
+    if p.name == "config.json" and p.is_file():
+        p = p.parent
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ValueError(f"--model {model!r} is a folder without config.json; pass a preset "
+                             f"name or a Hugging Face checkpoint folder")
+        return str(p.resolve())
+    return ""
+
+
 def _plan(args: argparse.Namespace) -> int:
     from model import presets
     from tuner.planner import PlanRequest, run_plan
     from tuner.platform import load_platform
     from tuner.report import format_table
 
-    cfg = presets.get(args.model)
+    hf_path = _hf_model_path(args.model)
+    if hf_path:
+        from model import ModelConfig
+
+        if args.measure:
+            raise ValueError("--measure runs presets only; plan a Hugging Face checkpoint "
+                             "without it and launch the plan file")
+        cfg = ModelConfig.from_hf_config(hf_path)
+        args.model = hf_path
+    else:
+        cfg = presets.get(args.model)
     platform = load_platform(args.platform)
     if args.measure:
         _check_measurable(args, cfg, platform)
@@ -150,7 +174,9 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tuner", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", help="rank layouts for a model on a platform; write a plan file")
-    p.add_argument("--model", required=True, help="preset name, e.g. deepseek-v3")
+    p.add_argument("--model", required=True,
+                   help="preset name (e.g. deepseek-v3) or a Hugging Face checkpoint folder "
+                        "(its config.json); the plan file then starts from that checkpoint")
     p.add_argument("--platform", required=True, help="configs/platforms/<name>.toml or a path")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--seq", type=int, default=4096)

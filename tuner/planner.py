@@ -127,7 +127,8 @@ def run_plan(cfg: ModelConfig, platform: Platform, req: PlanRequest, out_dir: Pa
     request = {"model": cfg.name, "platform": platform.name, "gpus": req.n_gpus,
                "seq_len": req.seq_len, "global_batch": req.global_batch, "trials": result.trials}
     out.plan_path = out_dir / f"{stem}.toml"
-    out.plan_path.write_text(plan_toml(best, cfg.name, request))
+    hf = req.model if (Path(req.model) / "config.json").is_file() else ""
+    out.plan_path.write_text(plan_toml(best, cfg.name, request, hf_path=hf))
     out.launch = launch_lines(out.plan_path, req.n_gpus, platform)
     if platform.launcher == "slurm":
         out.sbatch_path = out_dir / f"{stem}.sbatch"

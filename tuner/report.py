@@ -65,8 +65,9 @@ def run_sections(p: ParallelPlan) -> dict[str, dict]:
     }
 
 
-def plan_toml(e: Estimate, model_name: str, request: dict[str, object]) -> str:
-    """The plan file for estimate `e` (see the module docstring)."""
+def plan_toml(e: Estimate, model_name: str, request: dict[str, object], hf_path: str = "") -> str:
+    """The plan file for estimate `e` (see the module docstring); with `hf_path` the run starts
+    from that Hugging Face checkpoint instead of the preset `model_name`."""
     p = e.plan
     sections: dict[str, dict[str, object]] = {
         "plan": {
@@ -77,7 +78,7 @@ def plan_toml(e: Estimate, model_name: str, request: dict[str, object]) -> str:
             "predicted_peak_memory_gb": round(e.peak_memory / 1e9, 2),
             **{f"predicted_{k}_s": round(v, 4) for k, v in e.time.items()},
         },
-        "run.model": {"preset": model_name},
+        "run.model": {"hf_path": hf_path} if hf_path else {"preset": model_name},
         **{f"run.{name}": body for name, body in run_sections(p).items()},
     }
     out = ["# Written by `python -m tuner plan`; run with: train.py --plan <this file>",
