@@ -259,7 +259,7 @@ class PipelineRuntime:
         if self.aux_fn is not None:
             aux = self.aux_fn(s, module, y)
             if aux is not None:
-                self.last_aux[(s, m)] = float(aux.detach())
+                self._aux[(s, m)] = aux.detach()  # read after the step: no host sync here
                 extra.append(aux * self._scale)
         if s == self.n_stages - 1:
             loss = self.loss_fn(y, targets[m])
@@ -326,6 +326,7 @@ class PipelineRuntime:
         self._losses: dict[int, torch.Tensor] = {}
         self.spans = []
         self.last_aux = {}
+        self._aux: dict[tuple[int, int], torch.Tensor] = {}
         self._ready_group()
         timer = _Timer(self.device, self.clock, self._host_sync)
         for t, a in enumerate(self.schedule[self.rank]):
@@ -350,6 +351,9 @@ class PipelineRuntime:
         # Every receive of the step has been waited for: only now may the host block on the
         # device (CUDA events of the spans).
         self.spans = timer.spans(self.rank)
+        if self._aux:
+            values = torch.stack([v.float().reshape(()) for v in self._aux.values()]).tolist()
+            self.last_aux = dict(zip(self._aux, values, strict=True))
         self._sent.clear()
         self._send_works.clear()
         self._waited.clear()
