@@ -5,9 +5,13 @@ no download), as plain-text documents (one file = one document) and as one JSONL
 record per source file). Tokenizer: a byte-level BPE trained here on the first 4 MB of that
 corpus (cached under --work-dir), or a real one with --tokenizer PATH.
 
-Each configuration (input kind x workers) runs `prepare()` end to end (listing, reading,
-encoding, writing FILE.bin + sidecar), `--repeats` times after one warm-up; reported: median
-tokens/s and the ratio against 1 worker measured in the same run. A library reference,
+Each configuration (input kind x workers) runs `prepare()` end to end (loading the tokenizer,
+listing, reading, encoding, writing FILE.bin + sidecar, starting and joining the workers),
+`--repeats` times after one warm-up; reported: median tokens/s of wall time and the ratio
+against 1 worker measured in the same run, and median tokens per CPU-second (this process plus
+its reaped workers, from getrusage): on a machine shared with other jobs the wall rate swings
+with their load, the CPU rate much less, so the CPU rate is the per-core speed and
+wall / (N x CPU rate) the parallel efficiency the run actually got. A library reference,
 `Tokenizer.encode_batch_fast` on all documents in one call with the tokenizers library's own
 thread pool (all cores, no I/O, no EOS), bounds what the pipeline could reach. The outputs of
 1 and N workers are checked byte-identical.
@@ -24,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -85,7 +90,13 @@ def train_tokenizer(work: Path, vocab: int) -> Path:
     return out
 
 
-def library_reference(tok_json: Path, files: list[Path], repeats: int) -> float:
+def cpu_seconds() -> float:
+    """User + system CPU of this process and its reaped children (the pool's workers)."""
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+def library_reference(tok_json: Path, files: list[Path], repeats: int) -> tuple[float, float]:
     """Tokens/s of the tokenizers library alone: encode_batch_fast over all documents, its own
     thread pool, texts already in memory."""
     from tokenizers import Tokenizer
@@ -94,12 +105,13 @@ def library_reference(tok_json: Path, files: list[Path], repeats: int) -> float:
     tok = Tokenizer.from_file(str(tok_json))
     texts = [f.read_text(encoding="utf-8") for f in files]
     tok.encode_batch_fast(texts[:50])  # warm-up
-    rates = []
+    rates, cpu_rates = [], []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), cpu_seconds()
         n = sum(len(e.ids) for e in tok.encode_batch_fast(texts))
         rates.append(n / (time.perf_counter() - t))
-    return statistics.median(rates)
+        cpu_rates.append(n / (cpu_seconds() - c))
+    return statistics.median(rates), statistics.median(cpu_rates)
 
 
 def main() -> None:
@@ -138,30 +150,38 @@ def main() -> None:
         outputs = {}
         for w in workers:
             out = work / f"out_{kind}_w{w}.bin"
-            rates = []
+            rates, cpu_rates = [], []
             for r in range(args.repeats + 1):  # run 0 warms the page cache and the imports
+                t, c = time.perf_counter(), cpu_seconds()
                 meta = prepare(tok_json, inputs, out, workers=w, overwrite=True, progress=False)
                 if r:
-                    rates.append(meta["n_tokens"] / meta["seconds"])
+                    rates.append(meta["n_tokens"] / (time.perf_counter() - t))
+                    cpu_rates.append(meta["n_tokens"] / (cpu_seconds() - c))
             outputs[w] = out.read_bytes()
-            med = statistics.median(rates)
+            med, cpu_med = statistics.median(rates), statistics.median(cpu_rates)
             base = base or med
             row = {**common, "input": kind, "workers": w, "tokens": meta["n_tokens"],
                    "dtype": meta["dtype"], "tokens_per_s": med, "tokens_per_s_all": rates,
-                   "vs_1_worker": med / base, "load": os.getloadavg()[0]}
+                   "vs_1_worker": med / base, "tokens_per_cpu_s": cpu_med,
+                   "tokens_per_cpu_s_all": cpu_rates, "efficiency": med / (w * cpu_med),
+                   "load": os.getloadavg()[0]}
             rows.append(row)
-            print(f"{kind:5s} workers={w:2d}: {med:12,.0f} tokens/s (median of {args.repeats}; "
-                  f"runs {', '.join(f'{x:,.0f}' for x in rates)})  x{med / base:.2f} vs 1 worker")
+            print(f"{kind:5s} workers={w:2d}: {med:10,.0f} tokens/s wall (runs "
+                  f"{', '.join(f'{x:,.0f}' for x in rates)}) x{med / base:.2f} vs 1 worker | "
+                  f"{cpu_med:10,.0f} tokens per CPU-s | efficiency {row['efficiency']:.2f} | "
+                  f"load {row['load']:.1f}")
         same = len({*outputs.values()}) == 1
         print(f"{kind}: outputs of workers {workers} identical: {same}")
         if not same:
             raise SystemExit("outputs differ between worker counts")
-    ref = library_reference(tok_json, files, args.repeats)
-    best = max(r["tokens_per_s"] for r in rows if r["input"] == "text")
+    ref, ref_cpu = library_reference(tok_json, files, args.repeats)
+    one = next(r for r in rows if r["input"] == "text" and r["workers"] == 1)
     rows.append({**common, "input": "library encode_batch_fast (threads, in memory)",
-                 "workers": common["cores"], "tokens_per_s": ref, "load": os.getloadavg()[0]})
-    print(f"library reference (encode_batch_fast, {common['cores']} threads, in memory): "
-          f"{ref:12,.0f} tokens/s; best text pipeline = {best / ref:.2f} of it")
+                 "workers": common["cores"], "tokens_per_s": ref, "tokens_per_cpu_s": ref_cpu,
+                 "load": os.getloadavg()[0]})
+    print(f"library reference (encode_batch_fast, {common['cores']} threads, texts in memory): "
+          f"{ref:10,.0f} tokens/s wall, {ref_cpu:10,.0f} tokens per CPU-s; the 1-worker text "
+          f"pipeline gets {one['tokens_per_cpu_s'] / ref_cpu:.2f} of its per-CPU rate")
     if not args.no_save:
         RESULTS.mkdir(exist_ok=True)
         with (RESULTS / "tokenize.jsonl").open("a") as fh:
