@@ -171,6 +171,9 @@ def test_missing_input(bpe_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="input folder '.*/empty' contains no files"):
         prepare(bpe_dir, [str(tmp_path / "empty")], out, progress=False)
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match="hold no documents"):
+        prepare(bpe_dir, [str(tmp_path / "blank.jsonl")], out, progress=False)
     (tmp_path / "empty" / "old.bin").write_bytes(b"\x00\x01")  # e.g. an earlier output
     with pytest.raises(DataError, match="holds '.*old.bin', a .bin of token ids, not text"):
         prepare(bpe_dir, [str(tmp_path / "empty")], out, progress=False)

@@ -144,13 +144,15 @@ def list_inputs(inputs: list[str], exclude: tuple[Path, ...] = ()) -> list[Path]
     return files
 
 
-def _check_first_record(path: Path, field: str) -> None:
-    """Fail before any work when the first record of a JSONL file lacks `field`."""
+def _check_first_record(path: Path, field: str) -> bool:
+    """Fail before any work when the first record of a JSONL file lacks `field`; False when
+    the file has no record at all."""
     with path.open("rb") as f:
         for line_no, line in enumerate(f, 1):
             if line.strip():
                 _jsonl_text(line, field, path, line_no)
-                return
+                return True
+    return False
 
 
 def _jsonl_text(line: bytes, field: str, path: Path | str, line_no: int) -> str:
@@ -293,9 +295,9 @@ def prepare(tokenizer: str | Path, inputs: list[str], out: str | Path, field: st
     part = out.with_name(out.name + ".part")
     side_part = side.with_name(side.name + ".part")
     files = list_inputs(inputs, exclude=(out, side, part, side_part))
-    for f in files:
-        if f.suffix == ".jsonl":
-            _check_first_record(f, field)
+    has_docs = [f.suffix != ".jsonl" or _check_first_record(f, field) for f in files]
+    if not any(has_docs):
+        raise DataError(f"the inputs {inputs} hold no documents (only empty .jsonl files)")
     total_bytes = sum(f.stat().st_size for f in files)
 
     out.parent.mkdir(parents=True, exist_ok=True)
