@@ -27,6 +27,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,11 +39,13 @@ from comm.cost import (
 )
 from comm.flat import (
     _split_device,
+    exchange_int_array,
     exchange_ints,
     flat_all_to_all,
     normalize_splits,
 )
-from comm.halo import halo_all_to_all, halo_gather_ints
+from comm.halo import halo_all_to_all, halo_gather_array
+from comm.halo_plan import SplitPlans
 from comm.topology import Topology
 
 __all__ = ["ALGORITHMS", "AllToAllPlan", "all_to_all", "plan_all_to_all"]
@@ -54,32 +57,39 @@ ALGORITHMS = ("flat", "halo", "auto")
 class AllToAllPlan:
     """Everything an exchange needs besides its rows, identical on every rank of the group
     (`plan_all_to_all`): this rank's splits, the algorithm that runs and, for HALO (and
-    `auto`, which keeps it for the mirrored exchange), the whole split matrix."""
+    `auto`, which keeps it for the mirrored exchange), the whole split matrix with the rank
+    plans built from it (`comm.halo_plan.SplitPlans`: each built once, shared with
+    `reverse()` and the backward passes)."""
 
     in_splits: tuple[int, ...]
     out_splits: tuple[int, ...]
     algorithm: str  # "flat" or "halo": what runs
-    matrix: tuple[tuple[int, ...], ...] | None
+    splits: SplitPlans | None = field(default=None, compare=False, repr=False)
     requested: str = field(default="flat", compare=False)  # what the caller asked for
     topology: Topology | None = field(default=None, compare=False, repr=False)
     cost_model: CostModel | None = field(default=None, compare=False, repr=False)
     row_bytes: int = field(default=0, compare=False)
 
+    @property
+    def matrix(self) -> np.ndarray | None:
+        """The split matrix S [R, R] (read-only), or None for a flat-only plan."""
+        return None if self.splits is None else self.splits.matrix
+
     def reverse(self) -> AllToAllPlan:
         """The plan of the mirrored exchange (rows go back; the splits swap), decided the
         way its own call would decide it: `auto` runs the model on the transposed matrix
         here, on every rank alike, instead of another exchange."""
-        if self.matrix is None:
+        if self.splits is None:
             return dataclasses.replace(self, in_splits=self.out_splits,
                                        out_splits=self.in_splits)
-        T = tuple(tuple(col) for col in zip(*self.matrix, strict=True))
+        T = self.splits.transposed()
         algorithm = self.algorithm
         if self.requested == "auto":
             assert self.topology is not None and self.cost_model is not None
-            algorithm = choose_algorithm([list(r) for r in T], self.row_bytes, self.topology,
+            algorithm = choose_algorithm(T.matrix, self.row_bytes, self.topology,
                                          self.cost_model)
         return dataclasses.replace(self, in_splits=self.out_splits, out_splits=self.in_splits,
-                                   algorithm=algorithm, matrix=T)
+                                   algorithm=algorithm, splits=T)
 
 
 def plan_all_to_all(
@@ -117,18 +127,19 @@ def plan_all_to_all(
         values = exchange_ints([v for d in range(world) for v in (*rows[d], splits[d])],
                                group, device)
         got = [values[s * (k + 1):(s + 1) * (k + 1)] for s in range(world)]
-        plan = AllToAllPlan(tuple(splits), tuple(g[k] for g in got), "flat", None, "flat")
+        plan = AllToAllPlan(tuple(splits), tuple(g[k] for g in got), "flat")
         return plan, [g[:k] for g in got]
     model = cost_model or CostModel.for_backend(dist.get_backend(group))
     values, k, stride, choice = _exchange_matrix(splits, group, algorithm, topology, model,
                                                  row_bytes, rows, device, torch.int64)
-    S = _matrix(values, k, stride, world)
+    V = values.reshape(world, stride)
+    S = SplitPlans(V[:, k:k + world], topology, _checked=True)  # rows validated at the source
     if choice is None:
-        choice = choose_algorithm(S, row_bytes, topology, model)
+        choice = choose_algorithm(S.matrix, row_bytes, topology, model)
     rank = dist.get_rank(group)
-    plan = AllToAllPlan(tuple(splits), tuple(S[s][rank] for s in range(world)), choice,
-                        tuple(map(tuple, S)), algorithm, topology, model, row_bytes)
-    return plan, [values[s * stride:s * stride + k] for s in range(world)]
+    plan = AllToAllPlan(tuple(splits), tuple(S.matrix[:, rank].tolist()), choice, S,
+                        algorithm, topology, model, row_bytes)
+    return plan, V[:, :k].tolist()
 
 
 def all_to_all(
@@ -179,11 +190,13 @@ def all_to_all(
     values, _, stride, choice = _exchange_matrix(splits, group, algorithm, topology, model,
                                                  row_bytes, None,
                                                  _split_device(x.device, group), torch.int32)
-    out = values[dist.get_rank(group)::stride]
+    out = values[dist.get_rank(group)::stride].tolist()
     _check_out(known_out, out)
-    S = None if choice == "flat" else _matrix(values, 0, stride, world)  # flat: not needed
+    if choice == "flat":  # decided by the summaries: the matrix is not needed
+        return flat_all_to_all(x, splits, group, out)
+    S = SplitPlans(values.reshape(world, stride)[:, :world], topology, _checked=True)
     if choice is None:
-        choice = choose_algorithm(S, row_bytes, topology, model)
+        choice = choose_algorithm(S.matrix, row_bytes, topology, model)
     if choice == "flat":
         return flat_all_to_all(x, splits, group, out)
     return halo_all_to_all(x, S, topology, group)
@@ -193,8 +206,8 @@ def _run(x: torch.Tensor, plan: AllToAllPlan, group: dist.ProcessGroup | None
          ) -> tuple[torch.Tensor, list[int]]:
     if plan.algorithm == "flat":
         return flat_all_to_all(x, list(plan.in_splits), group, list(plan.out_splits))
-    assert plan.matrix is not None and plan.topology is not None
-    return halo_all_to_all(x, plan.matrix, plan.topology, group)  # type: ignore[arg-type]
+    assert plan.splits is not None and plan.topology is not None
+    return halo_all_to_all(x, plan.splits, plan.topology, group)
 
 
 def _payload_rows(payload: Sequence[Sequence[int]] | None, world: int) -> list[list[int]]:
@@ -242,11 +255,12 @@ def _exchange_matrix(
     payload: list[list[int]] | None,
     device: torch.device,
     dtype: torch.dtype,
-) -> tuple[list[int], int, int, str | None]:
+) -> tuple[np.ndarray, int, int, str | None]:
     """HALO or auto on more than one node: every rank sends each peer (payload for it, my
-    row[, my row's summary]) in one exchange. Returns (values, k, stride, choice): rank s's
-    payload for me is values[s * stride:][:k], its split row the next R values; choice is
-    the algorithm, or None where auto's summaries leave it to the model on the matrix."""
+    row[, my row's summary]) in one exchange. Returns (values, k, stride, choice): values is
+    a read-only array [R * stride], rank s's payload for me at values[s * stride:][:k], its
+    split row the next R values; choice is the algorithm, or None where auto's summaries
+    leave it to the model on the matrix. No Python int per entry of the R x R matrix."""
     world = dist.get_world_size(group)
     # auto with the concurrent model sends the summaries that decide in O(R) steps where
     # they can; HALO (and auto with the pairwise model) send the row alone.
@@ -254,25 +268,26 @@ def _exchange_matrix(
         if algorithm == "auto" and not model.flat_pairwise else []
     k = len(payload[0]) if payload else 0
     stride = k + world + len(summary)
+    mine = np.asarray(splits + summary, dtype=np.int64)
     # HALO without a payload: every peer gets the same ints, and the two-level all-gather
     # sends (G - 1) + (N - 1) messages per rank instead of R - 1 (None where it does not
     # apply). `auto` keeps flat's one collective: it must not cost more than flat where it
     # runs flat, and at 4 x 2 on 2 cores the two dependent steps took longer than it.
-    values = halo_gather_ints(splits + summary, group, topology, device, dtype) \
+    values = halo_gather_array(mine, group, topology, device, dtype) \
         if algorithm == "halo" and not k else None
     if values is None:
-        send = [v for d in range(world) for v in (*payload[d], *splits, *summary)] if k \
-            else (splits + summary) * world
-        values = exchange_ints(send, group, device, dtype)
+        if k:
+            send = np.empty((world, stride), dtype=np.int64)
+            send[:, :k] = payload
+            send[:, k:] = mine
+        else:
+            send = np.tile(mine, world)
+        values = exchange_int_array(send.reshape(-1), group, device, dtype)
     if algorithm != "auto":
         return values, k, stride, algorithm
     choice = decide_from_summaries(values, k + world, stride, row_bytes, topology, model) \
         if summary else None
     return values, k, stride, choice
-
-
-def _matrix(values: list[int], k: int, stride: int, world: int) -> list[list[int]]:
-    return [values[s * stride + k:s * stride + k + world] for s in range(world)]
 
 
 def _check_out(known_out: list[int] | None, out: list[int]) -> None:

@@ -248,6 +248,9 @@ class _Layout:
     one_nic: bool  # every node has exactly one NIC (HALO's relays then use the same NICs)
     g_max: int  # most ranks on one node
     peers_max: tuple[int, int]  # most off-node / other on-node peers of one rank
+    # Node-major with G ranks on every node, else None: then `_predict_blocked` reads S in
+    # [R, N, G] blocks.
+    blocked: _Blocked | None = None
 
 
 def _layout(topo: Topology) -> _Layout:
@@ -273,9 +276,43 @@ def _layout(topo: Topology) -> _Layout:
                        lists=(node.tolist(), nic.tolist(), nic[relay].tolist(), peers),
                        nic_node=tuple(k[0] for k in ids), one_nic=len(ids) == N,
                        g_max=max(topo.ranks_per_node()),
-                       peers_max=(R - min(topo.ranks_per_node()), max(topo.ranks_per_node()) - 1))
+                       peers_max=(R - min(topo.ranks_per_node()), max(topo.ranks_per_node()) - 1),
+                       blocked=_blocked_facts(topo, relay))
         object.__setattr__(topo, "_cost_layout", memo)
     return memo
+
+
+@dataclass(frozen=True)
+class _Blocked:
+    """A node-major topology of N nodes x G ranks (rank = node * G + local), for
+    `_predict_blocked`: who relays what, as index arrays built once."""
+
+    G: int
+    relay: np.ndarray  # [R, N] relay[s, m]: the rank of node m receiving s's rows
+    member: np.ndarray  # [N, G, R] float32: 1 where rank (m, j) relays source s into m
+    pairs: np.ndarray  # off-node (s, m) pairs as s * N + m, grouped by their relay
+    starts: np.ndarray  # where each relay's group begins in `pairs` (clipped when empty)
+    idle: np.ndarray  # [R] bool: ranks that relay no source
+    relay_flat: np.ndarray  # [R * N] s * R + relay[s, m]: S[s, relay[s, m]] in S's buffer
+    relay_flat_t: np.ndarray  # the same in the buffer of S^T (relay[s, m] * R + s)
+
+
+def _blocked_facts(topo: Topology, relay: np.ndarray) -> _Blocked | None:
+    R, N = topo.world_size, topo.num_nodes
+    G = R // N
+    if N < 2 or N * G != R or any(topo.node_ranks(m) != tuple(range(m * G, (m + 1) * G))
+                                  for m in range(N)):
+        return None
+    src, dst_node = np.nonzero(np.arange(N)[None, :] != (np.arange(R) // G)[:, None])
+    via = relay[src, dst_node]
+    member = np.zeros((N, G, R), dtype=np.float32)
+    member[dst_node, via % G, src] = 1.0
+    order = np.argsort(via, kind="stable")
+    counts = np.bincount(via, minlength=R)
+    starts = np.minimum(np.concatenate([[0], np.cumsum(counts)[:-1]]), len(via) - 1)
+    rows = np.repeat(np.arange(R), N)
+    return _Blocked(G, relay, member, (src * N + dst_node)[order], starts, counts == 0,
+                    rows * R + relay.reshape(-1), relay.reshape(-1) * R + rows)
 
 
 def _bytes(S: list[list[int]], row_bytes: int) -> np.ndarray:
@@ -339,6 +376,80 @@ def _halo(B: np.ndarray, L: _Layout, model: CostModel) -> float:
     t_intra = float(((B * L.local).sum(axis=1) / model.local_bandwidth
                      + ((B > 0) & L.local).sum(axis=1) * model.alpha_local).max())
     return max(t_intra, t_inter + t_relay) + model.halo_overhead_s
+
+
+def _predict_blocked(
+    S: np.ndarray, row_bytes: int, L: _Layout, model: CostModel
+) -> tuple[float, float, float]:
+    """(concurrent flat, HALO, busiest-NIC bytes) of an integer split matrix S [R, R] on a
+    node-major topology of N nodes x G ranks: what `_flat` and `_halo` compute, in about
+    five passes over the R^2 entries (S may be the transposed view of the mirrored
+    exchange: no pass copies it) plus O(R * N) work. `_halo`'s [R, R] x [R, N] product
+    and fancy indexing cost ~150 ms at R = 1024; this stays within a few ms."""
+    b = L.blocked
+    assert b is not None
+    G, relay = b.G, b.relay
+    R = S.shape[0]
+    N = R // G
+    ar, node = np.arange(R), L.node
+    rows_out = S.sum(axis=1, dtype=np.int64)  # rows each rank sends
+    rows_in = S.sum(axis=0, dtype=np.int64)  # rows each rank receives
+    blocks = S.reshape(N, G, N, G)[np.arange(N), :, np.arange(N), :]  # [N, G, G] on-node
+    diag = S[ar, ar].astype(np.int64)
+    own_out = blocks.sum(axis=2, dtype=np.int64).reshape(R)  # rows to my node, me included
+    own_in = blocks.sum(axis=1, dtype=np.int64).reshape(R)
+    remote_out, remote_in = rows_out - own_out, rows_in - own_in
+    local_rows = own_out - diag
+    nic_out = np.bincount(L.nic, remote_out, minlength=L.n_nics)
+    busiest = max(float(nic_out.max()),
+                  float(np.bincount(L.nic, remote_in, minlength=L.n_nics).max()))
+    own_nz = (blocks > 0).sum(axis=2).reshape(R) - (diag > 0)  # other on-node peers with rows
+    Z = S > 0
+    if model.flat_empty_messages:
+        flat_msgs, local_msgs = L.peers_max
+    else:
+        nz = np.einsum("rd->r", Z.view(np.uint8), dtype=np.int64)
+        flat_msgs = int((nz - own_nz - (diag > 0)).max())
+        local_msgs = int(own_nz.max())
+    flat = (busiest * row_bytes / (model.flat_nic_bandwidth or model.nic_bandwidth)
+            + flat_msgs * model.alpha_net + float(local_rows.max()) * row_bytes
+            / model.local_bandwidth + local_msgs * model.alpha_local)
+
+    # HALO phase II: one message per (rank, remote node) into the relay's NIC. einsum sums
+    # the G ranks of a node at memory speed in either layout (.sum(axis=2) over 8-wide
+    # groups took ~20 ms at R = 1024); S's own dtype holds every partial row sum when it
+    # holds the whole row's.
+    wide = S if S.dtype.itemsize >= 8 or rows_out.max(initial=0) < 2**31 else S.astype(np.int64)
+    far = np.einsum("rng->rn", wide.reshape(R, N, G)).astype(np.int64)  # [R, N] s -> node m
+    far[ar, node] = 0
+    halo_in = np.bincount(L.relay_nic.ravel(), far.ravel(), minlength=L.n_nics)
+    t_inter = (max(float(nic_out.max()), float(halo_in.max())) * row_bytes / model.nic_bandwidth
+               + int((far > 0).sum(axis=1).max()) * model.alpha_net)
+    # Phase III: a relay forwards what it received for its node minus its own rows, to the
+    # ranks of its node that some source it relays has rows for (hits[r, g]).
+    if S.flags.c_contiguous:  # S[s, relay[s, m]]: the relay's own rows, not forwarded
+        kept = np.take(S.reshape(-1), b.relay_flat)
+    elif S.T.flags.c_contiguous:
+        kept = np.take(S.T.reshape(-1), b.relay_flat_t)
+    else:
+        kept = S[ar[:, None], relay]
+    fwd = far - kept.reshape(R, N)  # [R, N]; own node: 0 - S[s, s], masked below
+    fwd[ar, node] = 0
+    relayed = np.bincount(relay.ravel(), fwd.ravel(), minlength=R)
+    if Z.flags.c_contiguous:  # gather the G-wide blocks of the pairs, OR them per relay
+        hits = np.logical_or.reduceat(np.take(Z.reshape(R * N, G), b.pairs, axis=0),
+                                      b.starts, axis=0)
+    else:  # a transposed view: the batched product reads it without a copy
+        hits = (b.member @ Z.reshape(R, N, G).transpose(1, 0, 2).astype(np.float32)
+                ).reshape(R, G) > 0
+    hits[b.idle] = False
+    hits[ar, ar % G] = False  # a relay's own rows are not forwarded
+    t_relay = float((relayed * row_bytes / model.local_bandwidth
+                     + hits.sum(axis=1) * model.alpha_local).max())
+    t_intra = float((local_rows * row_bytes / model.local_bandwidth
+                     + own_nz * model.alpha_local).max())
+    halo = max(t_intra, t_inter + t_relay) + model.halo_overhead_s
+    return flat, halo, busiest * row_bytes
 
 
 def _predict_both_loops(
@@ -458,21 +569,24 @@ def summary_bracket(
     model: CostModel,
 ) -> tuple[float, float, float, float]:
     """(flat, HALO at least, HALO at most, busiest-NIC bytes) from the rows' summaries:
-    values[offset + s * stride:][:summary_width] is `row_summary` of rank s.
+    values[offset + s * stride:][:summary_width] is `row_summary` of rank s (values: a list
+    or a 1-D integer array of R * stride entries).
 
     Flat and the busiest-NIC bytes equal `_predict_both_loops` (the same expressions on the
     same integers); HALO lies in the bracket. The concurrent flat model only.
     """
     L = _layout(topo)
     R, n = len(L.node), L.n_nics
-    field = [values[offset + i::stride] for i in range(SUMMARY_FIELDS)]
-    sent, flat_msgs, halo_msgs, lrows, lmsgs, forwarded = field
+    # [R, summary]: numpy reads the R x n per-NIC columns (O(R^2) ints at one NIC per rank)
+    # without a Python int per entry; the O(R) rest is plain Python on exact ints.
+    V = np.asarray(values)[:R * stride].reshape(R, stride)[:, offset:offset + summary_width(topo)]
+    sent, flat_msgs, halo_msgs, lrows, lmsgs, forwarded = V[:, :SUMMARY_FIELDS].T.tolist()
     out = [0] * n
     for k, v in zip(L.lists[1], sent, strict=True):
         out[k] += v
-    base = offset + SUMMARY_FIELDS
-    flat_in = [sum(values[base + k::stride]) for k in range(n)]
-    halo_in = flat_in if L.one_nic else [sum(values[base + n + k::stride]) for k in range(n)]
+    cols = V[:, SUMMARY_FIELDS:].sum(axis=0, dtype=np.int64).tolist()
+    flat_in = cols[:n]
+    halo_in = flat_in if L.one_nic else cols[n:]
     rb, bw_local, a_local = row_bytes, model.local_bandwidth, model.alpha_local
     busiest = max(max(out), max(flat_in)) * rb
     n_msgs, n_local = L.peers_max if model.flat_empty_messages else (max(flat_msgs),
@@ -535,9 +649,13 @@ def busiest_nic_bytes(S: list[list[int]], row_bytes: int, topo: Topology) -> flo
 
 
 def choose_algorithm(
-    S: list[list[int]], row_bytes: int, topo: Topology, model: CostModel
+    S: list[list[int]] | np.ndarray, row_bytes: int, topo: Topology, model: CostModel
 ) -> str:
     """"halo" when it is predicted strictly faster, else "flat" (the safe default).
+
+    S is lists or an integer array [R, R]. Per call: one pass of plain Python up to
+    SMALL_GROUP ranks, `_predict_blocked` (a few numpy passes) on node-major topologies of
+    equal nodes beyond, the general vectorised model otherwise.
 
     The predictions are scaled by `model.correction` at the exchange's busiest-NIC bytes.
     """
@@ -545,7 +663,10 @@ def choose_algorithm(
         return "flat"  # nothing to aggregate: HALO degenerates to flat plus overhead
     L = _layout(topo)
     if topo.world_size <= SMALL_GROUP and not model.flat_pairwise:
-        flat, halo, busiest = _predict_both_loops(S, row_bytes, L, model)
+        rows = S.tolist() if isinstance(S, np.ndarray) else S
+        flat, halo, busiest = _predict_both_loops(rows, row_bytes, L, model)
+    elif L.blocked is not None and not model.flat_pairwise:
+        flat, halo, busiest = _predict_blocked(np.asarray(S), row_bytes, L, model)
     else:
         B = _bytes(S, row_bytes)
         flat, halo = _flat(B, L, model), _halo(B, L, model)

@@ -23,17 +23,19 @@ then the rank with the same local index on every other node).
 from __future__ import annotations
 
 import bisect
-from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from comm.flat import ARRAY_CODE
-from comm.halo_plan import Message, RankPlan, rank_plan, transpose
+from comm.halo_plan import Message, RankPlan, SplitPlans
 from comm.topology import Topology
 
-__all__ = ["HaloAllToAll", "halo_all_to_all", "halo_exchange", "halo_gather_ints"]
+__all__ = [
+    "HaloAllToAll", "halo_all_to_all", "halo_exchange", "halo_gather_array", "halo_gather_ints",
+]
 
 _TAG_INTRA, _TAG_INTER, _TAG_RELAY = 41, 42, 43
 _TAG_GATHER_NODE, _TAG_GATHER_RAIL = 44, 45
@@ -193,6 +195,20 @@ def halo_gather_ints(
     not apply (one node, one rank per node, or nodes of unequal size): the caller exchanges
     the flat way.
     """
+    out = halo_gather_array(np.asarray(values, dtype=np.int64), group, topo, device, dtype)
+    return None if out is None else out.tolist()
+
+
+def halo_gather_array(
+    values: np.ndarray,
+    group: dist.ProcessGroup | None,
+    topo: Topology,
+    device: torch.device,
+    dtype: torch.dtype = torch.int64,
+) -> np.ndarray | None:
+    """`halo_gather_ints` on a 1-D array, returning a read-only array [R * len(values)]
+    (what `comm.all_to_all` reads the split matrix from without a Python int per entry).
+    The buffer is a tensor torch allocated, seen from numpy (see `exchange_int_array`)."""
     world = dist.get_world_size(group)
     if topo.world_size != world:
         raise ValueError(f"topology describes {topo.world_size} ranks but the group has {world}")
@@ -201,15 +217,9 @@ def halo_gather_ints(
         return None
     N, rank = topo.num_nodes, dist.get_rank(group)
     node, local, k = topo.rank2node[rank], topo.rank2local[rank], len(values)
-    if device.type == "cpu":  # array buffers: see `comm.flat.exchange_ints`
-        code = ARRAY_CODE[dtype]
-        store = array(code, bytes(array(code).itemsize * N * G * k))
-        at = (node * G + local) * k
-        store[at:at + k] = array(code, values)
-        buf = torch.frombuffer(store, dtype=dtype).view(N, G, k)
-    else:
-        buf = torch.empty((N, G, k), dtype=dtype, device=device)
-        buf[node, local] = torch.tensor(values, dtype=dtype, device=device)
+    host = torch.zeros((N, G, k), dtype=dtype)
+    host.numpy()[node, local] = values
+    buf = host if device.type == "cpu" else host.to(device)
     poster = _Poster(group)
     mates = [p for p in topo.node_ranks(node) if p != rank]
     rails = [topo.node_ranks(m)[local] for m in range(N) if m != node]
@@ -220,13 +230,11 @@ def halo_gather_ints(
         recvs = [_Recv(Message(p, ()), landing(p), False) for p in peers]
         for w in poster.run(recvs, [(mine, p) for p in peers], [tag] * (2 * len(peers))):
             w.wait()
-    flat = store.tolist() if device.type == "cpu" else buf.flatten().tolist()
-    if node_major:
-        return flat  # bundles are already in rank order
-    out: list[int] = []
-    for r in range(world):
-        at = (topo.rank2node[r] * G + topo.rank2local[r]) * k
-        out += flat[at:at + k]
+    got = buf.numpy() if device.type == "cpu" else buf.cpu().numpy()
+    # bundles are in rank order when the nodes hold consecutive ranks; else reorder
+    out = got.reshape(-1) if node_major else \
+        got[np.asarray(topo.rank2node), np.asarray(topo.rank2local)].reshape(-1)
+    out.flags.writeable = False
     return out
 
 
@@ -251,40 +259,45 @@ def _relay_tag(m: Message) -> int:
 
 
 class HaloAllToAll(torch.autograd.Function):
-    """y = HALO(x; S); dx = HALO(dy; S^T): the mirrored exchange."""
+    """y = HALO(x; S); dx = HALO(dy; S^T): the mirrored exchange. Both rank plans come from
+    one `SplitPlans`, which builds each at most once (and shares them with the reverse)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx,
         x: torch.Tensor,
-        S: list[list[int]],
-        topo: Topology,
+        splits: SplitPlans,
         rank: int,
         group: dist.ProcessGroup | None,
     ) -> torch.Tensor:
-        ctx.S, ctx.topo, ctx.rank, ctx.group = S, topo, rank, group
-        return halo_exchange(x, rank_plan(S, topo, rank), group)
+        ctx.splits, ctx.rank, ctx.group = splits, rank, group
+        return halo_exchange(x, splits.rank_plan(rank), group)
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_y: torch.Tensor
-    ) -> tuple[torch.Tensor, None, None, None, None]:
-        plan = rank_plan(transpose(ctx.S), ctx.topo, ctx.rank)
-        return halo_exchange(grad_y, plan, ctx.group), None, None, None, None
+    ) -> tuple[torch.Tensor, None, None, None]:
+        plan = ctx.splits.transposed().rank_plan(ctx.rank)
+        return halo_exchange(grad_y, plan, ctx.group), None, None, None
 
 
 def halo_all_to_all(
     x: torch.Tensor,
-    S: list[list[int]],
+    S: Sequence[Sequence[int]] | SplitPlans,
     topo: Topology,
     group: dist.ProcessGroup | None,
 ) -> tuple[torch.Tensor, list[int]]:
-    """HALO all-to-all given the full split matrix S (identical on every rank)."""
+    """HALO all-to-all given the full split matrix S (identical on every rank), as lists or
+    as a `SplitPlans` (which keeps the rank plans for the backward and the reverse)."""
     world = dist.get_world_size(group)
     if topo.world_size != world:
         raise ValueError(
             f"topology describes {topo.world_size} ranks but the group has {world}; pass "
             "topology.restrict(dist.get_process_group_ranks(group))"
         )
+    splits = S if isinstance(S, SplitPlans) else SplitPlans(S, topo)
+    if splits.topology is not topo and splits.topology != topo:
+        raise ValueError("the SplitPlans was made for another topology than the one passed")
     rank = dist.get_rank(group)
-    return HaloAllToAll.apply(x, S, topo, rank, group), [S[s][rank] for s in range(world)]
+    plan = splits.rank_plan(rank)
+    return HaloAllToAll.apply(x, splits, rank, group), list(plan.out_splits)

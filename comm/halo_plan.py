@@ -35,11 +35,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from comm.topology import Topology
 
 __all__ = [
     "Message",
     "RankPlan",
+    "SplitPlans",
     "halo_plan",
     "rank_plan",
     "relay_rank",
@@ -133,28 +136,79 @@ def relay_table(topo: Topology) -> tuple[tuple[int, ...], ...]:
     return memo
 
 
-def _validate(S: Sequence[Sequence[int]], topo: Topology) -> list[list[int]]:
+def _as_matrix(S: Sequence[Sequence[int]] | np.ndarray, topo: Topology) -> np.ndarray:
+    """S as a read-only int64 array [R, R], or ValueError naming what is wrong. Vectorised:
+    a per-entry Python loop here cost 67-91 ms per call at R = 1024."""
     R = topo.world_size
-    if len(S) != R or any(len(row) != R for row in S):
+    if not isinstance(S, np.ndarray) and (len(S) != R or any(len(row) != R for row in S)):
         shape = (len(S), sorted({len(row) for row in S}))
         raise ValueError(f"split matrix must be {R}x{R} for this topology, got rows/cols {shape}")
-    M = [list(map(int, row)) for row in S]
-    if min(map(min, M)) < 0:  # (every rank runs this per exchange: no per-entry generator)
-        raise ValueError(f"split matrix entries must be >= 0, got {M}")
+    M = np.asarray(S)
+    if M.shape != (R, R):
+        raise ValueError(f"split matrix must be {R}x{R} for this topology, got shape {M.shape}")
+    if M.dtype.kind not in "iu":
+        if M.dtype.kind not in "f" or not np.array_equal(M, np.floor(M)):
+            raise ValueError(f"split matrix entries must be integers, got dtype {M.dtype}")
+    if M.size and M.min() < 0:
+        raise ValueError(f"split matrix entries must be >= 0, got {M.tolist()}")
+    M = np.array(M, dtype=np.int64)  # our own copy: read-only from here on
+    M.flags.writeable = False
     return M
+
+
+class SplitPlans:
+    """A split matrix S [R, R] (read-only int64, identical on every rank) and the rank plans
+    made from it, each at most once.
+
+    HALO's forward runs the plan of S, its backward the plan of S^T; the mirrored exchange
+    (combine, `AllToAllPlan.reverse`) runs S^T and its backward S again. `transposed()` is
+    the SplitPlans of S^T (a view, no copy) and shares its cache both ways, so the four
+    exchanges of an MoE layer build two rank plans instead of four, and none revalidates S.
+    """
+
+    __slots__ = ("matrix", "topology", "_plans", "_transposed")
+
+    def __init__(self, S: Sequence[Sequence[int]] | np.ndarray, topo: Topology,
+                 _checked: bool = False) -> None:
+        if _checked:  # internal: an int64 array the caller built from validated rows
+            M = S  # type: ignore[assignment]
+            M.flags.writeable = False
+        else:
+            M = _as_matrix(S, topo)
+        self.matrix: np.ndarray = M
+        self.topology = topo
+        self._plans: dict[int, RankPlan] = {}
+        self._transposed: SplitPlans | None = None
+
+    def rank_plan(self, rank: int) -> RankPlan:
+        """The plan of rank `rank` (computed on first use, then reused)."""
+        plan = self._plans.get(rank)
+        if plan is None:
+            if not 0 <= rank < self.topology.world_size:
+                raise ValueError(f"rank {rank} out of range 0..{self.topology.world_size - 1}")
+            plan = self._plans[rank] = _rank_plan(self.matrix, self.topology, rank)
+        return plan
+
+    def transposed(self) -> SplitPlans:
+        """The SplitPlans of S^T: the mirrored (backward) exchange."""
+        if self._transposed is None:
+            t = SplitPlans.__new__(SplitPlans)
+            t.matrix, t.topology, t._plans, t._transposed = self.matrix.T, self.topology, {}, self
+            self._transposed = t
+        return self._transposed
 
 
 def halo_plan(S: Sequence[Sequence[int]], topo: Topology) -> list[RankPlan]:
     """One RankPlan per rank; every send has the matching receive on its peer."""
-    S = _validate(S, topo)
-    return [_rank_plan(S, topo, me) for me in range(topo.world_size)]
+    M = _as_matrix(S, topo)
+    return [_rank_plan(M, topo, me) for me in range(topo.world_size)]
 
 
-def rank_plan(S: Sequence[Sequence[int]], topo: Topology, me: int) -> RankPlan:
+def rank_plan(S: Sequence[Sequence[int]] | np.ndarray, topo: Topology, me: int) -> RankPlan:
     """The plan of rank `me` alone: O(R * ranks per node) work, what each rank runs."""
     if not 0 <= me < topo.world_size:
         raise ValueError(f"rank {me} out of range 0..{topo.world_size - 1}")
-    return _rank_plan(_validate(S, topo), topo, me)
+    return _rank_plan(_as_matrix(S, topo), topo, me)
 
 
 def _prefix(values: Sequence[int]) -> list[int]:
@@ -165,27 +219,53 @@ def _prefix(values: Sequence[int]) -> list[int]:
     return out
 
 
-def _rank_plan(S: list[list[int]], topo: Topology, me: int) -> RankPlan:
-    R, node = topo.world_size, topo.rank2node
-    mine = sorted(topo.node_ranks(node[me]))  # ascending rank: the packing order
-    x_off = _prefix(S[me])  # x_off[d] in my input
-    y_off = _prefix([S[s][me] for s in range(R)])  # y_off[s] in my output
-    remote = [s for s in range(R) if node[s] != node[me]]
-    table = relay_table(topo)
-    relay_of = {s: table[s][node[me]] for s in remote}  # who relays s into my node
+@dataclass(frozen=True)
+class _NodeFacts:
+    """What `_rank_plan` needs of the topology alone, memoised on it (built in O(R * N))."""
 
-    self_copies = ((x_off[me], S[me][me]), (y_off[me], S[me][me]))
-    intra_sends = [Message(d, ((x_off[d], S[me][d]),)) for d in mine if d != me and S[me][d]]
-    intra_recvs = [Message(s, ((y_off[s], S[s][me]),)) for s in mine if s != me and S[s][me]]
+    sorted_ranks: tuple[tuple[int, ...], ...]  # node -> its ranks, ascending (packing order)
+    relayed: tuple[tuple[int, ...], ...]  # rank r -> remote sources r relays into its node
+
+
+def _node_facts(topo: Topology) -> _NodeFacts:
+    memo = topo.__dict__.get("_halo_node_facts")
+    if memo is None:
+        node, table = topo.rank2node, relay_table(topo)
+        relayed: list[list[int]] = [[] for _ in range(topo.world_size)]
+        for s in range(topo.world_size):  # ascending s: every list comes out ascending
+            for m, r in enumerate(table[s]):
+                if m != node[s]:
+                    relayed[r].append(s)
+        memo = _NodeFacts(
+            sorted_ranks=tuple(tuple(sorted(topo.node_ranks(m))) for m in range(topo.num_nodes)),
+            relayed=tuple(map(tuple, relayed)))
+        object.__setattr__(topo, "_halo_node_facts", memo)
+    return memo
+
+
+def _rank_plan(M: np.ndarray, topo: Topology, me: int) -> RankPlan:
+    """Rank `me`'s plan from the checked matrix M [R, R]: reads row `me`, column `me` and the
+    [sources I relay] x [my node's ranks] block, O(R * G) entries, never all of M."""
+    node, N = topo.rank2node, topo.num_nodes
+    facts = _node_facts(topo)
+    mine = facts.sorted_ranks[node[me]]  # ascending rank: the packing order
+    row = M[me].tolist()  # row[d] = S[me][d]
+    col = M[:, me].tolist()  # col[s] = S[s][me]
+    x_off = _prefix(row)  # x_off[d] in my input
+    y_off = _prefix(col)  # y_off[s] in my output
+
+    self_copies = ((x_off[me], row[me]), (y_off[me], row[me]))
+    intra_sends = [Message(d, ((x_off[d], row[d]),)) for d in mine if d != me and row[d]]
+    intra_recvs = [Message(s, ((y_off[s], col[s]),)) for s in mine if s != me and col[s]]
 
     # Largest message first (ties: the next node first, a rotation): the exchange ends when
     # its biggest flow does, and a send posted early gets its socket buffer filled first.
-    N = topo.num_nodes
+    table = relay_table(topo)
     packed = []
     for m in range(N):
         if m == node[me]:
             continue
-        segs = _coalesce([(x_off[d], S[me][d]) for d in sorted(topo.node_ranks(m))])
+        segs = _coalesce([(x_off[d], row[d]) for d in facts.sorted_ranks[m]])
         if segs:
             message = Message(table[me][m], segs)
             packed.append((-message.rows, (m - node[me]) % N, message))
@@ -193,40 +273,41 @@ def _rank_plan(S: list[list[int]], topo: Topology, me: int) -> RankPlan:
 
     # My stage buffer: packed messages of the sources I relay, ascending source rank, each
     # holding rows for my node's ranks in ascending rank order.
-    inter_recvs, stage_off, stage_rows = [], {}, 0
-    for s in remote:
-        if relay_of[s] != me:
-            continue
-        rows = sum(S[s][d] for d in mine)
-        if rows == 0:
-            continue
-        inter_recvs.append(Message(s, ((stage_rows, rows),)))
-        for d in mine:
-            stage_off[(s, d)] = stage_rows
-            stage_rows += S[s][d]
+    relayed = facts.relayed[me]
+    block = M[np.ix_(relayed, mine)].tolist() if relayed else []  # [sources I relay, mine]
+    inter_recvs, stage_rows, offsets = [], 0, []  # offsets[i][j]: stage row of block[i][j]
+    for s, rows_s in zip(relayed, block, strict=True):
+        first, at = stage_rows, []
+        for n in rows_s:
+            at.append(stage_rows)
+            stage_rows += n
+        offsets.append(at)
+        if stage_rows > first:
+            inter_recvs.append(Message(s, ((first, stage_rows - first),)))
     # The order to await them in: smallest first (under fair sharing the small ones arrive
     # first, and awaiting a later one would hold back forwarding those already in), ties
     # from the previous node first (it posts to this node first, see inter_sends).
     inter_recvs.sort(key=lambda m: (m.rows, (node[me] - node[m.peer]) % N, m.peer))
-    relayed = [s for s in remote if relay_of[s] == me]
     relay_sends, stage_copies = [], []
-    for d in mine:
+    for j, d in enumerate(mine):
         if d == me:
-            stage_copies = [((stage_off[(s, d)], S[s][d]), (y_off[s], S[s][d]))
-                            for s in relayed if S[s][d]]
+            stage_copies = [((at[j], rows_s[j]), (y_off[s], rows_s[j]))
+                            for s, at, rows_s in zip(relayed, offsets, block, strict=True)
+                            if rows_s[j]]
             continue
-        relay_sends += [Message(d, ((stage_off[(s, d)], S[s][d]),), s)
-                        for s in relayed if S[s][d]]
-    relay_recvs = [Message(r, ((y_off[s], S[s][me]),), s)
+        relay_sends += [Message(d, ((at[j], rows_s[j]),), s)
+                        for s, at, rows_s in zip(relayed, offsets, block, strict=True)
+                        if rows_s[j]]
+    relay_recvs = [Message(r, ((y_off[s], col[s]),), s)
                    for r in mine if r != me
-                   for s in remote if relay_of[s] == r and S[s][me]]
+                   for s in facts.relayed[r] if col[s]]
     return RankPlan(
         rank=me,
-        x_rows=sum(S[me]),
-        y_rows=sum(S[s][me] for s in range(R)),
+        x_rows=sum(row),
+        y_rows=sum(col),
         stage_rows=stage_rows,
-        out_splits=tuple(S[s][me] for s in range(R)),
-        self_copies=(self_copies,) if S[me][me] else (),
+        out_splits=tuple(col),
+        self_copies=(self_copies,) if row[me] else (),
         intra_sends=tuple(intra_sends),
         intra_recvs=tuple(intra_recvs),
         inter_sends=tuple(inter_sends),
