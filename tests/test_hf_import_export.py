@@ -363,3 +363,21 @@ def test_plan_for_a_hf_checkpoint_launches_from_it(tmp_path, data_bin) -> None:
     assert cfg.model.hf_path == str(src.resolve())
     prep = prepare(cfg, 4, 0)
     assert prep.hf is not None and prep.mcfg.n_routed_experts == 4
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_readme_fine_tune_recipe_runs_as_written(tmp_path) -> None:
+    """The README's "Fine-tune a Hugging Face MoE checkpoint" commands, verbatim except that
+    runs/ points into a temporary folder."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Fine-tune a Hugging Face MoE checkpoint", 1)[1]
+    block = block.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert "make_tiny_hf.py" in block and "trainer.export" in block
+    script = block.replace("runs/", f"{tmp_path}/runs/")
+    bin_dir = Path(sys.executable).parent
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "mixtral"
