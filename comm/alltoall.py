@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from comm.cost import (
+    PLATFORM_DIR,
     CostModel,
     choose_algorithm,
     decide_from_summaries,
@@ -48,7 +49,7 @@ from comm.halo import halo_all_to_all, halo_gather_array
 from comm.halo_plan import SplitPlans
 from comm.topology import Topology
 
-__all__ = ["ALGORITHMS", "AllToAllPlan", "all_to_all", "plan_all_to_all"]
+__all__ = ["ALGORITHMS", "AllToAllPlan", "all_to_all", "plan_all_to_all", "settle_plan"]
 
 ALGORITHMS = ("flat", "halo", "auto")
 
@@ -111,7 +112,8 @@ def plan_all_to_all(
     counts as the payload, so `halo` and `auto` cost no more small exchanges than `flat`:
     flat sends each peer its split, HALO every rank's split row, `auto` also the row's
     summary (see `comm.cost.row_summary`). `row_bytes` is the bytes of one row (for `auto`);
-    `device` that of the rows (NCCL exchanges on it, gloo on the CPU).
+    `device` that of the rows (NCCL exchanges on it, gloo on the CPU). `auto` across nodes
+    needs `cost_model` (see `all_to_all`).
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
@@ -129,16 +131,40 @@ def plan_all_to_all(
         got = [values[s * (k + 1):(s + 1) * (k + 1)] for s in range(world)]
         plan = AllToAllPlan(tuple(splits), tuple(g[k] for g in got), "flat")
         return plan, [g[:k] for g in got]
-    model = cost_model or CostModel.for_backend(dist.get_backend(group))
-    values, k, stride, choice = _exchange_matrix(splits, group, algorithm, topology, model,
-                                                 row_bytes, rows, device, torch.int64)
-    V = values.reshape(world, stride)
+    values = _exchange_matrix(splits, group, algorithm, topology, cost_model, rows, device,
+                              torch.int64)
+    return settle_plan(values, splits, len(rows[0]), dist.get_rank(group), algorithm,
+                       topology, cost_model, row_bytes)
+
+
+def settle_plan(
+    values: np.ndarray,
+    in_splits: Sequence[int],
+    k: int,
+    rank: int,
+    requested: str,
+    topology: Topology,
+    model: CostModel | None,
+    row_bytes: int,
+) -> tuple[AllToAllPlan, list[list[int]]]:
+    """The host work between the small exchange and the rows (pure: no process group):
+    `values` [R * stride] holds, per source rank, k payload ints, its split row and for
+    `auto` its row summary. Decides the algorithm (auto: from the summaries where they
+    decide, else the model on the matrix), wraps the matrix without copying it, and returns
+    (plan, payload received). The rank plans are built on first use, once."""
+    world = topology.world_size
+    V = values.reshape(world, -1)
+    stride = V.shape[1]
+    choice: str | None = requested
+    if requested == "auto":
+        assert model is not None, "auto across nodes has a cost model (_fixed_algorithm)"
+        choice = decide_from_summaries(values, k + world, stride, row_bytes, topology, model) \
+            if stride > k + world else None
     S = SplitPlans(V[:, k:k + world], topology, _checked=True)  # rows validated at the source
     if choice is None:
-        choice = choose_algorithm(S.matrix, row_bytes, topology, model)
-    rank = dist.get_rank(group)
-    plan = AllToAllPlan(tuple(splits), tuple(S.matrix[:, rank].tolist()), choice, S,
-                        algorithm, topology, model, row_bytes)
+        choice = choose_algorithm(S.matrix, row_bytes, topology, model)  # type: ignore[arg-type]
+    plan = AllToAllPlan(tuple(in_splits), tuple(S.matrix[:, rank].tolist()), choice, S,
+                        requested, topology, model, row_bytes)
     return plan, V[:, :k].tolist()
 
 
@@ -158,7 +184,8 @@ def all_to_all(
     `topology` describes the ranks of `group` in group-rank order (see `Topology.restrict`);
     "halo" needs it, "auto" falls back to "flat" without it. `out_splits`, when the caller
     already knows them, skips the split-size exchange of the flat path. `cost_model`
-    drives "auto" (default: `CostModel.for_backend` of the group's backend). `plan` (from
+    drives "auto" and is required where auto spans nodes (`comm.calibrate`,
+    `CostModel.from_platform`, `CostModel.emulator`: no silent default). `plan` (from
     `plan_all_to_all`, or its `reverse()`) settles sizes and algorithm: nothing is
     exchanged before the rows, and `algorithm` is not consulted.
     """
@@ -185,21 +212,13 @@ def all_to_all(
     if x.shape[0] >= 2**31:  # every value sent is at most the rows of x
         raise ValueError(f"x has {x.shape[0]} rows; algorithm={algorithm!r} handles < 2**31")
     row_bytes = x.element_size() * _row_numel(x)
-    model = cost_model or CostModel.for_backend(dist.get_backend(group))
     # int32 halves the bytes of this exchange, which runs before every call's rows.
-    values, _, stride, choice = _exchange_matrix(splits, group, algorithm, topology, model,
-                                                 row_bytes, None,
-                                                 _split_device(x.device, group), torch.int32)
-    out = values[dist.get_rank(group)::stride].tolist()
-    _check_out(known_out, out)
-    if choice == "flat":  # decided by the summaries: the matrix is not needed
-        return flat_all_to_all(x, splits, group, out)
-    S = SplitPlans(values.reshape(world, stride)[:, :world], topology, _checked=True)
-    if choice is None:
-        choice = choose_algorithm(S.matrix, row_bytes, topology, model)
-    if choice == "flat":
-        return flat_all_to_all(x, splits, group, out)
-    return halo_all_to_all(x, S, topology, group)
+    values = _exchange_matrix(splits, group, algorithm, topology, cost_model, None,
+                              _split_device(x.device, group), torch.int32)
+    plan, _ = settle_plan(values, splits, 0, dist.get_rank(group), algorithm, topology,
+                          cost_model, row_bytes)
+    _check_out(known_out, list(plan.out_splits))
+    return _run(x, plan, group)
 
 
 def _run(x: torch.Tensor, plan: AllToAllPlan, group: dist.ProcessGroup | None
@@ -228,7 +247,7 @@ def _fixed_algorithm(algorithm: str, topology: object, cost_model: object, world
                      ) -> str:
     """"flat" where the answer is known before any exchange (flat asked for, or auto without
     a topology or on one node: nothing to aggregate), else `algorithm`, after checking that
-    the topology fits the group and the cost model is one."""
+    the topology fits the group and the cost model is one (auto across nodes needs one)."""
     if algorithm == "flat" or (algorithm == "auto" and topology is None):
         return "flat"
     if not isinstance(topology, Topology):
@@ -242,7 +261,18 @@ def _fixed_algorithm(algorithm: str, topology: object, cost_model: object, world
         )
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise ValueError(f"cost_model must be a comm.CostModel, got {cost_model!r}")
-    return "flat" if algorithm == "auto" and topology.num_nodes == 1 else algorithm
+    if algorithm == "auto" and topology.num_nodes == 1:
+        return "flat"
+    if algorithm == "auto" and cost_model is None:
+        raise ValueError(
+            f"algorithm='auto' across {topology.num_nodes} nodes needs cost_model=: "
+            "comm.calibrate(group, topology) measures one on this job's links (the trainer "
+            "does), comm.CostModel.from_platform(name) reads a platform file's link rates "
+            f"({', '.join(sorted(p.stem for p in PLATFORM_DIR.glob('*.toml')))}), "
+            "comm.CostModel.emulator() is the namespace emulator's NIC. There is no default: "
+            "placeholder numbers would decide for another machine"
+        )
+    return algorithm
 
 
 def _exchange_matrix(
@@ -250,24 +280,21 @@ def _exchange_matrix(
     group: dist.ProcessGroup | None,
     algorithm: str,
     topology: Topology,
-    model: CostModel,
-    row_bytes: int,
+    model: CostModel | None,
     payload: list[list[int]] | None,
     device: torch.device,
     dtype: torch.dtype,
-) -> tuple[np.ndarray, int, int, str | None]:
+) -> np.ndarray:
     """HALO or auto on more than one node: every rank sends each peer (payload for it, my
-    row[, my row's summary]) in one exchange. Returns (values, k, stride, choice): values is
-    a read-only array [R * stride], rank s's payload for me at values[s * stride:][:k], its
-    split row the next R values; choice is the algorithm, or None where auto's summaries
-    leave it to the model on the matrix. No Python int per entry of the R x R matrix."""
+    row[, my row's summary]) in one exchange. Returns the values received, a read-only
+    array [R * stride] in source order (see `settle_plan`): no Python int per entry of the
+    R x R matrix."""
     world = dist.get_world_size(group)
     # auto with the concurrent model sends the summaries that decide in O(R) steps where
     # they can; HALO (and auto with the pairwise model) send the row alone.
     summary = row_summary(splits, dist.get_rank(group), topology) \
-        if algorithm == "auto" and not model.flat_pairwise else []
+        if algorithm == "auto" and model is not None and not model.flat_pairwise else []
     k = len(payload[0]) if payload else 0
-    stride = k + world + len(summary)
     mine = np.asarray(splits + summary, dtype=np.int64)
     # HALO without a payload: every peer gets the same ints, and the two-level all-gather
     # sends (G - 1) + (N - 1) messages per rank instead of R - 1 (None where it does not
@@ -277,17 +304,13 @@ def _exchange_matrix(
         if algorithm == "halo" and not k else None
     if values is None:
         if k:
-            send = np.empty((world, stride), dtype=np.int64)
+            send = np.empty((world, k + len(mine)), dtype=np.int64)
             send[:, :k] = payload
             send[:, k:] = mine
         else:
             send = np.tile(mine, world)
         values = exchange_int_array(send.reshape(-1), group, device, dtype)
-    if algorithm != "auto":
-        return values, k, stride, algorithm
-    choice = decide_from_summaries(values, k + world, stride, row_bytes, topology, model) \
-        if summary else None
-    return values, k, stride, choice
+    return values
 
 
 def _check_out(known_out: list[int] | None, out: list[int]) -> None:

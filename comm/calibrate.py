@@ -213,8 +213,9 @@ def calibrate(
     min_time_s: float = 1.5,
     max_repeats: int = 400,
 ) -> CostModel:
-    """Fit alpha, HALO overhead, local and NIC bandwidth of `base` (default: for the backend)
-    and the per-size corrections.
+    """Fit alpha, HALO overhead, local and NIC bandwidth of `base` (default: the backend's
+    flags on placeholder rates) and the per-size corrections. The model's `source` says it
+    was calibrated, and names any rate no measurement could fit (kept from `base`).
 
     Bandwidths come from the time difference between L and 2L rows per pair, with L grown
     (x4 from `large_rows`, at most `max_rows`) until one exchange takes >= 5x the one-row
@@ -237,7 +238,8 @@ def calibrate(
     # post: every peer at once); gloo's partial serialisation of pair directions shows up
     # in the fitted flat_nic_bandwidth instead of a pessimistic pairwise schedule.
     base = dataclasses.replace(base, flat_pairwise=False, flat_nic_bandwidth=None,
-                               corrections=())
+                               corrections=(), source=f"calibration on {R} ranks, "
+                               f"{topo.num_nodes} nodes ({dist.get_backend(group)})")
     row_bytes = 4 * row_numel  # float32 rows
     small = _uniform(R, 1)
     if topo.num_nodes == 1:
@@ -289,14 +291,20 @@ def calibrate(
            - predict_halo(_uniform(R, rows), row_bytes, topo, no_nic))
     busiest = busiest_nic_bytes(_uniform(R, rows), row_bytes, topo)
     bandwidth = base.nic_bandwidth
+    kept = [] if local_s else ["local_bandwidth"]  # what no measurement could fit
     if t_b - t_a - hop > 0:
         bandwidth = busiest / (t_b - t_a - hop)
+    else:
+        kept.append("nic_bandwidth")
     # flat(2L) - flat(L) = NIC time of L rows at the flat rate + their intra-node share.
     flat_bw = bandwidth
     if f_b - f_a - local_s > 0:
         flat_bw = busiest / (f_b - f_a - local_s)
     fitted = dataclasses.replace(fitted, halo_overhead_s=overhead, nic_bandwidth=bandwidth,
                                  flat_nic_bandwidth=flat_bw)
+    if kept:
+        fitted = dataclasses.replace(fitted, source=f"{fitted.source}; {', '.join(kept)} "
+                                     f"not measurable, kept from {base.source}")
     corrections = []
     for n, t in sorted(measured.items()):
         S = _uniform(R, n)

@@ -16,7 +16,9 @@ so all ranks pick the same algorithm without another collective.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -24,6 +26,7 @@ from comm.halo_plan import relay_table
 from comm.topology import Topology
 
 __all__ = [
+    "PLATFORM_DIR",
     "CostModel",
     "busiest_nic_bytes",
     "choose_algorithm",
@@ -40,7 +43,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class CostModel:
-    """Machine parameters; defaults are placeholders, calibrate them for a real machine.
+    """Machine parameters. Where they come from is the caller's choice and `source` says it:
+    `comm.calibrate` (measured on the job's own links, what the trainer uses), `from_platform`
+    (a configs/platforms file's link rates), `emulator` (the namespace emulator's shaped NIC).
+    The field defaults are the emulator's 100 Mbit/s NIC: placeholders for tests and the
+    emulator, never a machine's numbers, and `all_to_all(..., algorithm="auto")` refuses to
+    run across nodes without a model rather than fall back to them.
 
     nic_bandwidth: bytes/s per NIC per direction (rank2nic tells which NIC a rank uses).
     local_bandwidth: bytes/s one rank moves to a peer on its node.
@@ -74,10 +82,13 @@ class CostModel:
     flat_nic_bandwidth: float | None = None
     corrections: tuple[tuple[float, float, float], ...] = ()
     flat_empty_messages: bool = False
+    source: str = field(default="placeholder defaults (the emulator's 100 Mbit/s NIC)",
+                        compare=False)
 
     @classmethod
     def for_backend(cls, backend: str, **overrides: float) -> CostModel:
-        """Defaults for a torch.distributed backend; gloo's flat collective is pairwise.
+        """The backend's flags (gloo's flat collective is pairwise) on the placeholder link
+        rates unless `overrides` sets them.
 
         gloo's all_to_all_single walks the peers one step at a time (send to rank+i, receive
         from rank-i, wait) and its TCP pairs serialise the two directions of an exchange, so
@@ -86,6 +97,55 @@ class CostModel:
         """
         gloo = backend == "gloo"
         return cls(**{"flat_pairwise": gloo, "flat_empty_messages": gloo, **overrides})
+
+    @classmethod
+    def emulator(cls, nic_mbit: float = 100.0, backend: str = "gloo") -> CostModel:
+        """The namespace emulator (`python -m comm.emulate`): NICs shaped at `nic_mbit`,
+        the other parameters the placeholders."""
+        if not nic_mbit > 0:
+            raise ValueError(f"nic_mbit must be > 0, got {nic_mbit}")
+        return cls.for_backend(backend, nic_bandwidth=nic_mbit * 1e6 / 8,
+                               source=f"emulator: {nic_mbit:g} Mbit/s NICs ({backend})")
+
+    @classmethod
+    def from_platform(cls, name_or_path: str | Path,
+                      directory: str | Path | None = None) -> CostModel:
+        """Link rates of a platform file (configs/platforms/<name>.toml, or a path to one):
+        [network] nic_bandwidth_gbs, network_latency_us; [node] intra_node_bandwidth_gbs,
+        intra_node_latency_us; `backend` sets the flat collective's flags (`for_backend`).
+        The files carry no HALO overhead: one network latency stands for it (HALO's second
+        dependent round). Values a file marks "assumed" stay assumptions; `comm.calibrate`
+        measures all of them on the job's own links."""
+        path = _platform_path(name_or_path, Path(directory) if directory else PLATFORM_DIR)
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"platform file {str(path)!r} is not valid TOML: {e}") from None
+        values = {}
+        for section, key, scale in (("network", "nic_bandwidth_gbs", 1e9),
+                                    ("network", "network_latency_us", 1e-6),
+                                    ("node", "intra_node_bandwidth_gbs", 1e9),
+                                    ("node", "intra_node_latency_us", 1e-6)):
+            v = data.get(section, {}).get(key)
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise ValueError(f"platform file {str(path)!r} lacks a number [{section}] "
+                                 f"{key} (got {v!r})")
+            values[key] = float(v) * scale
+        backend = str(data.get("backend", "nccl"))
+        return cls.for_backend(
+            backend, nic_bandwidth=values["nic_bandwidth_gbs"],
+            local_bandwidth=values["intra_node_bandwidth_gbs"],
+            alpha_net=values["network_latency_us"], alpha_local=values["intra_node_latency_us"],
+            halo_overhead_s=values["network_latency_us"],
+            source=f"platform {data.get('name', path.stem)!r} ({path}), {backend}")
+
+    def describe(self) -> str:
+        """One line for a log: where the numbers come from and the main ones."""
+        flat = self.flat_nic_bandwidth or self.nic_bandwidth
+        return (f"all-to-all cost model from {self.source}: NIC {self.nic_bandwidth / 1e6:.1f} "
+                f"MB/s (HALO), {flat / 1e6:.1f} MB/s (flat), intra-node "
+                f"{self.local_bandwidth / 1e6:.0f} MB/s, per message {1e6 * self.alpha_net:.0f} "
+                f"us, HALO overhead {1e6 * self.halo_overhead_s:.0f} us")
 
     def __post_init__(self) -> None:
         for name in ("nic_bandwidth", "local_bandwidth"):
@@ -117,6 +177,23 @@ class CostModel:
                 w = math.log(nic_bytes / x0) / math.log(x1 / x0)
                 return f0 + w * (f1 - f0), h0 + w * (h1 - h0)
         return points[-1][1], points[-1][2]
+
+
+PLATFORM_DIR = Path(__file__).resolve().parents[1] / "configs" / "platforms"
+
+
+def _platform_path(name_or_path: str | Path, directory: Path) -> Path:
+    """The platform file `name_or_path` names: a path to a .toml file, or <directory>/<name>.toml.
+    (comm reads the few link rates it needs itself: it never imports the tuner.)"""
+    p = Path(name_or_path)
+    if p.suffix == ".toml" and p.is_file():
+        return p
+    p = directory / f"{name_or_path}.toml"
+    if not p.is_file():
+        names = sorted(q.stem for q in directory.glob("*.toml"))
+        raise ValueError(f"unknown platform {str(name_or_path)!r}; valid: {', '.join(names)} "
+                         f"(files in {directory}), or a path to a .toml file")
+    return p
 
 
 SMALL_GROUP = 32  # up to this many ranks `choose_algorithm` runs `_predict_both_loops`
