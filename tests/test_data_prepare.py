@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from conftest import ROOT
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -59,6 +60,7 @@ def text_dir(tmp_path):
     for i, doc in enumerate(DOCS):  # sorted paths follow DOCS: 00..03.txt, then sub/04.txt
         (d / ("sub" if i == 4 else "") / f"{i:02d}.txt").write_text(doc)
     (d / ".hidden").write_text("never read")
+    (d / "sub" / "cache.pyc").write_bytes(b"\xa7\r\r\n\x00\x00 binary")  # skipped: NUL bytes
     return d
 
 
@@ -86,6 +88,7 @@ def test_text_folder_and_jsonl_match_the_tokenizer(bpe_dir, text_dir, tmp_path):
     assert side["vocab_size"] == tok.get_vocab_size() <= 300
     assert side["n_documents"] == len(DOCS) + len(RECORDS) and side["n_tokens"] == len(ref)
     assert side["field"] == "text" and side["n_files"] == len(DOCS) + 1
+    assert side["skipped_binary"] == [str(text_dir / "sub" / "cache.pyc")]
     import hashlib
 
     assert side["tokenizer"]["sha256"] == hashlib.sha256(
@@ -127,6 +130,9 @@ def test_vocab_over_65536_is_uint32(big_tok, tmp_path):
     c = load_corpus(str(out), 0.4)  # 9 tokens: 3 for validation
     assert c.train.dtype == np.uint32 and c.max_token == 70_000
     c.check(2, 70_001)
+    x, y = c.batch(0, 4, 2, 0, 1, seed=0)  # windows of uint32 ids reach the model as int64
+    assert x.dtype == torch.int64 and 65_535 < int(torch.cat([x, y]).max()) <= 70_000
+    assert torch.equal(x[:, 1:], y[:, :-1]) and set(x.flatten().tolist()) <= set(c.train.tolist())
     with pytest.raises(DataError) as e:  # the sidecar's vocabulary is larger than the model's
         c.check(2, 65_536)
     assert all(s in str(e.value) for s in ("70001", "vocab_size 65536", str(out)))

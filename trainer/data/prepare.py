@@ -8,7 +8,8 @@ Documents: one plain-text file, or one record of a `.jsonl` file (its `--field`,
 `Tokenizer.encode(doc)` does (the tokenizer's own special tokens included; truncation and padding
 saved in tokenizer.json are switched off) and followed by the EOS id, unless the tokenizer's
 post-processor already ended it with EOS. Documents keep the order of the inputs (folders walked
-in sorted path order, hidden entries skipped), so the output does not depend on `--workers`.
+in sorted path order, hidden entries and binary files skipped), so the output does not
+depend on `--workers`.
 
 Ids are stored as uint16 when the vocabulary fits (<= 65,536 ids) and uint32 otherwise. The
 sidecar FILE.json (format in `trainer.data.read_sidecar`) records dtype, vocab_size, eos_id,
@@ -112,14 +113,23 @@ def resolve_eos(tok, tok_json: Path, eos: str | None) -> tuple[str, int]:
     return eos, eos_id
 
 
-def list_inputs(inputs: list[str], exclude: tuple[Path, ...] = ()) -> list[Path]:
-    """Files of `inputs` in order: a file as is, a folder's files recursively in sorted path
-    order (hidden files and folders skipped); `exclude` (the output files) left out. A `.bin`
-    among them is refused (it is token ids, e.g. an earlier output, not text)."""
+def _looks_binary(path: Path) -> bool:
+    """A NUL byte in the first 4 KB (the byte-level loader's rule): .pyc, images, archives."""
+    with path.open("rb") as f:
+        return b"\x00" in f.read(4096)
+
+
+def list_inputs(inputs: list[str], exclude: tuple[Path, ...] = ()) -> tuple[list[Path],
+                                                                           list[Path]]:
+    """(files, skipped) of `inputs` in order: a file as is, a folder's files recursively in
+    sorted path order, hidden files and folders skipped, binary files (`_looks_binary`) skipped
+    and returned as `skipped`; `exclude` (the output files) left out. A `.bin` among them is
+    refused (it is token ids, e.g. an earlier output, not text)."""
     if not inputs:
         raise DataError("no --input given; pass text files, .jsonl files or folders of them")
     skip = {p.resolve() for p in exclude}
     files: list[Path] = []
+    skipped: list[Path] = []
     for name in inputs:
         p = Path(name)
         if p.is_file():
@@ -140,8 +150,14 @@ def list_inputs(inputs: list[str], exclude: tuple[Path, ...] = ()) -> list[Path]
                 f"input {name!r} holds {str(binary[0])!r}, a .bin of token ids, not text; "
                 f"tokenize text files or .jsonl files only"
             )
+        if p.is_dir():
+            binary_files = {f for f in found if _looks_binary(f)}
+            skipped += [f for f in found if f in binary_files]
+            found = [f for f in found if f not in binary_files]
+            if not found:
+                raise DataError(f"input folder {name!r} holds only binary files, no text")
         files.extend(found)
-    return files
+    return files, skipped
 
 
 def _check_first_record(path: Path, field: str) -> bool:
@@ -294,7 +310,7 @@ def prepare(tokenizer: str | Path, inputs: list[str], out: str | Path, field: st
     dtype = "uint16" if vocab_size <= UINT16_VOCAB else "uint32"
     part = out.with_name(out.name + ".part")
     side_part = side.with_name(side.name + ".part")
-    files = list_inputs(inputs, exclude=(out, side, part, side_part))
+    files, skipped = list_inputs(inputs, exclude=(out, side, part, side_part))
     has_docs = [f.suffix != ".jsonl" or _check_first_record(f, field) for f in files]
     if not any(has_docs):
         raise DataError(f"the inputs {inputs} hold no documents (only empty .jsonl files)")
@@ -326,6 +342,7 @@ def prepare(tokenizer: str | Path, inputs: list[str], out: str | Path, field: st
             "tokenizer": {"path": str(tok_json.resolve()), "sha256": _sha256(tok_json)},
             "inputs": [str(Path(i).resolve()) for i in inputs],
             "n_files": len(files),
+            "skipped_binary": [str(f) for f in skipped],
             "n_bytes": total_bytes,
             "field": field if any(f.suffix == ".jsonl" for f in files) else None,
         }
@@ -428,4 +445,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{meta['vocab_size']:,}, eos {meta['eos_token']!r}={meta['eos_id']}) from "
           f"{meta['n_documents']:,} documents in {s:.1f} s "
           f"({meta['n_tokens'] / max(s, 1e-9):,.0f} tokens/s); sidecar {sidecar_path(args.out)}")
+    if meta["skipped_binary"]:
+        print(f"skipped {len(meta['skipped_binary'])} binary files (listed in the sidecar), "
+              f"e.g. {meta['skipped_binary'][0]}")
     return 0
