@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import presets
+from .attention import DocLayout
 from .checkpointing import CHECKPOINTING, is_recomputing, set_checkpointing
 from .config import ModelConfig
 from .moe import GroupedExperts, LocalDispatcher, MoELayer, SwiGLU
@@ -12,6 +13,7 @@ from .transformer import Block, MoETransformer
 __all__ = [
     "CHECKPOINTING",
     "Block",
+    "DocLayout",
     "GroupedExperts",
     "LocalDispatcher",
     "ModelConfig",

@@ -5,7 +5,10 @@ GQA:  q = x Wq, k = x Wk, v = x Wv (G kv heads shared by H/G query heads each), 
 MLA:  q = x Wq  or  q = norm(x Wq_a) Wq_b  (low-rank q, q_lora_rank)
       [c_kv, k_rope] = x Wkv_a;  [k_nope, v] = norm(c_kv) Wkv_b  (per head)
       k = [k_nope, rope(k_rope) shared by all heads],  q = [q_nope, rope(q_rope)].
-Both use torch's scaled_dot_product_attention with is_causal=True.
+Both use torch's scaled_dot_product_attention with is_causal=True; with a `DocLayout`
+(documents packed into one training window, `--data.doc_mask`) the mask is block-causal (no
+attention across a document boundary) and RoPE positions restart at 0 in every document, so
+each document is computed as if it were alone in the window.
 
 Shape legend: B batch, S sequence, D model, H heads, G kv heads, hd head dim.
 """
@@ -19,6 +22,39 @@ from torch import nn
 from .config import ModelConfig
 from .norm import RMSNorm
 from .rope import RotaryEmbedding, apply_rope, deinterleave, softmax_scale
+
+
+class DocLayout:
+    """Where the documents of a packed window begin: `positions` [B, S] (position of each
+    token within its document) and the block-causal `mask` [B, 1, S, S] (True = may attend).
+    Built once per batch from per-token document ids [B, S] (non-decreasing along S)."""
+
+    def __init__(self, doc_ids: torch.Tensor) -> None:
+        if doc_ids.dim() != 2:
+            raise ValueError(f"doc_ids must be [B, S], got shape {tuple(doc_ids.shape)}")
+        B, S = doc_ids.shape
+        idx = torch.arange(S, device=doc_ids.device).expand(B, S)
+        first = torch.ones(B, 1, dtype=torch.bool, device=doc_ids.device)
+        starts = torch.cat((first, doc_ids[:, 1:] != doc_ids[:, :-1]), dim=1)
+        start_of = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+        self.positions = idx - start_of
+        causal = torch.ones(S, S, dtype=torch.bool, device=doc_ids.device).tril()
+        self.mask = (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
+
+    @staticmethod
+    def from_tokens(tokens: torch.Tensor, eos_id: int) -> DocLayout:
+        """Documents end with `eos_id` (the EOS token belongs to the document it ends)."""
+        is_eos = (tokens == eos_id).to(torch.int64)
+        return DocLayout(torch.cumsum(is_eos, dim=1) - is_eos)
+
+
+def _sdpa(q, k, v, scale: float, doc: DocLayout | None, gqa: bool = False) -> torch.Tensor:
+    if doc is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                              enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=doc.mask.to(q.device), scale=scale,
+                                          enable_gqa=gqa)
+
 
 # DeepSeek's latent norms use the RMSNorm default eps, not config.rms_norm_eps (both the
 # original modeling code and transformers do), so the value is fixed here.
@@ -41,7 +77,7 @@ class GQAttention(nn.Module):
         self.rope = RotaryEmbedding(cfg, hd)
         self.scale = softmax_scale(cfg)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, doc: DocLayout | None = None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
         k = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
@@ -49,11 +85,9 @@ class GQAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        cos, sin = self.rope(S, q.dtype)
+        cos, sin = self.rope(S, q.dtype, None if doc is None else doc.positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.n_heads != self.n_kv_heads
-        )
+        o = _sdpa(q, k, v, self.scale, doc, gqa=self.n_heads != self.n_kv_heads)
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -88,7 +122,7 @@ class MLAttention(nn.Module):
         self.rope = RotaryEmbedding(cfg, cfg.qk_rope_head_dim)
         self.scale = softmax_scale(cfg)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, doc: DocLayout | None = None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         H = self.n_heads
         q = self.wq(x_BSD) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
@@ -100,11 +134,11 @@ class MLAttention(nn.Module):
         k_rope = k_rope.view(B, 1, S, self.rope_dim)
         if self.interleave:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
-        cos, sin = self.rope(S, q.dtype)
+        cos, sin = self.rope(S, q.dtype, None if doc is None else doc.positions)
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(B, H, S, self.rope_dim)), dim=-1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        o = _sdpa(q, k, v, self.scale, doc)
         return self.wo(o.transpose(1, 2).reshape(B, S, H * self.v_dim))
 
 

@@ -91,9 +91,15 @@ class RotaryEmbedding(nn.Module):
         inv_freq, _ = rope_frequencies(self.cfg, self.dim)
         self.inv_freq.copy_(inv_freq.to(self.inv_freq.device))
 
-    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = pos[:, None] * self.inv_freq[None, :].float()
+    def forward(self, seq_len: int, dtype: torch.dtype, positions: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [S, d] for positions 0..S-1, or [B, 1, S, d] for explicit `positions`
+        [B, S] (documents packed in one window restart at 0; model.attention.DocLayout)."""
+        if positions is None:
+            pos = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
+        else:
+            pos = positions.to(self.inv_freq.device, torch.float32)[:, None, :]  # [B, 1, S]
+        freqs = pos[..., None] * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attn_factor).to(dtype), (emb.sin() * self.attn_factor).to(dtype)
 
@@ -104,7 +110,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, S, d] rotated by cos/sin [S, d]."""
+    """x [B, H, S, d] rotated by cos/sin [S, d] (or [B, 1, S, d])."""
     return x * cos + rotate_half(x) * sin
 
 

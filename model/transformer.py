@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import build_attention
+from .attention import DocLayout, build_attention
 from .checkpointing import recompute
 from .config import ModelConfig
 from .moe import MoELayer, SwiGLU
@@ -54,13 +54,13 @@ class Block(nn.Module):
         )
         self.recompute_block = False  # activation checkpointing "full" (model.checkpointing)
 
-    def forward(self, h_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, h_BSD: torch.Tensor, doc: DocLayout | None = None) -> torch.Tensor:
         if self.recompute_block:
-            return recompute(self._forward, h_BSD)
-        return self._forward(h_BSD)
+            return recompute(self._forward, h_BSD, doc)
+        return self._forward(h_BSD, doc)
 
-    def _forward(self, h_BSD: torch.Tensor) -> torch.Tensor:
-        h_BSD = h_BSD + self.attn(self.attn_norm(h_BSD))
+    def _forward(self, h_BSD: torch.Tensor, doc: DocLayout | None = None) -> torch.Tensor:
+        h_BSD = h_BSD + self.attn(self.attn_norm(h_BSD), doc)
         return h_BSD + self.ffn(self.ffn_norm(h_BSD))
 
 
@@ -128,9 +128,11 @@ class MoETransformer(nn.Module):
 
     # ---------------------------------------------------------------- forward
     def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None = None
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+        doc: DocLayout | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """tokens [B, S] -> logits [B, S, V]; with targets [B, S]: (ce_loss, aux_loss)."""
+        """tokens [B, S] -> logits [B, S, V]; with targets [B, S]: (ce_loss, aux_loss).
+        `doc`: documents packed in the window attend only within themselves (DocLayout)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [B, S], got shape {tuple(tokens.shape)}")
         if tokens.shape[1] > self.cfg.max_seq_len:
@@ -139,7 +141,7 @@ class MoETransformer(nn.Module):
             )
         h = self.embed(tokens)
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h, doc)
         logits = self.lm_head(self.norm(h))
         if targets is None:
             return logits

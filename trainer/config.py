@@ -70,6 +70,9 @@ class DataConfig:
     path: str = ""  # "" = the running interpreter's standard library sources
     val_fraction: float = 0.005
     seed: int = 1234
+    # attention stays inside each document of a packed window (EOS ends a document) and RoPE
+    # positions restart per document; needs a tokenized .bin whose sidecar names eos_id
+    doc_mask: bool = False
 
 
 @dataclass

@@ -181,6 +181,10 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
         raise ConfigError(f"train.dtype={t.dtype!r}; valid: auto, fp32, bf16")
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)
     corpus.check(t.seq_len, mcfg.vocab_size)
+    if cfg.data.doc_mask and corpus.eos_id is None:
+        raise ConfigError(f"--data.doc_mask=true needs documents that end with an EOS token: a "
+                          f"tokenized .bin with its sidecar naming eos_id (python -m trainer.data "
+                          f"prepare); {corpus.source} has none")
     resume_path = None
     if t.resume:
         root = Path(t.out_dir) / "checkpoints"
@@ -420,9 +424,31 @@ class Trainer:
             t /= self.mesh.n_data_shards
         return t.tolist()
 
+    def _doc_layout(self, tokens: torch.Tensor):
+        """The batch's document layout under --data.doc_mask (None otherwise)."""
+        if not self.cfg.data.doc_mask:
+            return None
+        from model import DocLayout
+
+        return DocLayout.from_tokens(tokens, self.corpus.eos_id)
+
+    def _queue_docs(self, microbatches) -> None:
+        """Under --data.doc_mask with pp > 1: every stage gets the layouts of its coming
+        forwards, one per micro-batch (every rank holds the whole batch's tokens)."""
+        if self.cfg.data.doc_mask:
+            layouts = [self._doc_layout(mb) for mb in microbatches]
+            for stage in self.stages.values():
+                stage.docs.extend(layouts)
+
+    def _check_docs_used(self) -> None:
+        left = {s: len(st.docs) for s, st in self.stages.items() if st.docs}
+        if left:
+            raise RuntimeError(f"document layouts left unused after the step: {left} "
+                               f"(a stage ran fewer forwards than micro-batches)")
+
     def _forward_loss(self, tokens: torch.Tensor, targets: torch.Tensor):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
-            logits = self.model(tokens)
+            logits = self.model(tokens, doc=self._doc_layout(tokens))
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
         return ce, self.model.aux_loss()
 
@@ -531,8 +557,10 @@ class Trainer:
         if self.stages:
             M = self.cfg.parallel.microbatches
             first, last = 0 in self.stages, self.n_stages - 1 in self.stages
+            self._queue_docs(tokens.chunk(M))
             losses = self.runtime.step(list(tokens.chunk(M)) if first else None,
                                        list(targets.chunk(M)) if last else None)
+            self._check_docs_used()
             ce = torch.stack(losses).mean() if last else torch.zeros(())
             aux = torch.tensor(sum(self.runtime.last_aux.values()) / M)
         else:
@@ -571,9 +599,11 @@ class Trainer:
                                                 self.mesh.n_data_shards, self.cfg.data.seed, "val")
             tokens, targets = tokens.to(self.device), targets.to(self.device)
             if self.stages:
+                self._queue_docs([tokens])
                 ce = pp_eval_forward(self.stages, self.mesh.pp, self.n_stages, self.mesh.pp_ranks(),
                                      tokens, targets, (tokens.shape[0], *self.act_shape[1:]),
                                      self.device)
+                self._check_docs_used()
                 total += ce or 0.0
             else:
                 ce, _ = self._forward_loss(tokens, targets)

@@ -13,6 +13,7 @@ through the runtime's `aux_fn`, so the objective equals the 1-process `ce + aux`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
@@ -87,6 +88,9 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleList(model.layers[i] for i in range(lo, hi))
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
+        # --data.doc_mask: the DocLayout of each coming forward, in micro-batch order (every
+        # schedule runs a stage's forwards in micro-batch order; the trainer fills it per step)
+        self.docs: collections.deque = collections.deque()
 
     @property
     def boundary_dtype(self) -> torch.dtype:
@@ -101,8 +105,9 @@ class Stage(nn.Module):
             else contextlib.nullcontext()
         with ctx:
             h = self.embed(x) if self.first else x.float()
+            doc = self.docs.popleft() if self.docs else None
             for b in self.blocks:
-                h = b(h)
+                h = b(h, doc)
             if self.last:
                 return self.lm_head(self.norm(h)).float()
             return h.to(self.boundary_dtype)
