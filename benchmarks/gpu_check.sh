@@ -46,7 +46,7 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 
 status=0
-step() {  # step NAME SECONDS CMD...: run with a time limit, log to OUT/NAME.log
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to OUT/NAME.log (SHOW lines shown)
   local name="$1" limit="$2"; shift 2
   local t0=$SECONDS rc
   echo "== $name (limit ${limit}s): $*"
@@ -54,7 +54,7 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to OUT/NAME.log
   rc=$?
   [ $rc -eq 124 ] && echo "   timed out after ${limit}s" >> "$OUT/$name.log"
   printf '%-20s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$OUT/summary.txt"
-  tail -n 4 "$OUT/$name.log" | sed 's/^/   /'
+  tail -n "${SHOW:-4}" "$OUT/$name.log" | sed 's/^/   /'
   [ $rc -eq 0 ] || status=1
 }
 
@@ -70,8 +70,7 @@ step train-bf16 70 "$PY" train.py --config configs/tiny.toml --parallel.pp=1 --p
   --train.steps="$TRAIN_STEPS" --train.dtype=bf16 --train.out_dir="$OUT/train-bf16" \
   --train.eval_every=0 --train.plot=false --train.timeout_s=60 --optim.warmup_steps=5 \
   --comm.alltoall=flat
-step train-curve 10 "$PY" benchmarks/gpu_check_losses.py curve "$OUT/train-bf16"
-head -n -4 "$OUT/train-curve.log" | sed 's/^/   /'  # the rest of the curve (step showed the tail)
+SHOW=40 step train-curve 10 "$PY" benchmarks/gpu_check_losses.py curve "$OUT/train-bf16"
 # 3. Autotune one preset (6 GEMM problems x 4 candidates, ~3 s of compiling each); every
 #    winner is written to $PIPER_KERNELS_CACHE as soon as it is known.
 step autotune 105 "$PY" -m kernels.autotune --model "$PRESET" --tokens 4096 --max-configs 4
