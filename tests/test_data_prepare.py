@@ -252,7 +252,7 @@ def test_token_id_beyond_sidecar_vocab(tmp_path):
         load_corpus(str(out), 0.1)
 
 
-def test_token_id_beyond_model_vocab(tmp_path):
+def test_sidecar_vocab_beyond_model_vocab(tmp_path):
     out = _bin_with_sidecar(tmp_path, np.arange(50) + 70_000, np.uint32, vocab_size=70_050)
     c = load_corpus(str(out), 0.1)
     with pytest.raises(DataError, match=r"t.bin: its tokenizer's vocabulary has 70050 tokens "
@@ -260,6 +260,9 @@ def test_token_id_beyond_model_vocab(tmp_path):
                                         r"70000"):
         c.check(4, 70_000)
     c.check(4, 70_050)
+
+
+def test_token_id_beyond_model_vocab_legacy(tmp_path):
     # without a sidecar (legacy uint16) the largest id is what is checked, as before
     legacy = tmp_path / "legacy.bin"
     (np.arange(50, dtype=np.uint16) + 300).tofile(legacy)
