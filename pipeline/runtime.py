@@ -12,11 +12,14 @@ Why the boundary batch, and why no host sync inside a step (NCCL). A communicato
 operations on one stream, in issue order, and a receive kernel does not finish before the
 peer's send kernel runs. Posting step t's receives before the action and its sends after it
 (as a first version did) queues, on both ranks of a pair that exchange at the same step
-(1F1B at p=2, M=8: 6 steps; interleaved: 10), "recv(t)" ahead of "send(t)", and each recv(t)
+(at p=2, M=8: 6 steps of 1F1B, 18 of interleaved 1F1B with v=2), "recv(t)" ahead of "send(t)", and each recv(t)
 waits for a send(t) queued behind the peer's own recv(t): a deadlock on the GPU, and on the
 host too once something (a `torch.cuda.synchronize` to time the action) waits for it. In
 one batch, NCCL runs the sends and receives of a boundary as one group, which progresses
-as a whole.
+as a whole. The price, on gloo too (one code path): a receive goes up when the receiving
+rank finishes its step-t slot rather than before it, so a transfer no longer overlaps the
+receiver's step-t action (an A/B of benchmarks/bench_pipeline.py at p=2, M=8 on a shared
+CPU showed bubbles within its run-to-run noise).
 
 One global issue order (PP P2P and EP collectives). Stage modules run collectives on other
 communicators inside forward and backward (the EP all-to-all, its split exchange, HALO's
@@ -26,11 +29,16 @@ are issued in different orders on different ranks, so give every operation a key
 batch. Each rank issues its operations in increasing key order (the program order above).
 Every participant of an operation gives it the same key: the members of an EP group share a
 pipeline position (`trainer.mesh`: same pp index), hence the same slot list, and run the same
-action at step t, whose collectives come in the same program order (the model code has no
-rank-dependent branches around them); both ends of a P2P transfer post it in their step-t
-batch, t being the producer's step. So the operations of all ranks follow one total order,
-and by induction over it each operation starts once its participants have issued everything
-before it: nothing waits on an operation with a larger key, so nothing deadlocks.
+action at step t, whose collectives come in the same program order (the MoE layers run
+their exchanges whatever the routing, never skipping one on some ranks); both ends of a P2P
+transfer post it in their step-t batch, t being the producer's step; the one collective of
+the runtime itself (`_ready_group`, first step only) comes before all of them on every rank
+of the PP group. So the operations of all ranks follow one total order, and by induction
+over it each operation starts once its participants have issued everything before it:
+nothing waits on an operation with a larger key, so nothing deadlocks. Host syncs inside an
+action (e.g. reading the all-to-all's split sizes) wait on the current stream only, hence
+on operations with smaller keys, and keep this property; a device-wide sync while a receive
+of the current step is posted (the first version) does not.
 `tests/test_pipeline_order.py` records the issue sequence per rank and communicator of real
 gloo runs (PP=2 x EP=2 with a flat all-to-all in every stage) and checks that one order
 exists (no cycle after merging matched operations), and that the old order has a cycle.
@@ -53,8 +61,8 @@ The returned per-micro-batch losses exclude it; its values are kept in `last_aux
 
 Timing: every action is timed (waits for incoming tensors are not part of a span, so they
 show up as bubble): with `clock` on the CPU; on a GPU with CUDA events on the current stream,
-read after the step's last wait (the host blocks on the device only at the start of a step
-and after its last wait: `_host_sync`, never with a receive outstanding). `spans` holds this
+read after the step's last wait (the runtime blocks the host on the device only at the start
+of a step and after its last wait: `_host_sync`, never with a receive outstanding). `spans` holds this
 rank's `Span`s of the last step; `gather_spans()` collects all ranks' on every rank.
 
 Legend: M micro-batches, p pipeline ranks, s stage, m micro-batch.
