@@ -37,7 +37,8 @@ of the PP group. So the operations of all ranks follow one total order, and by i
 over it each operation starts once its participants have issued everything before it:
 nothing waits on an operation with a larger key, so nothing deadlocks. Host syncs inside an
 action (e.g. reading the all-to-all's split sizes) wait on the current stream only, hence
-on operations with smaller keys, and keep this property; a device-wide sync while a receive
+on operations up to the current key, which every participant issues before it blocks the
+same way; they keep this property; a device-wide sync while a receive
 of the current step is posted (the first version) does not.
 `tests/test_pipeline_order.py` records the issue sequence per rank and communicator of real
 gloo runs (PP=2 x EP=2 with a flat all-to-all in every stage) and checks that one order
