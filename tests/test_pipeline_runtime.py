@@ -84,6 +84,10 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
         lambda: pipeline.PipelineRuntime(pipeline.build("1f1b", world + 1, M), stage,
                                          F.mse_loss, (MB, D)),
     ]
+    mixed = {rank: nn.Linear(D, D), rank + world: nn.Linear(D, D)}  # interleaved, v=2
+    mixed[rank].boundary_dtype = torch.bfloat16  # e.g. one autocast Stage, one plain
+    attempts.append(lambda: pipeline.PipelineRuntime(
+        pipeline.build("interleaved-1f1b", world, M, n_virtual=2), mixed, F.mse_loss, (MB, D)))
     if rank in (0, world - 1):  # the ranks that own inputs / targets check their counts
         attempts.append(lambda: pipeline.PipelineRuntime(sched, stage, F.mse_loss, (MB, D)).step(
             [torch.zeros(MB, D)] * (M - 1), [torch.zeros(MB, D)] * (M - 1)))
@@ -191,9 +195,10 @@ def test_all_stages_on_one_rank(runs: tuple[int, list[dict]]) -> None:
 def test_bad_inputs_raise_clear_errors(runs: tuple[int, list[dict]]) -> None:
     world, results = runs
     for rank, res in enumerate(results):
-        wrong_stage, wrong_world, *wrong_count = res["bad"]
+        wrong_stage, wrong_world, mixed_dtypes, *wrong_count = res["bad"]
         assert f"got modules for stages [{rank + 1}]" in wrong_stage
         assert f"runs stages [{rank}] here" in wrong_stage
         assert f"schedule has {world + 1} ranks but the PP group has {world}" in wrong_world
+        assert "different boundary dtypes" in mixed_dtypes and "bfloat16" in mixed_dtypes
         if rank in (0, world - 1):
             assert f"needs {M}" in wrong_count[0] and f"got {M - 1}" in wrong_count[0]
