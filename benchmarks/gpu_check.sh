@@ -58,10 +58,11 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to OUT/NAME.log
   [ $rc -eq 0 ] || status=1
 }
 
-# 1. Kernel tests compiled on the GPU (fp16, bf16; larger shapes than the interpreter's).
-#    Most of the time is Triton compiling ~20 kernel variants.
+# 1. Kernel tests compiled on the GPU (fp16, bf16; larger shapes than the interpreter's), and
+#    the pipeline runtime's CUDA-event spans. Most of the time is Triton compiling ~20 kernel
+#    variants.
 step gpu-tests 130 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_triton.py \
-  --junitxml="$OUT/gpu-tests.xml" --durations=10
+  tests/test_gpu_path.py --junitxml="$OUT/gpu-tests.xml" --durations=10
 # 2. The trainer end to end on one GPU: the tiny model, bf16 autocast, EP=1, PP=1, default
 #    corpus. The first steps compile the grouped-GEMM kernels; then its loss curve and
 #    tokens/s (median over the second half), failing on a non-finite loss or one that does

@@ -324,3 +324,44 @@ def test_loss_comparison_on_real_cpu_runs(tmp_path: Path) -> None:
     r = _losses_cli("compare", str(tmp_path / "ref"), str(tmp_path / "pp2"), "--rtol", "2e-4")
     assert r.returncode == 0, r.stdout + r.stderr
     assert _losses_cli("curve", str(tmp_path / "pp2"), "--min-drop", "0").returncode == 0
+
+
+# -- GPU tier (make gpu-check): the runtime's CUDA-event spans on one GPU ----------------------
+
+
+def _spans_on(device: torch.device, init_file: Path) -> tuple[list, list, list, float, float]:
+    """Every stage on one rank (interleaved, v=3, M=4): local hand-offs only, so one process
+    runs the runtime's timing path on `device`."""
+    import time
+
+    from torch import nn
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        stages = {s: nn.Sequential(nn.Linear(64, 64), nn.Tanh()).to(device) for s in range(3)}
+        sched = pipeline.build("interleaved-1f1b", 1, 4, n_virtual=3)
+        rt = pipeline.PipelineRuntime(sched, stages, F.mse_loss, (8, 64), device=device)
+        xs = [torch.randn(8, 64, device=device) for _ in range(4)]
+        ys = [torch.randn(8, 64, device=device) for _ in range(4)]
+        t0 = time.perf_counter()
+        losses = rt.step(xs, ys)
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            ref = [F.mse_loss(stages[2](stages[1](stages[0](x))), y) for x, y in zip(xs, ys, strict=True)]
+        return rt.spans, losses, ref, t0, t1
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_cuda_event_spans(tmp_path: Path) -> None:
+    spans, losses, ref, t0, t1 = _spans_on(torch.device("cuda", 0), tmp_path / "rdzv")
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref), rtol=1e-5, atol=1e-6)
+    assert len(spans) == 3 * 4 * 2
+    spans = sorted(spans, key=lambda s: s.start)
+    for s in spans:
+        assert t0 <= s.start <= s.end <= t1 + 1e-3, (s, t0, t1)
+    for a, b in zip(spans, spans[1:], strict=False):  # one stream: spans do not overlap
+        assert b.start >= a.end - 1e-6, (a, b)
