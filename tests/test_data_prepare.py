@@ -89,6 +89,7 @@ def test_text_folder_and_jsonl_match_the_tokenizer(bpe_dir, text_dir, tmp_path):
     assert side["n_documents"] == len(DOCS) + len(RECORDS) and side["n_tokens"] == len(ref)
     assert side["field"] == "text" and side["n_files"] == len(DOCS) + 1
     assert side["skipped_binary"] == [str(text_dir / "sub" / "cache.pyc")]
+    assert side["n_skipped_binary"] == 1
     import hashlib
 
     assert side["tokenizer"]["sha256"] == hashlib.sha256(

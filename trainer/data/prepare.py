@@ -342,7 +342,8 @@ def prepare(tokenizer: str | Path, inputs: list[str], out: str | Path, field: st
             "tokenizer": {"path": str(tok_json.resolve()), "sha256": _sha256(tok_json)},
             "inputs": [str(Path(i).resolve()) for i in inputs],
             "n_files": len(files),
-            "skipped_binary": [str(f) for f in skipped],
+            "n_skipped_binary": len(skipped),
+            "skipped_binary": [str(f) for f in skipped[:20]],  # the first 20
             "n_bytes": total_bytes,
             "field": field if any(f.suffix == ".jsonl" for f in files) else None,
         }
@@ -445,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{meta['vocab_size']:,}, eos {meta['eos_token']!r}={meta['eos_id']}) from "
           f"{meta['n_documents']:,} documents in {s:.1f} s "
           f"({meta['n_tokens'] / max(s, 1e-9):,.0f} tokens/s); sidecar {sidecar_path(args.out)}")
-    if meta["skipped_binary"]:
-        print(f"skipped {len(meta['skipped_binary'])} binary files (listed in the sidecar), "
-              f"e.g. {meta['skipped_binary'][0]}")
+    if meta["n_skipped_binary"]:
+        print(f"skipped {meta['n_skipped_binary']} binary files (the first listed in the "
+              f"sidecar), e.g. {meta['skipped_binary'][0]}")
     return 0
