@@ -270,3 +270,12 @@ def test_token_id_beyond_model_vocab_legacy(tmp_path):
     with pytest.raises(DataError, match=r"legacy.bin: token id 349 does not fit the model's "
                                         r"vocab_size 256; valid token ids are 0..255"):
         load_corpus(str(legacy), 0.1).check(4, 256)
+
+
+def test_text_file_not_utf8(bpe_dir, text_dir, tmp_path):
+    bad = text_dir / "zz_latin1.txt"  # sorts last: found mid-run, after other batches
+    bad.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    out = tmp_path / "x.bin"
+    with pytest.raises(DataError, match=r"zz_latin1.txt is not UTF-8 text"):
+        prepare(bpe_dir, [str(text_dir)], out, workers=2, progress=False, batch_bytes=8)
+    _nothing_written(out)
