@@ -245,13 +245,15 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, data_bin) -> N
     r = run_train([f"--model.hf_path={src}", "--data", data_bin, f"--train.out_dir={run}",
                    "--parallel.ep=2", "--comm.alltoall=flat", "--train.steps=2",
                    "--train.seq_len=32", "--train.global_batch=4", "--train.eval_every=0",
-                   "--train.eval_batches=1", "--train.plot=false", "--optim.warmup_steps=0"],
-                  nproc=2)
+                   "--train.eval_batches=1", "--train.plot=false", "--optim.warmup_steps=0",
+                   f"--train.export_hf={tmp_path / 'at_end'}"], nproc=2)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     step = run / "checkpoints" / "step_00000002"
     out = export_checkpoint(step, tmp_path / "out", dtype="fp32", max_shard_size="50KB",
                             progress=False)
     assert (out / "model.safetensors.index.json").is_file()
+    at_end = all_tensors(tmp_path / "at_end")  # --train.export_hf: the same, in the source dtype
+    assert all(torch.equal(t, all_tensors(out)[k]) for k, t in at_end.items())
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_moe"
     ref, info = transformers.AutoModelForCausalLM.from_pretrained(
         out, dtype=torch.float32, output_loading_info=True)
@@ -309,6 +311,18 @@ def test_bad_checkpoint_folders(tmp_path, data_bin) -> None:
     victim.unlink()
     with pytest.raises(ValueError, match=f"names 1 shard file.*{victim.name}"):
         _prepare([*base, f"--model.hf_path={sharded}"])
+
+
+def test_export_hf_target_checked_before_training(tmp_path, data_bin) -> None:
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("keep me")
+    with pytest.raises(ValueError, match="export_hf=.*exists and is not empty"):
+        _prepare(["--data", data_bin, "--train.seq_len=32",
+                  f"--train.export_hf={tmp_path / 'taken'}"])
+    assert (tmp_path / "taken" / "x").read_text() == "keep me"
+    with pytest.raises(ValueError, match="export_hf: the model's architecture cannot be written"):
+        _prepare(["--data", data_bin, "--train.seq_len=32", "--model.qk_norm=true",
+                  "--model.attn_qkv_bias=true", f"--train.export_hf={tmp_path / 'new'}"])
 
 
 def test_fewer_layers_skip_the_rest_with_a_warning(tmp_path, data_bin, capsys) -> None:

@@ -121,6 +121,7 @@ class TrainConfig:
     plot: bool = True
     checkpointing: str = "none"  # activation checkpointing: none | selective | full (model/checkpointing.py)
     memory_report: bool = False  # log per-rank state bytes and peak saved-activation bytes (max over ranks)
+    export_hf: str = ""  # at the end, also write a Hugging Face checkpoint here (trainer.export)
     trace_counts: bool = False  # write per-step, per-expert token counts to <out_dir>/counts.jsonl
     threads: int = 0  # torch intra-op threads per process; 0 = cores / local processes
     timeout_s: float = 600.0  # a collective or P2P waiting longer than this fails the run

@@ -164,7 +164,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
         sd = {k: torch.empty(stored[k][0], dtype=stored[k][1]) for k in need}
         with warnings.catch_warnings():  # one process, no process group: intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_load(sd, checkpoint_id=str(ckpt))
+            dcp_load(sd, checkpoint_id=str(ckpt), no_dist=True)  # also inside a training job
         shard = {}
         for k in keys:
             src, tr = plan[k]

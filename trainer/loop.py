@@ -181,6 +181,17 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
         raise ConfigError(f"train.dtype={t.dtype!r}; valid: auto, fp32, bf16")
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)
     corpus.check(t.seq_len, mcfg.vocab_size)
+    if t.export_hf:
+        out = Path(t.export_hf)
+        if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+            raise ConfigError(f"train.export_hf={t.export_hf!r} exists and is not empty; choose "
+                              f"a new folder (nothing is overwritten)")
+        from .export import _pick_type
+
+        try:  # the model must be expressible as a transformers model type
+            _pick_type(mcfg, {"hf": {"model_type": hf.model_type}} if hf else {}, None)
+        except ValueError as e:
+            raise ConfigError(f"train.export_hf: {e}") from None
     if cfg.data.doc_mask and corpus.eos_id is None:
         raise ConfigError(f"--data.doc_mask=true needs documents that end with an EOS token: a "
                           f"tokenized .bin with its sidecar naming eos_id (python -m trainer.data "
@@ -704,6 +715,11 @@ class Trainer:
                 f"{ckpt}", self.rank)
         if self.rank == 0 and t.plot:
             _plot(metrics_path, self.out / "loss.png")
+        if self.rank == 0 and t.export_hf:
+            from .export import export_checkpoint
+
+            log(f"exported a Hugging Face checkpoint: "
+                f"{export_checkpoint(ckpt, t.export_hf, progress=False)}", self.rank)
         return {"val_loss": last_val, "history": history}
 
 
