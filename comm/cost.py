@@ -366,12 +366,12 @@ class _Blocked:
 
     G: int
     relay: np.ndarray  # [R, N] relay[s, m]: the rank of node m receiving s's rows
-    member: np.ndarray  # [N, G, R] float32: 1 where rank (m, j) relays source s into m
     pairs: np.ndarray  # off-node (s, m) pairs as s * N + m, grouped by their relay
     starts: np.ndarray  # where each relay's group begins in `pairs` (clipped when empty)
     idle: np.ndarray  # [R] bool: ranks that relay no source
     relay_flat: np.ndarray  # [R * N] s * R + relay[s, m]: S[s, relay[s, m]] in S's buffer
     relay_flat_t: np.ndarray  # the same in the buffer of S^T (relay[s, m] * R + s)
+    relay_order_t: np.ndarray  # argsort of relay_flat_t
 
 
 def _blocked_facts(topo: Topology, relay: np.ndarray) -> _Blocked | None:
@@ -382,14 +382,13 @@ def _blocked_facts(topo: Topology, relay: np.ndarray) -> _Blocked | None:
         return None
     src, dst_node = np.nonzero(np.arange(N)[None, :] != (np.arange(R) // G)[:, None])
     via = relay[src, dst_node]
-    member = np.zeros((N, G, R), dtype=np.float32)
-    member[dst_node, via % G, src] = 1.0
     order = np.argsort(via, kind="stable")
     counts = np.bincount(via, minlength=R)
     starts = np.minimum(np.concatenate([[0], np.cumsum(counts)[:-1]]), len(via) - 1)
     rows = np.repeat(np.arange(R), N)
-    return _Blocked(G, relay, member, (src * N + dst_node)[order], starts, counts == 0,
-                    rows * R + relay.reshape(-1), relay.reshape(-1) * R + rows)
+    flat_t = relay.reshape(-1) * R + rows
+    return _Blocked(G, relay, (src * N + dst_node)[order], starts, counts == 0,
+                    rows * R + relay.reshape(-1), flat_t, np.argsort(flat_t, kind="stable"))
 
 
 def _bytes(S: list[list[int]], row_bytes: int) -> np.ndarray:
@@ -459,66 +458,72 @@ def _predict_blocked(
     S: np.ndarray, row_bytes: int, L: _Layout, model: CostModel
 ) -> tuple[float, float, float]:
     """(concurrent flat, HALO, busiest-NIC bytes) of an integer split matrix S [R, R] on a
-    node-major topology of N nodes x G ranks: what `_flat` and `_halo` compute, in about
-    five passes over the R^2 entries (S may be the transposed view of the mirrored
-    exchange: no pass copies it) plus O(R * N) work. `_halo`'s [R, R] x [R, N] product
-    and fancy indexing cost ~150 ms at R = 1024; this stays within a few ms."""
+    node-major topology of N nodes x G ranks: what `_flat` and `_halo` compute, in four
+    passes over the R^2 entries plus O(R * N) work (`_halo`'s [R, R] x [R, N] product and
+    fancy indexing took ~150 ms at R = 1024). S may be the transposed view of a C-ordered
+    matrix (the mirrored exchange): it is read in place, as A^T."""
     b = L.blocked
     assert b is not None
     G, relay = b.G, b.relay
     R = S.shape[0]
     N = R // G
     ar, node = np.arange(R), L.node
-    rows_out = S.sum(axis=1, dtype=np.int64)  # rows each rank sends
-    rows_in = S.sum(axis=0, dtype=np.int64)  # rows each rank receives
-    blocks = S.reshape(N, G, N, G)[np.arange(N), :, np.arange(N), :]  # [N, G, G] on-node
-    diag = S[ar, ar].astype(np.int64)
-    own_out = blocks.sum(axis=2, dtype=np.int64).reshape(R)  # rows to my node, me included
-    own_in = blocks.sum(axis=1, dtype=np.int64).reshape(R)
-    remote_out, remote_in = rows_out - own_out, rows_in - own_in
+    transposed = not S.flags.c_contiguous and S.T.flags.c_contiguous
+    A = S.T if transposed else np.ascontiguousarray(S)  # C-ordered; S = A^T or A
+    if A.dtype.itemsize < 8 and G * int(A.max(initial=0)) >= 2**31:
+        A = A.astype(np.int64)  # node sums would overflow A's dtype
+    # einsum sums the G ranks of a node at memory speed along either axis of A
+    # (.sum(axis=2) over 8-wide groups, a transposing copy, or casting inside the sum took
+    # ~10-20 ms each at R = 1024): by_col[r, m] sums A[r, node m], by_row[m, c] A[node m, c]
+    by_col = np.einsum("rng->rn", A.reshape(R, N, G)).astype(np.int64)
+    by_row = np.einsum("mgc->mc", A.reshape(N, G, R)).astype(np.int64)
+    per_node, rows_in_node = (by_row.T, by_col.T) if transposed else (by_col, by_row)
+    own_out, own_in = per_node[ar, node], rows_in_node[node, ar]  # on-node, self included
+    remote_out = per_node.sum(axis=1) - own_out  # off-node rows each rank sends
+    remote_in = rows_in_node.sum(axis=0) - own_in  # ... and receives
+    blocks = A.reshape(N, G, N, G)[np.arange(N), :, np.arange(N), :]  # [N, G, G] on-node
+    if transposed:
+        blocks = blocks.transpose(0, 2, 1)
+    diag = A[ar, ar].astype(np.int64)
     local_rows = own_out - diag
     nic_out = np.bincount(L.nic, remote_out, minlength=L.n_nics)
     busiest = max(float(nic_out.max()),
                   float(np.bincount(L.nic, remote_in, minlength=L.n_nics).max()))
     own_nz = (blocks > 0).sum(axis=2).reshape(R) - (diag > 0)  # other on-node peers with rows
-    Z = S > 0
+    ZA = A > 0
     if model.flat_empty_messages:
         flat_msgs, local_msgs = L.peers_max
     else:
-        nz = np.einsum("rd->r", Z.view(np.uint8), dtype=np.int64)
+        nz = ZA.sum(axis=0 if transposed else 1)  # peers each rank sends rows to
         flat_msgs = int((nz - own_nz - (diag > 0)).max())
         local_msgs = int(own_nz.max())
     flat = (busiest * row_bytes / (model.flat_nic_bandwidth or model.nic_bandwidth)
             + flat_msgs * model.alpha_net + float(local_rows.max()) * row_bytes
             / model.local_bandwidth + local_msgs * model.alpha_local)
 
-    # HALO phase II: one message per (rank, remote node) into the relay's NIC. einsum sums
-    # the G ranks of a node at memory speed in either layout (.sum(axis=2) over 8-wide
-    # groups took ~20 ms at R = 1024); S's own dtype holds every partial row sum when it
-    # holds the whole row's.
-    wide = S if S.dtype.itemsize >= 8 or rows_out.max(initial=0) < 2**31 else S.astype(np.int64)
-    far = np.einsum("rng->rn", wide.reshape(R, N, G)).astype(np.int64)  # [R, N] s -> node m
+    # HALO phase II: one message per (rank, remote node) into the relay's NIC.
+    far = per_node.copy()
     far[ar, node] = 0
     halo_in = np.bincount(L.relay_nic.ravel(), far.ravel(), minlength=L.n_nics)
     t_inter = (max(float(nic_out.max()), float(halo_in.max())) * row_bytes / model.nic_bandwidth
                + int((far > 0).sum(axis=1).max()) * model.alpha_net)
-    # Phase III: a relay forwards what it received for its node minus its own rows, to the
-    # ranks of its node that some source it relays has rows for (hits[r, g]).
-    if S.flags.c_contiguous:  # S[s, relay[s, m]]: the relay's own rows, not forwarded
-        kept = np.take(S.reshape(-1), b.relay_flat)
-    elif S.T.flags.c_contiguous:
-        kept = np.take(S.T.reshape(-1), b.relay_flat_t)
+    # Phase III: a relay forwards what it received for its node minus its own rows
+    # (S[s, relay[s, m]]), to the ranks of its node that some source it relays has rows
+    # for: hits[r, g].
+    if transposed:  # A[relay[s, m], s]: gathered in address order (R-strided reads in
+        kept = np.empty(R * N, dtype=A.dtype)  # pair order missed the cache: ~12 ms)
+        kept[b.relay_order_t] = np.take(A.reshape(-1), b.relay_flat_t[b.relay_order_t])
     else:
-        kept = S[ar[:, None], relay]
-    fwd = far - kept.reshape(R, N)  # [R, N]; own node: 0 - S[s, s], masked below
+        kept = np.take(A.reshape(-1), b.relay_flat)
+    fwd = far - kept.reshape(R, N)  # own node: 0 - S[s, s], masked below
     fwd[ar, node] = 0
     relayed = np.bincount(relay.ravel(), fwd.ravel(), minlength=R)
-    if Z.flags.c_contiguous:  # gather the G-wide blocks of the pairs, OR them per relay
-        hits = np.logical_or.reduceat(np.take(Z.reshape(R * N, G), b.pairs, axis=0),
-                                      b.starts, axis=0)
-    else:  # a transposed view: the batched product reads it without a copy
-        hits = (b.member @ Z.reshape(R, N, G).transpose(1, 0, 2).astype(np.float32)
-                ).reshape(R, G) > 0
+    # gather the G-wide blocks of the (source, node) pairs of S > 0, OR them per relay (a
+    # transposed S costs one copy of its [R, R] bools; BLAS on the batched [N, G, R] x
+    # [N, R, G] product took ~10 ms on 2 loaded cores)
+    Z = np.ascontiguousarray(ZA.T) if transposed else ZA
+    hits = np.logical_or.reduceat(np.take(Z.reshape(R * N, G), b.pairs, axis=0), b.starts,
+                                  axis=0)
     hits[b.idle] = False
     hits[ar, ar % G] = False  # a relay's own rows are not forwarded
     t_relay = float((relayed * row_bytes / model.local_bandwidth

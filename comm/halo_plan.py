@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
+from typing import NamedTuple
 
 import numpy as np
 
@@ -53,9 +55,10 @@ __all__ = [
 Segment = tuple[int, int]  # (first row, number of rows) inside one buffer
 
 
-@dataclass(frozen=True)
-class Message:
-    """Rows exchanged with `peer`: the concatenation of `segments` of the local buffer."""
+class Message(NamedTuple):
+    """Rows exchanged with `peer`: the concatenation of `segments` of the local buffer.
+    (A NamedTuple: a rank plan holds O(R) of them, built per split matrix, and a frozen
+    dataclass costs ~3x more to make.)"""
 
     peer: int
     segments: tuple[Segment, ...]
@@ -211,19 +214,12 @@ def rank_plan(S: Sequence[Sequence[int]] | np.ndarray, topo: Topology, me: int) 
     return _rank_plan(_as_matrix(S, topo), topo, me)
 
 
-def _prefix(values: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for v in values:
-        out.append(total)
-        total += v
-    return out
-
-
 @dataclass(frozen=True)
 class _NodeFacts:
     """What `_rank_plan` needs of the topology alone, memoised on it (built in O(R * N))."""
 
     sorted_ranks: tuple[tuple[int, ...], ...]  # node -> its ranks, ascending (packing order)
+    consecutive: tuple[bool, ...]  # node -> its ranks are first, first + 1, ..., last
     relayed: tuple[tuple[int, ...], ...]  # rank r -> remote sources r relays into its node
 
 
@@ -236,23 +232,29 @@ def _node_facts(topo: Topology) -> _NodeFacts:
             for m, r in enumerate(table[s]):
                 if m != node[s]:
                     relayed[r].append(s)
+        ranks = tuple(tuple(sorted(topo.node_ranks(m))) for m in range(topo.num_nodes))
         memo = _NodeFacts(
-            sorted_ranks=tuple(tuple(sorted(topo.node_ranks(m))) for m in range(topo.num_nodes)),
+            sorted_ranks=ranks,
+            consecutive=tuple(r[-1] - r[0] == len(r) - 1 for r in ranks),
             relayed=tuple(map(tuple, relayed)))
         object.__setattr__(topo, "_halo_node_facts", memo)
     return memo
 
 
+_tuple_new = tuple.__new__  # Message(...) without NamedTuple's keyword handling, ~3x faster
+
+
 def _rank_plan(M: np.ndarray, topo: Topology, me: int) -> RankPlan:
     """Rank `me`'s plan from the checked matrix M [R, R]: reads row `me`, column `me` and the
-    [sources I relay] x [my node's ranks] block, O(R * G) entries, never all of M."""
+    [sources I relay] x [my node's ranks] block, O(R * G) entries, never all of M. The plan
+    holds O(R) messages; building them is most of the ~0.3 ms (R = 256) it takes."""
     node, N = topo.rank2node, topo.num_nodes
     facts = _node_facts(topo)
     mine = facts.sorted_ranks[node[me]]  # ascending rank: the packing order
     row = M[me].tolist()  # row[d] = S[me][d]
     col = M[:, me].tolist()  # col[s] = S[s][me]
-    x_off = _prefix(row)  # x_off[d] in my input
-    y_off = _prefix(col)  # y_off[s] in my output
+    x_off = list(accumulate(row, initial=0))  # x_off[d] in my input (R + 1 entries)
+    y_off = list(accumulate(col, initial=0))  # y_off[s] in my output
 
     self_copies = ((x_off[me], row[me]), (y_off[me], row[me]))
     intra_sends = [Message(d, ((x_off[d], row[d]),)) for d in mine if d != me and row[d]]
@@ -260,51 +262,55 @@ def _rank_plan(M: np.ndarray, topo: Topology, me: int) -> RankPlan:
 
     # Largest message first (ties: the next node first, a rotation): the exchange ends when
     # its biggest flow does, and a send posted early gets its socket buffer filled first.
-    table = relay_table(topo)
+    table = relay_table(topo)[me]
     packed = []
     for m in range(N):
         if m == node[me]:
             continue
-        segs = _coalesce([(x_off[d], row[d]) for d in facts.sorted_ranks[m]])
+        ranks = facts.sorted_ranks[m]
+        if facts.consecutive[m]:  # one slice of x (zero rows drop out of it)
+            first, n = x_off[ranks[0]], x_off[ranks[-1] + 1] - x_off[ranks[0]]
+            segs: tuple[Segment, ...] = ((first, n),) if n else ()
+        else:
+            segs = _coalesce([(x_off[d], row[d]) for d in ranks])
         if segs:
-            message = Message(table[me][m], segs)
+            message = Message(table[m], segs)
             packed.append((-message.rows, (m - node[me]) % N, message))
     inter_sends = [message for _, _, message in sorted(packed)]
 
     # My stage buffer: packed messages of the sources I relay, ascending source rank, each
     # holding rows for my node's ranks in ascending rank order.
     relayed = facts.relayed[me]
-    block = M[np.ix_(relayed, mine)].tolist() if relayed else []  # [sources I relay, mine]
-    inter_recvs, stage_rows, offsets = [], 0, []  # offsets[i][j]: stage row of block[i][j]
-    for s, rows_s in zip(relayed, block, strict=True):
-        first, at = stage_rows, []
-        for n in rows_s:
-            at.append(stage_rows)
-            stage_rows += n
-        offsets.append(at)
-        if stage_rows > first:
-            inter_recvs.append(Message(s, ((first, stage_rows - first),)))
+    inter_recvs, stage_rows = [], 0
+    relay_sends: list[Message] = []
+    stage_copies: list[tuple[Segment, Segment]] = []
+    if relayed:
+        block = M[np.ix_(relayed, mine)].astype(np.int64)  # [sources I relay, mine]
+        flat = block.reshape(-1)
+        at = (np.cumsum(flat) - flat).reshape(block.shape)  # stage row of each block entry
+        stage_rows = int(flat.sum())
+        for s, first, n in zip(relayed, at[:, 0].tolist(), block.sum(axis=1).tolist(),
+                               strict=True):
+            if n:
+                inter_recvs.append(_tuple_new(Message, (s, ((first, n),), -1)))
+        for d, at_d, rows_d in zip(mine, at.T.tolist(), block.T.tolist(), strict=True):
+            if d == me:
+                stage_copies = [((a, n), (y_off[s], n))
+                                for s, a, n in zip(relayed, at_d, rows_d, strict=True) if n]
+            else:
+                relay_sends += [_tuple_new(Message, (d, ((a, n),), s))
+                                for s, a, n in zip(relayed, at_d, rows_d, strict=True) if n]
     # The order to await them in: smallest first (under fair sharing the small ones arrive
     # first, and awaiting a later one would hold back forwarding those already in), ties
     # from the previous node first (it posts to this node first, see inter_sends).
     inter_recvs.sort(key=lambda m: (m.rows, (node[me] - node[m.peer]) % N, m.peer))
-    relay_sends, stage_copies = [], []
-    for j, d in enumerate(mine):
-        if d == me:
-            stage_copies = [((at[j], rows_s[j]), (y_off[s], rows_s[j]))
-                            for s, at, rows_s in zip(relayed, offsets, block, strict=True)
-                            if rows_s[j]]
-            continue
-        relay_sends += [Message(d, ((at[j], rows_s[j]),), s)
-                        for s, at, rows_s in zip(relayed, offsets, block, strict=True)
-                        if rows_s[j]]
-    relay_recvs = [Message(r, ((y_off[s], col[s]),), s)
+    relay_recvs = [_tuple_new(Message, (r, ((y_off[s], col[s]),), s))
                    for r in mine if r != me
                    for s in facts.relayed[r] if col[s]]
     return RankPlan(
         rank=me,
-        x_rows=sum(row),
-        y_rows=sum(col),
+        x_rows=x_off[-1],
+        y_rows=y_off[-1],
         stage_rows=stage_rows,
         out_splits=tuple(col),
         self_copies=(self_copies,) if row[me] else (),
