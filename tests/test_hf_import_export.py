@@ -175,11 +175,14 @@ def test_fp8_block_quantized_weights_are_dequantized(tmp_path) -> None:
 
 
 # ------------------------------------------------------------------------------ round trip
-def _owned(rank: int, ckpt: HFCheckpoint, n_layers: int, E: int) -> set[str]:
-    """Keys rank `rank` of PP=2 x EP=2 (EP innermost: ranks 0,1 stage 0) must read."""
+def _owned(rank: int, ckpt: HFCheckpoint, n_layers: int, E: int,
+           placement: str = "local") -> set[str]:
+    """Keys rank `rank` of PP=2 x EP=2 must read: its stage's layers, its EP rank's experts."""
+    from trainer.mesh import Mesh
     from trainer.pipe import split_layers
 
-    pp_idx, ep_idx = divmod(rank, 2)
+    mesh = Mesh.plan(4, rank, pp=2, ep=2, dp=0, placement=placement)
+    pp_idx, ep_idx = mesh.pp_idx, mesh.ep_idx
     bounds = split_layers(n_layers, 2)
     layers = range(bounds[pp_idx], bounds[pp_idx + 1])
     mine = set(range(ep_idx * E // 2, (ep_idx + 1) * E // 2))
@@ -200,7 +203,7 @@ def _owned(rank: int, ckpt: HFCheckpoint, n_layers: int, E: int) -> set[str]:
     return out
 
 
-def round_trip(tmp_path: Path, model_type: str, data: str) -> None:
+def round_trip(tmp_path: Path, model_type: str, data: str, placement: str = "local") -> None:
     src = make_hf(tmp_path / "src", model_type)
     run = tmp_path / "run"
     r = run_train([f"--model.hf_path={src}", "--data", data, f"--train.out_dir={run}",
@@ -208,13 +211,15 @@ def round_trip(tmp_path: Path, model_type: str, data: str) -> None:
                    "--comm.alltoall=flat", "--train.steps=2", "--train.seq_len=32",
                    "--train.global_batch=8", "--train.eval_every=0", "--train.eval_batches=1",
                    "--train.plot=false", "--optim.lr=0", "--optim.min_lr=0",
-                   "--model.bias_update_rate=0"], nproc=4)
+                   "--model.bias_update_rate=0", f"--parallel.ep_placement={placement}"],
+                  nproc=4)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ckpt = HFCheckpoint(src)
     cfg = ckpt.model_config()
     for rank in range(4):
         rec = json.loads((run / "hf_import" / f"rank_{rank}.json").read_text())
-        assert set(rec["keys"]) == _owned(rank, ckpt, cfg.n_layers, cfg.n_routed_experts), rank
+        want = _owned(rank, ckpt, cfg.n_layers, cfg.n_routed_experts, placement)
+        assert set(rec["keys"]) == want, rank
     out = export_checkpoint(run / "checkpoints" / "step_00000002", tmp_path / "out",
                             dtype="fp32", progress=False)
     a, b = all_tensors(src), all_tensors(out)
@@ -230,9 +235,33 @@ def test_round_trip_pp2_ep2_mixtral(tmp_path, data_bin) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
-def test_round_trip_pp2_ep2(tmp_path, data_bin, model_type) -> None:
-    round_trip(tmp_path, model_type, data_bin)
+@pytest.mark.parametrize(("model_type", "placement"),
+                         [("qwen3_moe", "local"), ("deepseek_v3", "local"), ("mixtral", "spread")])
+def test_round_trip_pp2_ep2(tmp_path, data_bin, model_type, placement) -> None:
+    round_trip(tmp_path, model_type, data_bin, placement)
+
+
+def test_experts_land_in_their_placement_slots(tmp_path) -> None:
+    """An EP rank holding slots [2, 4) of 4 under a permuted placement gets, in local slot j,
+    the logical expert that the placement puts in slot 2 + j (as after a migration)."""
+    src = make_hf(tmp_path / "src", "mixtral", shard="50MB")
+    ckpt = HFCheckpoint(src)
+    cfg = ckpt.model_config()
+    model = MoETransformer(cfg)
+    expert2slot = torch.tensor([3, 0, 2, 1])  # expert e lives in slot expert2slot[e]
+    for layer in model.moe_layers():
+        layer.expert2slot.copy_(expert2slot)
+        ex = layer.experts
+        for name in ("w1", "w2", "w3"):
+            setattr(ex, name, torch.nn.Parameter(getattr(ex, name).detach()[2:4].clone()))
+        ex.first_slot = 2
+    load_hf_weights(model, ckpt)
+    sd = all_tensors(src)
+    for i, layer in enumerate(model.moe_layers()):
+        for j, e in enumerate((2, 0)):  # slot 2 holds expert 2, slot 3 holds expert 0
+            key = f"model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight"
+            assert torch.equal(layer.experts.w1[j], sd[key].t()), (i, j)
+    assert not any(".experts.1." in k or ".experts.3." in k for k, _ in ckpt.reads)
 
 
 # ------------------------------------------------------------------------------ export
