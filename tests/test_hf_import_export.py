@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, run_train
+from test_model_hf import randomize
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -49,14 +50,8 @@ def make_hf(path: Path, model_type: str, shard: str = "60KB", **over) -> Path:
     does not hinge on near-ties; a non-zero DeepSeek-V3 router bias)."""
     torch.manual_seed(0)
     cfg = transformers.AutoConfig.for_model(model_type, **{**COMMON, **KW[model_type], **over})
-    m = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.1 * torch.randn_like(p))
-        for n, b in m.named_buffers():
-            if "e_score_correction_bias" in n:
-                b.copy_(0.05 * torch.randn_like(b))
-    m.save_pretrained(path, max_shard_size=shard)
+    randomize(transformers.AutoModelForCausalLM.from_config(cfg)).save_pretrained(
+        path, max_shard_size=shard)
     return path
 
 

@@ -143,10 +143,9 @@ CASES = [
 ]
 
 
-def random_hf(cfg: ModelConfig, model_type: str) -> nn.Module:
-    """Reference model with O(0.1) random weights (the default 0.02 init makes router scores
-    nearly tied, so routing would hinge on last-ulp differences) and a non-zero bias."""
-    m = hf_model(cfg, model_type).float().eval()
+def randomize(m: nn.Module) -> nn.Module:
+    """O(0.1) random weights (the default 0.02 init makes router scores nearly tied, so routing
+    would hinge on last-ulp differences) and a non-zero DeepSeek-V3 router bias, in place."""
     with torch.no_grad():
         for n, p in m.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.1 * torch.randn_like(p))
@@ -154,6 +153,11 @@ def random_hf(cfg: ModelConfig, model_type: str) -> nn.Module:
             if "e_score_correction_bias" in n:
                 b.copy_(0.05 * torch.randn_like(b))
     return m
+
+
+def random_hf(cfg: ModelConfig, model_type: str) -> nn.Module:
+    """Reference model with random weights (`randomize`)."""
+    return randomize(hf_model(cfg, model_type).float().eval())
 
 
 def compare(cfg: ModelConfig, ref: nn.Module, sd: dict[str, torch.Tensor]) -> float:
