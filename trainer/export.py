@@ -178,6 +178,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
     hf_cfg = dict(src_cfg) if src_cfg.get("model_type") == mt else {}
     hf_cfg.pop("quantization_config", None)  # written dequantized
     hf_cfg.update(config_to_hf(cfg, mt))
+    if isinstance(hf_cfg.get("layer_types"), list):  # per-layer list (Qwen2-MoE): a run with
+        hf_cfg["layer_types"] = hf_cfg["layer_types"][: cfg.n_layers]  # fewer layers keeps its own
     hf_cfg.update(architectures=[ARCHITECTURES[mt]], dtype=str(tdtype).removeprefix("torch."))
     hf_cfg.pop("torch_dtype", None)
     (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
