@@ -14,7 +14,6 @@ lists swapped, so gradients flow back to the rows that produced them.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "ARRAY_CODE",
     "FlatAllToAll",
     "exchange_int_array",
     "exchange_ints",
@@ -67,9 +65,6 @@ def _split_device(
     return torch.device(rows_device)
 
 
-ARRAY_CODE = {torch.int64: "q", torch.int32: "i"}  # `array` type codes of the int dtypes
-
-
 def exchange_ints(
     values: list[int], group: dist.ProcessGroup | None, device: torch.device,
     dtype: torch.dtype = torch.int64,
@@ -78,21 +73,22 @@ def exchange_ints(
     equal chunks of `values` go to the ranks in order, and the chunks received come back in
     source order as python ints.
 
-    On the CPU the two buffers are `array`s seen by torch without a copy:
-    `torch.tensor(list)` and `.tolist()` cost ~3x more CPU when their code is cold in the
-    cache, as it is between exchanges, and every exchange pays this before moving a row.
+    The buffers are tensors that torch allocated, filled and read through numpy views
+    (`torch.tensor(list)` and `.tolist()` cost ~3x more CPU when their code is cold in the
+    cache, as it is between exchanges). They used to be Python `array`s seen through
+    `torch.frombuffer`: a tensor whose memory a Python object owns needs the GIL when its
+    last reference goes, and the backend's worker thread may drop that reference after the
+    call has returned, up to interpreter shutdown, where a thread that takes the GIL is
+    ended by pthread_exit (`terminate called without an active exception`).
     """
-    if device.type == "cpu":
-        code = ARRAY_CODE[dtype]
-        send = array(code, values)
-        recv = array(code, bytes(send.itemsize * len(values)))
-        dist.all_to_all_single(torch.frombuffer(recv, dtype=dtype),
-                               torch.frombuffer(send, dtype=dtype), group=group)
-        return recv.tolist()
-    send_t = torch.tensor(values, dtype=dtype, device=device)
-    recv_t = torch.empty_like(send_t)
-    dist.all_to_all_single(recv_t, send_t, group=group)
-    return recv_t.tolist()
+    n = len(values)
+    send = torch.empty(n, dtype=dtype)
+    send.numpy()[:] = values
+    if device.type != "cpu":
+        send = send.to(device)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return (recv if device.type == "cpu" else recv.cpu()).numpy().tolist()
 
 
 def exchange_int_array(
