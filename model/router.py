@@ -15,6 +15,12 @@ DeepSeek-V3's sequence-wise loss). Perfectly uniform routing gives aux = coef. B
 mean of per-sequence terms, splitting a batch evenly over data-parallel ranks and averaging
 their losses gives exactly the single-process value.
 
+Router entropy (a diagnostic, only while `track_entropy` is set, e.g. by the trainer):
+`last_entropy_sum` = sum over this forward's tokens of H(p_t) = -sum_e p_te ln p_te (nats),
+p as in the aux loss; detached, so it costs one elementwise pass over [T, E] and no graph.
+Divided by the number of tokens it is the mean entropy: ln E for uniform routing, 0 when
+every token puts all its probability on one expert.
+
 Shape legend: B batch, S sequence, T = B*S tokens, D model, E experts, K top-k.
 """
 
@@ -47,6 +53,8 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(E, cfg.d_model))
         # fp32 buffer: the sign updates of size ~1e-3 would vanish in bf16.
         self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+        self.track_entropy = False  # compute last_entropy_sum in route() (see module docstring)
+        self.last_entropy_sum = torch.zeros(())
 
     def scores(self, x_TD: torch.Tensor) -> torch.Tensor:
         """Router scores s [T, E] in fp32 (softmax probabilities or sigmoids)."""
@@ -93,6 +101,10 @@ class Router(nn.Module):
         B, S, D = x_BSD.shape
         s = self.scores(x_BSD.reshape(B * S, D))
         idx, w = self.select(s)
+        if self.track_entropy:
+            with torch.no_grad():
+                p = s if self.kind == "softmax" else s / (s.sum(-1, keepdim=True) + 1e-20)
+                self.last_entropy_sum = torch.special.entr(p).sum()
         aux = self.aux_loss(s.view(B, S, -1), idx.view(B, S, -1))
         return idx, w.to(x_BSD.dtype), aux
 

@@ -123,6 +123,15 @@ class TrainConfig:
     memory_report: bool = False  # log per-rank state bytes and peak saved-activation bytes (max over ranks)
     export_hf: str = ""  # at the end, also write a Hugging Face checkpoint here (trainer.export)
     trace_counts: bool = False  # write per-step, per-expert token counts to <out_dir>/counts.jsonl
+    # observability (docs/observability.md): per-MoE-layer load and router entropy in
+    # metrics.jsonl (and the sinks below); TensorBoard under <out_dir>/tensorboard: true | false
+    # | auto (= on when the tensorboard package is installed); Weights & Biases when a project
+    # is named; torch.profiler traces of steps "A,B" under <out_dir>/profile/
+    layer_metrics: bool = True
+    tensorboard: str = "auto"
+    wandb_project: str = ""
+    wandb_mode: str = "offline"  # offline (no network; `wandb sync` later) | online
+    profile_steps: str = ""
     threads: int = 0  # torch intra-op threads per process; 0 = cores / local processes
     timeout_s: float = 600.0  # a collective or P2P waiting longer than this fails the run
     nan_policy: str = "skip"  # non-finite loss/grad: "skip" the step (up to max) or "stop"

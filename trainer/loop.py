@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.profiler import record_function
 
 from .balancing import Balancer
 from .checkpoint import (
@@ -37,8 +38,10 @@ from .config import ConfigError, RunConfig
 from .data import Corpus, load_corpus
 from .memory import SavedTensorMeter, state_bytes
 from .mesh import Mesh, MeshError, valid_divisors
+from .metrics import LayerGather, Sinks, check_observability
 from .parallel import GradSync, parallelize
 from .pipe import build_stages, ce_loss, moe_aux, pp_eval_forward, split_layers
+from .profiling import StepProfiler, parse_profile_steps, stage_ranges
 
 __all__ = ["Trainer", "TrainingError", "prepare", "build_model_config", "log"]
 
@@ -109,6 +112,9 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     mesh = Mesh.plan(world_size, rank, pp=par.pp, ep=par.ep, dp=par.dp, placement=par.ep_placement)
     if mesh.pp > 1:
         _check_pipeline(cfg, mcfg, mesh)
+    else:  # unused with pp=1, but a wrong value is still a mistake worth naming
+        _check_schedule(cfg.parallel, 1)
+        split_layers(mcfg.n_layers, cfg.parallel.n_virtual, cfg.parallel.layer_split)
     E = mcfg.n_routed_experts
     if E % mesh.ep:
         raise MeshError(f"ep={mesh.ep} does not divide {E} experts of model {_model_name(cfg)!r}; "
@@ -179,6 +185,8 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
         raise ConfigError(f"train.timeout_s={t.timeout_s} must be > 0 seconds")
     if t.dtype not in ("auto", "fp32", "bf16"):
         raise ConfigError(f"train.dtype={t.dtype!r}; valid: auto, fp32, bf16")
+    check_observability(t)
+    parse_profile_steps(t.profile_steps, t.steps)
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)
     corpus.check(t.seq_len, mcfg.vocab_size)
     if t.export_hf:
@@ -233,9 +241,7 @@ def _check_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh) -> None:
     if mcfg.tie_embeddings:
         raise ConfigError("tie_embeddings=True with pp > 1 is not supported (the embedding and the "
                           "head would live on different stages); use pp=1 or untied embeddings")
-    if par.n_virtual < 1 or (par.n_virtual > 1 and par.schedule != "interleaved-1f1b"):
-        raise ConfigError(f"parallel.n_virtual={par.n_virtual}: values > 1 need "
-                          f"parallel.schedule='interleaved-1f1b' (got {par.schedule!r})")
+    _check_virtual(par)
     split_layers(mcfg.n_layers, mesh.pp * par.n_virtual, par.layer_split)
     per_shard = cfg.train.global_batch // max(1, mesh.n_data_shards)
     if par.microbatches < 1 or per_shard % par.microbatches:
@@ -243,10 +249,24 @@ def _check_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh) -> None:
             f"parallel.microbatches={par.microbatches} must divide the {per_shard} sequences each "
             f"data shard gets per step (train.global_batch={cfg.train.global_batch} / "
             f"{mesh.n_data_shards} shards); valid: {valid_divisors(per_shard)}")
+    _check_schedule(par, mesh.pp)
+
+
+def _check_virtual(par) -> None:
+    if par.n_virtual < 1 or (par.n_virtual > 1 and par.schedule != "interleaved-1f1b"):
+        raise ConfigError(f"parallel.n_virtual={par.n_virtual}: values > 1 need "
+                          f"parallel.schedule='interleaved-1f1b' (got {par.schedule!r})")
+
+
+def _check_schedule(par, pp: int) -> None:
+    """The schedule name and its numbers; with pp=1 too, where they are not used."""
+    _check_virtual(par)
+    if par.microbatches < 1:
+        raise ConfigError(f"parallel.microbatches={par.microbatches} must be >= 1")
     try:
-        build_schedule(par, mesh.pp)
+        build_schedule(par, pp)
     except ValueError as e:
-        raise ConfigError(f"parallel.schedule={par.schedule!r} with pp={mesh.pp}, "
+        raise ConfigError(f"parallel.schedule={par.schedule!r} with pp={pp}, "
                           f"microbatches={par.microbatches}: {e}") from None
 
 
@@ -301,6 +321,7 @@ class Trainer:
         cost_model = self._calibrate_auto(topo) \
             if algo == "auto" and topo is not None and topo.num_nodes > 1 else None
         parallelize(self.model, self.mesh, alltoall=algo, topology=topo, cost_model=cost_model)
+        moe_ids = [i for i, b in enumerate(self.model.layers) if b.is_moe]  # the whole model's
         self.stages: dict = {}
         if self.mesh.pp > 1:
             self._build_pipeline()
@@ -313,8 +334,22 @@ class Trainer:
                 layer.router.e_score_correction_bias.copy_(
                     -self.cfg.balance.skew * torch.log1p(torch.arange(E, dtype=torch.float32)))
         self._counts: dict[int, torch.Tensor] = {}
+        self._entropy: dict[int, torch.Tensor] = {}
+        per_layer = self.cfg.train.layer_metrics
         for i, layer in enumerate(self.model.moe_layers()):
             layer.register_forward_hook(self._count_hook(i))
+            layer.router.track_entropy = per_layer
+        self.layer_names = list(named_moe_layers(self.model))
+        local_ids = [i for i, b in enumerate(self.model.layers) if getattr(b, "is_moe", False)]
+        self.gather = LayerGather(moe_ids, local_ids, self.mcfg.n_routed_experts, self.mcfg.top_k,
+                                  self.mesh.pp, self.mesh.pp_idx, self.mesh.pp_group, self.device,
+                                  per_layer)
+        self.profiler = StepProfiler(parse_profile_steps(self.cfg.train.profile_steps,
+                                                         self.cfg.train.steps),
+                                     self.out, self.rank, self.device)
+        if self.profiler.window and self.stages:
+            stage_ranges(self.stages)
+        self._pp_idle: tuple[float, float] | None = None
         self.sync = GradSync(self.model, self.mesh)
         o = self.cfg.optim
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
@@ -416,6 +451,9 @@ class Trainer:
                 return
             c = module.last_counts.detach().to(torch.float64)
             self._counts[i] = self._counts[i] + c if i in self._counts else c
+            if module.router.track_entropy:
+                h = module.router.last_entropy_sum.to(torch.float64)
+                self._entropy[i] = self._entropy[i] + h if i in self._entropy else h
         return hook
 
     # -- helpers -------------------------------------------------------------------------------
@@ -468,24 +506,29 @@ class Trainer:
         data shards; one tensor per MoE layer this rank holds."""
         n = len(self.model.moe_layers())
         if n == 0:
+            self.last_entropy = []
             return []
-        flat = torch.stack([self._counts[i] for i in range(n)]).to(self.device)
+        flat = torch.stack([self._counts[i] for i in range(n)])
+        if self._entropy:  # the router entropy sums ride along as one more column
+            ent = torch.stack([self._entropy[i] for i in range(n)]).to(flat.device)
+            flat = torch.cat([flat, ent[:, None]], 1)
+        flat = flat.to(self.device)
         if self.mesh.stage_group is not None:
             dist.all_reduce(flat, group=self.mesh.stage_group)
-        return list(flat)
+        E = self.mcfg.n_routed_experts
+        self.last_entropy = flat[:, E].tolist() if self._entropy else [0.0] * n
+        return list(flat[:, :E])
 
-    def _imbalance(self, counts: list[torch.Tensor]) -> float:
-        """max EP-rank load / mean EP-rank load, averaged over MoE layers (1.0 when ep == 1)."""
+    def _imbalance(self, counts: list[torch.Tensor]) -> list[float]:
+        """max EP-rank load / mean EP-rank load of each of this rank's MoE layers (1.0 when
+        ep == 1); `LayerGather` averages them over the whole model's layers."""
         vals = []
         for layer, c in zip(self.model.moe_layers(), counts, strict=True):
             E = c.numel()
             rank_of = layer.expert2slot.cpu() // (E // self.mesh.ep)
             load = torch.zeros(self.mesh.ep, dtype=torch.float64).index_add_(0, rank_of, c.cpu())
             vals.append(float(load.max() / load.mean().clamp_min(1e-9)))
-        agg = torch.tensor([sum(vals), len(vals)], dtype=torch.float64, device=self.device)
-        if self.mesh.pp_group is not None:  # every stage holds different MoE layers
-            dist.all_reduce(agg, group=self.mesh.pp_group)
-        return float(agg[0] / agg[1]) if agg[1] > 0 else 1.0
+        return vals
 
     # -- phases --------------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -501,13 +544,14 @@ class Trainer:
             log(f"fault injection: rank {self.rank} stalls at step {self.step + 1}", 0)
             time.sleep(10 * t.timeout_s + 60)
         t0 = time.perf_counter()
-        self._counts = {}
+        self._counts, self._entropy = {}, {}
         self.phase = "forward/backward (MoE all-to-all, pipeline P2P)"
         meter = self.meter if t.memory_report else contextlib.nullcontext()
         if t.memory_report:
             self.meter.reset_peak()
-        with meter:
+        with meter, record_function("forward_backward"):
             ce, aux = self._forward_backward(tokens, targets)
+        t1 = time.perf_counter()
         if t.fault_nan_step == self.step + 1 and self.rank == t.fault_rank:  # fault injection
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -515,8 +559,10 @@ class Trainer:
                     break
             ce = ce * float("nan")
         self.phase = "gradient all-reduce"
-        self.sync.sync()
-        norm = self.sync.clip(self.cfg.optim.grad_clip)
+        with record_function("grad_sync"):
+            self.sync.sync()
+            norm = self.sync.clip(self.cfg.optim.grad_clip)
+        t2 = time.perf_counter()
         loss, aux_v = self._allreduce_mean([float(ce.detach()), float(aux.detach())])
         lr = self.lr_at(self.step)
         events: list[dict[str, Any]] = []
@@ -524,11 +570,13 @@ class Trainer:
         counts = self._expert_counts()
         self.last_counts = counts
         imbalance = self._imbalance(counts)  # of the placement this step ran with
+        t3 = time.perf_counter()
         if math.isfinite(loss) and math.isfinite(norm):  # global values: every rank agrees
             self.phase = "optimizer step"
             for g in self.optim.param_groups:
                 g["lr"] = lr
-            self.optim.step()
+            with record_function("optimizer.step"):
+                self.optim.step()
             if t.memory_report:  # weights + grads + optimizer state, all alive right now
                 self._state_bytes = state_bytes(self.model, self.optim)
             self.optim.zero_grad(set_to_none=True)
@@ -549,19 +597,28 @@ class Trainer:
                     f"{norm}); {self.nonfinite_steps} such step(s), policy {t.nan_policy!r} allows "
                     f"{0 if t.nan_policy == 'stop' else t.max_nonfinite_steps}; stopping. The "
                     f"weights are those of the last finite step; lower optim.lr or check the data")
+        t4 = time.perf_counter()
+        self.phase = "metrics all-reduce"  # every stage's layers, migrations, pipeline idle
+        gathered = self.gather.reduce(counts, self.last_entropy, imbalance, events,
+                                      self.layer_names, self._pp_idle)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        self.phase = "metrics all-reduce"
         wait = self._exchange_time()
         if t.memory_report:
             wait.update(self._memory())
         self.step += 1
         tok_s = t.global_batch * t.seq_len / dt
         mfu = self.flops_per_token * tok_s / (self.peak * self.mesh.world_size) if self.peak else 0.0
-        return {"step": self.step, "loss": loss, "aux_loss": aux_v, "lr": lr, "grad_norm": norm,
-                "tokens_per_s": tok_s, "mfu": mfu, "imbalance": imbalance,
-                "step_time_s": dt, **wait, "events": events}
+        layers = gathered.pop("layers", None)
+        row = {"step": self.step, "loss": loss, "aux_loss": aux_v, "lr": lr, "grad_norm": norm,
+               "tokens_per_s": tok_s, "mfu": mfu, **gathered, "step_time_s": dt,
+               "fwd_bwd_s": t1 - t0, "grad_sync_s": t2 - t1, "optim_s": t4 - t3, **wait}
+        if self.nonfinite_steps:
+            row["nonfinite_steps"] = self.nonfinite_steps
+        if layers is not None:
+            row["layers"] = layers
+        return {**row, "events": events}
 
     def _forward_backward(self, tokens: torch.Tensor, targets: torch.Tensor):
         """One step's forward and backward (pipelined when pp > 1); returns (ce, aux)."""
@@ -569,8 +626,11 @@ class Trainer:
             M = self.cfg.parallel.microbatches
             first, last = 0 in self.stages, self.n_stages - 1 in self.stages
             self._queue_docs(tokens.chunk(M))
+            w0 = time.perf_counter()
             losses = self.runtime.step(list(tokens.chunk(M)) if first else None,
                                        list(targets.chunk(M)) if last else None)
+            wall = time.perf_counter() - w0  # this rank's idle: wall minus its actions' spans
+            self._pp_idle = (wall - sum(sp.end - sp.start for sp in self.runtime.spans), wall)
             self._check_docs_used()
             ce = torch.stack(losses).mean() if last else torch.zeros(())
             aux = torch.tensor(sum(self.runtime.last_aux.values()) / M)
@@ -664,14 +724,47 @@ class Trainer:
             f"active) | data {self.corpus.source}: {len(self.corpus.train):,} train / "
             f"{len(self.corpus.val):,} val tokens | MFU vs {self.peak_src} "
             f"({self.peak / 1e9:.1f} GFLOP/s per process)", self.rank)
-        history: list[dict[str, Any]] = []
         t_start = time.perf_counter()
         start_step = self.step
-        last_val = float("nan")
         end = min(t.steps, t.stop_after) if t.stop_after > 0 else t.steps
+        sinks = Sinks(t, self.out, self.cfg.to_dict(), self.step, self.rank,
+                      lambda msg: log(msg, self.rank))
+        try:
+            history, last_val = self._loop(end, sinks, metrics_path, t_start, start_step)
+        finally:
+            sinks.close()
+            self.profiler.close()
+        ckpt = self.save()
+        if self.step < t.steps:
+            log(f"stopped after step {self.step} of {t.steps} (--train.stop_after); checkpoint "
+                f"{ckpt}; continue with --resume", self.rank)
+        else:
+            log(f"done: {self.step} steps, final val loss {last_val:.4f} nats/token, checkpoint "
+                f"{ckpt}", self.rank)
+        if self.rank == 0 and t.plot:
+            from .report import plot_loss
+
+            plot_loss(metrics_path, self.out / "loss.png")
+        if self.rank == 0 and t.export_hf:
+            from .export import export_checkpoint
+
+            log(f"exported a Hugging Face checkpoint: "
+                f"{export_checkpoint(ckpt, t.export_hf, progress=False)}", self.rank)
+        return {"val_loss": last_val, "history": history}
+
+    def _loop(self, end: int, sinks: Sinks, metrics_path: Path, t_start: float,
+              start_step: int) -> tuple[list[dict[str, Any]], float]:
+        t = self.cfg.train
+        history: list[dict[str, Any]] = []
+        last_val = float("nan")
         while self.step < end:
             try:
+                self.profiler.before(self.step + 1)
                 m = self.train_step()
+                if self.profiler.after(self.step):
+                    log(f"profiler trace of steps {t.profile_steps} (one per rank; open in "
+                        f"Perfetto or chrome://tracing): {self.out / 'profile'}/rank_<r>.json for "
+                        f"r in 0..{self.mesh.world_size - 1}, e.g. {self.profiler.path}", self.rank)
                 self.phase = "evaluation"
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps:
                     last_val = m["val_loss"] = self.evaluate()
@@ -684,16 +777,20 @@ class Trainer:
             history.append(m)
             events = m.pop("events")
             if self.rank == 0 and t.trace_counts and self.last_counts:
-                # routing trace of rank 0's MoE layers (all layers when pp == 1), for
-                # benchmarks/bench_balance.py --trace
+                # routing trace, for benchmarks/bench_balance.py --trace: every stage's MoE
+                # layers with --train.layer_metrics (the default), else rank 0's
+                all_layers = self.gather.last_counts is not None
+                counts = self.gather.last_counts if all_layers else self.last_counts
+                ids = self.gather.moe_ids if all_layers else self.gather.local_ids
                 with open(self.out / "counts.jsonl", "a") as f:
-                    f.write(json.dumps({"step": self.step, "counts": [
-                        [int(v) for v in c.tolist()] for c in self.last_counts]}) + "\n")
+                    f.write(json.dumps({"step": self.step, "layers": ids, "counts": [
+                        [int(v) for v in c.tolist()] for c in counts]}) + "\n")
             if self.rank == 0:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(m) + "\n")
                     for ev in events:
                         f.write(json.dumps(ev) + "\n")
+                sinks.write(m)
                 for ev in events:
                     log(_format_event(ev), self.rank)
                 if self.step % t.log_every == 0 or "val_loss" in m or self.step == t.steps:
@@ -706,21 +803,7 @@ class Trainer:
                     self.save()
                 except RuntimeError as e:
                     raise self._fault(e) from e
-        ckpt = self.save()
-        if self.step < t.steps:
-            log(f"stopped after step {self.step} of {t.steps} (--train.stop_after); checkpoint "
-                f"{ckpt}; continue with --resume", self.rank)
-        else:
-            log(f"done: {self.step} steps, final val loss {last_val:.4f} nats/token, checkpoint "
-                f"{ckpt}", self.rank)
-        if self.rank == 0 and t.plot:
-            _plot(metrics_path, self.out / "loss.png")
-        if self.rank == 0 and t.export_hf:
-            from .export import export_checkpoint
-
-            log(f"exported a Hugging Face checkpoint: "
-                f"{export_checkpoint(ckpt, t.export_hf, progress=False)}", self.rank)
-        return {"val_loss": last_val, "history": history}
+        return history, last_val
 
 
 def _format(m: dict[str, Any], total: int, eta: float) -> str:
@@ -777,28 +860,3 @@ def _truncate_metrics(path: Path, step: int) -> None:
         return
     keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
     path.write_text("".join(ln + "\n" for ln in keep))
-
-
-def _plot(metrics_path: Path, png: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no loss plot", file=sys.stderr)
-        return
-    rows = [json.loads(ln) for ln in metrics_path.read_text().splitlines() if ln.strip()]
-    rows = [r for r in rows if "loss" in r]  # skip event rows (migrations)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", lw=1)
-    val = [r for r in rows if "val_loss" in r]
-    ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
-    ax.axhline(math.log(256), color="gray", ls=":", lw=1, label="uniform (ln 256)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / byte)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
