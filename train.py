@@ -1,6 +1,6 @@
 """piper-moe trainer: one entrypoint for every layout, launched with torchrun.
 
-    # the default job (tiny preset, EP=2 x DP=2 on 4 CPU processes, gloo): what `make train` runs
+    # the default job (tiny preset, PP=2 x EP=2 on 4 CPU processes, gloo): what `make train` runs
     torchrun --standalone --nproc-per-node 4 train.py --config configs/tiny.toml
     # one process, no torchrun needed
     python train.py --config configs/tiny.toml --parallel.ep=1 --train.steps=50
