@@ -39,7 +39,7 @@ from balance.placement import (
     slot_lower_bound,
     swaps_between,
 )
-from balance.planner import METHODS, greedy_repack, plan_summary, plan_swaps
+from balance.planner import METHODS, greedy_repack, plan_swaps
 
 __all__ = [
     "METHODS",
@@ -58,7 +58,6 @@ __all__ = [
     "migrate",
     "permute_slots",
     "placement_of",
-    "plan_summary",
     "plan_swaps",
     "rank_loads",
     "slot_lower_bound",

@@ -40,7 +40,6 @@ Shape legend: E experts, R ranks, S = E / R slots per rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -51,12 +50,11 @@ from balance.placement import (
     as_load,
     as_placement,
     count_moves,
-    lower_bound,
     slot_lower_bound,
     swaps_between,
 )
 
-__all__ = ["METHODS", "greedy_repack", "plan_summary", "plan_swaps"]
+__all__ = ["METHODS", "greedy_repack", "plan_swaps"]
 
 METHODS: tuple[str, ...] = ("minmax", "hill-climb", "greedy-repack")
 
@@ -251,22 +249,3 @@ def plan_swaps(
             return []
         return swaps
     raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
-
-
-def plan_summary(
-    load: Any, placement: Any, n_ranks: int, swaps: Sequence[Swap]
-) -> dict[str, float | int]:
-    """Imbalance before/after, moved experts and swaps of a plan (for logs and benchmarks)."""
-    w = as_load(load)
-    p = as_placement(placement, n_ranks, w.size)
-    q = np.asarray(apply_swaps(p, swaps))
-    before = np.bincount(p, weights=w, minlength=n_ranks)
-    after = np.bincount(q, weights=w, minlength=n_ranks)
-    mean = before.mean()
-    return {
-        "imbalance_before": float(before.max() / mean) if mean > 0 else 1.0,
-        "imbalance_after": float(after.max() / mean) if mean > 0 else 1.0,
-        "max_over_lb": float(after.max() / lower_bound(w, n_ranks)) if mean > 0 else 1.0,
-        "moves": count_moves(p, q),
-        "swaps": len(swaps),
-    }

@@ -10,7 +10,7 @@ the most-loaded one, so this is the waiting the imbalance causes (plus the trans
 Reported: medians over the steps after the first migration (same steps in both runs), and the
 ratio migrate / static, measured in the same invocation.
 
-    python benchmarks/bench_migration.py [--steps 40] [--skew 0.05] [--repeats 1]
+    python benchmarks/bench_migration.py [--steps 40] [--skew 0.05] [--out DIR]
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Closed-form communication costs: all-to-all (flat, HALO), pipeline P2P, ring all-reduce.
 
-These stand in for `comm.netsim` until it exists; `alltoall_time` is the one function to swap.
+The network simulator exists (`comm.netsim`, flow-level): `netsim_alltoall_time` below runs
+an exchange through it, and `tuner.estimate` uses it instead of `alltoall_time` when the
+assumptions say `alltoall_model = "netsim"`; the closed forms here are the fast default.
 Placement of a group on the machine is decided by its rank stride in the mesh:
 
     EP placement "local":  rank = (pp_i * DP + dp_i) * EP + ep_i   (EP innermost, the trainer's)
