@@ -95,15 +95,19 @@ class New:
         rows = S.tolist()
         parts = [r + (row_summary(r, s, self.topo) if algorithm == "auto" else [])
                  for s, r in enumerate(rows)]
-        self.values = np.asarray(parts, dtype=np.int32).reshape(-1)
-        self.values.flags.writeable = False
+        # what the exchange hands over: int64 for plan_all_to_all (the layer), int32 for
+        # an unplanned all_to_all (the call)
+        self.values = {dtype: np.asarray(parts, dtype=dtype).reshape(-1)
+                       for dtype in (np.int64, np.int32)}
+        for v in self.values.values():
+            v.flags.writeable = False
         self.splits = rows[ME]
 
     def layer(self) -> tuple:
         if self.algorithm == "auto":
             row_summary(self.splits, ME, self.topo)
-        plan, _ = settle_plan(self.values, self.splits, 0, ME, self.algorithm, self.topo,
-                              self.model, 4096)
+        plan, _ = settle_plan(self.values[np.int64], self.splits, 0, ME, self.algorithm,
+                              self.topo, self.model, 4096)
         rev = plan.reverse()
         out = []
         for p, backward in ((plan, False), (rev, False), (rev, True), (plan, True)):
@@ -117,8 +121,8 @@ class New:
     def call(self) -> tuple:
         if self.algorithm == "auto":
             row_summary(self.splits, ME, self.topo)
-        plan, _ = settle_plan(self.values, self.splits, 0, ME, self.algorithm, self.topo,
-                              self.model, 4096)
+        plan, _ = settle_plan(self.values[np.int32], self.splits, 0, ME, self.algorithm,
+                              self.topo, self.model, 4096)
         if plan.algorithm != "halo":
             return (plan.algorithm,)
         return plan.splits.rank_plan(ME), plan.splits.transposed().rank_plan(ME)

@@ -310,8 +310,8 @@ def _exchange_matrix(
             send[:, :k] = payload
             send[:, k:] = mine
         else:
-            send = np.tile(mine, world)
-        values = exchange_int_array(send.reshape(-1), group, device, dtype)
+            send = np.broadcast_to(mine, (world, len(mine)))  # the same ints to every peer
+        values = exchange_int_array(send, group, device, dtype)
     return values
 
 

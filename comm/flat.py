@@ -95,12 +95,12 @@ def exchange_int_array(
     send: np.ndarray, group: dist.ProcessGroup | None, device: torch.device,
     dtype: torch.dtype = torch.int64,
 ) -> np.ndarray:
-    """`exchange_ints` for HALO and `auto`, whose exchanges carry R x R ints: a 1-D array
-    in, a 1-D read-only array out (no Python int per value; `.tolist()` of 1M ints alone
+    """`exchange_ints` for HALO and `auto`, whose exchanges carry R x R ints: an array in
+    (flattened in C order), a 1-D read-only array out (no Python int per value; `.tolist()` of 1M ints alone
     cost ~10 ms). Both buffers are tensors that torch allocated, seen from numpy without a
     copy, so the backend never holds memory that a Python object owns."""
-    send_t = torch.empty(len(send), dtype=dtype)
-    send_t.numpy()[:] = send
+    send_t = torch.empty(send.size, dtype=dtype)
+    send_t.numpy().reshape(send.shape)[...] = send  # one copy, also from a broadcast view
     if device.type != "cpu":
         send_t = send_t.to(device)
     recv_t = torch.empty_like(send_t)

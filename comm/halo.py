@@ -217,7 +217,7 @@ def halo_gather_array(
         return None
     N, rank = topo.num_nodes, dist.get_rank(group)
     node, local, k = topo.rank2node[rank], topo.rank2local[rank], len(values)
-    host = torch.zeros((N, G, k), dtype=dtype)
+    host = torch.empty((N, G, k), dtype=dtype)  # every bundle is written or received
     host.numpy()[node, local] = values
     buf = host if device.type == "cpu" else host.to(device)
     poster = _Poster(group)
