@@ -11,7 +11,7 @@ Sweeps (all unpublished quantities are swept, not guessed):
     bytes/gap  1 MiB with no per-message cost (pure bandwidth), and 4 KiB, 64 KiB, 1 MiB
                with a serial per-message posting cost of --gap seconds (LogGP g;
                the RCCL/Slingshot value is not published, default 5 us is an assumption)
-The published claim (REFERENCE.md 1.4): HALO 1.2-9x the vendor all-to-all at 16-512 nodes.
+The published claim (docs/reference.md 1.4): HALO 1.2-9x the vendor all-to-all at 16-512 nodes.
 Speed section: the flat all-to-all over 1024 GPUs, full (10^6 flows) and lumped, warm-up +
 median of --repeats.
 DGX section: the rail-optimised fat tree (dgx_fat_tree) with spine taper 1, 2, 4, 4-256
@@ -59,7 +59,7 @@ from comm.netsim.topologies import FRONTIER_GROUPS
 from comm.topology import Topology
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PUBLISHED = (1.2, 9.0)  # HALO / vendor all-to-all bandwidth, 16-512 nodes (REFERENCE 1.4)
+PUBLISHED = (1.2, 9.0)  # HALO / vendor all-to-all bandwidth, 16-512 nodes (docs/reference.md 1.4)
 
 
 def _device() -> str:

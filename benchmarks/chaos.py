@@ -72,7 +72,7 @@ SMALL = ["--config", str(ROOT / "configs" / "tiny.toml"), "--train.seq_len=32",
          "--train.timeout_s=60"]
 LAYOUT = ["--parallel.pp=2", "--parallel.ep=2", "--parallel.microbatches=2"]
 NPROC = 4
-SKEW = ["--balance.skew=50"]  # bias -50*ln(1+e): experts >= 2 are never chosen (REFERENCE: zero splits)
+SKEW = ["--balance.skew=50"]  # -50*ln(1+e): experts >= 2 never chosen (docs/reference.md 1.4)
 SAME_LAYOUT_REL = 1e-6  # same layout, same summation order: only resume exactness is tested
 OTHER_LAYOUT_REL = 2e-4  # as tests/test_trainer_pipeline.py: fp32 reordering over 12 AdamW steps
 

@@ -1,6 +1,6 @@
 """Grouped GEMM and token permutation for MoE experts: Triton on GPUs, a fast torch path on CPU.
 
-Public ops (contracts in ``DESIGN.md``):
+Public ops (contracts in ``docs/architecture.md``):
 - ``grouped_gemm(x [M, K], w [E, K, N], offs [E] int32) -> [M, N]`` (torch._grouped_mm contract;
   rows past offs[-1] are zero).
 - ``permute(x [T, D], topk_idx [T, k], num_experts) -> (x_sorted [T*k, D], counts [E], meta)``

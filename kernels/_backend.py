@@ -2,7 +2,7 @@
 
 Legend: none (no tensors here).
 
-Rules (DESIGN.md "kernels"):
+Rules (docs/architecture.md, "kernels"):
 - CUDA/ROCm tensors (ROCm builds of torch also report ``device.type == "cuda"``) -> Triton.
 - CPU tensors -> the measured-fastest torch path (``kernels/_cpu.py``), unless the process was
   started with ``TRITON_INTERPRET=1``: then the Triton kernels run on CPU tensors through the

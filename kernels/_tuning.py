@@ -3,8 +3,8 @@ shared-memory model, the candidate lists, the pinned config, the JSON cache.
 
 Legend: M token-sorted rows, K in features, N out features, E experts.
 
-Candidates depend only on (N, K, E), the sizes that move the optimum (STYLE.md "Kernels" 4);
-M changes every step and is deliberately not a key. Winners measured by
+Candidates depend only on (N, K, E), the sizes that move the optimum (docs/architecture.md,
+"Conventions"); M changes every step and is deliberately not a key. Winners measured by
 ``python -m kernels.autotune`` are stored per (device name, Triton version) in one JSON file and
 looked up at launch; without a stored winner the first candidate (a safe default) is used.
 

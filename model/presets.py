@@ -1,7 +1,7 @@
 """Named model configurations: the public checkpoints' config.json values, and `tiny`.
 
 Totals (num_params / num_active_params, embeddings included) match the published sizes in
-REFERENCE.md section 2; tests check them. DeepSeek-V3's MTP module is not counted (it is not
+docs/reference.md section 2; tests check them. DeepSeek-V3's MTP module is not counted (it is not
 part of the transformers model either).
 """
 

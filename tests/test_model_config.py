@@ -10,7 +10,7 @@ import pytest
 from model import ModelConfig, presets
 from model.hf import SUPPORTED_MODEL_TYPES, config_to_hf
 
-# REFERENCE.md section 2: (total, active) in billions, as published (rounded).
+# docs/reference.md section 2: (total, active) in billions, as published (rounded).
 PUBLISHED = {
     "mixtral-8x7b": (46.7, 12.9),
     "mixtral-8x22b": (140.6, 39.2),

@@ -1,4 +1,4 @@
-"""Topology builders: REFERENCE.md facts, flow conservation of every route, routing rules."""
+"""Topology builders: docs/reference.md facts, flow conservation of every route, routing rules."""
 
 from __future__ import annotations
 

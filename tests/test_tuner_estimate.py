@@ -1,4 +1,4 @@
-"""The analytic model against hand-computed cases and REFERENCE.md's published formulas."""
+"""The analytic model against hand-computed cases and docs/reference.md's published formulas."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _mha(L: int = 4, d: int = 64, H: int = 4, E: int = 8, k: int = 2, f: int = 3
 
 
 def published_1f1b(d, f, L, E, k, H, s, b, M, PP, EP, i) -> float:
-    """REFERENCE.md 1.1, written out exactly as published (bytes of stage i under 1F1B)."""
+    """docs/reference.md 1.1, written out exactly as published (bytes of stage i under 1F1B)."""
     return (L / PP) * (
         64 * d**2 + 48 * (E / EP) * d * f
         + (PP - i) * (12 * (b / M) * s * d + 4 * (b / M) * H * s**2 + 2 * (b / M) * s * k * (3 * f + d) / EP)

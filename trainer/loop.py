@@ -50,7 +50,7 @@ class TrainingError(RuntimeError):
     """The run cannot continue (a peer died or hung, repeated non-finite losses); the message
     names the rank, the phase and the step."""
 
-# bf16 dense matrix peak per device (REFERENCE.md section 3); unknown devices need --train.peak_tflops
+# bf16 dense matrix peak per device (docs/reference.md 3); unknown devices: --train.peak_tflops
 _GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "MI250X": 191.5, "MI250": 191.5}
 
 

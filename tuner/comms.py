@@ -23,8 +23,8 @@ All-to-all, uniform routing, B bytes leaving each rank's send buffer (its own sh
           (not needed with one member per node):
           max(intra / B_intra, inter / B_nic + inter / B_intra) + per-remote-node latency
 where intra = B * (local peers) / EP, inter = B * (remote peers) / EP and B_nic is one
-device's share of its node's NICs. Published lower bound (REFERENCE 1.2): 4bskd / (EP B_nic)
-for a forward dispatch + combine pair across nodes.
+device's share of its node's NICs. Published lower bound (docs/reference.md 1.2):
+4bskd / (EP B_nic) for a forward dispatch + combine pair across nodes.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Memory of pipeline rank r (bytes):
     buffers      all-to-all send/receive rows, P2P send/receive, one DDP gradient bucket
 Under the published assumptions (MHA, no embeddings/norms/router/shared/dense, 16 B/param,
 1F1B, attention replicated over EP, scores stored) the state + activations of stage i equal
-REFERENCE.md 1.1's M(i); tests/test_tuner_estimate.py checks it.
+docs/reference.md 1.1's M(i); tests/test_tuner_estimate.py checks it.
 
 Step time (seconds), for the busiest rank:
     per micro-batch and chunk: forward + 2 x forward (backward) [+ recompute] compute at the

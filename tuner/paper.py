@@ -1,4 +1,4 @@
-"""`python -m tuner reproduce-paper`: published figures (REFERENCE.md 1.3, 1.4) beside ours.
+"""`python -m tuner reproduce-paper`: published figures (docs/reference.md 1.3, 1.4) beside ours.
 
 Three tables, as Markdown:
 1. Table IV migration cost, computed from its formula bytes = 48 E d f / 8, time = bytes /
@@ -26,7 +26,7 @@ from tuner.space import SearchSpace
 
 __all__ = ["reproduce_paper", "table_iv", "migration_bytes"]
 
-# (published name, preset, published GB-or-GiB, published ms) from REFERENCE.md 1.3
+# (published name, preset, published GB-or-GiB, published ms) from docs/reference.md 1.3
 TABLE_IV = (
     ("Mixtral-8x7B", "mixtral-8x7b", 2.63, 52.6),
     ("Mixtral-8x22B", "mixtral-8x22b", 4.50, 90.0),

@@ -1,9 +1,9 @@
 """Search over layouts: exhaustive enumeration and a seeded Optuna TPE study.
 
-Optuna only orchestrates (STYLE 21): a trial's choices become a point of `SearchSpace`; a
-structural constraint or the memory model rejects it before the time model runs; otherwise
-the analytic `estimate` is the objective (predicted step time, minimised; MFU is its
-reciprocal up to a constant for a fixed model and batch). Every trial records its prediction
+Optuna only orchestrates (docs/architecture.md, "Conventions"): a trial's choices become a point
+of `SearchSpace`; a structural constraint or the memory model rejects it before the time model
+runs; otherwise the analytic `estimate` is the objective (predicted step time, minimised; MFU is
+its reciprocal up to a constant for a fixed model and batch). Every trial records its prediction
 in user attributes, so a study stored in SQLite is a readable log and resumes where it stopped.
 
 Counters: `evaluations` are calls of the full step-time model (distinct points),

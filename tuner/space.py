@@ -4,7 +4,7 @@ A point is a dict of categorical choices: pp, ep, mbs (sequences per rank per mi
 schedule ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b:v"), alltoall, checkpointing,
 placement. DP and the micro-batch count follow: DP = N / (PP * EP), M = b / (DP * EP * mbs).
 
-Constraints, checked in this order before anything is evaluated (Piper's, REFERENCE 1.5,
+Constraints, checked in this order before anything is evaluated (Piper's, docs/reference.md 1.5,
 plus what the schedules need):
     PP * EP divides N            EP divides E            PP * v <= L
     EP <= gpus_per_node * nodes_per_domain               DP * EP * mbs divides b

@@ -6,7 +6,7 @@ them. `assemble` stamps the template on every node, wires NIC k of node v to
 `node_nic2switch(v, k)`, routes inside a node once on the template (ECMP over shortest
 paths, `ecmp_paths`) and reuses those routes on every node with shifted link ids.
 
-Facts used by the Frontier template (REFERENCE.md 3): Infinity Fabric links are 50 GB/s per
+Facts used by the Frontier template (docs/reference.md 3): Infinity Fabric links are 50 GB/s per
 direction each: 4 links inside a package (GCD pairs 0-1, 2-3, 4-5, 6-7), 2 links for 0-6 and
 2-4, 1 link for 0-2, 1-3, 4-6, 5-7, 1-5, 3-7; NIC k hangs off GCD 2k+1 over 50 GB/s PCIe.
 """
@@ -30,7 +30,7 @@ __all__ = ["FRONTIER_IF_LINKS", "NodeTemplate", "assemble", "frontier_template",
 
 GB = 1e9
 
-# (GCD a, GCD b): number of 50 GB/s Infinity Fabric links between them (REFERENCE.md 3).
+# (GCD a, GCD b): number of 50 GB/s Infinity Fabric links between them (docs/reference.md 3).
 FRONTIER_IF_LINKS: dict[tuple[int, int], int] = {
     (0, 1): 4, (2, 3): 4, (4, 5): 4, (6, 7): 4,
     (0, 6): 2, (2, 4): 2,
@@ -78,7 +78,7 @@ class NodeTemplate:
 def frontier_template(if_efficiency: float = 0.75, pcie_bw: float = 50 * GB,
                       latency: float = 0.0) -> NodeTemplate:
     """Frontier node: 8 GCDs, 4 NICs, NIC k on GCD 2k+1; `if_efficiency` derates IF links
-    (REFERENCE: ~75 % of peak measured per link)."""
+    (docs/reference.md 3: ~75 % of peak measured per link)."""
     if not 0 < if_efficiency <= 1:
         raise ValueError(f"if_efficiency must be in (0, 1], got {if_efficiency}")
     edges = [(a, b, n * 50 * GB * if_efficiency, latency)

@@ -1,5 +1,5 @@
 """Network builders: Frontier (node + Dragonfly), DGX rail-optimised fat tree, the emulator,
-and a generic two-level cluster. Facts from REFERENCE.md 3; anything unpublished (latencies,
+and a generic two-level cluster. Facts from docs/reference.md 3; anything unpublished (latencies,
 PCIe on DGX, spine count, the share of non-minimal Dragonfly routes) is a parameter.
 
 Frontier Dragonfly (per group = cabinet): 32 switches all-to-all (one 25 GB/s link per
@@ -34,7 +34,7 @@ FRONTIER_NODES_PER_SWITCH = 4
 FRONTIER_SWITCHES_PER_GROUP = 32
 FRONTIER_GLOBAL_LINKS = 4
 SLINGSHOT_BW = 25 * GB
-# Groups of the whole machine, derived from REFERENCE.md 3 (not published directly): a
+# Groups of the whole machine, derived from docs/reference.md 3 (not published directly): a
 # group injects 128 nodes x 4 NICs x 25 GB/s = 12.8 TB/s; the 1.75:1 taper leaves 7.31 TB/s
 # of global links, i.e. 4 x 25 GB/s to each of 73 other groups.
 FRONTIER_GROUPS = 74
