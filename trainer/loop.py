@@ -613,7 +613,8 @@ class Trainer:
         layers = gathered.pop("layers", None)
         row = {"step": self.step, "loss": loss, "aux_loss": aux_v, "lr": lr, "grad_norm": norm,
                "tokens_per_s": tok_s, "mfu": mfu, **gathered, "step_time_s": dt,
-               "fwd_bwd_s": t1 - t0, "grad_sync_s": t2 - t1, "optim_s": t4 - t3, **wait}
+               "fwd_bwd_s": t1 - t0, "grad_sync_s": t2 - t1, "optim_s": t4 - t3, **wait,
+               "time": time.time()}  # wall clock: row-to-row intervals include the logging
         if self.nonfinite_steps:
             row["nonfinite_steps"] = self.nonfinite_steps
         if layers is not None:
