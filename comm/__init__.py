@@ -4,7 +4,10 @@ Public API:
     all_to_all(x, in_splits, group, algorithm="flat"|"halo"|"auto", topology=None, plan=None)
     plan_all_to_all (settle sizes and algorithm ahead, carrying the caller's ints) -> AllToAllPlan
     Topology (uniform / from_file / discover / restrict / summary)
-    halo_plan, RankPlan, Message (the pure plan), CostModel, choose_algorithm, calibrate
+    halo_plan, RankPlan, Message (the pure plan), SplitPlans (a split matrix and the rank
+        plans built from it, once each)
+    CostModel (from calibrate, CostModel.from_platform or CostModel.emulator: auto across
+        nodes needs one), choose_algorithm, calibrate
     run_local (N local gloo processes), python -m comm.emulate (emulated cluster)
 """
 
@@ -16,7 +19,7 @@ from comm.cost import CostModel, choose_algorithm, predict_flat, predict_halo
 from comm.discover import decode_slingshot_mac, discover, topology_from_records
 from comm.flat import FlatAllToAll, flat_all_to_all
 from comm.halo import HaloAllToAll, halo_all_to_all
-from comm.halo_plan import Message, RankPlan, halo_plan
+from comm.halo_plan import Message, RankPlan, SplitPlans, halo_plan
 from comm.spawn import run_local
 from comm.topology import Topology
 from comm.topology_file import dump_topology, load_topology
@@ -29,6 +32,7 @@ __all__ = [
     "HaloAllToAll",
     "Message",
     "RankPlan",
+    "SplitPlans",
     "Topology",
     "all_to_all",
     "calibrate",
