@@ -55,7 +55,7 @@ def table_iv() -> str:
             "ours ms (GiB / 50) | published ms |", "|---|---|---|---|---|---|---|---|"]
     for name, preset, pub_gb, pub_ms in TABLE_IV:
         if preset is None:
-            rows.append(f"| {name} | not in REFERENCE.md | - | - | {pub_gb:.2f} | - | - | {pub_ms:.1f} |")
+            rows.append(f"| {name} | not in docs/reference.md | - | - | {pub_gb:.2f} | - | - | {pub_ms:.1f} |")
             continue
         c = presets.get(preset)
         b = migration_bytes(c.n_routed_experts, c.d_model, c.moe_ffn_dim)
@@ -118,7 +118,7 @@ def reproduce_paper(trials: int = 300, seed: int = 0, platform: str = "frontier"
            "The formula reproduces every row we have dimensions for once the published numbers are "
            "read as GiB (e.g. DeepSeek-V3: 22.55 GB = 21.00 GiB); the published times divide the "
            "GiB figure by 50 (so they are 7 % short of bytes / 50 GB/s). Grok-1, Switch-Base and "
-           "GLaM have no (E, d, f) in REFERENCE.md and are not recomputed.", "",
+           "GLaM have no (E, d, f) in docs/reference.md and are not recomputed.", "",
            "## One MoE layer on one node (8 GCDs, EP = 8, 8 x 4096 tokens)", "",
            "| model | published TFLOPS/GCD | predicted TFLOPS/GCD | predicted / published |",
            "|---|---|---|---|"]
@@ -142,7 +142,7 @@ def reproduce_paper(trials: int = 300, seed: int = 0, platform: str = "frontier"
             continue
         out.append(f"| {name} | {pub} ({pub_mfu} %) | {n} | {_layout(e)} | "
                    f"{e.tflops_per_gpu:.1f} ({100 * e.mfu:.1f} %) | {e.peak_memory / 1e9:.1f} |")
-    out += ["", "Gaps: the paper's GPU counts and batch sizes are not in REFERENCE.md, so ours are "
+    out += ["", "Gaps: the paper's GPU counts and batch sizes are not in docs/reference.md, so ours are "
             "chosen (smallest fitting power of two, 8 sequences per GCD); a different batch moves the "
             "bubble and the all-to-all share. No communication is overlapped in our model and the "
             "all-to-all is the closed form (no congestion), and one GEMM efficiency covers all shapes. "
@@ -150,7 +150,7 @@ def reproduce_paper(trials: int = 300, seed: int = 0, platform: str = "frontier"
             "last stage (lm_head, logits) the bottleneck; the paper's stage balancing is not "
             "modelled. Rows above the published value are optimistic for the same reasons.",
             "", "## vs X-MoE (10.1B-545.4B)", "",
-            "Not reproduced: the X-MoE model architectures are not in REFERENCE.md (only totals).",
+            "Not reproduced: the X-MoE model architectures are not in docs/reference.md (only totals).",
             "", "## Weak scaling (d=5120, f=20480, L=32, k=2)", "",
             "| experts | GCDs | params (ours) | published TFLOPS/GCD | planner layout | predicted "
             "TFLOPS/GCD (MFU) |", "|---|---|---|---|---|---|"]
