@@ -20,6 +20,7 @@ slot-aware SLB >= LB (every rank hosts exactly E/R experts; see balance.slot_low
     python benchmarks/bench_balance.py            # full grid, ~1 min on 2 CPU cores
     python benchmarks/bench_balance.py --quick    # headline case + short drift run
     python benchmarks/bench_balance.py --trace runs/tiny/expert_counts.jsonl --ranks 4
+    python benchmarks/bench_balance.py --replication   # redundant slots: ours vs EPLB's greedy
 
 Results: benchmarks/results/bench_balance.jsonl (rows appended), bench_balance.png.
 """
@@ -233,6 +234,73 @@ def plot(static: list[dict], drift: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def eplb_reference(load: np.ndarray, n_ranks: int, slots: int) -> np.ndarray:
+    """DeepSeek EPLB's published two steps, written here as the reference: every redundant
+    slot goes to the expert with the largest load per replica; then physical experts, heaviest
+    first, go to the lightest rank that still has a free slot (no other rule)."""
+    E = load.size
+    count = np.ones(E, dtype=np.int64)
+    for _ in range(n_ranks * slots - E):
+        count[int(np.argmax(load / count))] += 1
+    items = sorted(((load[e] / count[e], e) for e in range(E) for _ in range(count[e])),
+                   key=lambda t: -t[0])
+    rows: list[list[int]] = [[] for _ in range(n_ranks)]
+    loads = np.zeros(n_ranks)
+    for x, e in items:
+        r = min((q for q in range(n_ranks) if len(rows[q]) < slots), key=lambda q: loads[q])
+        rows[r].append(e)
+        loads[r] += x
+    return np.array([e for row in rows for e in row])
+
+
+def replication_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """max / mean rank load with r redundant slots per rank: swaps only (r = 0, minmax from
+    the contiguous start), EPLB's greedy (reference) and balance.plan_replicas."""
+    from balance.replicas import plan_replicas, replica_loads, slot_changes
+
+    rows = []
+    rng = np.random.default_rng(args.seed)
+    for s in (0.8, 1.0, 1.3):
+        for E, R in ((64, 8), (256, 32)):
+            load = zipf_probs(E, s, True, rng) * args.tokens * args.topk * args.window
+            mean = load.sum() / R
+            start = np.repeat(np.arange(R), E // R)
+            t0 = time.perf_counter()
+            swapped = np.asarray(apply_swaps(start, plan_swaps(load, start, R, max_swaps=E)))
+            t_swap = time.perf_counter() - t0
+            base = {"bench": "replication", "zipf_s": s, "E": E, "R": R}
+            rows.append(base | {"method": "swaps-only", "r": 0, "plan_ms": 1e3 * t_swap,
+                                "imbalance": float(rank_loads(load, swapped, R).max() / mean)})
+            cur = np.argsort(swapped, kind="stable")  # slot map of the swapped placement
+            for r in (0, 1, 2):
+                S = E // R + r
+                t0 = time.perf_counter()
+                ours = plan_replicas(load, R, S)
+                t_ours = time.perf_counter() - t0
+                ref = eplb_reference(load, R, S)
+                for name, m, ms in (("eplb-greedy", ref, None), ("plan_replicas", ours, t_ours)):
+                    row = base | {"method": name, "r": r,
+                                  "imbalance": float(replica_loads(load, m, R).max() / mean),
+                                  "dup_on_rank": int(sum(len(set(x)) < S for x in m.reshape(R, S)))}
+                    if ms is not None:
+                        row["plan_ms"] = 1e3 * ms
+                    if r == 0:
+                        row["slot_changes_from_swapped"] = slot_changes(cur, m)
+                    rows.append(row)
+    print(f"\nreplication (Zipf shuffled, window {args.window} x {args.tokens} tokens x top-"
+          f"{args.topk}): max / mean rank load")
+    print(f"{'s':>4} {'E':>4} {'R':>3} {'swaps':>6} " + " ".join(
+        f"{m[:5]}+r{r}".rjust(10) for m in ("eplb", "ours") for r in (0, 1, 2)))
+    for s in (0.8, 1.0, 1.3):
+        for E, R in ((64, 8), (256, 32)):
+            sel = [x for x in rows if x["zipf_s"] == s and x["E"] == E]
+            sw = next(x for x in sel if x["method"] == "swaps-only")["imbalance"]
+            vals = [next(x for x in sel if x["method"] == m and x["r"] == r)["imbalance"]
+                    for m in ("eplb-greedy", "plan_replicas") for r in (0, 1, 2)]
+            print(f"{s:>4} {E:>4} {R:>3} {sw:>6.3f} " + " ".join(f"{v:>10.3f}" for v in vals))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="headline case and a short drift run")
@@ -250,6 +318,8 @@ def main() -> None:
     ap.add_argument("--policy-swaps", type=int, default=8, help="drift / trace: swaps per event")
     ap.add_argument("--trace", default=None, help="JSON lines of recorded per-step counts")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--replication", action="store_true",
+                    help="only the redundant-slot grid (balance.plan_replicas vs EPLB's greedy)")
     args = ap.parse_args()
     if args.quick:
         args.steps = min(args.steps, 150)
@@ -258,6 +328,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"git": git_sha(), "device": _device(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "seed": args.seed, "tokens": args.tokens, "topk": args.topk, "window": args.window}
+    if args.replication:
+        rows = replication_grid(args)
+        with open(out / "bench_balance.jsonl", "a") as f:
+            for row in rows:
+                f.write(json.dumps(meta | row) + "\n")
+        print(f"\nrows appended to {out / 'bench_balance.jsonl'}")
+        return
 
     static = static_grid(args)
     print_static(static)
