@@ -57,8 +57,16 @@ def _represents(cfg, model_type: str) -> list[str]:
     except ValueError as e:
         return [str(e)]
     ours = cfg.to_dict()
-    return [f"{k} ({ours[k]!r} -> {back[k]!r})" for k in ours
-            if k not in _NON_ARCH and ours[k] != back.get(k)]
+    bad = [f"{k} ({ours[k]!r} -> {back[k]!r})" for k in ours
+           if k not in _NON_ARCH and ours[k] != back.get(k)]
+    # routers transformers implements for the DeepSeek types (its config accepts more)
+    if model_type == "deepseek_v2" and (cfg.router != "softmax" or cfg.norm_topk_prob
+                                        or cfg.bias_balancing or cfg.group_score != "max"):
+        bad.append("router (transformers' deepseek_v2 routes by softmax, greedy or group-max, "
+                   "without renormalising or a correction bias)")
+    if model_type == "deepseek_v3" and (cfg.router != "sigmoid" or cfg.group_score != "top2_sum"):
+        bad.append("router (transformers' deepseek_v3 routes by sigmoid with top-2-sum groups)")
+    return bad
 
 
 def _pick_type(cfg, meta: dict[str, Any], asked: str | None) -> str:
@@ -67,7 +75,11 @@ def _pick_type(cfg, meta: dict[str, Any], asked: str | None) -> str:
     if asked is not None and asked not in EXPORT_TYPES:
         raise ExportError(f"--model-type={asked!r} is not supported; valid: "
                           f"{', '.join(EXPORT_TYPES)}")
+    from model.presets import HF_MODEL_TYPE
+
     src = (meta.get("hf") or {}).get("model_type")
+    if src is None:  # a preset run: its family (presets.HF_MODEL_TYPE), when it has one
+        src = HF_MODEL_TYPE.get(((meta.get("run") or {}).get("model") or {}).get("preset"))
     if asked is None and src == "kimi_k2":
         asked = "deepseek_v3"  # Kimi-K2 uses the DeepSeek-V3 format, which transformers loads
     candidates = [asked] if asked else ([src] if src in EXPORT_TYPES else list(EXPORT_TYPES))
