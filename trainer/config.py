@@ -132,6 +132,9 @@ class TrainConfig:
     wandb_project: str = ""
     wandb_mode: str = "offline"  # offline (no network; `wandb sync` later) | online
     profile_steps: str = ""
+    # benchmark hook (benchmarks/bench_logging.py): layer_metrics and TensorBoard on odd steps
+    # only, so one run measures steps with and without them under the same machine load
+    logging_ab: bool = False
     threads: int = 0  # torch intra-op threads per process; 0 = cores / local processes
     timeout_s: float = 600.0  # a collective or P2P waiting longer than this fails the run
     nan_policy: str = "skip"  # non-finite loss/grad: "skip" the step (up to max) or "stop"

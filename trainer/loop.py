@@ -543,6 +543,10 @@ class Trainer:
         if t.fault_stall_step == self.step + 1 and self.rank == t.fault_rank:  # fault injection
             log(f"fault injection: rank {self.rank} stalls at step {self.step + 1}", 0)
             time.sleep(10 * t.timeout_s + 60)
+        self._logging = t.layer_metrics and not (t.logging_ab and self.step % 2)
+        self.gather.per_layer = self._logging
+        for layer in self.model.moe_layers():
+            layer.router.track_entropy = self._logging
         t0 = time.perf_counter()
         self._counts, self._entropy = {}, {}
         self.phase = "forward/backward (MoE all-to-all, pipeline P2P)"
@@ -791,7 +795,8 @@ class Trainer:
                     f.write(json.dumps(m) + "\n")
                     for ev in events:
                         f.write(json.dumps(ev) + "\n")
-                sinks.write(m)
+                if self._logging or not t.logging_ab:
+                    sinks.write(m)
                 for ev in events:
                     log(_format_event(ev), self.rank)
                 if self.step % t.log_every == 0 or "val_loss" in m or self.step == t.steps:

@@ -94,13 +94,12 @@ class LayerGather:
         self.last_counts: torch.Tensor | None = None  # [layers, E] of the last step (per_layer)
         self.rows = [moe_ids.index(i) for i in local_ids]
         self.pp, self.pp_idx, self.group, self.device = pp, pp_idx, pp_group, device
-        self.per_layer = per_layer
-        self.width = (n_experts + 2 if per_layer else 1) + len(_MIG)
+        self.per_layer = per_layer  # may change between steps (the same on every rank)
 
     def reduce(self, counts: list[torch.Tensor], entropy: list[float], imbalance: list[float],
                events: list[dict], layer_names: list[str], idle_wall: tuple[float, float] | None
                ) -> dict[str, Any]:
-        L, W = len(self.moe_ids), self.width
+        L, W = len(self.moe_ids), (self.E + 2 if self.per_layer else 1) + len(_MIG)
         buf = torch.zeros(L * W + 2 * self.pp, dtype=torch.float64)
         tab = buf[:L * W].view(L, W)
         for j, g in enumerate(self.rows):
