@@ -1,21 +1,25 @@
-"""What observability costs the default job: step time with TensorBoard + per-layer metrics on
-vs off, same invocation.
+"""What observability costs the default job: TensorBoard + per-layer metrics on vs off.
 
 The default job (configs/tiny.toml: PP=2 x EP=2 on 4 CPU processes, seq_len 256, global batch
-16), shortened to --steps steps, no evaluation until the end:
-  on    --train.tensorboard=true  --train.layer_metrics=true  (router entropy, the per-layer
-        gather from both stages, the "layers" rows, one TensorBoard scalar per tag and step)
-  off   --train.tensorboard=false --train.layer_metrics=false (the EP-imbalance all-reduce only)
-run alternately (on, off, on, off, ...) --repeats times each, so that a busy neighbour on a
-shared machine slows both about equally. Per run, over the steps after --skip warm-up steps:
-  step_s      median of the rows' step_time_s (train_step: forward/backward, syncs, optimizer,
-              the per-layer gather)
-  interval_s  median wall time between consecutive metrics.jsonl rows: also what happens
-              between steps (writing metrics.jsonl, the TensorBoard scalars, the progress line)
-Reported: the median over repeats of each, and on / off. Appends one row to
-benchmarks/results/logging.jsonl.
+16), shortened to --steps steps, evaluation only at the end.
+  on    TensorBoard and --train.layer_metrics (router entropy in every MoE forward, the
+        per-layer table gathered from both stages, the "layers" rows, the TensorBoard event)
+  off   neither (metrics.jsonl and the progress line as always; the EP-imbalance all-reduce)
 
-    flock /tmp/piper-bench.lock python benchmarks/bench_logging.py [--steps 30] [--repeats 3]
+--mode ab (default): in ONE run, on and off alternate step by step (`--train.logging_ab`:
+odd steps on, even steps off), so both see the same machine load; a shared CPU whose
+neighbours come and go makes separate runs differ by far more than 2 % (--mode runs shows it).
+Per step after --skip warm-up steps: cycle = step_time_s (the training step, including the
+gather) + the gap until the next step starts (next row's `time` - this row's `time` - next
+step_time_s: writing metrics.jsonl, the TensorBoard event, the progress line). Reported: the
+median step time and median cycle of on steps and off steps, pooled over --repeats runs, and
+on / off.
+--mode runs: separate runs, on, off, on, off, ... (--repeats each), medians of step_time_s
+and of the row-to-row interval per run, median over runs.
+
+Appends one row to benchmarks/results/logging.jsonl.
+
+    flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_logging.py [--steps 60] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,10 +39,13 @@ from _common import git_sha
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MODES = {"on": ["--train.tensorboard=true", "--train.layer_metrics=true"],
-         "off": ["--train.tensorboard=false", "--train.layer_metrics=false"]}
+         "off": ["--train.tensorboard=false", "--train.layer_metrics=false"],
+         "ab": ["--train.tensorboard=true", "--train.layer_metrics=true",
+                "--train.logging_ab=true"]}
 
 
 def _run(out: Path, steps: int, mode: str) -> list[dict]:
+    shutil.rmtree(out, ignore_errors=True)
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
             "train.py", "--config", "configs/tiny.toml", f"--train.out_dir={out}",
             f"--train.steps={steps}", "--train.eval_every=0", "--train.eval_batches=1",
@@ -50,49 +58,74 @@ def _run(out: Path, steps: int, mode: str) -> list[dict]:
     return [x for x in rows if "loss" in x]
 
 
-def _medians(rows: list[dict], skip: int) -> tuple[float, float]:
-    steady = rows[skip:]
-    step = statistics.median(r["step_time_s"] for r in steady)
-    times = [r["time"] for r in rows[skip - 1:]]
-    interval = statistics.median(b - a for a, b in zip(times, times[1:], strict=False))
-    return step, interval
+def _ab(rows: list[dict], skip: int) -> dict[str, dict[str, list[float]]]:
+    """Per mode: the step times and cycles (step + following gap) of steps after `skip`."""
+    got = {"on": {"step": [], "cycle": []}, "off": {"step": [], "cycle": []}}
+    for r, nxt in zip(rows[skip:], rows[skip + 1:], strict=False):
+        mode = "on" if "layers" in r else "off"
+        gap = nxt["time"] - r["time"] - nxt["step_time_s"]
+        got[mode]["step"].append(r["step_time_s"])
+        got[mode]["cycle"].append(r["step_time_s"] + gap)
+    return got
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--mode", choices=("ab", "runs"), default="ab")
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the medians")
+    ap.add_argument("--skip", type=int, default=6, help="warm-up steps left out of the medians")
     ap.add_argument("--out", default="/tmp/piper-bench-logging")
     args = ap.parse_args()
-    if not 1 <= args.skip < args.steps - 2 or args.repeats < 1:
-        raise SystemExit(f"need 1 <= --skip < --steps - 2 and --repeats >= 1 (got skip "
+    if not 1 <= args.skip < args.steps - 4 or args.repeats < 1:
+        raise SystemExit(f"need 1 <= --skip < --steps - 4 and --repeats >= 1 (got skip "
                          f"{args.skip}, steps {args.steps}, repeats {args.repeats})")
-    got: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
     t0 = time.time()
-    for k in range(args.repeats):
-        for mode in ("on", "off"):
-            out = Path(args.out) / f"{mode}_{k}"
-            subprocess.run(["rm", "-rf", str(out)], check=True)
-            rows = _run(out, args.steps, mode)
-            if mode == "on":
-                assert rows[-1].get("layers") and (out / "tensorboard").is_dir(), "logging is off?"
-            got[mode].append(_medians(rows, args.skip))
-            print(f"repeat {k} {mode:>3}: step {got[mode][-1][0] * 1e3:.1f} ms, interval "
-                  f"{got[mode][-1][1] * 1e3:.1f} ms", flush=True)
-    med = {m: (statistics.median(s for s, _ in v), statistics.median(i for _, i in v))
-           for m, v in got.items()}
-    row = {"bench": "logging", "git": git_sha(), "steps": args.steps, "skip": args.skip,
-           "repeats": args.repeats, "cpus": os.cpu_count(),
-           "on_step_s": med["on"][0], "off_step_s": med["off"][0],
-           "on_interval_s": med["on"][1], "off_interval_s": med["off"][1],
-           "step_ratio": med["on"][0] / med["off"][0],
-           "interval_ratio": med["on"][1] / med["off"][1],
-           "per_repeat": got, "wall_s": time.time() - t0}
-    print(f"median step time: on {med['on'][0] * 1e3:.1f} ms, off {med['off'][0] * 1e3:.1f} ms, "
-          f"on/off {row['step_ratio']:.4f}")
-    print(f"median row-to-row interval: on {med['on'][1] * 1e3:.1f} ms, off "
-          f"{med['off'][1] * 1e3:.1f} ms, on/off {row['interval_ratio']:.4f}")
+    row = {"bench": "logging", "mode": args.mode, "git": git_sha(), "steps": args.steps,
+           "skip": args.skip, "repeats": args.repeats, "cpus": os.cpu_count(),
+           "loadavg_start": os.getloadavg()[0]}
+    if args.mode == "ab":
+        pooled = {"on": {"step": [], "cycle": []}, "off": {"step": [], "cycle": []}}
+        for k in range(args.repeats):
+            rows = _run(Path(args.out) / f"ab_{k}", args.steps, "ab")
+            got = _ab(rows, args.skip)
+            for m in pooled:
+                for key in ("step", "cycle"):
+                    pooled[m][key] += got[m][key]
+            print(f"run {k}: " + ", ".join(
+                f"{m} step {statistics.median(got[m]['step']) * 1e3:.1f} ms cycle "
+                f"{statistics.median(got[m]['cycle']) * 1e3:.1f} ms" for m in got), flush=True)
+        for m in pooled:
+            row[f"{m}_step_s"] = statistics.median(pooled[m]["step"])
+            row[f"{m}_cycle_s"] = statistics.median(pooled[m]["cycle"])
+            row[f"{m}_n"] = len(pooled[m]["step"])
+        row["step_ratio"] = row["on_step_s"] / row["off_step_s"]
+        row["cycle_ratio"] = row["on_cycle_s"] / row["off_cycle_s"]
+        print(f"median step: on {row['on_step_s'] * 1e3:.1f} ms, off {row['off_step_s'] * 1e3:.1f}"
+              f" ms, on/off {row['step_ratio']:.4f}; median cycle (step + logging until the next "
+              f"step): on {row['on_cycle_s'] * 1e3:.1f} ms, off {row['off_cycle_s'] * 1e3:.1f} ms,"
+              f" on/off {row['cycle_ratio']:.4f} ({row['on_n']} + {row['off_n']} steps)")
+    else:
+        per: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+        for k in range(args.repeats):
+            for mode in ("on", "off"):
+                rows = _run(Path(args.out) / f"{mode}_{k}", args.steps, mode)[args.skip:]
+                times = [r["time"] for r in rows]
+                per[mode].append((statistics.median(r["step_time_s"] for r in rows),
+                                  statistics.median(b - a for a, b in zip(times, times[1:],
+                                                                          strict=False))))
+                print(f"repeat {k} {mode:>3}: step {per[mode][-1][0] * 1e3:.1f} ms, interval "
+                      f"{per[mode][-1][1] * 1e3:.1f} ms", flush=True)
+        for m, v in per.items():
+            row[f"{m}_step_s"] = statistics.median(s for s, _ in v)
+            row[f"{m}_interval_s"] = statistics.median(i for _, i in v)
+        row["per_repeat"] = per
+        row["step_ratio"] = row["on_step_s"] / row["off_step_s"]
+        row["interval_ratio"] = row["on_interval_s"] / row["off_interval_s"]
+        print(f"median step time on/off {row['step_ratio']:.4f}, interval on/off "
+              f"{row['interval_ratio']:.4f}")
+    row["loadavg_end"] = os.getloadavg()[0]
+    row["wall_s"] = time.time() - t0
     RESULTS.mkdir(parents=True, exist_ok=True)
     with open(RESULTS / "logging.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
