@@ -4,12 +4,13 @@ its own folder on sys.path)."""
 from __future__ import annotations
 
 import functools
+import platform
 import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["git_sha"]
+__all__ = ["cpu_name", "git_sha"]
 
 
 @functools.cache
@@ -22,3 +23,15 @@ def git_sha() -> str:
     except OSError:
         return "unknown"
     return out.stdout.strip() or "unknown"
+
+
+@functools.cache
+def cpu_name() -> str:
+    """The host CPU's model name (/proc/cpuinfo), recorded with benchmark rows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import git_sha  # noqa: E402
+from _common import cpu_name, git_sha  # noqa: E402
 
 from balance import (
     MigrationPolicy,
@@ -55,13 +54,7 @@ METHODS = ("none", "hill-climb", "minmax", "minmax-tol0", "greedy-repack")
 
 
 def _device() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_name()
 
 
 def zipf_probs(n_experts: int, s: float, shuffle: bool, rng: np.random.Generator) -> np.ndarray:

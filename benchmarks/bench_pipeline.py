@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -46,7 +45,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _common import git_sha  # noqa: E402
+from _common import cpu_name, git_sha  # noqa: E402
 
 import pipeline  # noqa: E402
 from pipeline.launch import run_local  # noqa: E402
@@ -155,13 +154,7 @@ def _worker(rank: int, world: int, m: int, args: dict) -> dict:
 
 
 def _device() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()} (CPU, gloo)"
-    except OSError:
-        pass
-    return f"{platform.processor() or 'cpu'} x{os.cpu_count()} (CPU, gloo)"
+    return f"{cpu_name()} x{os.cpu_count()} (CPU, gloo)"
 
 
 def _analyse(name: str, kw: dict, p: int, m: int, res: list[dict]) -> dict:

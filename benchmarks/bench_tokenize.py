@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -35,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, git_sha
+from _common import ROOT, cpu_name, git_sha
 
 sys.path.insert(0, str(ROOT))
 
@@ -46,13 +45,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_name()
 
 
 def corpus(mb: float) -> list[Path]:

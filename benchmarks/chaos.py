@@ -44,7 +44,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import re
 import signal
@@ -60,6 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the trainer package lives at the root
     sys.path.insert(0, str(ROOT))
+from _common import cpu_name  # noqa: E402  (this script's own folder is on sys.path)
+
 FAULTS = ("kill9", "kill-in-save", "stall", "nan-skip", "nan-stop", "one-expert", "zero-tokens")
 # The smallest model the pipeline tests use: startup dominates, a step takes ~0.1 s on CPU.
 SMALL = ["--config", str(ROOT / "configs" / "tiny.toml"), "--train.seq_len=32",
@@ -400,15 +401,8 @@ def _meta() -> dict[str, Any]:
                              capture_output=True).stdout.strip()
     except OSError:
         sha = ""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"git": sha, "device": f"cpu: {cpu} ({os.cpu_count()} cores)", "time": time.time()}
+    return {"git": sha, "device": f"cpu: {cpu_name()} ({os.cpu_count()} cores)",
+            "time": time.time()}
 
 
 def _plot(rows: list[dict[str, Any]], png: Path) -> None:
