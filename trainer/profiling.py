@@ -48,8 +48,9 @@ class StepProfiler:
             self.acts.append(torch.profiler.ProfilerActivity.CUDA)
 
     def before(self, step: int) -> None:
-        """Call before running step `step` (1-based)."""
-        if self.window and step == self.window[0] and self.prof is None:
+        """Call before running step `step` (1-based); a run resumed inside the window records
+        the rest of it."""
+        if self.window and self.window[0] <= step <= self.window[1] and self.prof is None:
             self.prof = torch.profiler.profile(activities=self.acts)
             self.prof.__enter__()
 
