@@ -83,9 +83,9 @@ def tokenized(tmp_path_factory) -> str:
                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(tmp / "tokenizer.json"))
     lines = [ln for f in files for ln in open(f).read().splitlines() if ln.strip()]
-    docs = tmp / "docs.jsonl"  # short documents (6 lines each) so windows hold several
-    docs.write_text("".join(json.dumps({"text": "\n".join(lines[i:i + 6])}) + "\n"
-                            for i in range(0, len(lines), 6)))
+    docs = tmp / "docs.jsonl"  # short documents (3 lines each) so windows hold several
+    docs.write_text("".join(json.dumps({"text": "\n".join(lines[i:i + 3])}) + "\n"
+                            for i in range(0, len(lines), 3)))
     prepare(tmp / "tokenizer.json", [str(docs)], tmp / "model.bin", eos="<eos>", workers=1,
             progress=False)
     return str(tmp / "model.bin")
@@ -102,15 +102,19 @@ def test_trainer_doc_mask_pp2_equals_one_process(tmp_path, tokenized) -> None:
     losses = {}
     for name, n, extra in (("one", 1, ["--data.doc_mask=true"]),
                            ("pp2", 2, ["--data.doc_mask=true", "--parallel.pp=2",
-                                       "--parallel.microbatches=2"]),
-                           ("nomask", 1, [])):
+                                       "--parallel.microbatches=2"])):
         out = tmp_path / name
         r = run_train([*common, *extra, f"--train.out_dir={out}"], nproc=n)
         assert r.returncode == 0, r.stderr[-3000:]
         losses[name] = step_losses(out)
     for s in (1, 2, 3):
         assert losses["pp2"][s] == pytest.approx(losses["one"][s], rel=1e-5), s
-    assert losses["nomask"][1] != pytest.approx(losses["one"][1], rel=1e-4)
+    # that the mask changes the result is shown on the model above; here the windows must
+    # hold several documents for the comparison to exercise it
+    from trainer.data import load_corpus
+
+    corpus = load_corpus(tokenized, 0.005)
+    assert (corpus.train == corpus.eos_id).sum() > len(corpus.train) / 128
 
 
 def test_doc_mask_needs_eos(tmp_path) -> None:
