@@ -19,7 +19,7 @@ slot-aware SLB >= LB (every rank hosts exactly E/R experts; see balance.slot_low
 
     python benchmarks/bench_balance.py            # full grid, ~1 min on 2 CPU cores
     python benchmarks/bench_balance.py --quick    # headline case + short drift run
-    python benchmarks/bench_balance.py --trace runs/tiny/expert_counts.jsonl --ranks 4
+    python benchmarks/bench_balance.py --trace runs/tiny/counts.jsonl --ranks 4
     python benchmarks/bench_balance.py --replication   # redundant slots: ours vs EPLB's greedy
 
 Results: benchmarks/results/bench_balance.jsonl (rows appended), bench_balance.png.

@@ -78,6 +78,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from pipeline.analysis import Span, Transfer, comm_plan, derive_transfers, validate
 from pipeline.schedule import Action, Schedule, n_stages, stage2rank
@@ -342,18 +343,22 @@ class PipelineRuntime:
             if a is not None:
                 # Inputs from other ranks are awaited before the span starts: waiting is bubble.
                 if a.kind == "F" and a.stage > 0 or a.kind == "B" and a.stage < last:
-                    self._local[a] = self._take(a)
+                    with record_function("pipeline.wait_recv"):
+                        self._local[a] = self._take(a)
                 mark = timer.start()
-                if a.kind == "F":
-                    self._forward(a, inputs, targets)
-                elif a.kind == "B":
-                    self._backward(a)
-                else:
-                    self._weight(a)
+                # profiler ranges (torch.profiler; nearly free when no profiler is active)
+                with record_function(f"pipeline.{a.kind} s{a.stage} mb{a.microbatch}"):
+                    if a.kind == "F":
+                        self._forward(a, inputs, targets)
+                    elif a.kind == "B":
+                        self._backward(a)
+                    else:
+                        self._weight(a)
                 timer.stop(a, mark)
             self._post(t)
-        for work in self._send_works:
-            self._wait(work)
+        with record_function("pipeline.wait_sends"):
+            for work in self._send_works:
+                self._wait(work)
         leftovers = list(self._inbox) + list(self._local) + list(self._stash)
         if leftovers:
             raise RuntimeError(f"rank {self.rank} finished with unconsumed state {leftovers}")

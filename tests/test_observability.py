@@ -149,6 +149,9 @@ def test_profiler_traces_have_named_ranges(run):
         stage = "pipeline.stage0.forward" if rank < 2 else "pipeline.stage1.forward"
         missing = (common | {stage}) - names
         assert not missing, (rank, missing)
+        s = 0 if rank < 2 else 1  # the runtime's per-action ranges (pipeline/runtime.py)
+        for kind in ("F", "B"):
+            assert any(str(n).startswith(f"pipeline.{kind} s{s} mb") for n in names), (rank, kind)
         # one profiled step: one forward_backward range on this rank
         assert sum(ev.get("name") == "forward_backward" for ev in trace["traceEvents"]) == 1
 

@@ -52,7 +52,9 @@ class EPDispatcher:
         self.group, self.ep, self.num_slots = group, ep, num_slots
         self.local = num_slots // ep
         self.algorithm, self.topology = algorithm, topology
-        self.cost_model = cost_model  # comm.CostModel for "auto" (None: backend defaults)
+        # comm.CostModel for "auto"; None only where auto runs on one node (it is flat there):
+        # across nodes comm refuses auto without a model (calibrate / from_platform / emulator)
+        self.cost_model = cost_model
         # wall seconds this rank spent inside forward exchanges since the last reset: with
         # uneven expert loads it is dominated by waiting for the most-loaded rank
         self.exchange_s = 0.0

@@ -4,6 +4,9 @@ write one Chrome/Perfetto trace per rank to <out_dir>/profile/rank_<r>.json.
 Named ranges in the traces (`record_function`):
     forward_backward, grad_sync, optimizer.step        trainer.loop (every step)
     pipeline.stage<s>.forward                           each pipeline stage forward (pp > 1)
+    pipeline.<F|B|W> s<stage> mb<m>, pipeline.wait_recv,
+    pipeline.wait_sends                                 pipeline.runtime: every action, the
+                                                        waits for inputs and for sends (pp > 1)
     ep.plan_all_to_all, ep.dispatch_all_to_all,
     ep.combine_all_to_all                               trainer.parallel.EPDispatcher (ep > 1)
     moe.grouped_gemm                                    model.moe.GroupedExperts (3 grouped GEMMs)
