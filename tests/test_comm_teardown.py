@@ -83,7 +83,7 @@ def _run_script(algorithm: str, world: int, runs: int, tmp_path: Path) -> list[l
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("algorithm", ["flat", "halo"])
+@pytest.mark.parametrize("algorithm", [pytest.param("flat", marks=pytest.mark.slow), "halo"])
 def test_no_abort_at_teardown_without_a_barrier(algorithm: str, tmp_path: Path) -> None:
     statuses = _run_script(algorithm, 4, 2, tmp_path)
     assert statuses == [[0] * 4] * 2, statuses

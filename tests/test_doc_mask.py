@@ -92,6 +92,7 @@ def tokenized(tmp_path_factory) -> str:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_trainer_doc_mask_pp2_equals_one_process(tmp_path, tokenized) -> None:
     from conftest import run_train, step_losses
 
@@ -125,3 +126,25 @@ def test_doc_mask_needs_eos(tmp_path) -> None:
     with pytest.raises(ValueError, match="doc_mask=true needs documents that end with an EOS"):
         prepare(parse_args(["--data", str(text), "--train.seq_len=32", "--data.doc_mask=true"]),
                 1, 0)
+
+
+def test_trainer_doc_mask_runs_on_a_tokenized_bin(tmp_path) -> None:
+    """One process, one step on a .bin whose sidecar names the EOS (written here directly)."""
+    import numpy as np
+    from conftest import run_train, step_losses
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(4, 256, 20_000).astype(np.uint16)
+    ids[::37] = EOS  # documents of 37 tokens
+    data = tmp_path / "t.bin"
+    ids.tofile(data)
+    (tmp_path / "t.json").write_text(json.dumps({
+        "format": "piper-moe-tokens", "version": 1, "dtype": "uint16", "vocab_size": 256,
+        "eos_id": EOS, "n_documents": int((ids == EOS).sum()), "n_tokens": int(ids.size)}))
+    out = tmp_path / "run"
+    r = run_train(["--data", str(data), "--data.doc_mask=true", "--model.d_model=32",
+                   "--train.seq_len=64", "--train.global_batch=2", "--train.steps=1",
+                   "--train.eval_every=0", "--train.eval_batches=1", "--train.plot=false",
+                   f"--train.out_dir={out}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert set(step_losses(out)) == {1}

@@ -251,7 +251,8 @@ def test_planner_p2p_bytes_are_the_boundary_dtype() -> None:
 
 # -- item: the GPU check scripts ---------------------------------------------------------------
 
-SCRIPTS = ["benchmarks/gpu_check.sh", "benchmarks/gpu_check_multi.sh"]
+SCRIPTS = ["benchmarks/gpu_check.sh",
+           pytest.param("benchmarks/gpu_check_multi.sh", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -261,6 +261,7 @@ def test_experts_land_in_their_placement_slots(tmp_path) -> None:
 
 # ------------------------------------------------------------------------------ export
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_export_loads_in_transformers_with_equal_logits(tmp_path, data_bin) -> None:
     from trainer.checkpoint import load_checkpoint
 
