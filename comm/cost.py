@@ -372,6 +372,7 @@ class _Blocked:
     relay_flat: np.ndarray  # [R * N] s * R + relay[s, m]: S[s, relay[s, m]] in S's buffer
     relay_flat_t: np.ndarray  # the same in the buffer of S^T (relay[s, m] * R + s)
     relay_order_t: np.ndarray  # argsort of relay_flat_t
+    pairs_t: np.ndarray  # `pairs` as rows of S^T's [N, R, G] block layout: m * R + s
 
 
 def _blocked_facts(topo: Topology, relay: np.ndarray) -> _Blocked | None:
@@ -387,8 +388,10 @@ def _blocked_facts(topo: Topology, relay: np.ndarray) -> _Blocked | None:
     starts = np.minimum(np.concatenate([[0], np.cumsum(counts)[:-1]]), len(via) - 1)
     rows = np.repeat(np.arange(R), N)
     flat_t = relay.reshape(-1) * R + rows
-    return _Blocked(G, relay, (src * N + dst_node)[order], starts, counts == 0,
-                    rows * R + relay.reshape(-1), flat_t, np.argsort(flat_t, kind="stable"))
+    pairs = (src * N + dst_node)[order]
+    return _Blocked(G, relay, pairs, starts, counts == 0,
+                    rows * R + relay.reshape(-1), flat_t, np.argsort(flat_t, kind="stable"),
+                    (pairs % N) * R + pairs // N)
 
 
 def _bytes(S: list[list[int]], row_bytes: int) -> np.ndarray:
@@ -521,9 +524,14 @@ def _predict_blocked(
     # gather the G-wide blocks of the (source, node) pairs of S > 0, OR them per relay (a
     # transposed S costs one copy of its [R, R] bools; BLAS on the batched [N, G, R] x
     # [N, R, G] product took ~10 ms on 2 loaded cores)
-    Z = np.ascontiguousarray(ZA.T) if transposed else ZA
-    hits = np.logical_or.reduceat(np.take(Z.reshape(R * N, G), b.pairs, axis=0), b.starts,
-                                  axis=0)
+    if transposed:  # S = A^T: block (s, m) of S is A[node m's G rows, s]; regroup A's
+        # [N, G, R] to [N, R, G] (G-row tiles transposed: ~4x cheaper than a full R x R
+        # transpose of the bools at R = 1024) and address it as (m, s)
+        blocks = np.ascontiguousarray(ZA.reshape(N, G, R).transpose(0, 2, 1)).reshape(R * N, G)
+        gathered = np.take(blocks, b.pairs_t, axis=0)
+    else:
+        gathered = np.take(ZA.reshape(R * N, G), b.pairs, axis=0)
+    hits = np.logical_or.reduceat(gathered, b.starts, axis=0)
     hits[b.idle] = False
     hits[ar, ar % G] = False  # a relay's own rows are not forwarded
     t_relay = float((relayed * row_bytes / model.local_bandwidth
