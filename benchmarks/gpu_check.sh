@@ -19,26 +19,15 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-$ROOT/benchmarks/results/gpu-$(date +%Y%m%d-%H%M%S)}"
 PRESET="${PRESET:-mixtral-8x7b}"
 TRAIN_STEPS="${TRAIN_STEPS:-30}"
-if [ -z "${PY:-}" ]; then
-  if [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; else PY="$(command -v python3 || command -v python)"; fi
-fi
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-cd "$ROOT" || exit 1
+# shellcheck source=benchmarks/gpu_env.sh
+source "$ROOT/benchmarks/gpu_env.sh"
 # Winners land next to the other results and the benchmarks below launch with them.
 export PIPER_KERNELS_CACHE="$OUT/autotune-cache.json"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-# Triton's compile cache inside OUT keeps this run independent of a stale ~/.triton.
-export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$OUT/triton-cache}"
-unset TRITON_INTERPRET PIPER_KERNELS_PIN_CONFIG
 
 {
-  echo "date: $(date -Is)"; echo "host: $(hostname)"; echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo none)"
-  echo "python: $PY"
   "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "hip", torch.version.hip); print("triton", triton.__version__); print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'
   nvidia-smi 2>/dev/null || rocm-smi 2>/dev/null || true
-} > "$OUT/env.txt" 2>&1
+} >> "$OUT/env.txt" 2>&1
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   echo "gpu_check: no CUDA/ROCm GPU visible to $PY (see $OUT/env.txt)" | tee "$OUT/summary.txt" >&2

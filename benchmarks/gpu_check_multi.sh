@@ -24,23 +24,13 @@ set -u -o pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-$ROOT/benchmarks/results/gpu-multi-$(date +%Y%m%d-%H%M%S)}"
 STEPS="${STEPS:-20}"
-if [ -z "${PY:-}" ]; then
-  if [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; else PY="$(command -v python3 || command -v python)"; fi
-fi
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-cd "$ROOT" || exit 1
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$OUT/triton-cache}"
-unset TRITON_INTERPRET PIPER_KERNELS_PIN_CONFIG
+# shellcheck source=benchmarks/gpu_env.sh
+source "$ROOT/benchmarks/gpu_env.sh"
 
 {
-  echo "date: $(date -Is)"; echo "host: $(hostname)"; echo "git: $(git rev-parse --short HEAD 2>/dev/null || echo none)"
-  echo "python: $PY"
   "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "hip", torch.version.hip, "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else None); print("gpus", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else 0)'
   nvidia-smi topo -m 2>/dev/null || rocm-smi 2>/dev/null || true
-} > "$OUT/env.txt" 2>&1
+} >> "$OUT/env.txt" 2>&1
 
 n_gpu="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)"
 if [ "${n_gpu:-0}" -lt 2 ]; then

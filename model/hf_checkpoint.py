@@ -27,7 +27,7 @@ import json
 import math
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,8 @@ def _family(model_type: str) -> str:
     return "deepseek_v3" if model_type == "kimi_k2" else model_type
 
 
-def hf_names(cfg: ModelConfig, model_type: str) -> dict[str, str | ExpertKeys]:
+def hf_names(cfg: ModelConfig, model_type: str,
+             shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, str | ExpertKeys]:
     """Our state-dict name -> HF key (or ExpertKeys) for every tensor the HF checkpoint of
     `model_type` holds, in the published (per-expert) layout. Our tensors with no HF
     counterpart (the placement `expert2slot`; DeepSeek-V2's unused router bias) are absent."""
@@ -91,12 +92,8 @@ def hf_names(cfg: ModelConfig, model_type: str) -> dict[str, str | ExpertKeys]:
     proj = {"w1": "w1", "w3": "w3", "w2": "w2"} if mt == "mixtral" else _DENSE
     shared = "shared_experts" if mt.startswith("deepseek") else "shared_expert"
     attn = _MLA if cfg.attention == "mla" else _GQA
-    with torch.device("meta"):
-        from .transformer import MoETransformer
-
-        names = list(MoETransformer(cfg).state_dict())
     out: dict[str, str | ExpertKeys] = {}
-    for name in names:
+    for name in shapes if shapes is not None else _expected_shapes(cfg):
         if name == "lm_head.weight" and cfg.tie_embeddings:
             continue
         if name in ("embed.weight", "norm.weight"):
@@ -143,6 +140,7 @@ def hf_names(cfg: ModelConfig, model_type: str) -> dict[str, str | ExpertKeys]:
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the full model's state dict (built on meta)."""
     with torch.device("meta"):
         from .transformer import MoETransformer
 
@@ -155,22 +153,18 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "U8": torch.uint8, "BOOL": torch.bool}
 
 
-@dataclass
 class HFCheckpoint:
     """A Hugging Face checkpoint folder, opened lazily: the constructor reads config.json and
-    every safetensors header, never a weight. `reads` records (key, bytes) per tensor read."""
+    every safetensors header, never a weight.
 
-    path: Path
-    config: dict[str, Any] = field(init=False)
-    model_type: str = field(init=False)
-    files: dict[str, Path] = field(init=False)  # HF key -> shard file
-    shapes: dict[str, tuple[int, ...]] = field(init=False)
-    dtypes: dict[str, str] = field(init=False)
-    reads: list[tuple[str, int]] = field(init=False, default_factory=list)
+    config      the config.json dict;  model_type  its (supported) model type
+    files       HF key -> shard file;  shapes / dtypes  from the headers
+    reads       (key, bytes) of every tensor read since opening
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.reads = []
+        self.reads: list[tuple[str, int]] = []
         self._handles: dict[Path, Any] = {}
         if not self.path.is_dir():
             raise HFCheckpointError(f"--model.hf_path={str(path)!r} is not a folder; pass the "
@@ -190,7 +184,9 @@ class HFCheckpoint:
             raise HFCheckpointError(f"{str(cfg_file)!r}: model_type={mt!r} is not supported; "
                                     f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         self.model_type = str(mt)
-        self.files, self.shapes, self.dtypes = {}, {}, {}
+        self.files: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
         for f in self._weight_files():
             from safetensors import safe_open
 
@@ -261,8 +257,8 @@ class HFCheckpoint:
         unexpected and mis-shaped tensors raise HFCheckpointError naming the first few.
         Returns the checkpoint's layer indices >= cfg.n_layers that a run with fewer layers
         skips (DeepSeek-V3's multi-token-prediction layers are skipped silently)."""
-        names = hf_names(cfg, self.model_type)
         shapes = _expected_shapes(cfg)
+        names = hf_names(cfg, self.model_type, shapes)
         used: set[str] = set()
         missing: list[str] = []
         wrong: list[str] = []

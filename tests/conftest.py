@@ -53,6 +53,18 @@ def stdlib_corpus(path: Path, n_files: int, n_bytes: int) -> str:
     return str(path)
 
 
+def value_errors(calls) -> list[str]:
+    """The ValueError message of each call ("" for a call that did not raise one)."""
+    errors = []
+    for call in calls:
+        try:
+            call()
+            errors.append("")
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
 def step_losses(out: Path) -> dict[int, float]:
     """{step: training loss} from a run's metrics.jsonl (event rows skipped)."""
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import value_errors
 
 from comm import CostModel, Topology, all_to_all, choose_algorithm, plan_all_to_all, run_local
 from comm.cost import decide_from_summaries, row_summary, summary_width
@@ -227,18 +228,12 @@ def test_halo_rejects_topology_of_wrong_size() -> None:
 def _plan_errors_worker(rank: int, world: int, group: dist.ProcessGroup) -> list[str]:
     topo = Topology.uniform(2, 1)
     plan, _ = plan_all_to_all([1, 2], group, "halo", topo)
-    errors = []
-    for call in (lambda: all_to_all(torch.zeros(3, 1), [2, 1], group, plan=plan),
-                 lambda: all_to_all(torch.zeros(3, 1), [1, 2], group, plan=object()),
-                 lambda: plan_all_to_all([1, 2], group, "halo", topo, payload=[[1], [1, 2]]),
-                 lambda: plan_all_to_all([1, 2], group, "auto", topo, row_bytes=0),
-                 lambda: plan_all_to_all([1, 2], group, "fast", topo)):
-        try:
-            call()
-            errors.append("")
-        except ValueError as e:
-            errors.append(str(e))
-    return errors
+    return value_errors((
+        lambda: all_to_all(torch.zeros(3, 1), [2, 1], group, plan=plan),
+        lambda: all_to_all(torch.zeros(3, 1), [1, 2], group, plan=object()),
+        lambda: plan_all_to_all([1, 2], group, "halo", topo, payload=[[1], [1, 2]]),
+        lambda: plan_all_to_all([1, 2], group, "auto", topo, row_bytes=0),
+        lambda: plan_all_to_all([1, 2], group, "fast", topo)))
 
 
 def test_plan_rejects_bad_input_before_exchanging() -> None:

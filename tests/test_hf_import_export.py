@@ -426,12 +426,12 @@ def test_export_type_follows_what_transformers_implements() -> None:
     """A preset exports as its family; DeepSeek-V3 routing (sigmoid, top-2-sum groups, bias) is
     not written as deepseek_v2, whose transformers router is softmax only."""
     from model import presets
-    from trainer.export import _pick_type
+    from trainer.export import pick_model_type
 
     for name, want in (("tiny", "mixtral"), ("qwen3-30b-a3b", "qwen3_moe"),
                        ("deepseek-v2", "deepseek_v2"), ("deepseek-v3", "deepseek_v3"),
                        ("kimi-k2", "deepseek_v3")):
-        assert _pick_type(presets.get(name), {"run": {"model": {"preset": name}}}, None) == want
-        assert _pick_type(presets.get(name), {}, None) == want
+        assert pick_model_type(presets.get(name), {"run": {"model": {"preset": name}}}, None) == want
+        assert pick_model_type(presets.get(name), {}, None) == want
     with pytest.raises(ExportError, match="deepseek_v2 .*router"):
-        _pick_type(presets.get("deepseek-v3"), {}, "deepseek_v2")
+        pick_model_type(presets.get("deepseek-v3"), {}, "deepseek_v2")

@@ -34,7 +34,7 @@ import torch
 
 from .checkpoint import CheckpointError, read_meta
 
-__all__ = ["export_checkpoint", "ExportError", "main"]
+__all__ = ["export_checkpoint", "ExportError", "check_out_dir", "main", "pick_model_type"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -69,7 +69,16 @@ def _represents(cfg, model_type: str) -> list[str]:
     return bad
 
 
-def _pick_type(cfg, meta: dict[str, Any], asked: str | None) -> str:
+def check_out_dir(out: Path, overwrite: bool, option: str) -> None:
+    """Refuse an output folder that exists and is not empty, unless `overwrite`."""
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
+        raise ExportError(f"{option}={str(out)!r} exists and is not empty; pass --overwrite to "
+                          f"replace it, or choose another folder")
+
+
+def pick_model_type(cfg, meta: dict[str, Any], asked: str | None) -> str:
+    """The transformers model type to write `cfg` as (see the module docstring); `meta` is
+    the checkpoint's meta.json (its "hf" and "run" entries)."""
     from model.hf_checkpoint import EXPORT_TYPES
 
     if asked is not None and asked not in EXPORT_TYPES:
@@ -144,13 +153,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str | None
         raise ExportError(str(e)) from None
     if dtype is not None and dtype not in DTYPES:
         raise ExportError(f"--dtype={dtype!r}; valid: {', '.join(DTYPES)}")
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
-        raise ExportError(f"--out {str(out)!r} exists and is not empty; pass --overwrite to "
-                          f"replace it, or choose another folder")
+    check_out_dir(out, overwrite, "--out")
     if out.resolve() == ckpt.resolve() or ckpt.resolve() in out.resolve().parents:
         raise ExportError(f"--out {str(out)!r} lies inside the checkpoint {str(ckpt)!r}")
     cfg = ModelConfig.from_dict(meta["model"])
-    mt = _pick_type(cfg, meta, model_type)
+    mt = pick_model_type(cfg, meta, model_type)
     src_cfg: dict[str, Any] = dict((meta.get("hf") or {}).get("config") or {})
     if dtype is None:
         dtype = _DTYPE_NAMES.get(str(src_cfg.get("dtype") or src_cfg.get("torch_dtype")), "bf16")

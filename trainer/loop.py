@@ -36,7 +36,7 @@ from .checkpoint import (
 )
 from .config import ConfigError, RunConfig
 from .data import Corpus, load_corpus
-from .memory import SavedTensorMeter, state_bytes
+from .memory import SavedTensorMeter, rss_peak, rss_reset_peak, state_bytes
 from .mesh import Mesh, MeshError, valid_divisors
 from .metrics import LayerGather, Sinks, check_observability
 from .parallel import GradSync, parallelize
@@ -190,14 +190,13 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)
     corpus.check(t.seq_len, mcfg.vocab_size)
     if t.export_hf:
-        out = Path(t.export_hf)
-        if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-            raise ConfigError(f"train.export_hf={t.export_hf!r} exists and is not empty; choose "
-                              f"a new folder (nothing is overwritten)")
-        from .export import _pick_type
+        from .export import check_out_dir, pick_model_type
 
-        try:  # the model must be expressible as a transformers model type
-            _pick_type(mcfg, {"hf": {"model_type": hf.model_type}} if hf else {}, None)
+        try:  # nothing is overwritten, and the model must be a transformers model type
+            check_out_dir(Path(t.export_hf), False, "train.export_hf")
+            # the meta.json entries export reads at the end of the run
+            pick_model_type(mcfg, {"run": cfg.to_dict(),
+                                   "hf": {"model_type": hf.model_type} if hf else None}, None)
         except ValueError as e:
             raise ConfigError(f"train.export_hf: {e}") from None
     if cfg.data.doc_mask and corpus.eos_id is None:
@@ -381,10 +380,10 @@ class Trainer:
         log(f"loading weights from {self.cfg.model.hf_path} ({self.hf.model_type}, "
             f"{len(self.hf.shapes):,} tensors in {len(set(self.hf.files.values()))} file(s)) ...",
             self.rank)
-        rss0 = _rss_reset_peak()
+        rss0 = rss_reset_peak()
         got = load_hf_weights(self.model, self.hf)
         self.hf.close()
-        peak = _rss_peak()
+        peak = rss_peak()
         rec = self.out / "hf_import"
         rec.mkdir(parents=True, exist_ok=True)
         (rec / f"rank_{self.rank}.json").write_text(json.dumps(
@@ -834,30 +833,6 @@ def _format_event(ev: dict[str, Any]) -> str:
     if "imbalance_before" in ev:
         s += f", imbalance {ev['imbalance_before']:.2f} -> {ev['imbalance_after_planned']:.2f} (window)"
     return s
-
-
-def _proc_status_kb(field: str) -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return -1
-
-
-def _rss_reset_peak() -> int:
-    """Current RSS in bytes after resetting the peak (VmHWM) where Linux allows it; -1 if
-    unknown. With `_rss_peak` after some work: the most memory that work held at once."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-    return _proc_status_kb("VmRSS")
-
-
-def _rss_peak() -> int:
-    return _proc_status_kb("VmHWM")
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -16,11 +16,12 @@ These are the quantities the analytic model (`tuner.estimate`) predicts, so a ru
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import torch
 from torch import nn
 
-__all__ = ["state_bytes", "SavedTensorMeter"]
+__all__ = ["state_bytes", "SavedTensorMeter", "rss_reset_peak", "rss_peak"]
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -96,3 +97,28 @@ class SavedTensorMeter:
     def __exit__(self, *exc) -> None:
         self._ctx.__exit__(*exc)
         self._ctx = None
+
+
+def _proc_status_bytes(field: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return -1
+
+
+def rss_reset_peak() -> int:
+    """This process's resident memory in bytes after resetting its peak (VmHWM) where Linux
+    allows it; -1 if unknown. With `rss_peak` after some work: the most that work held."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return _proc_status_bytes("VmRSS")
+
+
+def rss_peak() -> int:
+    """Peak resident bytes (VmHWM) since the process started or the last `rss_reset_peak`."""
+    return _proc_status_bytes("VmHWM")
