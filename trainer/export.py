@@ -69,11 +69,11 @@ def _represents(cfg, model_type: str) -> list[str]:
     return bad
 
 
-def check_out_dir(out: Path, overwrite: bool, option: str) -> None:
+def check_out_dir(out: Path, overwrite: bool, option: str,
+                  fix: str = "pass --overwrite to replace it, or choose another folder") -> None:
     """Refuse an output folder that exists and is not empty, unless `overwrite`."""
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
-        raise ExportError(f"{option}={str(out)!r} exists and is not empty; pass --overwrite to "
-                          f"replace it, or choose another folder")
+        raise ExportError(f"{option}={str(out)!r} exists and is not empty; {fix}")
 
 
 def pick_model_type(cfg, meta: dict[str, Any], asked: str | None) -> str:

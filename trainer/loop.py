@@ -193,7 +193,8 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
         from .export import check_out_dir, pick_model_type
 
         try:  # nothing is overwritten, and the model must be a transformers model type
-            check_out_dir(Path(t.export_hf), False, "train.export_hf")
+            check_out_dir(Path(t.export_hf), False, "train.export_hf",
+                          "choose a new folder (nothing is overwritten)")
             # the meta.json entries export reads at the end of the run
             pick_model_type(mcfg, {"run": cfg.to_dict(),
                                    "hf": {"model_type": hf.model_type} if hf else None}, None)
