@@ -34,18 +34,6 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   exit 2
 fi
 
-status=0
-step() {  # step NAME SECONDS CMD...: run with a time limit, log to OUT/NAME.log (SHOW lines shown)
-  local name="$1" limit="$2"; shift 2
-  local t0=$SECONDS rc
-  echo "== $name (limit ${limit}s): $*"
-  timeout --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  rc=$?
-  [ $rc -eq 124 ] && echo "   timed out after ${limit}s" >> "$OUT/$name.log"
-  printf '%-20s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$OUT/summary.txt"
-  tail -n "${SHOW:-4}" "$OUT/$name.log" | sed 's/^/   /'
-  [ $rc -eq 0 ] || status=1
-}
 
 # 1. Kernel tests compiled on the GPU (fp16, bf16; larger shapes than the interpreter's), and
 #    the pipeline runtime's CUDA-event spans. Most of the time is Triton compiling ~20 kernel

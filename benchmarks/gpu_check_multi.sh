@@ -44,18 +44,6 @@ else
 fi
 echo "gpu_check_multi: $n_gpu GPUs visible; layout $NAME on $NPROC processes (NCCL), $STEPS steps" | tee "$OUT/summary.txt"
 
-status=0
-step() {  # step NAME SECONDS CMD...: run with a time limit, log to OUT/NAME.log
-  local name="$1" limit="$2"; shift 2
-  local t0=$SECONDS rc
-  echo "== $name (limit ${limit}s): $*"
-  timeout --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  rc=$?
-  [ $rc -eq 124 ] && echo "   timed out after ${limit}s" >> "$OUT/$name.log"
-  printf '%-20s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$OUT/summary.txt"
-  tail -n 4 "$OUT/$name.log" | sed 's/^/   /'
-  [ $rc -eq 0 ] || status=1
-}
 
 COMMON=(--config configs/tiny.toml --train.steps="$STEPS" --train.eval_every=0 --train.plot=false
         --train.timeout_s=90 --optim.warmup_steps=5 --comm.alltoall=flat
