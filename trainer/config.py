@@ -51,7 +51,12 @@ class ParallelConfig:
     ep: int = 1
     dp: int = 0  # 0 = infer from the world size: world / (pp * ep)
     schedule: str = "1f1b"
-    microbatches: int = 1  # pipeline micro-batches per step (only used with pp > 1)
+    # micro-batches per step: pipeline micro-batches with pp > 1, gradient accumulation with
+    # pp = 1 (gradients are synchronised once, after the last)
+    microbatches: int = 1
+    # optimizer-state sharding over each parameter's data-parallel replicas: 0 = replicated,
+    # 1 = optimizer state sharded (ZeRO-1), 2 = optimizer state and gradients sharded (ZeRO-2)
+    zero: int = 0
     n_virtual: int = 1
     layer_split: str = ""  # layers per stage, e.g. "3,5"; "" = even split
     # "local": EP groups are consecutive ranks (inside a node); "spread": EP outermost, so an
