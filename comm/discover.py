@@ -1,4 +1,4 @@
-"""Topology discovery: every rank reports host facts, all ranks derive the same Topology.
+"""Topology discovery: every rank reports host facts, all ranks derive the same placement.
 
 A rank's record holds its hostname, its network-namespace id (distinct per emulated node, see
 `comm.emulate`), the launcher variables (torchrun: GROUP_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE;
@@ -12,6 +12,10 @@ Slingshot MACs encode group (9 bits), switch (5 bits) and port (6 bits) in their
 bits: group -> network group, (group, switch) -> locality domain. Without them, Slurm's
 topology address (`spine.leaf.node`) gives leaf -> domain and spine -> group; without
 either, everything is one domain and one group.
+
+This module returns the placement as `Topology(...)` keyword arguments; the Topology class
+(`Topology.discover`, `Topology.from_records`) builds itself from them, so it can call this
+module without a circle.
 """
 
 from __future__ import annotations
@@ -23,9 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from comm.topology import Topology
-
-__all__ = ["decode_slingshot_mac", "discover", "local_record", "topology_from_records"]
+__all__ = ["decode_slingshot_mac", "gather_records", "local_record", "topology_fields_from_records"]
 
 _ENV_KEYS = (
     "GROUP_RANK",
@@ -134,8 +136,9 @@ def _local_order(records: list[dict[str, Any]], ranks: list[int]) -> list[int]:
     return list(ranks)
 
 
-def topology_from_records(records: list[dict[str, Any]]) -> Topology:
-    """Derive the Topology from every rank's `local_record` (index = group rank)."""
+def topology_fields_from_records(records: list[dict[str, Any]]) -> dict[str, tuple]:
+    """The `Topology(...)` keyword arguments derived from every rank's `local_record`
+    (index = group rank)."""
     if not records:
         raise ValueError("topology_from_records needs one record per rank, got none")
     world = len(records)
@@ -167,7 +170,7 @@ def topology_from_records(records: list[dict[str, Any]]) -> Topology:
     dense_g = {g: i for i, g in enumerate(dict.fromkeys(group))}
     if len(set(names)) != len(names):
         names = [f"{name}#{n}" for n, name in enumerate(names)]
-    return Topology(
+    return dict(
         rank2node=tuple(node),
         rank2local=tuple(local),
         rank2domain=tuple(dense_d[d] for d in domain),
@@ -177,17 +180,17 @@ def topology_from_records(records: list[dict[str, Any]]) -> Topology:
     )
 
 
-def discover(
+def gather_records(
     group: dist.ProcessGroup | None,
     env: Mapping[str, str] | None = None,
     hostname: str | None = None,
     sysfs_net: str | Path = "/sys/class/net",
-) -> Topology:
-    """All-gather every rank's `local_record` over `group` and derive the same Topology.
+) -> list[dict[str, Any]]:
+    """Every rank's `local_record`, all-gathered over `group` (index = group rank).
 
-    Collective: every rank of `group` must call it. The result is indexed by group rank.
+    Collective: every rank of `group` must call it.
     """
     mine = local_record(env, hostname, sysfs_net)
     records: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(records, mine, group=group)
-    return topology_from_records(records)
+    return records

@@ -1,11 +1,16 @@
 """Where every rank sits: node, local index, locality domain, network group and NIC.
 
 A `Topology` is plain immutable data indexed by rank of one process group (the maps are named
-`rank2node`, `rank2local`, ...). It is built three ways:
+`rank2node`, `rank2local`, ...). It is built four ways:
     Topology.uniform(nodes, gpus_per_node, ...)  rank r on node r // gpus_per_node
     Topology.from_file(path)                      a TOML description (see `comm.topology_file`)
     Topology.discover(group)                      environment + all-gathered host facts
+    Topology.from_records(records)                the same from facts already gathered
 and restricted to a sub-group with `restrict(ranks)` (an EP group is a subset of the world).
+`dump_topology` writes the TOML that `from_file` reads back.
+
+`comm.topology_file` and `comm.discover` return field values and never import this module,
+so the constructors here call them at module level: the three form a chain, not a circle.
 
 Levels, coarsest first: network group (e.g. a Dragonfly cabinet) > locality domain (ranks
 behind one switch) > node > NIC > rank. A node lives in one domain, a domain in one group.
@@ -18,7 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Topology"]
+from comm.discover import gather_records, topology_fields_from_records
+from comm.topology_file import read_topology_file
+
+__all__ = ["Topology", "dump_topology"]
 
 
 @dataclass(frozen=True)
@@ -164,17 +172,28 @@ class Topology:
 
     @classmethod
     def from_file(cls, path: str | Path) -> Topology:
-        """Read a TOML topology file; see `comm.topology_file` for the format."""
-        from comm.topology_file import load_topology
+        """Read a TOML topology file; see `comm.topology_file` for the format. Every error
+        names the file."""
+        fields = read_topology_file(path)
+        try:
+            return cls(**fields)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
 
-        return load_topology(path)
+    @classmethod
+    def from_records(cls, records: list[dict[str, Any]]) -> Topology:
+        """Derive the placement from every rank's `comm.discover.local_record` (index = group
+        rank); see `comm.discover` for the rules."""
+        return cls(**topology_fields_from_records(records))
 
     @classmethod
     def discover(cls, group: Any, **kwargs: Any) -> Topology:
-        """All-gather host facts over `group`; see `comm.discover.discover` for options."""
-        from comm.discover import discover
+        """All-gather host facts over `group` and derive the same Topology on every rank.
 
-        return discover(group, **kwargs)
+        Collective: every rank of `group` must call it. The result is indexed by group rank.
+        `kwargs` (env, hostname, sysfs_net) go to `comm.discover.gather_records`.
+        """
+        return cls.from_records(gather_records(group, **kwargs))
 
     # ---- derived views -----------------------------------------------------------------
     def restrict(self, ranks: Sequence[int]) -> Topology:
@@ -236,3 +255,21 @@ class Topology:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def dump_topology(topo: Topology) -> str:
+    """TOML text that `Topology.from_file` reads back to an equal Topology (names included)."""
+    lines = []
+    for n in range(topo.num_nodes):
+        ranks = topo.node_ranks(n)
+        r0 = ranks[0]
+        lines += [
+            "[[nodes]]",
+            f'name = "{topo.node_name(n)}"',
+            f"ranks = [{', '.join(map(str, ranks))}]",
+            f"domain = {topo.rank2domain[r0]}",
+            f"group = {topo.rank2group[r0]}",
+            f"nics = [{', '.join(str(topo.rank2nic[r]) for r in ranks)}]",
+            "",
+        ]
+    return "\n".join(lines)

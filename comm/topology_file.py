@@ -1,4 +1,8 @@
-"""TOML topology files: read (strictly validated) and write.
+"""The TOML topology file format: parse and validate it into `Topology` fields.
+
+`comm.topology.Topology.from_file` builds the Topology from what this returns, and
+`comm.topology.dump_topology` writes the format back; this module knows only the format, so
+the Topology class can call it without a circle.
 
 Format: one `[[nodes]]` table per node, ranks listed in local-index order.
 
@@ -19,9 +23,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from comm.topology import Topology
-
-__all__ = ["dump_topology", "load_topology", "topology_from_dict"]
+__all__ = ["read_topology_file", "topology_fields"]
 
 _NODE_KEYS = {"name", "ranks", "domain", "group", "nics"}
 
@@ -35,8 +37,9 @@ def _int_list(value: Any, where: str, key: str) -> list[int]:
     return list(value)
 
 
-def topology_from_dict(doc: dict[str, Any], source: str = "<dict>") -> Topology:
-    """Build a Topology from the parsed TOML document `doc` (see the module docstring)."""
+def topology_fields(doc: dict[str, Any], source: str = "<dict>") -> dict[str, tuple]:
+    """The `Topology(...)` keyword arguments described by the parsed TOML document `doc` (see
+    the module docstring). Checks the format; the Topology checks the placement itself."""
     extra = set(doc) - {"nodes"}
     if extra:
         raise ValueError(f"{source}: unknown top-level keys {sorted(extra)}; expected [[nodes]]")
@@ -82,21 +85,18 @@ def topology_from_dict(doc: dict[str, Any], source: str = "<dict>") -> Topology:
     if len(set(names)) != len(names):
         raise ValueError(f"{source}: node names repeat: {names}")
     rows = [placed[r] for r in range(world)]
-    try:
-        return Topology(
-            rank2node=tuple(row[0] for row in rows),
-            rank2local=tuple(row[1] for row in rows),
-            rank2domain=tuple(row[2] for row in rows),
-            rank2group=tuple(row[3] for row in rows),
-            rank2nic=tuple(row[4] for row in rows),
-            node_names=tuple(names),
-        )
-    except ValueError as e:
-        raise ValueError(f"{source}: {e}") from e
+    return dict(
+        rank2node=tuple(row[0] for row in rows),
+        rank2local=tuple(row[1] for row in rows),
+        rank2domain=tuple(row[2] for row in rows),
+        rank2group=tuple(row[3] for row in rows),
+        rank2nic=tuple(row[4] for row in rows),
+        node_names=tuple(names),
+    )
 
 
-def load_topology(path: str | Path) -> Topology:
-    """Parse and validate the TOML file at `path`."""
+def read_topology_file(path: str | Path) -> dict[str, tuple]:
+    """`topology_fields` of the TOML file at `path`."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -106,22 +106,4 @@ def load_topology(path: str | Path) -> Topology:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML: {e}") from e
-    return topology_from_dict(doc, str(path))
-
-
-def dump_topology(topo: Topology) -> str:
-    """TOML text that `load_topology` reads back to an equal Topology (names included)."""
-    lines = []
-    for n in range(topo.num_nodes):
-        ranks = topo.node_ranks(n)
-        r0 = ranks[0]
-        lines += [
-            "[[nodes]]",
-            f'name = "{topo.node_name(n)}"',
-            f"ranks = [{', '.join(map(str, ranks))}]",
-            f"domain = {topo.rank2domain[r0]}",
-            f"group = {topo.rank2group[r0]}",
-            f"nics = [{', '.join(str(topo.rank2nic[r]) for r in ranks)}]",
-            "",
-        ]
-    return "\n".join(lines)
+    return topology_fields(doc, str(path))
