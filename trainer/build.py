@@ -1,0 +1,163 @@
+"""Construction: the device, the parallelised model, its pipeline stages, the optimizer.
+
+Order (fixed, every rank the same): the model is built on the meta device, the process groups
+are created, the EP topology is found (and `auto` calibrated across nodes), experts are sharded
+over EP, pipeline stages are cut, then each rank materialises only what it holds with the
+values a 1-process run has, and initial weights come from --model.hf_path when given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .common import log
+from .config import ConfigError, RunConfig
+from .memory import rss_peak, rss_reset_peak
+from .mesh import Mesh
+from .parallel import GradSync, parallelize
+from .pipe import build_stages, ce_loss, moe_aux, split_layers
+from .setup import build_schedule
+
+__all__ = ["pick_device", "build_model", "Pipeline", "build_pipeline", "import_hf",
+           "build_grad_sync", "build_optimizer"]
+
+
+def pick_device() -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is available (train.py checked there are enough GPUs), else CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def build_model(cfg: RunConfig, mcfg: Any, mesh: Mesh):
+    """The model on the meta device with its experts sharded over EP (collective: process groups,
+    topology discovery and `auto` calibration)."""
+    from model import MoETransformer, set_checkpointing
+
+    torch.manual_seed(cfg.train.seed)
+    # Built on the meta device: each rank allocates only its experts and its pipeline stage's
+    # layers, then initialises them with the values a 1-process run has (each tensor, each
+    # expert, from its own seeded generator: MoETransformer.reset_parameters).
+    with torch.device("meta"):
+        model = MoETransformer(mcfg)
+    set_checkpointing(model, cfg.train.checkpointing)
+    mesh.build_groups(timedelta(seconds=cfg.train.timeout_s))
+    algo = cfg.comm.alltoall
+    topo = ep_topology(cfg, mesh, algo)
+    cost_model = calibrate_auto(mesh, mcfg, topo) \
+        if algo == "auto" and topo is not None and topo.num_nodes > 1 else None
+    parallelize(model, mesh, alltoall=algo, topology=topo, cost_model=cost_model)
+    return model
+
+
+def ep_topology(cfg: RunConfig, mesh: Mesh, algo: str):
+    """The EP group's topology for HALO/auto (collective: every rank calls it)."""
+    if mesh.ep == 1 or algo == "flat" or not dist.is_initialized():
+        return None
+    from comm import Topology
+
+    path = cfg.comm.topology
+    full = Topology.from_file(path) if path else Topology.discover(dist.group.WORLD)
+    if full.world_size != mesh.world_size:
+        raise ConfigError(f"topology {path or '(discovered)'} describes {full.world_size} ranks "
+                          f"but the run has {mesh.world_size}")
+    log(full.summary(), mesh.rank)
+    return full.for_group(mesh.ep_group)
+
+
+def calibrate_auto(mesh: Mesh, mcfg: Any, topo):
+    """Fit the flat-vs-HALO cost model on this EP group's real links, once, so that `auto`
+    decides with measured numbers (collective over every EP group at once)."""
+    from comm import calibrate
+
+    t0 = time.perf_counter()
+    log("calibrating the all-to-all cost model for comm.alltoall=auto (EP group spans "
+        f"{topo.num_nodes} nodes) ...", mesh.rank)
+    model = calibrate(mesh.ep_group, topo, row_numel=mcfg.d_model)
+    log(f"calibrated in {time.perf_counter() - t0:.1f} s: NIC {model.nic_bandwidth / 1e6:.1f} "
+        f"MB/s (HALO), {(model.flat_nic_bandwidth or model.nic_bandwidth) / 1e6:.1f} MB/s "
+        f"(flat), intra-node {model.local_bandwidth / 1e6:.0f} MB/s, per message "
+        f"{1e6 * model.alpha_net:.0f} us, HALO overhead {1e6 * model.halo_overhead_s:.0f} us",
+        mesh.rank)
+    return model
+
+
+@dataclass
+class Pipeline:
+    """This rank's pipeline stages (global stage index -> Stage) and the runtime that runs them."""
+    stages: dict
+    schedule: Any
+    runtime: Any
+    n_stages: int
+    bounds: list[int]
+    act_shape: tuple[int, int, int]  # one micro-batch's activation at a stage boundary
+
+
+def build_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh, model, autocast: bool,
+                   device: torch.device) -> Pipeline:
+    import pipeline
+
+    par, t = cfg.parallel, cfg.train
+    n_stages = mesh.pp * par.n_virtual
+    bounds = split_layers(mcfg.n_layers, n_stages, par.layer_split)
+    stages = build_stages(model, mesh.pp, mesh.pp_idx, par.n_virtual, bounds, autocast)
+    schedule = build_schedule(par, mesh.pp)
+    per_shard = t.global_batch // mesh.n_data_shards
+    act_shape = (per_shard // par.microbatches, t.seq_len, mcfg.d_model)
+    runtime = pipeline.PipelineRuntime(schedule, stages, ce_loss, act_shape, group=mesh.pp_group,
+                                       device=device, aux_fn=moe_aux)
+    return Pipeline(stages, schedule, runtime, n_stages, bounds, act_shape)
+
+
+def import_hf(model, hf, hf_path: str, out: Path, mesh: Mesh, device: torch.device) -> None:
+    """Initial weights from --model.hf_path: each rank reads only the tensors it holds (its
+    stage's layers, its experts in their slots); what it read goes to
+    <out_dir>/hf_import/rank_<r>.json."""
+    from model.hf_checkpoint import load_hf_weights
+
+    rank = mesh.rank
+    t0 = time.perf_counter()
+    log(f"loading weights from {hf_path} ({hf.model_type}, {len(hf.shapes):,} tensors in "
+        f"{len(set(hf.files.values()))} file(s)) ...", rank)
+    rss0 = rss_reset_peak()
+    got = load_hf_weights(model, hf)
+    hf.close()
+    peak = rss_peak()
+    rec = out / "hf_import"
+    rec.mkdir(parents=True, exist_ok=True)
+    (rec / f"rank_{rank}.json").write_text(json.dumps(
+        {"rank": rank, "bytes": got["bytes"], "rss_before": rss0, "rss_peak": peak,
+         "keys": sorted({k for k, _ in hf.reads})}))
+    total = torch.tensor([float(got["bytes"])], dtype=torch.float64, device=device)
+    mine = float(total)
+    if mesh.world_size > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    log(f"loaded in {time.perf_counter() - t0:.1f} s: rank 0 read {got['tensors']} tensors "
+        f"({mine / 1e6:.1f} MB), the most any rank read {float(total) / 1e6:.1f} MB", rank)
+
+
+def build_grad_sync(cfg: RunConfig, model, mesh: Mesh) -> GradSync:
+    """Gradient averaging over each parameter's replicas, and the global gradient norm."""
+    return GradSync(model, mesh)
+
+
+def build_optimizer(cfg: RunConfig, model, mesh: Mesh) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices (dim >= 2) only."""
+    o = cfg.optim
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)

@@ -1,0 +1,48 @@
+"""The checkpoint manager: what a run saves (model, optimizer, migration state, the meta that
+resume and `trainer.export` read), resuming, and the message a failed step ends with (which
+names the last complete checkpoint to restart from). The format: trainer/checkpoint.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .checkpoint import find_latest, load_checkpoint, save_checkpoint
+from .common import TrainingError
+
+__all__ = ["CheckpointManager"]
+
+
+class CheckpointManager:
+    def __init__(self, tr):
+        self.tr = tr
+        self.root = Path(tr.cfg.train.out_dir) / "checkpoints"
+
+    def save(self) -> Path:
+        tr = self.tr
+        meta = {"model": tr.mcfg.to_dict(), "run": tr.cfg.to_dict(),
+                "mesh": {"pp": tr.mesh.pp, "dp": tr.mesh.dp, "ep": tr.mesh.ep}}
+        if tr.hf is not None:  # what trainer.export needs to write the same model type back
+            meta["hf"] = {"model_type": tr.hf.model_type, "source": str(tr.hf.path.resolve()),
+                          "config": tr.hf.config}
+        layer_state = tr.balancer.state_by_layer() if tr.balancer else {}
+        return save_checkpoint(self.root, tr.step, tr.model, tr.optim, meta,
+                               keep=tr.cfg.train.ckpt_keep, layer_state=layer_state)
+
+    def resume(self, path: Path) -> None:
+        tr = self.tr
+        meta = load_checkpoint(path, tr.model, tr.optim, tr.mcfg.to_dict())
+        tr.step = int(meta["step"])
+        if tr.balancer is not None:
+            tr.balancer.load_state_by_layer(meta.get("layer_state", {}))
+
+    def fault(self, e: BaseException) -> TrainingError:
+        """The error a failed collective (a dead or hung peer) ends the run with."""
+        tr = self.tr
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        last = find_latest(self.root)
+        step = tr.step if tr.phase in ("checkpoint save", "evaluation") else tr.step + 1
+        return TrainingError(
+            f"rank {tr.rank}: {tr.phase} failed at step {step}: {first}. A peer rank probably "
+            f"died or hung (train.timeout_s={tr.cfg.train.timeout_s:g}). Last complete "
+            f"checkpoint: {last if last else 'none'}; restart with --resume (or run under "
+            f"torchrun --max-restarts N with --train.resume=auto to do it automatically)")

@@ -1,0 +1,274 @@
+"""Set-up: validate the request and resolve it into a model config, a mesh and a corpus.
+
+Everything that can be wrong with the request (preset, overrides, mesh vs world size, EP vs
+expert count, data path, sequence length, resume checkpoint) is checked in `prepare()` before
+any process group work or training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import CheckpointError, check_same_model, find_latest, read_meta
+from .config import ConfigError, RunConfig
+from .data import Corpus, load_corpus
+from .mesh import Mesh, MeshError, valid_divisors
+from .metrics import check_observability
+from .pipe import split_layers
+from .profiling import parse_profile_steps
+
+__all__ = ["Prepared", "prepare", "build_model_config", "build_schedule", "model_name",
+           "peak_flops"]
+
+# bf16 dense matrix peak per device (docs/reference.md 3); unknown devices: --train.peak_tflops
+_GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "MI250X": 191.5, "MI250": 191.5}
+
+
+def build_model_config(cfg: RunConfig, hf=None):
+    """The run's ModelConfig: the preset's (or, with `hf`, an opened `model.HFCheckpoint` of
+    --model.hf_path, its config.json's), then the [model] overrides."""
+    from model import presets
+
+    if hf is not None:
+        mcfg = hf.model_config()
+    else:
+        try:
+            mcfg = presets.get(cfg.model.preset)
+        except KeyError as e:
+            raise ConfigError(str(e.args[0]) if e.args else str(e)) from None
+    if cfg.model.overrides:
+        valid = {f.name for f in dataclasses.fields(mcfg)}
+        bad = sorted(set(cfg.model.overrides) - valid)
+        if bad:
+            raise ConfigError(f"unknown model field(s) {bad}; valid ModelConfig fields: {sorted(valid)}")
+        try:
+            mcfg = dataclasses.replace(mcfg, **cfg.model.overrides)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"model overrides {cfg.model.overrides}: {e}") from None
+    return mcfg
+
+
+@dataclass
+class Prepared:
+    cfg: RunConfig
+    mcfg: Any
+    mesh: Mesh
+    corpus: Corpus
+    resume_path: Path | None
+    hf: Any = None  # model.HFCheckpoint of --model.hf_path (headers only), or None
+    hf_skipped: tuple[int, ...] = ()  # checkpoint layers a run with fewer layers does not load
+
+
+def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
+    """All request validation, before any training work. Raises a ValueError subclass."""
+    hf = hf_skipped = None
+    if cfg.model.hf_path:
+        from model.hf_checkpoint import HFCheckpoint
+
+        hf = HFCheckpoint(cfg.model.hf_path)  # config.json and safetensors headers only
+    mcfg = build_model_config(cfg, hf)
+    if hf is not None:
+        try:
+            hf_skipped = hf.validate(mcfg)  # missing / extra / mis-shaped tensors, named
+        except ValueError as e:
+            raise ConfigError(f"--model.hf_path: {e}") from None
+    par = cfg.parallel
+    mesh = Mesh.plan(world_size, rank, pp=par.pp, ep=par.ep, dp=par.dp, placement=par.ep_placement)
+    if mesh.pp > 1:
+        _check_pipeline(cfg, mcfg, mesh)
+    else:  # the schedule is unused with pp=1, but a wrong value is still a mistake worth naming
+        _check_schedule(cfg.parallel, 1)
+        split_layers(mcfg.n_layers, cfg.parallel.n_virtual, cfg.parallel.layer_split)
+    if par.zero not in (0, 1, 2):
+        raise ConfigError(f"parallel.zero={par.zero!r}; valid: 0 (replicated state), 1 (optimizer "
+                          f"state sharded), 2 (optimizer state and gradients sharded)")
+    E = mcfg.n_routed_experts
+    if E % mesh.ep:
+        raise MeshError(f"ep={mesh.ep} does not divide {E} experts of model {model_name(cfg)!r}; "
+                        f"valid ep: {valid_divisors(E)}")
+    if cfg.comm.alltoall not in ("flat", "halo", "auto"):
+        raise ConfigError(f"comm.alltoall={cfg.comm.alltoall!r}; valid: flat, halo, auto")
+    if cfg.comm.topology:
+        from comm import Topology
+
+        if not Path(cfg.comm.topology).is_file():
+            raise ConfigError(f"comm.topology={cfg.comm.topology!r} does not exist; pass a TOML "
+                              f"topology file (see comm/topology_file.py) or omit it to discover")
+        topo = Topology.from_file(cfg.comm.topology)  # raises ValueError naming the bad node
+        if topo.world_size != world_size:
+            raise ConfigError(f"comm.topology={cfg.comm.topology!r} describes {topo.world_size} "
+                              f"ranks but the run has {world_size}")
+    t = cfg.train
+    from model import CHECKPOINTING
+
+    if t.checkpointing not in CHECKPOINTING:
+        raise ConfigError(f"train.checkpointing={t.checkpointing!r}; valid: {', '.join(CHECKPOINTING)}")
+    if t.seq_len < 1 or t.seq_len > mcfg.max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} is outside what the model supports: "
+                          f"1..{mcfg.max_seq_len} (model max_seq_len)")
+    if t.global_batch < 1 or t.global_batch % mesh.n_data_shards:
+        raise ConfigError(f"train.global_batch={t.global_batch} must be a positive multiple of the "
+                          f"{mesh.n_data_shards} data shards (dp={mesh.dp} x ep={mesh.ep})")
+    if mesh.pp == 1:  # gradient accumulation (with pp > 1 _check_pipeline checked it)
+        _check_microbatches(cfg, mesh)
+    if t.steps < 1:
+        raise ConfigError(f"train.steps={t.steps} must be >= 1")
+    o = cfg.optim
+    # lr = 0 is allowed (weights stay bitwise unchanged: import/export round trips, evaluation)
+    if not (math.isfinite(o.lr) and o.lr >= 0) or not (math.isfinite(o.min_lr) and o.min_lr >= 0):
+        raise ConfigError(f"optim.lr={o.lr}, optim.min_lr={o.min_lr}: need a finite lr >= 0 and "
+                          f"min_lr >= 0")
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} exceeds optim.lr={o.lr}: the cosine schedule "
+                          f"decays from lr to min_lr; use min_lr <= lr")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    for name, b in (("beta1", o.beta1), ("beta2", o.beta2)):
+        if not 0.0 <= b < 1.0:
+            raise ConfigError(f"optim.{name}={b} must be in [0, 1)")
+    if o.weight_decay < 0 or o.grad_clip < 0 or o.eps <= 0:
+        raise ConfigError(f"optim.weight_decay={o.weight_decay}, grad_clip={o.grad_clip} must be "
+                          f">= 0 and optim.eps={o.eps} > 0")
+    for name in ("ckpt_every", "eval_every", "stop_after", "max_nonfinite_steps"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"train.{name}={getattr(t, name)} must be >= 0")
+    if t.eval_batches < 1 or t.log_every < 1 or t.ckpt_keep < 1:
+        raise ConfigError(f"train.eval_batches={t.eval_batches}, log_every={t.log_every}, "
+                          f"ckpt_keep={t.ckpt_keep} must be >= 1")
+    if not 0 <= t.fault_rank < world_size:
+        raise ConfigError(f"train.fault_rank={t.fault_rank} is not a rank of this run: "
+                          f"valid 0..{world_size - 1}")
+    if cfg.balance.enabled:
+        from balance import METHODS, MigrationPolicy
+
+        b = cfg.balance
+        if b.method != "default" and b.method not in METHODS:
+            raise ConfigError(f"balance.method={b.method!r}; valid: default, {', '.join(METHODS)}")
+        MigrationPolicy(threshold=b.threshold, window=b.window, cooldown=b.cooldown,
+                        max_swaps=b.max_swaps)  # raises ValueError naming a bad value
+        if b.force_every < 0:
+            raise ConfigError(f"balance.force_every={b.force_every} must be >= 0")
+    if t.nan_policy not in ("skip", "stop"):
+        raise ConfigError(f"train.nan_policy={t.nan_policy!r}; valid: skip, stop")
+    if t.timeout_s <= 0:
+        raise ConfigError(f"train.timeout_s={t.timeout_s} must be > 0 seconds")
+    if t.dtype not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"train.dtype={t.dtype!r}; valid: auto, fp32, bf16")
+    check_observability(t)
+    parse_profile_steps(t.profile_steps, t.steps)
+    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)
+    corpus.check(t.seq_len, mcfg.vocab_size)
+    if t.export_hf:
+        from .export import check_out_dir, pick_model_type
+
+        try:  # nothing is overwritten, and the model must be a transformers model type
+            check_out_dir(Path(t.export_hf), False, "train.export_hf",
+                          "choose a new folder (nothing is overwritten)")
+            # the meta.json entries export reads at the end of the run
+            pick_model_type(mcfg, {"run": cfg.to_dict(),
+                                   "hf": {"model_type": hf.model_type} if hf else None}, None)
+        except ValueError as e:
+            raise ConfigError(f"train.export_hf: {e}") from None
+    if cfg.data.doc_mask and corpus.eos_id is None:
+        raise ConfigError(f"--data.doc_mask=true needs documents that end with an EOS token: a "
+                          f"tokenized .bin with its sidecar naming eos_id (python -m trainer.data "
+                          f"prepare); {corpus.source} has none")
+    resume_path = None
+    if t.resume:
+        root = Path(t.out_dir) / "checkpoints"
+        if t.resume in ("latest", "auto"):
+            resume_path = find_latest(root)
+            if resume_path is None and t.resume == "latest":
+                raise CheckpointError(f"--resume: no complete checkpoint under {str(root)!r}; "
+                                      f"use --train.resume=auto to start fresh when there is none")
+        else:
+            resume_path = Path(t.resume)
+        if resume_path is not None:
+            meta = read_meta(resume_path)  # fails early on an incomplete/corrupt checkpoint
+            check_same_model(resume_path, meta, mcfg.to_dict())
+    if hf_skipped and rank == 0:
+        print(f"warning: --model.hf_path {cfg.model.hf_path!r} has {len(hf_skipped) + mcfg.n_layers}"
+              f" layers, the run builds {mcfg.n_layers} (model.n_layers): checkpoint layers "
+              f"{list(hf_skipped)} are skipped", file=sys.stderr, flush=True)
+    return Prepared(cfg, mcfg, mesh, corpus, resume_path, hf, tuple(hf_skipped or ()))
+
+
+def model_name(cfg: RunConfig) -> str:
+    return cfg.model.hf_path or cfg.model.preset
+
+
+def build_schedule(par, pp: int):
+    """The pipeline schedule of the run config's parallel section (validated by the builder)."""
+    import pipeline
+
+    kw = {"n_virtual": par.n_virtual} if par.schedule == "interleaved-1f1b" else {}
+    return pipeline.build(par.schedule, pp, par.microbatches, **kw)
+
+
+def _check_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh) -> None:
+    par = cfg.parallel
+    if mcfg.tie_embeddings:
+        raise ConfigError("tie_embeddings=True with pp > 1 is not supported (the embedding and the "
+                          "head would live on different stages); use pp=1 or untied embeddings")
+    _check_virtual(par)
+    split_layers(mcfg.n_layers, mesh.pp * par.n_virtual, par.layer_split)
+    _check_microbatches(cfg, mesh)
+    _check_schedule(par, mesh.pp)
+
+
+def _check_microbatches(cfg: RunConfig, mesh: Mesh) -> None:
+    """Micro-batches split each data shard's sequences: pipeline micro-batches with pp > 1,
+    gradient accumulation with pp = 1."""
+    par = cfg.parallel
+    per_shard = cfg.train.global_batch // max(1, mesh.n_data_shards)
+    if par.microbatches < 1 or per_shard % par.microbatches:
+        raise ConfigError(
+            f"parallel.microbatches={par.microbatches} must divide the {per_shard} sequences each "
+            f"data shard gets per step (train.global_batch={cfg.train.global_batch} / "
+            f"{mesh.n_data_shards} shards); valid: {valid_divisors(per_shard)}")
+
+
+def _check_virtual(par) -> None:
+    if par.n_virtual < 1 or (par.n_virtual > 1 and par.schedule != "interleaved-1f1b"):
+        raise ConfigError(f"parallel.n_virtual={par.n_virtual}: values > 1 need "
+                          f"parallel.schedule='interleaved-1f1b' (got {par.schedule!r})")
+
+
+def _check_schedule(par, pp: int) -> None:
+    """The schedule name and its numbers; with pp=1 too, where they are not used."""
+    _check_virtual(par)
+    if par.microbatches < 1:
+        raise ConfigError(f"parallel.microbatches={par.microbatches} must be >= 1")
+    try:
+        build_schedule(par, pp)
+    except ValueError as e:
+        raise ConfigError(f"parallel.schedule={par.schedule!r} with pp={pp}, "
+                          f"microbatches={par.microbatches}: {e}") from None
+
+
+def peak_flops(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tf in _GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return tf * 1e12, f"{name} bf16 peak"
+        return 0.0, f"{name}: unknown peak (set --train.peak_tflops)"
+    # CPU: no published peak for an arbitrary host; measure this process's fp32 matmul rate.
+    # Best of several short runs, so a busy neighbour lowers the estimate as little as possible.
+    n = 768
+    a = torch.randn(n, n)
+    a @ a
+    best = 0.0
+    for _ in range(8):
+        t0 = time.perf_counter()
+        a @ a
+        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+    return best, "best measured fp32 matmul rate of this process"
