@@ -343,6 +343,11 @@ GAPS = {
     "fault_rank >= world": (["--train.fault_rank=7"], ["train.fault_rank=7", "0..0"]),
     "unknown balance method": (["--balance.enabled=true", "--balance.method=bogus"],
                                ["balance.method='bogus'"]),
+    "zero level": (["--parallel.zero=3"], ["parallel.zero=3", "valid: 0", "2 (optimizer state"]),
+    "negative zero level": (["--parallel.zero=-1"], ["parallel.zero=-1"]),
+    "accumulation microbatches": (["--train.global_batch=8", "--parallel.microbatches=3"],
+                                  ["parallel.microbatches=3 must divide the 8 sequences",
+                                   "valid: [1, 2, 4, 8]"]),
 }
 
 
