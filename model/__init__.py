@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from . import presets
 from .attention import DocLayout
-from .checkpointing import CHECKPOINTING, is_recomputing, set_checkpointing
+from .checkpointing import CHECKPOINTING, set_checkpointing
 from .config import ModelConfig
 from .moe import GroupedExperts, LocalDispatcher, MoELayer, SwiGLU
+from .recompute import is_recomputing
 from .router import Router
 from .transformer import Block, MoETransformer
 

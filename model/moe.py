@@ -26,8 +26,8 @@ from torch.autograd.profiler import record_function
 
 from kernels import grouped_gemm, permute, unpermute
 
-from .checkpointing import recompute
 from .config import ModelConfig
+from .recompute import recompute
 from .router import Router
 
 

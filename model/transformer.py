@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import DocLayout, build_attention
-from .checkpointing import recompute
 from .config import ModelConfig
 from .moe import MoELayer, SwiGLU
 from .norm import RMSNorm
+from .recompute import recompute
 from .rope import RotaryEmbedding
 
 
