@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .hf_config import hf_config_fields
+
 ATTENTION_KINDS = ("gqa", "mla")
 ROUTER_KINDS = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2_sum")
@@ -317,9 +319,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any] | str | Path) -> ModelConfig:
-        """Build from a transformers `config.json` (dict or path); see `model.hf`."""
-        from .hf import config_from_hf
-
+        """Build from a transformers `config.json` (dict or path); the field maps are in
+        `model.hf_config`."""
         if isinstance(cfg, (str, Path)):
             path = Path(cfg)
             if path.is_dir():
@@ -327,7 +328,7 @@ class ModelConfig:
             if not path.is_file():
                 raise ValueError(f"HF config path {str(path)!r} does not exist")
             cfg = json.loads(path.read_text())
-        return config_from_hf(cfg)
+        return cls(**hf_config_fields(cfg))
 
 
 def _choice(name: str, value: str, valid: tuple[str, ...]) -> None:
