@@ -16,13 +16,14 @@ only those whose modelled shared memory fits the GPU (``kernels._tuning``). ``--
 prints the candidates for a target (sm80, sm90, gfx90a, gfx942) with their modelled bytes and
 the limit, without a GPU. Without a GPU (and without ``--list``) this says so and exits with
 status 2.
+
+The command line turns a preset name into those shapes, so it lives in `model.autotune` (above
+kernels: kernels never imports model); this file hands `python -m kernels.autotune` to it.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +31,6 @@ import torch
 from kernels._tuning import (
     TARGETS,
     GemmConfig,
-    default_cache_path,
     device_target,
     gemm_configs,
     problem_key,
@@ -68,19 +68,16 @@ def _bench(op: str, cfg: GemmConfig, M: int, N: int, K: int, E: int, dtype: torc
     return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
-def tune(model: str, tokens: int, dtype: torch.dtype, max_configs: int,
-         device: torch.device, cache: Path) -> dict[str, GemmConfig]:
-    """Time the candidates of every problem; each winner is stored as soon as it is known, so
-    a run cut short by a time limit keeps what it finished."""
-    from model import presets  # lazy: kernels does not depend on model otherwise
-
-    cfg = presets.get(model)
-    D, F, E, k = cfg.d_model, cfg.moe_ffn_dim, cfg.n_routed_experts, cfg.top_k
+def tune(name: str, D: int, F: int, E: int, k: int, tokens: int, dtype: torch.dtype,
+         max_configs: int, device: torch.device, cache: Path) -> dict[str, GemmConfig]:
+    """Time the candidates of every problem of the expert shape (D, F, E, k) at `tokens`
+    tokens (M = tokens * k rows); each winner is stored as soon as it is known, so a run cut
+    short by a time limit keeps what it finished. `name` labels the printout."""
     M = tokens * k
     elem = torch.empty((), dtype=dtype).element_size()
     winners: dict[str, GemmConfig] = {}
     target = device_target(device)  # candidates that fit this GPU's shared memory only
-    print(f"{model}: D={D} F={F} E={E} k={k} M={M} {dtype} on {torch.cuda.get_device_name(device)} "
+    print(f"{name}: D={D} F={F} E={E} k={k} M={M} {dtype} on {torch.cuda.get_device_name(device)} "
           f"({target.name}, {target.smem_limit} B shared memory per block)")
     for op, N, K in problems(D, F):
         key = problem_key(op, dtype, N, K, E)
@@ -108,56 +105,23 @@ def tune(model: str, tokens: int, dtype: torch.dtype, max_configs: int,
     return winners
 
 
-def list_candidates(model: str, dtype: torch.dtype, target: str) -> list[str]:
+def list_candidates(name: str, D: int, F: int, E: int, dtype: torch.dtype,
+                    target: str) -> list[str]:
     """One line per (problem, candidate): config, modelled shared memory, the target's limit."""
-    from model import presets
-
-    cfg = presets.get(model)
     t = TARGETS[target]
     elem = torch.empty((), dtype=dtype).element_size()
-    lines = [f"{model} {dtype} on {t.name}: limit {t.smem_limit} B per block ({t.source})"]
-    for op, N, K in problems(cfg.d_model, cfg.moe_ffn_dim):
-        for i, c in enumerate(gemm_configs(op, N, K, cfg.n_routed_experts, elem, t)):
-            lines.append(f"  {problem_key(op, dtype, N, K, cfg.n_routed_experts)}: {c} "
+    lines = [f"{name} {dtype} on {t.name}: limit {t.smem_limit} B per block ({t.source})"]
+    for op, N, K in problems(D, F):
+        for i, c in enumerate(gemm_configs(op, N, K, E, elem, t)):
+            lines.append(f"  {problem_key(op, dtype, N, K, E)}: {c} "
                          f"{c.max_smem_bytes(op, elem, t)} B{' (default)' if i == 0 else ''}")
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kernels.autotune", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="a model.presets name, e.g. mixtral-8x7b")
-    p.add_argument("--tokens", type=int, default=8192, help="tokens per step per GPU (rows = tokens*top_k)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--cache", type=Path, default=None, help=f"JSON cache (default {default_cache_path()}; launches read a non-default one when PIPER_KERNELS_CACHE names it)")
-    p.add_argument("--max-configs", type=int, default=12, help="candidates tried per problem")
-    p.add_argument("--list", choices=list(TARGETS), default=None, metavar="TARGET",
-                   help=f"print the candidates for TARGET ({', '.join(TARGETS)}) and exit")
-    args = p.parse_args(argv)
-    if args.list:
-        try:
-            print("\n".join(list_candidates(args.model, getattr(torch, args.dtype), args.list)))
-        except KeyError as exc:
-            print(f"kernels.autotune: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    if not torch.cuda.is_available():
-        print("kernels.autotune: no CUDA/ROCm GPU visible; autotuning measures a GPU, nothing "
-              "to do on this machine", file=sys.stderr)
-        return 2
-    if args.tokens < 1 or args.max_configs < 1:
-        p.error(f"--tokens={args.tokens} and --max-configs={args.max_configs} must be >= 1")
-    device = torch.device("cuda", torch.cuda.current_device())
-    t0 = time.perf_counter()
-    path = args.cache or default_cache_path()
-    try:
-        winners = tune(args.model, args.tokens, getattr(torch, args.dtype), args.max_configs,
-                       device, path)
-    except KeyError as exc:
-        print(f"kernels.autotune: {exc}", file=sys.stderr)
-        return 2
-    print(f"stored {len(winners)} winners in {path} ({time.perf_counter() - t0:.0f} s)")
-    return 0
-
-
 if __name__ == "__main__":
+    # `python -m kernels.autotune --model PRESET` keeps working: the command line needs a
+    # preset's shapes, so it lives above kernels, in model.autotune. This block runs only when
+    # the file is the program, never on import, so kernels itself does not depend on model.
+    from model.autotune import main
+
     sys.exit(main())

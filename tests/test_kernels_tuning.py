@@ -123,7 +123,7 @@ def test_smaller_live_gpu_drops_the_default() -> None:
 
 
 def test_list_candidates_without_gpu() -> None:
-    from kernels.autotune import list_candidates
+    from model.autotune import list_candidates
 
     lines = list_candidates("tiny", torch.bfloat16, "gfx90a")
     assert "limit 65536 B" in lines[0] and len(lines) > 6
