@@ -1,0 +1,299 @@
+"""The project's import graph has no circle and no arrow that runs up the layers.
+
+The graph is read from the source with `ast`, not by importing: a node is a module of the
+project (``comm.topology``, ``model``, ``train``), an edge is any ``import``/``from ... import``
+statement in it, wherever it stands. Imports inside functions (the usual way to hide a circle)
+and under ``if TYPE_CHECKING:`` count too: a circle that only closes at call time still means
+neither module can be read, tested or moved without the other. Relative imports are resolved
+against the importing module's package; ``from pkg import name`` is an edge to ``pkg.name`` when
+that is a module and to ``pkg`` (its ``__init__``) otherwise. Importing ``a.b`` also runs
+``a/__init__``; that implicit edge is not drawn, or every module would sit in a circle with its
+own package. One exception: the body of a top-level ``if __name__ == "__main__":`` runs only when
+the file is the program (``python -m kernels.autotune``), never when it is imported, so it is
+the entry point's code, not the module's, and is left out (``kernels.autotune`` hands its
+command line to ``model.autotune`` that way).
+
+LAYERS is the declared order, bottom first. A package may import its own modules and packages
+in lower layers only; packages in one layer are siblings and do not import each other.
+KEEP_APART names pairs the order alone would allow but the design forbids.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Bottom first. Why this order (from the imports as they are):
+#   kernels, comm   the foundations: grouped GEMM / permute, and topology + all-to-all; they
+#                   know nothing of models or of each other.
+#   model           the MoE transformer; calls kernels, is rank-agnostic (no comm: parallelism
+#                   is applied from outside, STYLE 14).
+#   pipeline, balance  schedules and the expert balancer: pure planning code that a trainer
+#                   drives; may use model/comm, are not used by them.
+#   trainer         composes all of the above into a run.
+#   tuner, train    the entry points: the planner (which launches train.py and borrows the
+#                   trainer's corpus helper) and the training script.
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"kernels", "comm"}),
+    frozenset({"model"}),
+    frozenset({"pipeline", "balance"}),
+    frozenset({"trainer"}),
+    frozenset({"tuner", "train"}),
+)
+
+# (importer, imported) -> why not, although `imported` sits in a lower layer.
+KEEP_APART: dict[tuple[str, str], str] = {
+    ("model", "comm"): "model code is rank-agnostic; parallelism is applied from outside (STYLE 14)",
+}
+
+
+def project_modules(root: Path, layers: Iterable[frozenset[str]]) -> dict[str, Path]:
+    """Dotted module name -> source file, for every package in `layers` (``x.py`` at the
+    root for a single-file module such as ``train``)."""
+    mods: dict[str, Path] = {}
+    for top in sorted(set().union(*layers)):
+        pkg = root / top
+        if (pkg / "__init__.py").is_file():
+            for f in sorted(pkg.rglob("*.py")):
+                parts = f.relative_to(root).with_suffix("").parts
+                if parts[-1] == "__init__":
+                    parts = parts[:-1]
+                mods[".".join(parts)] = f
+        elif (root / f"{top}.py").is_file():
+            mods[top] = root / f"{top}.py"
+        else:
+            raise ValueError(f"LAYERS names {top!r}, but neither {top}/__init__.py nor {top}.py exists")
+    return mods
+
+
+def imports_of(name: str, source: str, is_package: bool, known: set[str]) -> set[str]:
+    """The project modules that module `name` imports anywhere in `source`."""
+    package = name if is_package else name.rpartition(".")[0]
+    tree = ast.parse(source)
+    tree.body = [n for n in tree.body if not _is_main_guard(n)]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                if node.level - 1 > len(base):
+                    raise ValueError(f"{name}: relative import beyond the top package")
+                base = base[: len(base) - (node.level - 1)]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            targets = [
+                f"{stem}.{a.name}" if f"{stem}.{a.name}" in known else stem for a in node.names
+            ]
+        else:
+            continue
+        for t in targets:
+            # `import comm.netsim.engine` -> the deepest project module named by the path.
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":`` (either operand order)."""
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
+        return False
+    t = node.test
+    if len(t.ops) != 1 or not isinstance(t.ops[0], ast.Eq):
+        return False
+    sides = {ast.dump(t.left), ast.dump(t.comparators[0])}
+    return sides == {ast.dump(ast.Name("__name__", ast.Load())), ast.dump(ast.Constant("__main__"))}
+
+
+def import_graph(root: Path, layers: Iterable[frozenset[str]]) -> dict[str, set[str]]:
+    mods = project_modules(root, layers)
+    known = set(mods)
+    return {
+        m: imports_of(m, f.read_text(), f.name == "__init__.py", known) for m, f in mods.items()
+    }
+
+
+def cyclic_components(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The strongly connected components that hold a cycle (Tarjan's algorithm): sets of
+    modules each reachable from every other; sorted so the message is stable."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    comps: list[list[str]] = []
+
+    def strongconnect(v: str) -> None:
+        # Recursion depth is bounded by the module count (a few hundred).
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                comps.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return sorted(comps)
+
+
+def find_cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """One shortest cycle ``[a, b, ..., a]`` per cyclic component."""
+    return [_cycle_in(graph, set(c)) for c in cyclic_components(graph)]
+
+
+def _cycle_in(graph: Mapping[str, Iterable[str]], comp: set[str]) -> list[str]:
+    """A shortest cycle through the smallest-named module of a strongly connected component."""
+    start = min(comp)
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph.get(v, ())):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if v != start else [start, start]
+                if w in comp and w not in parent:
+                    parent[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"{sorted(comp)} is not strongly connected")
+
+
+def upward_edges(
+    graph: Mapping[str, Iterable[str]],
+    layers: Iterable[frozenset[str]],
+    apart: Iterable[tuple[str, str]] = (),
+) -> list[tuple[str, str]]:
+    """Edges from a package to one in the same or a higher layer (its own modules aside), or
+    between a pair of packages in `apart`."""
+    layer_of = {pkg: i for i, group in enumerate(layers) for pkg in group}
+    apart = set(apart)
+    bad = []
+    for src in sorted(graph):
+        for dst in sorted(graph[src]):
+            a, b = src.partition(".")[0], dst.partition(".")[0]
+            if a != b and (layer_of[b] >= layer_of[a] or (a, b) in apart):
+                bad.append((src, dst))
+    return bad
+
+
+def _layer_text(layers: Iterable[frozenset[str]]) -> str:
+    return " < ".join("{" + ", ".join(sorted(g)) + "}" for g in layers)
+
+
+# ---- the project ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph(ROOT, LAYERS)
+
+
+def test_graph_sees_the_project(graph: dict[str, set[str]]) -> None:
+    # A guard against a reader that silently finds nothing: known modules and edges exist.
+    for m in ("comm", "comm.topology", "model.transformer", "kernels.permute", "trainer", "train"):
+        assert m in graph, f"{m} missing from the import graph"
+    assert "model.config" in graph["model.transformer"]  # relative `from .config import`
+    assert "trainer" in graph["train"]  # function-level `from trainer import ...`
+
+
+def test_no_import_cycle(graph: dict[str, set[str]]) -> None:
+    comps = cyclic_components(graph)
+    lines = []
+    for comp in comps:
+        line = "  " + " -> ".join(_cycle_in(graph, set(comp)))
+        if len(comp) > 2:
+            line += f"   (circle among {', '.join(comp)})"
+        lines.append(line)
+    assert not comps, "import cycles (function-level imports count):\n" + "\n".join(lines)
+
+
+def test_no_upward_import(graph: dict[str, set[str]]) -> None:
+    bad = upward_edges(graph, LAYERS, KEEP_APART)
+    why = {(a, b): KEEP_APART.get((a.partition(".")[0], b.partition(".")[0])) for a, b in bad}
+    assert not bad, (
+        f"imports that run up or sideways in the layer order {_layer_text(LAYERS)}:\n"
+        + "\n".join(f"  {a} imports {b}" + (f" ({why[a, b]})" if why[a, b] else "")
+                     for a, b in bad)
+    )
+
+
+# ---- the checker itself, on synthetic graphs and sources ------------------------------------
+
+
+def test_find_cycles_names_each_cycle() -> None:
+    g = {
+        "a": {"b"},
+        "b": {"c"},
+        "c": {"a", "d"},  # a -> b -> c -> a
+        "d": {"e"},
+        "e": set(),
+        "x": {"y"},
+        "y": {"x"},  # x <-> y
+        "s": {"s"},  # a module importing itself
+    }
+    assert find_cycles(g) == [["a", "b", "c", "a"], ["s", "s"], ["x", "y", "x"]]
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_upward_edges_flags_up_and_sideways() -> None:
+    layers = (frozenset({"low", "side"}), frozenset({"high"}))
+    g = {
+        "low.a": {"low.b", "high.x"},  # up
+        "low.b": {"side"},  # sideways, same layer
+        "high.x": {"low.a", "high"},  # down, and its own package
+        "side": set(),
+        "high": set(),
+    }
+    assert upward_edges(g, layers) == [("low.a", "high.x"), ("low.b", "side")]
+    assert upward_edges(g, layers, {("high", "low")}) == [
+        ("high.x", "low.a"),
+        ("low.a", "high.x"),
+        ("low.b", "side"),
+    ]
+
+
+def test_imports_of_resolves_relative_and_lazy_imports() -> None:
+    known = {"pkg", "pkg.a", "pkg.b", "pkg.sub", "pkg.sub.c", "other"}
+    src = (
+        "from . import a\n"
+        "from .sub.c import thing\n"
+        "import os\n"
+        "def f():\n"
+        "    from pkg import helper\n"
+        "    import other.deep\n"
+    )
+    assert imports_of("pkg.b", src, False, known) == {"pkg.a", "pkg.sub.c", "pkg", "other"}
+    assert imports_of("pkg.sub", "from .. import b\nfrom .c import x\n", True, known) == {
+        "pkg.b",
+        "pkg.sub.c",
+    }
+    # Only a top-level `if __name__ == "__main__":` is the program's own code.
+    main = 'if __name__ == "__main__":\n    import other\nif __name__ != "__main__":\n    import pkg.a\n'
+    assert imports_of("pkg.b", main, False, known) == {"pkg.a"}
