@@ -63,7 +63,7 @@ def _rope(d: dict[str, Any]) -> dict[str, Any]:
 # Spellings transformers accepts for one field: its config classes' `attribute_map` (alias ->
 # canonical) plus the names older releases wrote. Per model type, canonical name -> aliases;
 # `normalize_hf_config` fills the canonical name this module reads from whichever is present.
-# tests/test_hf_checkpoint.py checks this table against transformers' attribute maps.
+# tests/test_hf_import_export.py checks this table against transformers' attribute maps.
 HF_ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
     "mixtral": {"num_local_experts": ("num_experts",)},
     "qwen2_moe": {"num_experts": ("num_local_experts",)},
