@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +27,9 @@ from .mesh import Mesh
 from .parallel import GradSync, parallelize
 from .pipe import build_stages, ce_loss, moe_aux, split_layers
 from .setup import build_schedule
+from .zero import build_optimizer as zero_optimizer
+
+_SYNC_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its GradSync
 
 __all__ = ["pick_device", "build_model", "Pipeline", "build_pipeline", "import_hf",
            "build_grad_sync", "build_optimizer"]
@@ -148,16 +152,24 @@ def import_hf(model, hf, hf_path: str, out: Path, mesh: Mesh, device: torch.devi
 
 
 def build_grad_sync(cfg: RunConfig, model, mesh: Mesh) -> GradSync:
-    """Gradient averaging over each parameter's replicas, and the global gradient norm."""
-    return GradSync(model, mesh)
+    """Gradient averaging over each parameter's replicas, and the global gradient norm.
+
+    zero=0 reduces after the backward in one flat buffer per group (bit for bit the losses of
+    earlier versions); zero=1/2 reduce in buckets overlapped with the backward (trainer/zero.py)."""
+    zero = cfg.parallel.zero
+    sync = GradSync(model, mesh, zero=zero, overlap=zero > 0)
+    _SYNC_OF[model] = sync  # build_optimizer's ZeRO wrapper needs the ownership and groups
+    return sync
 
 
-def build_optimizer(cfg: RunConfig, model, mesh: Mesh) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices (dim >= 2) only."""
+def build_optimizer(cfg: RunConfig, model, mesh: Mesh):
+    """AdamW with weight decay on matrices (dim >= 2) only: torch.optim.AdamW at zero=0, the
+    sharded `trainer.zero.ZeroOptimizer` at zero=1/2 (call build_grad_sync first)."""
     o = cfg.optim
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": o.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False)
+    sync = _SYNC_OF.get(model)
+    if sync is None:
+        if cfg.parallel.zero:
+            raise RuntimeError("build_optimizer with parallel.zero > 0 needs build_grad_sync("
+                               "cfg, model, mesh) first: the optimizer shards by its ownership")
+        sync = GradSync(model, mesh, overlap=False)
+    return zero_optimizer(model, sync, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay)

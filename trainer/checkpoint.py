@@ -13,6 +13,10 @@ Experts are stored by LOGICAL expert id (`model.<layer>.experts.w1.<e>`), not by
 so a checkpoint loads under any EP degree or expert placement; the placement (expert2slot of
 every MoE layer) lives in `meta.json` and is restored before the expert rows are read.
 Optimizer state (AdamW exp_avg / exp_avg_sq / step) uses the same keys under `optim.<kind>.`.
+Under ZeRO-1/2 (trainer/zero.py) each parameter's state lives on its owner only: the owner
+contributes those keys (DCP writes each key once, from whichever rank has it), and a load fills
+the state of the parameters the rank owns; the files are the same as a ZeRO-0 run's, so a run
+resumes under any ZeRO level as under any EP/PP/DP layout.
 """
 
 from __future__ import annotations
@@ -100,6 +104,12 @@ def _state(model: nn.Module, optim: torch.optim.Optimizer | None) -> dict[str, t
             continue  # placement lives in meta.json; non-persistent buffers are recomputed
         sd[f"buffer.{name}"] = b
     return sd
+
+
+def _owns(optim, p: nn.Parameter) -> bool:
+    """Whether this rank keeps p's optimizer state (ZeRO: its owner only; else every rank)."""
+    owns = getattr(optim, "owns", None)
+    return owns is None or owns(p)
 
 
 def list_complete(ckpt_root: Path) -> list[Path]:
@@ -223,8 +233,10 @@ def load_checkpoint(path: str | Path, model: nn.Module, optim: torch.optim.Optim
             raise CheckpointError(f"checkpoint {str(path)!r}: no placement of {len(layer.expert2slot)} "
                                   f"experts for {name!r}; it is from another model")
         layer.expert2slot.copy_(torch.tensor(slots, dtype=torch.int64))
-    # AdamW state must exist before DCP can load into it
+    # AdamW state must exist before DCP can load into it (under ZeRO: the owned parameters')
     for p in model.parameters():
+        if not _owns(optim, p):
+            continue
         st = optim.state[p]
         if "exp_avg" not in st:
             st["step"] = torch.zeros((), dtype=torch.float32)
@@ -242,6 +254,8 @@ def load_checkpoint(path: str | Path, model: nn.Module, optim: torch.optim.Optim
     rows = _expert_rows(model)
     params = dict(model.named_parameters())
     for name, p in params.items():
+        if not _owns(optim, p):
+            continue
         st = optim.state[p]
         if name in rows:
             for j, e in rows[name]:

@@ -24,6 +24,7 @@ from .mesh import Mesh, MeshError, valid_divisors
 from .metrics import check_observability
 from .pipe import split_layers
 from .profiling import parse_profile_steps
+from .zero import check_zero
 
 __all__ = ["Prepared", "prepare", "build_model_config", "build_schedule", "model_name",
            "peak_flops"]
@@ -90,6 +91,9 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     if par.zero not in (0, 1, 2):
         raise ConfigError(f"parallel.zero={par.zero!r}; valid: 0 (replicated state), 1 (optimizer "
                           f"state sharded), 2 (optimizer state and gradients sharded)")
+    zero_note = check_zero(cfg, mesh)  # a replica group of one rank: ZeRO has no effect there
+    if zero_note and rank == 0:
+        print(f"note: {zero_note}", file=sys.stderr, flush=True)
     E = mcfg.n_routed_experts
     if E % mesh.ep:
         raise MeshError(f"ep={mesh.ep} does not divide {E} experts of model {model_name(cfg)!r}; "

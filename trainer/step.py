@@ -135,13 +135,15 @@ def train_step(tr) -> dict[str, Any]:
     if t.memory_report:
         stats.meter.reset_peak()
     meter = stats.meter if t.memory_report else contextlib.nullcontext()
+    # arm the gradient hooks: a parameter's gradient is final after M accumulations
+    tr.sync.start_step(tr.cfg.parallel.microbatches)
     with meter, record_function("forward_backward"):
         ce, aux = _forward_backward(tr, tokens, targets)
     t1 = time.perf_counter()
     ce = tr.hooks.after_backward(tr.step + 1, tr.model, ce)
     tr.phase = "gradient all-reduce"
     with record_function("grad_sync"):
-        tr.sync.sync()
+        tr.sync.finish()  # what the backward's hooks have not launched yet, then wait
         norm = tr.sync.clip(tr.cfg.optim.grad_clip)
     t2 = time.perf_counter()
     loss, aux_v = allreduce_mean(tr, [float(ce.detach()), float(aux.detach())])

@@ -43,8 +43,8 @@ def check_zero(cfg, mesh) -> str | None:
     ep > 1, which is why dp=1 is not refused)."""
     z = cfg.parallel.zero
     if isinstance(z, bool) or not isinstance(z, int) or z not in ZERO_LEVELS:
-        raise ConfigError(f"parallel.zero={z!r}; valid: 0 (replicated optimizer state), "
-                          f"1 (sharded optimizer state), 2 (sharded optimizer state and gradients)")
+        raise ConfigError(f"parallel.zero={z!r}; valid: 0 (replicated state), 1 (optimizer "
+                          f"state sharded), 2 (optimizer state and gradients sharded)")
     if z == 0:
         return None
     if mesh.dp * mesh.ep == 1:
