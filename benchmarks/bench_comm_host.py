@@ -13,8 +13,8 @@ rank of the destination):
            (`settle_plan`, then dispatch forward, combine forward = `reverse()`, combine
            backward, dispatch backward: each exchange's rank plan and, for auto, decision)
     call   one unplanned `all_to_all` forward and its backward
-`per_call_ms` is a repeat's time divided by its exchanges (4 or 2): the median of the
-repeats. `auto` runs the concurrent model of configs/platforms/frontier.toml's link rates
+`new_ms_per_call` is a repeat's wall time divided by its exchanges (4 or 2): the median of
+the repeats; `new_cpu_ms_per_call` (printed as "(cpu)") the same in this process's CPU time. `auto` runs the concurrent model of configs/platforms/frontier.toml's link rates
 (what a calibrated model is too); its own row summary is part of the call.
 
 Old vs new in one run: the comm/*.py of `--baseline` (a git revision: by default the one
@@ -181,14 +181,18 @@ class Base:
         return self._halo(plan.matrix, False), self._halo(plan.matrix, True)
 
 
-def timed(fn: object, repeats: int) -> tuple[float, object]:
+def timed(fn: object, repeats: int) -> tuple[float, float, object]:
+    """(median wall seconds, median CPU seconds of this process, fn's result). On a shared
+    machine the CPU time is the steadier of the two (the wall clock adds the time other
+    jobs held the cores)."""
     out = fn()  # warm-up: per-topology tables are built once per run, as in training
-    samples = []
+    samples, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples), out
+        cpu.append(time.process_time() - c0)
+    return statistics.median(samples), statistics.median(cpu), out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,16 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    print(f"{'R':>5} {'algorithm':>9} {'path':>6} {'new ms/call':>12} {'base ms/call':>13} "
-          f"{'ratio':>6}  chosen")
+    print(f"{'R':>5} {'algorithm':>9} {'path':>6} {'new ms/call':>12} {'(cpu)':>7} "
+          f"{'base ms/call':>13} {'ratio':>6}  chosen")
     for R in args.ranks:
         S = split_matrix(R, seed=R)
         for algorithm in ("halo", "auto"):
             new = New(S, algorithm)
             old = Base(base, S, algorithm) if base is not None else None
             for path, exchanges in (("layer", 4), ("call", 2)):
-                t_new, got = timed(getattr(new, path), args.repeats)
-                t_old, want = timed(getattr(old, path), args.repeats) if old else (None, None)
+                t_new, cpu_new, got = timed(getattr(new, path), args.repeats)
+                t_old, _, want = timed(getattr(old, path), args.repeats) if old else (
+                    None, None, None)
                 if old is not None:  # same decisions and the same rank plans
                     assert len(got) == len(want) and all(
                         (g == w) if isinstance(g, str) else _plans_equal(g, w)
@@ -230,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                        "algorithm": algorithm, "path": path, "exchanges": exchanges,
                        "chosen": chosen, "repeats": args.repeats,
                        "new_ms_per_call": 1e3 * t_new / exchanges,
+                       "new_cpu_ms_per_call": 1e3 * cpu_new / exchanges,
                        "base_ms_per_call": None if t_old is None else 1e3 * t_old / exchanges,
                        "baseline": None if base is None else args.baseline,
                        "git_sha": git_sha(), "load_avg_1m": os.getloadavg()[0], **machine}
@@ -237,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                 ratio = "" if t_old is None else f"{t_old / t_new:6.1f}"
                 old_ms = "" if t_old is None else f"{row['base_ms_per_call']:13.3f}"
                 print(f"{R:>5} {algorithm:>9} {path:>6} {row['new_ms_per_call']:12.3f} "
-                      f"{old_ms:>13} {ratio:>6}  {chosen}", flush=True)
+                      f"{row['new_cpu_ms_per_call']:7.3f} {old_ms:>13} {ratio:>6}  {chosen}",
+                      flush=True)
     with open(out / "comm_host.jsonl", "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")

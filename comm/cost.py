@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import math
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -361,18 +363,12 @@ def _layout(topo: Topology) -> _Layout:
 
 @dataclass(frozen=True)
 class _Blocked:
-    """A node-major topology of N nodes x G ranks (rank = node * G + local), for
-    `_predict_blocked`: who relays what, as index arrays built once."""
+    """A node-major topology of N nodes x G ranks (rank = node * G + local) whose relays are
+    rail-aligned: s's rows for node m go to the rank of m with s's local index (what
+    `relay_rank` picks whenever every node lays its ranks on its NICs alike). Then
+    `_predict_blocked` reads every HALO term off S's [N, G, N, G] blocks."""
 
     G: int
-    relay: np.ndarray  # [R, N] relay[s, m]: the rank of node m receiving s's rows
-    pairs: np.ndarray  # off-node (s, m) pairs as s * N + m, grouped by their relay
-    starts: np.ndarray  # where each relay's group begins in `pairs` (clipped when empty)
-    idle: np.ndarray  # [R] bool: ranks that relay no source
-    relay_flat: np.ndarray  # [R * N] s * R + relay[s, m]: S[s, relay[s, m]] in S's buffer
-    relay_flat_t: np.ndarray  # the same in the buffer of S^T (relay[s, m] * R + s)
-    relay_order_t: np.ndarray  # argsort of relay_flat_t
-    pairs_t: np.ndarray  # `pairs` as rows of S^T's [N, R, G] block layout: m * R + s
 
 
 def _blocked_facts(topo: Topology, relay: np.ndarray) -> _Blocked | None:
@@ -381,17 +377,8 @@ def _blocked_facts(topo: Topology, relay: np.ndarray) -> _Blocked | None:
     if N < 2 or N * G != R or any(topo.node_ranks(m) != tuple(range(m * G, (m + 1) * G))
                                   for m in range(N)):
         return None
-    src, dst_node = np.nonzero(np.arange(N)[None, :] != (np.arange(R) // G)[:, None])
-    via = relay[src, dst_node]
-    order = np.argsort(via, kind="stable")
-    counts = np.bincount(via, minlength=R)
-    starts = np.minimum(np.concatenate([[0], np.cumsum(counts)[:-1]]), len(via) - 1)
-    rows = np.repeat(np.arange(R), N)
-    flat_t = relay.reshape(-1) * R + rows
-    pairs = (src * N + dst_node)[order]
-    return _Blocked(G, relay, pairs, starts, counts == 0,
-                    rows * R + relay.reshape(-1), flat_t, np.argsort(flat_t, kind="stable"),
-                    (pairs % N) * R + pairs // N)
+    rail = (np.arange(N) * G)[None, :] + (np.arange(R) % G)[:, None]  # [R, N]
+    return _Blocked(G) if np.array_equal(relay, rail) else None
 
 
 def _bytes(S: list[list[int]], row_bytes: int) -> np.ndarray:
@@ -463,31 +450,79 @@ def _predict_blocked(
     """(concurrent flat, HALO, busiest-NIC bytes) of an integer split matrix S [R, R] on a
     node-major topology of N nodes x G ranks: what `_flat` and `_halo` compute, in four
     passes over the R^2 entries plus O(R * N) work (`_halo`'s [R, R] x [R, N] product and
-    fancy indexing took ~150 ms at R = 1024). S may be the transposed view of a C-ordered
-    matrix (the mirrored exchange): it is read in place, as A^T."""
-    b = L.blocked
-    assert b is not None
-    G, relay = b.G, b.relay
+    fancy indexing took ~150 ms at R = 1024). See `_blocked_terms` for the layouts read."""
+    t = _blocked_terms(S, row_bytes, L, model)
+    return t.flat, t.halo(t.relay_peers()), t.busiest
+
+
+class _BlockedTerms(NamedTuple):
+    """The model's terms of one split matrix, all but HALO's relay fan-out (which relay
+    forwards to how many ranks of its node: the priciest pass, `relay_peers`, run only when
+    the decision hinges on it)."""
+
+    flat: float
+    busiest: float  # busiest-NIC bytes
+    t_intra: float  # HALO phase I
+    t_inter: float  # HALO phase II
+    relayed: np.ndarray  # [R] rows each relay forwards in phase III
+    row_bytes: int
+    model: CostModel
+    relay_peers: Callable[[], np.ndarray]  # [R] ranks each relay forwards to (exact)
+
+    def halo(self, peers: np.ndarray) -> float:
+        """HALO's time with `peers` [R] (the exact fan-out, or a bound on it: the time is
+        monotone in it, so bounds give bounds, bit for bit in float arithmetic)."""
+        m = self.model
+        t_relay = float((self.relayed * self.row_bytes / m.local_bandwidth
+                         + peers * m.alpha_local).max())
+        return max(self.t_intra, self.t_inter + t_relay) + m.halo_overhead_s
+
+    def halo_bounds(self, G: int) -> tuple[float, float]:
+        """HALO at least / at most: a relay that forwards rows forwards them to 1 to
+        min(G - 1, rows) ranks, one that forwards none to none."""
+        r = self.relayed
+        return self.halo(r > 0), self.halo(np.minimum(r, G - 1))
+
+
+def _blocked_terms(S: np.ndarray, row_bytes: int, L: _Layout, model: CostModel
+                   ) -> _BlockedTerms:
+    """`_predict_blocked`'s passes over S, the relay fan-out left as a function. S is read
+    in place when one of its axes is unit-strided: a C-ordered matrix, a row-strided view
+    of the exchanged ints (`settle_plan` keeps the matrix there: copying 8 MB at R = 1024
+    cost more than the model), or the transposed view of either (the mirrored exchange,
+    read as A^T)."""
+    assert L.blocked is not None
+    G = L.blocked.G
     R = S.shape[0]
     N = R // G
     ar, node = np.arange(R), L.node
-    transposed = not S.flags.c_contiguous and S.T.flags.c_contiguous
-    A = S.T if transposed else np.ascontiguousarray(S)  # C-ordered; S = A^T or A
+    if S.strides[1] == S.itemsize:
+        A, transposed = S, False
+    elif S.strides[0] == S.itemsize:
+        A, transposed = S.T, True  # S = A^T, A's rows unit-strided
+    else:
+        A, transposed = np.ascontiguousarray(S), False
     if A.dtype.itemsize < 8 and G * int(A.max(initial=0)) >= 2**31:
         A = A.astype(np.int64)  # node sums would overflow A's dtype
     # einsum sums the G ranks of a node at memory speed along either axis of A
     # (.sum(axis=2) over 8-wide groups, a transposing copy, or casting inside the sum took
-    # ~10-20 ms each at R = 1024): by_col[r, m] sums A[r, node m], by_row[m, c] A[node m, c]
-    by_col = np.einsum("rng->rn", A.reshape(R, N, G)).astype(np.int64)
-    by_row = np.einsum("mgc->mc", A.reshape(N, G, R)).astype(np.int64)
-    per_node, rows_in_node = (by_row.T, by_col.T) if transposed else (by_col, by_row)
-    own_out, own_in = per_node[ar, node], rows_in_node[node, ar]  # on-node, self included
-    remote_out = per_node.sum(axis=1) - own_out  # off-node rows each rank sends
-    remote_in = rows_in_node.sum(axis=0) - own_in  # ... and receives
+    # ~10-20 ms each at R = 1024): per_node[s, m] = rows s sends to node m, from
+    # sums[r, m] = A[r, node m] (S = A) or sums[m, c] = A[node m, c] (S = A^T); the other
+    # direction needs only per-rank totals, a plain sum along A's axis.
+    if transposed:
+        sums = np.einsum("mgc->mc", A.reshape(N, G, R)).astype(np.int64, copy=False)
+        per_node, totals_in = sums.T, A.sum(axis=1, dtype=np.int64)
+    else:
+        sums = np.einsum("rng->rn", A.reshape(R, N, G)).astype(np.int64, copy=False)
+        per_node, totals_in = sums, A.sum(axis=0, dtype=np.int64)
     blocks = A.reshape(N, G, N, G)[np.arange(N), :, np.arange(N), :]  # [N, G, G] on-node
     if transposed:
         blocks = blocks.transpose(0, 2, 1)
-    diag = A[ar, ar].astype(np.int64)
+    own_out = blocks.sum(axis=2, dtype=np.int64).reshape(R)  # on-node, self included
+    own_in = blocks.sum(axis=1, dtype=np.int64).reshape(R)
+    remote_out = per_node.sum(axis=1) - own_out  # off-node rows each rank sends
+    remote_in = totals_in - own_in  # ... and receives
+    diag = A[ar, ar].astype(np.int64, copy=False)
     local_rows = own_out - diag
     nic_out = np.bincount(L.nic, remote_out, minlength=L.n_nics)
     busiest = max(float(nic_out.max()),
@@ -504,42 +539,43 @@ def _predict_blocked(
             + flat_msgs * model.alpha_net + float(local_rows.max()) * row_bytes
             / model.local_bandwidth + local_msgs * model.alpha_local)
 
-    # HALO phase II: one message per (rank, remote node) into the relay's NIC.
-    far = per_node.copy()
+    # HALO phase II: one message per (rank, remote node) into the relay's NIC; relay
+    # r = m * G + g (rail-aligned, `_Blocked`) receives from the sources n * G + g, n != m:
+    # into[m, g] = sum over n of far[n * G + g, m]
+    far = per_node  # einsum's own output (a fresh array: remote_out is taken)
     far[ar, node] = 0
-    halo_in = np.bincount(L.relay_nic.ravel(), far.ravel(), minlength=L.n_nics)
+    if transposed:  # far = sums^T: sums[m, n * G + g]
+        into = sums.reshape(N, N, G).sum(axis=1)
+    else:  # far = sums [n * G + g, m]
+        into = sums.reshape(N, G, N).sum(axis=0).T
+    into = into.reshape(R)
+    halo_in = np.bincount(L.nic, into, minlength=L.n_nics)
     t_inter = (max(float(nic_out.max()), float(halo_in.max())) * row_bytes / model.nic_bandwidth
                + int((far > 0).sum(axis=1).max()) * model.alpha_net)
-    # Phase III: a relay forwards what it received for its node minus its own rows
-    # (S[s, relay[s, m]]), to the ranks of its node that some source it relays has rows
-    # for: hits[r, g].
-    if transposed:  # A[relay[s, m], s]: gathered in address order (R-strided reads in
-        kept = np.empty(R * N, dtype=A.dtype)  # pair order missed the cache: ~12 ms)
-        kept[b.relay_order_t] = np.take(A.reshape(-1), b.relay_flat_t[b.relay_order_t])
-    else:
-        kept = np.take(A.reshape(-1), b.relay_flat)
-    fwd = far - kept.reshape(R, N)  # own node: 0 - S[s, s], masked below
-    fwd[ar, node] = 0
-    relayed = np.bincount(relay.ravel(), fwd.ravel(), minlength=R)
-    # gather the G-wide blocks of the (source, node) pairs of S > 0, OR them per relay (a
-    # transposed S costs one copy of its [R, R] bools; BLAS on the batched [N, G, R] x
-    # [N, R, G] product took ~10 ms on 2 loaded cores)
-    if transposed:  # S = A^T: block (s, m) of S is A[node m's G rows, s]; regroup A's
-        # [N, G, R] to [N, R, G] (G-row tiles transposed: ~4x cheaper than a full R x R
-        # transpose of the bools at R = 1024) and address it as (m, s)
-        blocks = np.ascontiguousarray(ZA.reshape(N, G, R).transpose(0, 2, 1)).reshape(R * N, G)
-        gathered = np.take(blocks, b.pairs_t, axis=0)
-    else:
-        gathered = np.take(ZA.reshape(R * N, G), b.pairs, axis=0)
-    hits = np.logical_or.reduceat(gathered, b.starts, axis=0)
-    hits[b.idle] = False
-    hits[ar, ar % G] = False  # a relay's own rows are not forwarded
-    t_relay = float((relayed * row_bytes / model.local_bandwidth
-                     + hits.sum(axis=1) * model.alpha_local).max())
+    # Phase III: relay r forwards what it received minus its own rows, S[n * G + g, r]
+    # (n != m): the diagonal of S's G x G blocks, a strided view of A (no gather).
+    # diag4[a, b, g] = A[a * G + g, b * G + g]; for S = A^T it is S[b * G + g, a * G + g].
+    diag4 = np.diagonal(A.reshape(N, G, N, G), axis1=1, axis2=3)
+    own = diag4.sum(axis=1 if transposed else 0, dtype=np.int64).reshape(R) - diag
+    relayed = (into - own).astype(np.float64)  # rows: exact in float64
     t_intra = float((local_rows * row_bytes / model.local_bandwidth
                      + own_nz * model.alpha_local).max())
-    halo = max(t_intra, t_inter + t_relay) + model.halo_overhead_s
-    return flat, halo, busiest * row_bytes
+
+    def relay_peers() -> np.ndarray:
+        # Relay m * G + g forwards to h != g of its node when some source n * G + g,
+        # n != m, has rows for m * G + h: count the sources with rows per (g, m, h) over
+        # S's [N, G, N, G] bools in one pass, less the own node's (the on-node blocks).
+        Z4 = ZA.reshape(N, G, N, G)
+        on_node = Z4[np.arange(N), :, np.arange(N), :]  # [N, G, G]: A's own-node blocks
+        if transposed:  # S4[n, g, m, h] = Z4[m, h, n, g]
+            hits = (Z4.sum(axis=2) - on_node > 0).transpose(0, 2, 1)  # [m, g, h]
+        else:
+            hits = Z4.sum(axis=0).transpose(1, 0, 2) - on_node > 0  # [m, g, h]
+        hits[:, np.arange(G), np.arange(G)] = False  # a relay's own rows are not forwarded
+        return hits.sum(axis=2).reshape(R)
+
+    return _BlockedTerms(flat, busiest * row_bytes, t_intra, t_inter, relayed, row_bytes,
+                         model, relay_peers)
 
 
 def _predict_both_loops(
@@ -756,7 +792,18 @@ def choose_algorithm(
         rows = S.tolist() if isinstance(S, np.ndarray) else S
         flat, halo, busiest = _predict_both_loops(rows, row_bytes, L, model)
     elif L.blocked is not None and not model.flat_pairwise:
-        flat, halo, busiest = _predict_blocked(np.asarray(S), row_bytes, L, model)
+        t = _blocked_terms(np.asarray(S), row_bytes, L, model)
+        c_flat, c_halo = model.correction(t.busiest)
+        flat = t.flat * c_flat
+        # HALO is monotone in the relay fan-out: where its bounds lie on one side of flat
+        # the exact value does too (the same float operations, bit for bit), so the pass
+        # that counts the fan-out runs only where the answer hinges on it
+        low, high = t.halo_bounds(L.blocked.G)
+        if low * c_halo >= flat:
+            return "flat"
+        if high * c_halo < flat:
+            return "halo"
+        return "halo" if t.halo(t.relay_peers()) * c_halo < flat else "flat"
     else:
         B = _bytes(S, row_bytes)
         flat, halo = _flat(B, L, model), _halo(B, L, model)

@@ -173,7 +173,7 @@ class SplitPlans:
 
     def __init__(self, S: Sequence[Sequence[int]] | np.ndarray, topo: Topology,
                  _checked: bool = False) -> None:
-        if _checked:  # internal: an int64 array the caller built from validated rows
+        if _checked:  # internal: an integer array (or view) of rows validated at the source
             M = S  # type: ignore[assignment]
             M.flags.writeable = False
         else:

@@ -18,6 +18,7 @@ from comm import CostModel, Topology, all_to_all, plan_all_to_all, run_local
 from comm.alltoall import settle_plan
 from comm.cost import (
     PLATFORM_DIR,
+    _blocked_terms,
     _bytes,
     _flat,
     _halo,
@@ -61,6 +62,58 @@ def test_blocked_predictions_equal_the_loops(nodes: int, gpus: int, nic_shift: i
         assert busiest == busiest_nic_bytes(rows, 64, topo)
         loops = _predict_both_loops(rows, 64, _layout(topo), model)
         assert (flat, halo) == pytest.approx(loops[:2])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(5, 8), st.sampled_from([1, 2, 8]), st.floats(0.0, 0.9),
+       st.sampled_from([-1.0, -0.5, 0.0, 0.5, 1.0, 2.0]), st.booleans(),
+       st.integers(0, 2**16))
+def test_decision_with_the_relay_bracket_is_the_exact_one(nodes: int, nics: int,
+                                                         zero_p: float, where: float,
+                                                         corrected: bool, seed: int) -> None:
+    """Beyond 32 ranks `choose_algorithm` counts HALO's relay fan-out only where the answer
+    hinges on it (HALO's bounds straddle flat); its decision is the exact model's anyway.
+    The HALO overhead is set so that flat lies below, inside or above the bracket."""
+    topo = Topology.uniform(nodes, 8, nics_per_node=nics)
+    R = topo.world_size
+    rng = np.random.default_rng(seed)
+    S = rng.integers(0, 50, (R, R))
+    S[rng.random((R, R)) < zero_p] = 0
+    base = dataclasses.replace(MODEL, alpha_local=0.5, halo_overhead_s=0.0, corrections=(
+        (1e3, 1.1, 0.9), (1e6, 0.8, 1.2)) if corrected else ())
+    L = _layout(topo)
+    for M in (S, S.T):
+        t = _blocked_terms(M, 64, L, base)
+        low, high = t.halo_bounds(8)
+        exact = t.halo(t.relay_peers())
+        assert low <= exact <= high
+        c_flat, c_halo = base.correction(t.busiest)
+        # overhead placing flat at `where` in the bracket (0: low, 1: high; outside beyond)
+        target = t.flat * c_flat / c_halo - (low + where * (high - low))
+        model = dataclasses.replace(base, halo_overhead_s=max(0.0, target))
+        _, halo, _ = _predict_blocked(M, 64, L, model)
+        flat = t.flat
+        want = "halo" if halo * c_halo < flat * c_flat else "flat"
+        assert choose_algorithm(M, 64, topo, model) == want
+        assert halo == pytest.approx(reference_predict_halo(M.tolist(), 64, topo, model))
+
+
+def test_model_reads_the_matrix_where_the_exchange_left_it() -> None:
+    """A row-strided view of the exchanged ints (payload and summaries between the rows)
+    and its transpose give the predictions of the contiguous matrix."""
+    topo = Topology.uniform(6, 8, nics_per_node=2)
+    rng = np.random.default_rng(5)
+    S = rng.integers(0, 9, (48, 48))
+    for dtype in (np.int32, np.int64):
+        values = np.zeros((48, 3 + 48 + 11), dtype=dtype)
+        values[:, 3:51] = S
+        view = values[:, 3:51]
+        assert not view.flags.c_contiguous
+        for M, want in ((view, S), (view.T, S.T)):
+            got = _predict_blocked(M, 64, _layout(topo), MODEL)
+            assert got == _predict_blocked(np.ascontiguousarray(want), 64, _layout(topo), MODEL)
+            assert choose_algorithm(M, 64, topo, MODEL) == choose_algorithm(want.tolist(), 64,
+                                                                             topo, MODEL)
 
 
 def test_choose_algorithm_reads_arrays_and_lists_alike() -> None:
