@@ -178,7 +178,7 @@ class Topology:
         try:
             return cls(**fields)
         except ValueError as e:
-            raise ValueError(f"{path}: {e}") from e
+            raise ValueError(f"{Path(path)}: {e}") from e
 
     @classmethod
     def from_records(cls, records: list[dict[str, Any]]) -> Topology:
