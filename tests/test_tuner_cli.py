@@ -25,6 +25,8 @@ def test_plan_writes_a_plan_train_py_accepts(tmp_path, capsys):
     assert run.parallel.pp * run.parallel.ep * run.parallel.dp == 64
     assert run.model.preset == "mixtral-8x7b" and run.train.global_batch == 512
     assert run.comm.alltoall == data["run"]["comm"]["alltoall"]
+    assert run.parallel.zero == par["zero"] in (0, 1, 2)
+    assert f"ZeRO-{par['zero']}: " in out
     assert 0 < data["plan"]["predicted_mfu"] < 1
     assert data["plan"]["predicted_peak_memory_gb"] <= 64 * 0.9
     assert "torchrun --nnodes 8 --nproc-per-node 8" in out and f"--plan {plan_path}" in out
@@ -40,7 +42,13 @@ def test_plan_writes_a_plan_train_py_accepts(tmp_path, capsys):
     (["--model", "deepseek-v3", "--platform", "frontier", "--gpus", "12"],
      "use 8 or 16"),
     (["--model", "deepseek-v3", "--platform", "frontier", "--gpus", "64"],
-     "does not fit on 64 x frontier GPUs: .* It would fit on 512 GPUs"),
+     r"does not fit on 64 x frontier GPUs: .* It would fit on 256 GPUs \(pp=32, ep=8, ZeRO-1"),
+    (["--model", "deepseek-v3", "--platform", "frontier", "--gpus", "64", "--zero", "0"],
+     r"does not fit on 64 x frontier GPUs: .* It would fit on 512 GPUs \(pp=32, ep=16, ZeRO-0"),
+    (["--model", "tiny", "--platform", "local", "--gpus", "2", "--zero", "0,3"],
+     "--zero=3: the ZeRO level must be 0 .*, 1 .* or 2"),
+    (["--model", "tiny", "--platform", "local", "--gpus", "2", "--zero", "one"],
+     "--zero 'one': 'one' is not a ZeRO level; valid: 0, 1, 2"),
     (["--model", "gpt-5", "--platform", "frontier", "--gpus", "64"],
      "unknown model preset 'gpt-5'; valid:"),
     (["--model", "tiny", "--platform", "frontier", "--gpus", "8", "--measure", "2"],
@@ -82,3 +90,21 @@ def test_measure_runs_the_best_plan_and_records_it(tmp_path, capsys):
     assert data["plan"]["measured_step_time_s"] == pytest.approx(rec["measured_step_time_s"], abs=1e-3)
     run = parse_args(["--plan", str(tmp_path / "tiny-local-2.toml")])
     assert run.parallel.pp * run.parallel.ep * max(run.parallel.dp, 1) == 2
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_plan_file_round_trip_carries_zero(zero, tmp_path):
+    """Plan file -> train.py's config parser -> the same ZeRO level; measured runs pass it too."""
+    from model import presets
+    from tuner import ParallelPlan, estimate, load_platform
+    from tuner.launch import train_args
+    from tuner.report import plan_toml
+
+    plan = ParallelPlan(pp=1, ep=2, dp=2, microbatches=2, global_batch=8, seq_len=64, zero=zero)
+    e = estimate(presets.get("tiny"), plan, load_platform("local"))
+    path = tmp_path / "plan.toml"
+    path.write_text(plan_toml(e, "tiny", {"model": "tiny"}))
+    assert tomllib.loads(path.read_text())["run"]["parallel"]["zero"] == zero
+    run = parse_args(["--plan", str(path)])
+    assert (run.parallel.zero, run.parallel.dp, run.parallel.ep) == (zero, 2, 2)
+    assert f"--parallel.zero={zero}" in train_args(plan, "tiny", tmp_path, 4, None)

@@ -174,3 +174,122 @@ def test_schedule_extrapolation_equals_full_simulation(name, p, m, v):
     bubble, peaks = schedule_stats(name, p, m, v)
     assert bubble == pytest.approx(bubble_fraction(sched, costs) if p > 1 else 0.0, abs=1e-12)
     assert peaks == tuple(peak_inflight(sched)[r] for r in range(p))
+
+
+# -- ZeRO: sharded optimizer state and gradients ------------------------------------------------
+
+def _torch_param_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(non-expert, routed-expert) parameters of the built model, counted by torch on the meta
+    device and split by the trainer's own rule for what EP shards."""
+    import torch
+
+    from model import MoETransformer
+    from trainer.parallel import is_expert_param
+
+    with torch.device("meta"):
+        m = MoETransformer(cfg)
+    named = list(m.named_parameters())
+    exp = sum(p.numel() for n, p in named if is_expert_param(n))
+    return sum(p.numel() for _, p in named) - exp, exp
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_zero_memory_by_hand_against_torch_counts(zero):
+    cfg = presets.get("tiny")
+    rep, exp = _torch_param_counts(cfg)
+    assert rep > 0 and exp > 0
+    dp, ep = 2, 2
+    plan = ParallelPlan(pp=1, ep=ep, dp=dp, microbatches=1, global_batch=8, seq_len=64, zero=zero)
+    st = stage_memory(cfg, plan, PF)[0]  # published precision: bf16 weight + grad, 12 B Adam
+    held = rep + exp / ep  # every non-expert parameter, 1/EP of the experts
+    shard = rep / (dp * ep) + exp / ep / dp  # replica groups: DP x EP and DP
+    assert st.params == held
+    assert st.weights == 2 * held
+    assert st.grads == pytest.approx(2 * (shard if zero == 2 else held), rel=1e-12)
+    assert st.optimizer == pytest.approx(12 * (shard if zero >= 1 else held), rel=1e-12)
+    assert st.zero_saved == pytest.approx(14 * held - st.grads - st.optimizer, rel=1e-12)
+    assert st.update_bytes == pytest.approx(16 * (shard if zero else held), rel=1e-12)
+
+
+def test_zero1_optimizer_bytes_are_zero0_over_the_replica_group():
+    cfg = _mha(L=4, d=64, E=8, k=2, f=32)
+    for pp, ep, dp in ((2, 1, 4), (1, 4, 2), (2, 2, 2)):
+        plan = ParallelPlan(pp=pp, ep=ep, dp=dp, microbatches=2, global_batch=16, seq_len=16)
+        for s0, s1 in zip(stage_memory(cfg, plan, PF), stage_memory(cfg, plan.replace(zero=1), PF),
+                          strict=True):
+            exp0 = s0.state_by_part.get("experts", 0.0) * 12 / 16  # ZeRO-0 optimizer bytes
+            rep0 = s0.optimizer - exp0
+            assert s1.optimizer == pytest.approx(rep0 / (dp * ep) + exp0 / dp, rel=1e-12)
+            assert (s1.weights, s1.grads) == (s0.weights, s0.grads)
+            if ep == 1:
+                assert s1.optimizer == pytest.approx(s0.optimizer / dp, rel=1e-12)
+
+
+def test_zero2_gradients_shard_only_when_held_sharded():
+    cfg = _mha(L=2, d=64, E=8, k=2, f=32)
+    plan = ParallelPlan(pp=1, ep=1, dp=4, microbatches=2, global_batch=16, seq_len=16, zero=2)
+    last = stage_memory(cfg, plan, PF)[0]  # accumulation keeps whole gradients until the last
+    each = stage_memory(cfg, plan, PF, assumptions=Assumptions(zero2_grad_sync="each"))[0]
+    one = stage_memory(cfg, plan.replace(microbatches=1), PF)[0]
+    assert last.grads == 2 * last.params
+    assert each.grads == one.grads == pytest.approx(2 * last.params / 4, rel=1e-12)
+    assert last.optimizer == each.optimizer == pytest.approx(12 * last.params / 4, rel=1e-12)
+
+
+def test_zero_sync_is_reduce_scatter_plus_all_gather_by_hand():
+    cfg = _mha(L=2, d=64, E=8, k=2, f=32)
+    plan = ParallelPlan(pp=1, ep=2, dp=4, microbatches=2, global_batch=16, seq_len=16)
+    e0, e1 = estimate(cfg, plan, PF), estimate(cfg, plan.replace(zero=1), PF)
+    st = e0.stages[0]
+    exp = st.params_by_part["experts"]
+    rep = st.params - exp
+    # Both groups leave the 4-GPU node (DP x EP = 8 consecutive ranks; DP = 4 at stride 2):
+    # every ring step crosses a NIC share of 10e9 x 2 / 4 = 5e9 B/s with 1e-5 s latency.
+    rs = 7 / 8 * 2 * rep / 5e9 + 7 * 1e-5 + 3 / 4 * 2 * exp / 5e9 + 3 * 1e-5
+    assert e1.dp_collectives == pytest.approx({"reduce_scatter": rs, "all_gather": rs}, rel=1e-12)
+    assert e0.dp_collectives == pytest.approx({"all_reduce": 2 * rs}, rel=1e-12)
+    assert e1.time["dp_sync"] == pytest.approx(e0.time["dp_sync"], rel=1e-12)  # same bytes
+    # The optimizer streams only its shard: 2 x 16 B x (rep / 8 + exp / 4) at 1e12 B/s.
+    assert e1.time["optimizer"] == pytest.approx(2 * 16 * (rep / 8 + exp / 4) / 1e12, rel=1e-12)
+    each = estimate(cfg, plan.replace(zero=2), PF, assumptions=Assumptions(zero2_grad_sync="each"))
+    assert each.dp_collectives["reduce_scatter"] == pytest.approx(2 * rs, rel=1e-12)  # M = 2
+    assert e1.peak_memory_zero0 == pytest.approx(e0.peak_memory, rel=1e-12)
+    assert e1.zero_saved > 0
+    assert e1.zero_saved == pytest.approx(e0.peak_memory - e1.peak_memory, rel=1e-12)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(zero=3), "zero=3: the ZeRO level must be 0 .*, 1 .* or 2"),
+    (dict(zero=-1), "zero=-1: the ZeRO level must be"),
+    (dict(zero=True), "zero=True: the ZeRO level must be"),
+    (dict(zero="1"), "zero='1': the ZeRO level must be"),
+])
+def test_zero_out_of_range_is_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelPlan(pp=1, ep=1, dp=2, microbatches=1, global_batch=2, seq_len=8, **bad)
+    with pytest.raises(ValueError, match="zero2_grad_sync='never'; valid: last, each"):
+        Assumptions(zero2_grad_sync="never")
+
+
+def test_per_parameter_zero_keeps_whole_tensors():
+    """The trainer's ZeRO owns whole parameters: DeepSeek-V3's first stage cannot shard its
+    129280 x 7168 embedding, so its owner holds that tensor's whole optimizer state; flat
+    shards split it over the 32 ranks of DP 2 x EP 16. For tiny at DP 2 the greedy owners
+    split almost evenly, as flat shards do."""
+    cfg, pf = presets.get("deepseek-v3"), PF
+    plan = ParallelPlan(pp=32, ep=16, dp=2, microbatches=64, global_batch=4096, seq_len=4096,
+                        zero=1, checkpointing="full")
+    flat = stage_memory(cfg, plan, pf)[0]
+    whole = stage_memory(cfg, plan, pf, assumptions=Assumptions(zero_sharding="per-parameter"))[0]
+    emb = 129280 * 7168
+    exp = flat.params_by_part["experts"]
+    assert flat.optimizer == pytest.approx(12 * ((flat.params - exp) / 32 + exp / 2), rel=1e-12)
+    assert whole.optimizer >= 12 * (emb + exp / 2)
+    assert whole.optimizer - flat.optimizer > 10e9  # the embedding's 11 GB Adam state, less 1/32
+    tiny = presets.get("tiny")
+    p2 = ParallelPlan(pp=1, ep=1, dp=2, microbatches=1, global_batch=8, seq_len=64, zero=2)
+    a = stage_memory(tiny, p2, pf)[0]
+    b = stage_memory(tiny, p2, pf, assumptions=Assumptions(zero_sharding="per-parameter"))[0]
+    # whole tensors leave one rank a few norm vectors ahead (768 B of 34 MB)
+    assert (b.grads, b.optimizer) == pytest.approx((a.grads, a.optimizer), rel=1e-4)
+    assert b.optimizer >= a.optimizer

@@ -2,9 +2,17 @@
 
     python -m tuner plan --model deepseek-v3|HF_CHECKPOINT_DIR --platform frontier --gpus 1024 --seq 4096 \\
         --global-batch 4096 [--trials 300] [--seed 0] [--storage study.db] [--out runs/plans]
-        [--alltoall-model closed-form|netsim] [--measure K [--measure-steps 8]]
+        [--alltoall-model closed-form|netsim] [--zero 0,1,2] [--zero-sharding per-parameter|flat]
+        [--measure K [--measure-steps 8]]
     python -m tuner reproduce-paper [--out benchmarks/results/reproduce_paper.md]
     python -m tuner measure [--out configs/platforms/local.toml] [--procs 4]
+
+`--zero` lists the ZeRO levels searched (default all: 0 replicated state, 1 optimizer state
+sharded over each parameter's data-parallel replicas, 2 gradients too); the plan file carries
+the chosen one as `[run.parallel] zero` and the report says what it saves.
+`--zero-sharding` says how the state is split (`Assumptions.zero_sharding`): "per-parameter"
+(default: what train.py does, whole parameters per owner, trainer/zero.py) or "flat" (even
+shards, as Megatron's distributed optimizer, DeepSpeed or FSDP2 would).
 
 `--measure K` runs the best K plans as short real torchrun jobs on this machine (CPU
 processes, gloo), stores each measurement beside its prediction in the study (user attribute
@@ -41,12 +49,27 @@ def _hf_model_path(model: str) -> str:
     return ""
 
 
+def _zero_levels(text: str) -> tuple[int, ...]:
+    """`--zero 0,1,2` -> (0, 1, 2); anything else is refused naming the bad value."""
+    from tuner.layout import check_zero_levels
+
+    levels = []
+    for part in text.split(","):
+        try:
+            levels.append(int(part.strip()))
+        except ValueError:
+            raise ValueError(f"--zero {text!r}: {part.strip()!r} is not a ZeRO level; valid: "
+                             f"0, 1, 2, comma-separated (e.g. --zero 0,1,2)") from None
+    return check_zero_levels(levels, what="--zero")
+
+
 def _plan(args: argparse.Namespace) -> int:
     from model import presets
     from tuner.planner import PlanRequest, run_plan
     from tuner.platform import load_platform
-    from tuner.report import format_table
+    from tuner.report import format_table, zero_summary
 
+    zero = _zero_levels(args.zero)
     hf_path = _hf_model_path(args.model)
     if hf_path:
         from model import ModelConfig
@@ -65,7 +88,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.storage:
         storage = args.storage if "://" in args.storage else f"sqlite:///{Path(args.storage).resolve()}"
     req = PlanRequest(args.model, args.platform, args.gpus, args.seq, args.global_batch,
-                      args.trials, args.seed, storage)
+                      args.trials, args.seed, storage, zero)
     from tuner.counts import trainer_act_supported
     from tuner.layout import FP32_TRAINER_PRECISION, PUBLISHED_PRECISION, Assumptions
 
@@ -75,7 +98,8 @@ def _plan(args: argparse.Namespace) -> int:
                    precision=FP32_TRAINER_PRECISION if cpu else PUBLISHED_PRECISION,
                    assumptions=Assumptions(alltoall_model=args.alltoall_model,
                                            activation_set="trainer" if trainer_set else "published",
-                                           activation_traffic_passes=4.0 if cpu else 0.0))
+                                           activation_traffic_passes=4.0 if cpu else 0.0,
+                                           zero_sharding=args.zero_sharding))
     r = out.result
     print(f"{cfg.name} on {args.gpus} x {platform.name}, seq {args.seq}, global batch "
           f"{args.global_batch}: {r.trials} trials, {r.memory_checks} memory checks, "
@@ -87,6 +111,7 @@ def _plan(args: argparse.Namespace) -> int:
     best = r.best.estimate
     print(f"\nbest: MFU {100 * best.mfu:.1f} %, {best.tflops_per_gpu:.1f} TFLOPS/GPU, "
           f"{best.tokens_per_s:,.0f} tokens/s, peak memory {best.peak_memory / 1e9:.1f} GB")
+    print(f"  {zero_summary(best)}")
     for s in (best.stages[:1] + best.stages[-1:])[:len(best.stages)]:  # first and last stage
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(s.state_by_part.items()))
         acts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(s.act_by_part.items()))
@@ -130,13 +155,14 @@ def _measure_top(args: argparse.Namespace, cfg, platform, out) -> None:  # noqa:
                       steps=args.measure_steps, study=r.study)
     print(f"\nmeasured on this machine ({args.measure_steps} steps each, median after warm-up), "
           f"best measured first:")
-    print(f"{'#':>2} {'pred #':>6} {'pp':>2} {'ep':>2} {'dp':>2} {'M':>2} {'schedule':>18} "
+    print(f"{'#':>2} {'pred #':>6} {'pp':>2} {'ep':>2} {'dp':>2} {'M':>2} {'z':>1} {'schedule':>18} "
           f"{'step pred s':>11} {'measured s':>10} {'error':>7} {'mem pred MB':>11} {'measured MB':>11}")
     for i, (c, m) in enumerate(got):
         e, p = c.estimate, c.estimate.plan
         sched = p.schedule + (f":{p.n_virtual}" if p.n_virtual > 1 else "")
         mem = max(s.state for s in e.stages) + max(s.activations for s in e.stages)
         print(f"{i + 1:>2} {r.ranked.index(c) + 1:>6} {p.pp:>2} {p.ep:>2} {p.dp:>2} {p.microbatches:>2} "
+              f"{p.zero:>1} "
               f"{sched:>18} {e.step_time:>11.3f} {m.step_time_s:>10.3f} "
               f"{100 * (e.step_time / m.step_time_s - 1):>+6.1f}% {mem / 1e6:>11.1f} "
               f"{m.memory_bytes / 1e6:>11.1f}")
@@ -188,6 +214,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--alltoall-model", default="closed-form", choices=("closed-form", "netsim"),
                    help="all-to-all cost: closed form, or comm.netsim's flow simulation")
+    p.add_argument("--zero", default="0,1,2",
+                   help="ZeRO levels to search, comma-separated: 0 replicated state, 1 sharded "
+                        "optimizer state, 2 also sharded gradients (default 0,1,2)")
+    p.add_argument("--zero-sharding", default="per-parameter", choices=("per-parameter", "flat"),
+                   help="ZeRO's split: whole parameters per owner (train.py's) or even flat shards")
     p.add_argument("--measure", type=int, default=0,
                    help="run the top K plans for real on this machine and re-rank by measured time")
     p.add_argument("--measure-steps", type=int, default=8, help="training steps per measured run")

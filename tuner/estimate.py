@@ -3,7 +3,17 @@
 Memory of pipeline rank r (bytes):
     state        sum over its layers and parts of params x (weight + grad + master + optimizer)
                  bytes; routed experts E/EP per rank, everything else replicated over EP;
-                 embedding on the first stage, final norm + lm_head on the last
+                 embedding on the first stage, final norm + lm_head on the last.
+                 ZeRO (`ParallelPlan.zero`) divides a part's sharded bytes by its replica
+                 group (`ParallelPlan.replica_groups`: DP x EP for non-expert parts, DP for
+                 experts), sharded evenly element by element (or, with
+                 `Assumptions.zero_sharding="per-parameter"`, as whole tensors of the model
+                 built on the meta device, greedily: the largest load of a group):
+                   ZeRO-1  master + optimizer moments / group
+                   ZeRO-2  also gradients / group, when they are held sharded while
+                           micro-batches are in flight: M = 1, or a reduce-scatter after every
+                           micro-batch (`Assumptions.zero2_grad_sync`)
+                 weights stay whole on every rank (ZeRO-3 is not modelled).
     activations  peak_inflight(schedule)[r] x the largest per-micro-batch activation of one of
                  its chunks (see `tuner.counts`), + one layer's working set when recomputing,
                  + the last stage's logits (bf16 and fp32 for the loss) for one micro-batch
@@ -21,13 +31,24 @@ Step time (seconds), for the busiest rank:
     `Assumptions` say so
     pipeline  busy / (1 - bubble_fraction(schedule, F=1, B=2)) (W=B=1 for zb-h1): the unit
               bubble scaled to the slowest rank
-    + DP gradient all-reduce (ring) + optimizer update (memory bound: 2 x state bytes / HBM)
+    + DP gradient sync, once per step (ring collectives, `tuner.comms` link rates):
+        ZeRO-0    all-reduce of the gradients over each part's replica group
+        ZeRO-1/2  reduce-scatter of the gradients (M times for ZeRO-2 with
+                  zero2_grad_sync="each"), then all-gather of the updated weights (weight
+                  bytes): a ring all-reduce *is* a reduce-scatter plus an all-gather, so with
+                  equal gradient and weight bytes the wire time equals ZeRO-0's.
+                  "per-parameter" sharding (this trainer): ZeRO-1 all-reduces, ZeRO-2
+                  reduces to owners (a reduce-scatter's time); owners broadcast the weights
+                  (an all-gather's time)
+    + optimizer update (memory bound: 2 x the state bytes of the parameters this rank
+      updates / HBM; with ZeRO only its shard)
 MFU = model.flops_per_token(s) x tokens per step / (step time x GPUs x peak).
 """
 
 from __future__ import annotations
 
 import functools
+import heapq
 from dataclasses import dataclass, field
 
 from model import ModelConfig
@@ -51,7 +72,7 @@ from tuner.layout import (
 from tuner.platform import Platform
 
 __all__ = ["Estimate", "StageMemory", "estimate", "stage_memory", "schedule_stats",
-           "step_time_lower_bound"]
+           "step_time_lower_bound", "reduce_scatter_time", "all_gather_time"]
 
 _GEMM_PARTS = ("attention", "router")  # FFN parts are timed separately (layer_fwd)
 
@@ -70,6 +91,10 @@ class StageMemory:
     buffers: float
     state_by_part: dict[str, float] = field(default_factory=dict)
     act_by_part: dict[str, float] = field(default_factory=dict)
+    params_by_part: dict[str, float] = field(default_factory=dict)
+    zero: int = 0
+    update_bytes: float = 0.0  # state bytes of the parameters this rank's optimizer updates
+    zero_saved: float = 0.0  # grads + optimizer bytes ZeRO spares this rank (vs ZeRO-0)
 
     @property
     def state(self) -> float:
@@ -96,6 +121,17 @@ class Estimate:
     mfu: float
     usable_hbm: float
     notes: tuple[str, ...] = ()
+    dp_collectives: dict[str, float] = field(default_factory=dict)  # dp_sync by collective
+
+    @property
+    def zero_saved(self) -> float:
+        """Bytes ZeRO spares the rank with the peak memory (0 for ZeRO-0)."""
+        return max(self.stages, key=lambda s: s.total).zero_saved
+
+    @property
+    def peak_memory_zero0(self) -> float:
+        """Peak memory the same layout would need with replicated state (ZeRO-0)."""
+        return max(s.total + s.zero_saved for s in self.stages)
 
     @property
     def peak_memory(self) -> float:
@@ -249,13 +285,125 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
         if plan.dp * plan.ep > 1:
             buffers += assumptions.grad_bucket_bytes
         n = sum(params.values())
+        shares = _shares(cfg, plan, assumptions, tuple(layers), r == 0, r == plan.pp - 1)
+        held = {p: _held_params(p, v, plan, assumptions, shares) for p, v in params.items()}
+        grads = sum(h[1] for h in held.values()) * pb.grad_bytes
+        optim = sum(h[2] for h in held.values()) * (pb.master_bytes + pb.optimizer_bytes)
+        full_go = n * (pb.grad_bytes + pb.master_bytes + pb.optimizer_bytes)
         out.append(StageMemory(
             rank=r, layers=tuple(layers), params=int(n), weights=n * pb.weight_bytes,
-            grads=n * pb.grad_bytes, optimizer=n * (pb.master_bytes + pb.optimizer_bytes),
-            activations=sum(act.values()), buffers=buffers,
-            state_by_part={p: v * pb.state_bytes for p, v in params.items()}, act_by_part=act,
+            grads=grads, optimizer=optim, activations=sum(act.values()), buffers=buffers,
+            state_by_part={p: w * pb.weight_bytes + g * pb.grad_bytes
+                           + o * (pb.master_bytes + pb.optimizer_bytes)
+                           for p, (w, g, o, _) in held.items()},
+            act_by_part=act, params_by_part=dict(params), zero=plan.zero,
+            update_bytes=sum(h[3] for h in held.values()) * pb.state_bytes,
+            zero_saved=full_go - grads - optim,
         ))
     return out
+
+
+def _held_params(part: str, n: float, plan: ParallelPlan, asm: Assumptions,
+                 shares: tuple[float, float]) -> tuple[float, float, float, float]:
+    """(weights, gradients, optimizer state, updated) parameter counts of `n` parameters of
+    `part` that one rank holds or updates under the plan's ZeRO level (module docstring);
+    `shares`: the largest fraction of (non-expert, expert) state one rank of the group owns."""
+    shard = n * (shares[1] if part == "experts" else shares[0])
+    if plan.zero == 0:
+        return n, n, n, n
+    grads_sharded = plan.zero == 2 and (plan.microbatches == 1 or asm.zero2_grad_sync == "each")
+    return n, shard if grads_sharded else n, shard, shard
+
+
+_TENSORS: dict[str, list[tuple[str, bool, int]]] = {}  # repr(cfg) -> the model's parameters
+
+
+def _model_tensors(cfg: ModelConfig) -> list[tuple[str, bool, int]]:
+    """(where, is_expert, numel) of every parameter of `model.MoETransformer(cfg)`, built on
+    the meta device (no memory; ~1 s for DeepSeek-V3, once per config): where is "first"
+    (embedding), "last" (final norm, lm_head) or the layer index as a string."""
+    key = repr(cfg)
+    if key not in _TENSORS:
+        import torch
+
+        from model import MoETransformer
+
+        with torch.device("meta"):
+            m = MoETransformer(cfg)
+        out = []
+        for name, p in m.named_parameters():
+            where = name.split(".")[1] if name.startswith("layers.") else \
+                "first" if name.startswith("embed") else "last"
+            out.append((where, ".experts." in name, p.numel()))
+        _TENSORS[key] = out
+    return _TENSORS[key]
+
+
+def _greedy_max_share(numels: list[float], n: int) -> float:
+    """Largest load / total when whole tensors go, largest first, to the least-loaded of n
+    ranks (ties: the lower rank): trainer/zero.py's ownership rule."""
+    total = sum(numels)
+    if n == 1 or total == 0:
+        return 1.0
+    heap = [(0.0, r) for r in range(n)]
+    for x in sorted(numels, reverse=True):
+        load, r = heapq.heappop(heap)
+        heapq.heappush(heap, (load + x, r))
+    return max(load for load, _ in heap) / total
+
+
+@functools.lru_cache(maxsize=8192)
+def _per_parameter_shares(key: str, layers: tuple[int, ...], first: bool, last: bool, ep: int,
+                          g_rep: int, g_exp: int) -> tuple[float, float]:
+    where = {str(i) for i in layers} | ({"first"} if first else set()) | ({"last"} if last else set())
+    rep, exp = [], []
+    for w, is_exp, n in _TENSORS[key]:
+        if w in where:
+            (exp if is_exp else rep).append(n / ep if is_exp else n)
+    return _greedy_max_share(rep, g_rep), _greedy_max_share(exp, g_exp)
+
+
+def _shares(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions, layers: tuple[int, ...],
+            first: bool, last: bool) -> tuple[float, float]:
+    """Largest fraction of a stage's (non-expert, expert) state one rank owns under ZeRO."""
+    g_rep, g_exp = plan.replica_groups(asm.attention)
+    if plan.zero == 0 or asm.zero_sharding == "flat":
+        return 1.0 / g_rep, 1.0 / g_exp
+    _model_tensors(cfg)
+    return _per_parameter_shares(repr(cfg), layers, first, last, plan.ep, g_rep, g_exp)
+
+
+def reduce_scatter_time(nbytes: float, group: GroupPlacement, platform: Platform) -> float:
+    """Ring reduce-scatter of `nbytes` per rank (each ends with its reduced 1/n): the first
+    half of the ring all-reduce (`tuner.comms.allreduce_time`), (n-1)/n of the data over the
+    slowest link and n-1 latency steps."""
+    return allreduce_time(nbytes, group, platform) / 2
+
+
+def all_gather_time(nbytes: float, group: GroupPlacement, platform: Platform) -> float:
+    """Ring all-gather that leaves `nbytes` on every rank from shards of 1/n: the second half
+    of the ring all-reduce."""
+    return allreduce_time(nbytes, group, platform) / 2
+
+
+def _dp_sync(sm: StageMemory, plan: ParallelPlan, groups: dict[str, GroupPlacement],
+             platform: Platform, precision: PrecisionPolicy, asm: Assumptions) -> dict[str, float]:
+    """Seconds of each gradient-sync collective of one pipeline rank (module docstring)."""
+    exp = sm.params_by_part.get("experts", 0.0)
+    rep = sum(sm.params_by_part.values()) - exp
+    gb, wb = precision.grad_bytes, precision.weight_bytes
+    pairs = ((rep, groups["rep"]), (exp, groups["dp"]))
+    if plan.zero == 0:
+        return {"all_reduce": sum(allreduce_time(n * gb, g, platform) for n, g in pairs)}
+    n_rs = plan.microbatches if plan.zero == 2 and asm.zero2_grad_sync == "each" else 1
+    rs = n_rs * sum(reduce_scatter_time(n * gb, g, platform) for n, g in pairs)
+    ag = sum(all_gather_time(n * wb, g, platform) for n, g in pairs)
+    if asm.zero_sharding == "per-parameter":
+        if plan.zero == 1:
+            return {"all_reduce": sum(allreduce_time(n * gb, g, platform) for n, g in pairs),
+                    "broadcast": ag}
+        return {"reduce": rs, "broadcast": ag}
+    return {"reduce_scatter": rs, "all_gather": ag}
 
 
 def _layer_fwd(lc: LayerCounts, t_attn: float, t_exp: float, pf: Platform,
@@ -312,8 +460,8 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
                 fwd += 2.0 * cfg_.vocab_size * cfg_.d_model * t_attn / gemm
             busy += 3 * fwd + rec + len(c) * pf.layer_overhead
         busiest = max(busiest, busy * plan.microbatches)
-    n_state = max(st.state for st in stages or stage_memory(cfg_, plan, pf, precision, asm))
-    return busiest / (1.0 - bubble) + 2 * n_state / pf.hbm_bandwidth
+    upd = max(st.update_bytes for st in stages or stage_memory(cfg_, plan, pf, precision, asm))
+    return busiest / (1.0 - bubble) + 2 * upd / pf.hbm_bandwidth
 
 
 def _groups(plan: ParallelPlan, gpn: int, attention: str) -> tuple[dict[str, GroupPlacement], bool]:
@@ -389,14 +537,13 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     busy = sum(per_rank[busiest])
     pipe = busy / (1.0 - bubble)
 
-    dp_sync = 0.0
+    dp_sync, dp_parts = -1.0, {}
     for sm in stages:
-        rep = sum(v for p, v in sm.state_by_part.items() if p != "experts") / precision.state_bytes
-        exp = sm.state_by_part.get("experts", 0.0) / precision.state_bytes
-        t = allreduce_time(rep * precision.grad_bytes, groups["rep"], pf)
-        t += allreduce_time(exp * precision.grad_bytes, groups["dp"], pf)
-        dp_sync = max(dp_sync, t * (1 - asm.dp_overlap))
-    optim = max(2 * sm.state for sm in stages) / pf.hbm_bandwidth
+        parts = {k: v * (1 - asm.dp_overlap)
+                 for k, v in _dp_sync(sm, plan, groups, pf, precision, asm).items()}
+        if sum(parts.values()) > dp_sync:
+            dp_sync, dp_parts = sum(parts.values()), parts
+    optim = max(2 * sm.update_bytes for sm in stages) / pf.hbm_bandwidth
     step = pipe + dp_sync + optim
     time = {"compute": per_rank[busiest][0], "alltoall": per_rank[busiest][1],
             "p2p": per_rank[busiest][2], "bubble": pipe - busy, "dp_sync": dp_sync,
@@ -408,9 +555,31 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
         f"overlap: all-to-all {asm.alltoall_overlap:.0%}, P2P {asm.p2p_overlap:.0%}, "
         f"DP {asm.dp_overlap:.0%}; routing imbalance {asm.routing_imbalance}",
         "bubble from the unit-cost schedule scaled to the slowest rank",
+        _zero_note(plan, asm),
     )
     return Estimate(
         model=cfg.name, platform=pf.name, plan=plan, stages=tuple(stages), time=time,
         step_time=step, model_flops=flops, tflops_per_gpu=tflops / 1e12,
         mfu=tflops / pf.peak_flops, usable_hbm=pf.usable_hbm, notes=notes,
+        dp_collectives=dp_parts,
     )
+
+
+def _zero_note(plan: ParallelPlan, asm: Assumptions) -> str:
+    g_rep, g_exp = plan.replica_groups(asm.attention)
+    if plan.zero == 0:
+        return (f"ZeRO-0: state replicated; gradients all-reduced over DP x EP = {g_rep} "
+                f"(non-expert) and DP = {g_exp} (experts)")
+    what = "optimizer state" if plan.zero == 1 else "optimizer state and gradients"
+    grads = ""
+    if plan.zero == 2 and plan.microbatches > 1 and asm.zero2_grad_sync == "last":
+        grads = (f"; gradients held whole while the {plan.microbatches} micro-batches accumulate "
+                 "(reduce-scattered after the last)")
+    if asm.zero_sharding == "per-parameter":
+        how = ("whole parameters per owner; gradients " +
+               ("all-reduced" if plan.zero == 1 else "reduced to owners") +
+               ", updated weights broadcast from owners")
+    else:
+        how = "flat shards; gradients reduce-scattered, updated weights all-gathered"
+    return (f"ZeRO-{plan.zero}: {what} sharded over {g_rep} ranks (non-expert) and {g_exp} "
+            f"(experts){grads}; {how}")

@@ -1,11 +1,13 @@
 """What the analytic model is asked about: a parallel layout, a precision policy, assumptions.
 
 `ParallelPlan` is one point of the planner's search space: the PP x DP x EP degrees, the
-pipeline schedule and micro-batching, the all-to-all algorithm, activation checkpointing and
-where EP groups sit. `PrecisionPolicy` says how many bytes each parameter costs in training
-(the published default is 16: bf16 weight and gradient, fp32 master copy and two Adam
-moments). `Assumptions` collects the modelling choices that are not facts of the platform
-(overlap, routing balance, flash attention) so that each is visible and can be changed.
+pipeline schedule and micro-batching, the all-to-all algorithm, activation checkpointing,
+where EP groups sit, and the ZeRO level (0 replicated state, 1 optimizer state sharded over
+each parameter's data-parallel replicas, 2 gradients too; `trainer` `--parallel.zero`).
+`PrecisionPolicy` says how many bytes each parameter costs in training (the published default
+is 16: bf16 weight and gradient, fp32 master copy and two Adam moments). `Assumptions`
+collects the modelling choices that are not facts of the platform (overlap, routing balance,
+flash attention, when ZeRO-2 reduces) so that each is visible and can be changed.
 
 Batch algebra (b = global batch in sequences, M micro-batches, s sequence length):
     sequences per micro-batch of one EP group     b / (DP * M)
@@ -33,12 +35,30 @@ __all__ = [
     "ParallelPlan",
     "PrecisionPolicy",
     "SCHEDULES",
+    "ZERO_LEVELS",
+    "check_zero_levels",
 ]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
 ALLTOALL_ALGORITHMS = ("flat", "halo")
 EP_PLACEMENTS = ("local", "spread")
 ATTENTION_MODES = ("sharded", "replicated")
+ZERO_LEVELS = (0, 1, 2)  # trainer --parallel.zero: replicated, ZeRO-1, ZeRO-2
+ZERO2_GRAD_SYNC = ("last", "each")
+ZERO_SHARDING = ("flat", "per-parameter")
+
+
+def check_zero_levels(levels: object, what: str = "zero") -> tuple[int, ...]:
+    """`levels` (one ZeRO level or several) as a tuple, or a ValueError naming the bad value."""
+    seq = levels if isinstance(levels, (tuple, list)) else (levels,)
+    if not seq:
+        raise ValueError(f"{what}: no ZeRO level given; valid: 0, 1, 2")
+    for z in seq:
+        if isinstance(z, bool) or z not in ZERO_LEVELS:
+            raise ValueError(f"{what}={z!r}: the ZeRO level must be 0 (replicated state), 1 "
+                             f"(optimizer state sharded) or 2 (optimizer state and gradients "
+                             f"sharded)")
+    return tuple(seq)
 
 
 @dataclass(frozen=True)
@@ -76,7 +96,26 @@ class Assumptions:
         lower bound); migration keeps it near 1 in practice.
     vendor_alltoall_efficiency: share of the link rates the vendor all-to-all reaches
         (unknown; HALO's published 1.2-9x gains say it can be well below 1 at scale).
-    grad_bucket_bytes: DDP's default 25 MiB gradient bucket, held once per rank.
+    grad_bucket_bytes: DDP's default 25 MiB gradient bucket, held once per rank (also the
+        bucket a ZeRO reduce-scatter fills as the backward produces gradients).
+    zero2_grad_sync: with ZeRO-2 and M > 1 micro-batches, when gradients are reduce-scattered.
+        "last" (default): micro-batches accumulate into full-size gradients and one
+        reduce-scatter follows the last (the trainer's gradient accumulation: no
+        synchronisation until the last micro-batch), so full gradients are held while
+        micro-batches are in flight and ZeRO-2 saves gradient memory only with M = 1.
+        "each": a reduce-scatter after every micro-batch into the gradient shard (DeepSpeed
+        ZeRO-2's way): gradients stay sharded, the reduce-scatter is paid M times.
+    zero_sharding: how ZeRO splits a replica group's state. "flat" (default): even shards
+        of the flattened state (1/group of every part; Megatron's distributed optimizer,
+        DeepSpeed, FSDP2), gradients reduce-scattered, updated weights all-gathered.
+        "per-parameter": each parameter whole on one owner, assigned greedily by size to the
+        least-loaded rank (this project's trainer, trainer/zero.py, like torch's
+        ZeroRedundancyOptimizer): a rank holds its greedy load, at least the largest tensor
+        (DeepSeek-V3's 0.93 B-parameter embedding sits whole on one rank); ZeRO-1 all-reduces
+        the gradients, ZeRO-2 reduces each bucket to its owner (timed as a reduce-scatter),
+        and owners broadcast the updated weights (timed as an all-gather: each rank receives
+        what it does not own). The memory taken per stage is the sum of the dense and the
+        expert group's largest loads (an upper bound: they may fall on different ranks).
     activation_set: "published" (the per-layer tensors of the published formulas, see
         `tuner.counts`) or "trainer" (what our eager fp32 model really saves, incl. norms,
         router and permutation indices; with it the last stage keeps final norm, lm_head
@@ -105,6 +144,8 @@ class Assumptions:
     alltoall_model: str = "closed-form"
     activation_set: str = "published"
     activation_traffic_passes: float = 0.0
+    zero2_grad_sync: str = "last"
+    zero_sharding: str = "flat"
 
     def __post_init__(self) -> None:
         for f in ("alltoall_overlap", "p2p_overlap", "dp_overlap"):
@@ -125,6 +166,12 @@ class Assumptions:
             raise ValueError(f"activation_set={self.activation_set!r}; valid: published, trainer")
         if self.grad_bucket_bytes < 0:
             raise ValueError(f"grad_bucket_bytes={self.grad_bucket_bytes} must be >= 0")
+        if self.zero_sharding not in ZERO_SHARDING:
+            raise ValueError(f"zero_sharding={self.zero_sharding!r}; valid: "
+                             f"{', '.join(ZERO_SHARDING)}")
+        if self.zero2_grad_sync not in ZERO2_GRAD_SYNC:
+            raise ValueError(f"zero2_grad_sync={self.zero2_grad_sync!r}; valid: "
+                             f"{', '.join(ZERO2_GRAD_SYNC)}")
 
 
 DEFAULT_ASSUMPTIONS = Assumptions()
@@ -145,8 +192,10 @@ class ParallelPlan:
     alltoall: str = "flat"
     checkpointing: str = "none"
     ep_placement: str = "local"
+    zero: int = 0
 
     def __post_init__(self) -> None:
+        check_zero_levels(self.zero)
         for f in ("pp", "ep", "dp", "microbatches", "global_batch", "seq_len", "n_virtual"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -174,6 +223,13 @@ class ParallelPlan:
     @property
     def n_gpus(self) -> int:
         return self.pp * self.dp * self.ep
+
+    def replica_groups(self, attention: str = "sharded") -> tuple[int, int]:
+        """Ranks holding a copy of (a non-expert parameter, an expert parameter): the groups
+        ZeRO shards over and gradients are reduced over. Non-expert parameters are replicated
+        over DP x EP of a stage when EP ranks see different tokens ("sharded" attention, as
+        trained), over DP when they compute the same ("replicated"); experts over DP."""
+        return (self.dp * self.ep if attention == "sharded" else self.dp), self.dp
 
     @property
     def group_sequences(self) -> float:

@@ -7,7 +7,9 @@ Three tables, as Markdown:
 2. One MoE layer on one node (8 GCDs) and full models at seq 4096: the planner's layout and
    predicted TFLOPS/GCD and MFU on `frontier`. GPU counts and batch sizes are not published:
    each full model runs on the smallest power-of-two GCD count (>= 8) its leanest layout fits,
-   with 8 sequences per GCD per step (an assumption, stated in the output).
+   with 8 sequences per GCD per step (an assumption, stated in the output). State is
+   replicated (ZeRO-0), as in the published memory model (docs/reference.md 1.1: 16 bytes per
+   parameter on every replica), so the layouts compare with Piper's.
 3. Weak scaling (d=5120, f=20480, L=32, k=2, two-matrix experts): approximated by SwiGLU
    experts of width 2f/3 (same parameters and FLOPs per token), 40 MHA heads and a 32000
    vocabulary (both unpublished; they change the totals by < 0.5 %).
@@ -43,6 +45,7 @@ FULL = (("mixtral-8x7b", 102.8, 53.8), ("mixtral-8x22b", 55.4, 29.0), ("llama4-s
         ("llama4-maverick", 37.8, 19.8), ("deepseek-v2", 46.8, 24.5))
 WEAK = ((16, 64, 110, 45.15), (128, 512, 862, 39.38), (256, 1024, 1700, 33.04))
 SEQ_PER_GPU = 8  # assumed global batch: 8 sequences of 4096 tokens per GCD per step
+PAPER_ZERO = (0,)  # the published model replicates all training state
 
 
 def migration_bytes(E: int, d: int, f: int) -> float:
@@ -78,8 +81,8 @@ def _one_layer(cfg: ModelConfig, pf: Platform) -> float:
 
 def _plan(cfg: ModelConfig, pf: Platform, n: int, trials: int, seed: int) -> Estimate | None:
     b = SEQ_PER_GPU * n
-    space = SearchSpace.default(cfg, pf, n, b, 4096)
-    lean = leanest_memory(cfg, pf, n, b, 4096)
+    space = SearchSpace.default(cfg, pf, n, b, 4096, zero=PAPER_ZERO)
+    lean = leanest_memory(cfg, pf, n, b, 4096, zero=PAPER_ZERO)
     ev = Evaluator(space, cfg, pf)
     r = optuna_search(ev, trials, seed=seed, enqueue=[lean[1]] if lean else None)
     return r.best.estimate if r.best else None
@@ -88,7 +91,7 @@ def _plan(cfg: ModelConfig, pf: Platform, n: int, trials: int, seed: int) -> Est
 def _smallest_fit(cfg: ModelConfig, pf: Platform) -> int | None:
     n = 8
     while n <= 4096:
-        lean = leanest_memory(cfg, pf, n, SEQ_PER_GPU * n, 4096)
+        lean = leanest_memory(cfg, pf, n, SEQ_PER_GPU * n, 4096, zero=PAPER_ZERO)
         if lean and lean[0] <= pf.usable_hbm:
             return n
         n *= 2

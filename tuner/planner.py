@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from model import ModelConfig
-from tuner.layout import DEFAULT_ASSUMPTIONS, PUBLISHED_PRECISION, Assumptions, PrecisionPolicy
+from tuner.layout import (
+    DEFAULT_ASSUMPTIONS,
+    PUBLISHED_PRECISION,
+    ZERO_LEVELS,
+    Assumptions,
+    PrecisionPolicy,
+    check_zero_levels,
+)
 from tuner.platform import Platform
 from tuner.search import Evaluator, SearchResult, optuna_search
 from tuner.space import SearchSpace, check_gpu_count
@@ -34,6 +41,10 @@ class PlanRequest:
     trials: int = 300
     seed: int = 0
     storage: str | None = None  # e.g. sqlite:///study.db; None = in memory
+    zero: tuple[int, ...] = ZERO_LEVELS  # ZeRO levels searched
+
+    def __post_init__(self) -> None:
+        check_zero_levels(self.zero)
 
 
 @dataclass
@@ -48,43 +59,51 @@ class PlanOutput:
 
 def leanest_memory(cfg: ModelConfig, platform: Platform, n_gpus: int, global_batch: int,
                    seq_len: int, precision: PrecisionPolicy = PUBLISHED_PRECISION,
-                   assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> tuple[float, dict] | None:
+                   assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+                   zero: tuple[int, ...] = ZERO_LEVELS) -> tuple[float, dict] | None:
     """Smallest peak memory of any structurally valid layout with the memory-leanest choices
-    (full recompute, one sequence per micro-batch, 1F1B), and that layout's point."""
-    space = SearchSpace.default(cfg, platform, n_gpus, global_batch, seq_len, mbs=(1,))
+    (full recompute, one sequence per micro-batch, 1F1B, the ZeRO level of `zero` that needs
+    least, the lower one on a tie), and that layout's point."""
+    space = SearchSpace.default(cfg, platform, n_gpus, global_batch, seq_len, mbs=(1,), zero=zero)
     ev = Evaluator(space, cfg, platform, precision, assumptions)
     best: tuple[float, dict] | None = None
     for pp in space.choices["pp"]:
         for ep in space.choices["ep"]:
-            pt = {"pp": pp, "ep": ep, "mbs": 1, "schedule": "1f1b", "alltoall": "flat",
-                  "checkpointing": "full", "placement": "local"}
-            c = ev(pt)
-            if c.peak_memory is not None and (best is None or c.peak_memory < best[0]):
-                best = (c.peak_memory, pt)
+            for z in space.choices["zero"]:  # ascending: a tie keeps the lower level
+                pt = {"pp": pp, "ep": ep, "mbs": 1, "schedule": "1f1b", "alltoall": "flat",
+                      "checkpointing": "full", "placement": "local", "zero": z}
+                c = ev(pt)
+                if c.peak_memory is not None and (best is None or c.peak_memory < best[0]):
+                    best = (c.peak_memory, pt)
     return best
 
 
-def _explain_no_fit(cfg: ModelConfig, platform: Platform, req: PlanRequest) -> str:
-    lean = leanest_memory(cfg, platform, req.n_gpus, req.global_batch, req.seq_len)
+def _explain_no_fit(cfg: ModelConfig, platform: Platform, req: PlanRequest,
+                    precision: PrecisionPolicy = PUBLISHED_PRECISION,
+                    assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> str:
+    lean = leanest_memory(cfg, platform, req.n_gpus, req.global_batch, req.seq_len, precision,
+                          assumptions, zero=req.zero)
     usable = platform.usable_hbm / 1e9
     if lean is None:
         return (f"no layout of {req.n_gpus} GPUs satisfies the structural constraints for "
                 f"{cfg.name} with global batch {req.global_batch}: choose a global batch that is a "
                 f"multiple of {req.n_gpus} (so every data shard gets whole sequences)")
     msg = (f"{cfg.name} does not fit on {req.n_gpus} x {platform.name} GPUs: its leanest layout "
-           f"(pp={lean[1]['pp']}, ep={lean[1]['ep']}, full recompute, 1 sequence per micro-batch) "
+           f"(pp={lean[1]['pp']}, ep={lean[1]['ep']}, ZeRO-{lean[1]['zero']}, full recompute, 1 "
+           f"sequence per micro-batch) "
            f"needs {lean[0] / 1e9:.1f} GB per GPU, usable HBM is {usable:.1f} GB")
     n = req.n_gpus
     for _ in range(12):
         n *= 2
         try:
             check_gpu_count(n, platform)
-            got = leanest_memory(cfg, platform, n, max(req.global_batch, n), req.seq_len)
+            got = leanest_memory(cfg, platform, n, max(req.global_batch, n), req.seq_len,
+                                 precision, assumptions, zero=req.zero)
         except ValueError:
             continue
         if got is not None and got[0] <= platform.usable_hbm:
-            return msg + (f". It would fit on {n} GPUs (pp={got[1]['pp']}, ep={got[1]['ep']}: "
-                          f"{got[0] / 1e9:.1f} GB)")
+            return msg + (f". It would fit on {n} GPUs (pp={got[1]['pp']}, ep={got[1]['ep']}, "
+                          f"ZeRO-{got[1]['zero']}: {got[0] / 1e9:.1f} GB)")
     return msg + ". No GPU count up to 4096x the request fits: reduce seq_len or the model"
 
 
@@ -102,12 +121,13 @@ def run_plan(cfg: ModelConfig, platform: Platform, req: PlanRequest, out_dir: Pa
         raise PlanError(f"global batch {req.global_batch} and seq {req.seq_len} must be >= 1")
     if req.seq_len > cfg.max_seq_len:
         raise PlanError(f"seq {req.seq_len} exceeds {cfg.name}'s max_seq_len {cfg.max_seq_len}")
-    space = SearchSpace.default(cfg, platform, req.n_gpus, req.global_batch, req.seq_len)
+    space = SearchSpace.default(cfg, platform, req.n_gpus, req.global_batch, req.seq_len,
+                                zero=req.zero)
     # The leanest layout decides "cannot fit at all" before any trial runs.
     lean = leanest_memory(cfg, platform, req.n_gpus, req.global_batch, req.seq_len,
-                          precision, assumptions)
+                          precision, assumptions, zero=req.zero)
     if lean is None or lean[0] > platform.usable_hbm:
-        raise PlanError(_explain_no_fit(cfg, platform, req))
+        raise PlanError(_explain_no_fit(cfg, platform, req, precision, assumptions))
     # Branch and bound skips full evaluations of points that cannot beat the best found.
     ev = Evaluator(space, cfg, platform, precision, assumptions,
                    prune=assumptions.alltoall_model == "closed-form")
@@ -116,7 +136,7 @@ def run_plan(cfg: ModelConfig, platform: Platform, req: PlanRequest, out_dir: Pa
     result = optuna_search(ev, req.trials, seed=req.seed, storage=req.storage, study_name=name,
                            enqueue=[lean[1]])
     if result.best is None:
-        raise PlanError(_explain_no_fit(cfg, platform, req))
+        raise PlanError(_explain_no_fit(cfg, platform, req, precision, assumptions))
     out = PlanOutput(result, space)
     if out_dir is None:
         return out

@@ -1,8 +1,8 @@
 """What the planner hands back: a ranked table, a plot, a plan file and its launch lines.
 
 The plan file is TOML that `train.py --plan FILE` applies like a config file: the run config
-lives under `[run.<section>]` (model; parallel, incl. `ep_placement`; comm; train, incl.
-`checkpointing`), so every choice of the plan is run as planned; `[plan]` records the request
+lives under `[run.<section>]` (model; parallel, incl. `ep_placement` and `zero`; comm; train,
+incl. `checkpointing`), so every choice of the plan is run as planned; `[plan]` records the request
 and the prediction (and, after `--measure`, the measurement), so that a run can be compared
 with what was predicted.
 """
@@ -17,10 +17,11 @@ from tuner.layout import ParallelPlan
 from tuner.platform import Platform
 from tuner.search import Candidate
 
-__all__ = ["format_table", "plan_toml", "run_sections", "launch_lines", "sbatch_script", "plot_frontier"]
+__all__ = ["format_table", "plan_toml", "run_sections", "launch_lines", "sbatch_script",
+           "plot_frontier", "zero_summary"]
 
-_COLS = ("#", "pp", "ep", "dp", "M", "mbs", "schedule", "a2a", "ckpt", "place", "mem GB",
-         "step s", "compute", "all2all", "p2p", "bubble", "dp sync", "MFU %", "TFLOPS")
+_COLS = ("#", "pp", "ep", "dp", "M", "mbs", "schedule", "a2a", "ckpt", "place", "zero",
+         "mem GB", "saved GB", "step s", "compute", "all2all", "p2p", "bubble", "dp sync", "MFU %", "TFLOPS")
 
 
 def _row(i: int, c: Candidate) -> list[str]:
@@ -29,19 +30,37 @@ def _row(i: int, c: Candidate) -> list[str]:
     p, t = e.plan, e.time
     sched = p.schedule + (f":{p.n_virtual}" if p.n_virtual > 1 else "")
     return [str(i), str(p.pp), str(p.ep), str(p.dp), str(p.microbatches), str(c.point["mbs"]),
-            sched, p.alltoall, p.checkpointing, p.ep_placement, f"{e.peak_memory / 1e9:.1f}",
+            sched, p.alltoall, p.checkpointing, p.ep_placement, str(p.zero),
+            f"{e.peak_memory / 1e9:.1f}", f"{(e.peak_memory_zero0 - e.peak_memory) / 1e9:.1f}",
             f"{e.step_time:.2f}", f"{t['compute']:.2f}", f"{t['alltoall']:.2f}", f"{t['p2p']:.2f}",
             f"{t['bubble']:.2f}", f"{t['dp_sync']:.2f}", f"{100 * e.mfu:.1f}",
             f"{e.tflops_per_gpu:.1f}"]
 
 
 def format_table(ranked: list[Candidate], top: int = 10) -> str:
-    """Fixed-width table of the best `top` candidates (times in seconds per step)."""
+    """Fixed-width table of the best `top` candidates (times in seconds per step; "saved GB":
+    peak memory the layout's ZeRO level saves against the same layout with ZeRO-0)."""
     rows = [list(_COLS)] + [_row(i + 1, c) for i, c in enumerate(ranked[:top])]
     widths = [max(len(r[j]) for r in rows) for j in range(len(_COLS))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def zero_summary(e: Estimate, attention: str = "sharded") -> str:
+    """One line: the plan's ZeRO level, what it shards over which groups, the memory it saves."""
+    p = e.plan
+    g_rep, g_exp = p.replica_groups(attention)
+    peak0, saved = e.peak_memory_zero0, e.peak_memory_zero0 - e.peak_memory
+    if p.zero == 0:
+        return (f"ZeRO-0: optimizer state and gradients replicated (replica groups: {g_rep} ranks "
+                f"non-expert, {g_exp} experts)")
+    what = "optimizer state" if p.zero == 1 else "optimizer state + gradients"
+    dc = ", ".join(f"{k.replace('_', '-')} {v:.2f} s" for k, v in e.dp_collectives.items())
+    exp = f"{g_exp} (experts, DP)" if g_exp > 1 else "not over DP = 1 for experts"
+    return (f"ZeRO-{p.zero}: {what} sharded over {g_rep} ranks (non-expert, DP x EP) and {exp}; "
+            f"saves {saved / 1e9:.1f} GB per GPU at the peak ({e.peak_memory / 1e9:.1f} "
+            f"GB instead of {peak0 / 1e9:.1f} GB with ZeRO-0); gradient sync: {dc}")
 
 
 def _toml_value(v: object) -> str:
@@ -58,7 +77,7 @@ def run_sections(p: ParallelPlan) -> dict[str, dict]:
     return {
         "parallel": {"pp": p.pp, "ep": p.ep, "dp": p.dp, "schedule": p.schedule,
                      "microbatches": p.microbatches, "n_virtual": p.n_virtual,
-                     "ep_placement": p.ep_placement},
+                     "ep_placement": p.ep_placement, "zero": p.zero},
         "comm": {"alltoall": p.alltoall},
         "train": {"global_batch": p.global_batch, "seq_len": p.seq_len,
                   "checkpointing": p.checkpointing},
@@ -76,6 +95,7 @@ def plan_toml(e: Estimate, model_name: str, request: dict[str, object], hf_path:
             "predicted_mfu": round(e.mfu, 4),
             "predicted_tflops_per_gpu": round(e.tflops_per_gpu, 2),
             "predicted_peak_memory_gb": round(e.peak_memory / 1e9, 2),
+            "predicted_peak_memory_zero0_gb": round(e.peak_memory_zero0 / 1e9, 2),
             **{f"predicted_{k}_s": round(v, 4) for k, v in e.time.items()},
         },
         "run.model": {"hf_path": hf_path} if hf_path else {"preset": model_name},

@@ -124,7 +124,9 @@ class SearchResult:
 
 def _result(ev: Evaluator, cands: list[Candidate], trials: int, name: str = "") -> SearchResult:
     feasible = {ev.space.key(c.point): c for c in cands if c.estimate is not None}
-    ranked = sorted(feasible.values(), key=lambda c: c.step_time)
+    # Ties (ZeRO-2 with M > 1 micro-batches holds and moves what ZeRO-1 does) go to the lower
+    # ZeRO level: the same step for less machinery.
+    ranked = sorted(feasible.values(), key=lambda c: (c.step_time, c.point.get("zero", 0)))
     rejected: dict[str, int] = {}
     for c in cands:
         if c.rejected:
@@ -148,7 +150,8 @@ def exhaustive(ev: Evaluator) -> SearchResult:
 # Degrees and sizes are ordered: as integer indexes into their sorted choices TPE's Parzen
 # estimators carry what one value taught to its neighbours (pp=16 good -> try pp=8, 32), which
 # unordered categoricals cannot; on the tests' Mixtral space this halves the trials needed.
-ORDINAL = ("pp", "ep", "mbs")
+# ZeRO levels are ordered too (each shards more state than the one before).
+ORDINAL = ("pp", "ep", "mbs", "zero")
 
 
 def _from_params(space: SearchSpace, params: dict) -> Point:

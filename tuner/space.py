@@ -2,7 +2,8 @@
 
 A point is a dict of categorical choices: pp, ep, mbs (sequences per rank per micro-batch),
 schedule ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b:v"), alltoall, checkpointing,
-placement. DP and the micro-batch count follow: DP = N / (PP * EP), M = b / (DP * EP * mbs).
+placement, zero (0, 1, 2: `ParallelPlan.zero`). DP and the micro-batch count follow:
+DP = N / (PP * EP), M = b / (DP * EP * mbs).
 
 Constraints, checked in this order before anything is evaluated (Piper's, docs/reference.md 1.5,
 plus what the schedules need):
@@ -10,6 +11,8 @@ plus what the schedules need):
     EP <= gpus_per_node * nodes_per_domain               DP * EP * mbs divides b
     an EP group's nodes (placement-dependent) <= nodes_per_domain
     interleaving needs PP >= 2 and M % PP == 0           peak memory <= usable HBM
+    ZeRO > 0 needs a replica group of > 1 rank (DP x EP > 1; with DP = 1 only the
+    non-expert state shards, over EP)
 The memory constraint needs the memory model but not the time model: it is checked by
 `tuner.estimate.stage_memory` alone.
 """
@@ -23,7 +26,14 @@ from typing import Any
 
 from model import ModelConfig
 from tuner.comms import placement
-from tuner.layout import ALLTOALL_ALGORITHMS, CHECKPOINTING, EP_PLACEMENTS, ParallelPlan
+from tuner.layout import (
+    ALLTOALL_ALGORITHMS,
+    CHECKPOINTING,
+    EP_PLACEMENTS,
+    ZERO_LEVELS,
+    ParallelPlan,
+    check_zero_levels,
+)
 from tuner.platform import Platform
 
 __all__ = ["SearchSpace", "Point", "divisors", "check_gpu_count"]
@@ -65,8 +75,11 @@ class SearchSpace:
 
     @classmethod
     def default(cls, cfg: ModelConfig, platform: Platform, n_gpus: int, global_batch: int,
-                seq_len: int, mbs: tuple[int, ...] = (1, 2, 4, 8)) -> SearchSpace:
+                seq_len: int, mbs: tuple[int, ...] = (1, 2, 4, 8),
+                zero: tuple[int, ...] = ZERO_LEVELS) -> SearchSpace:
+        """The full space; `zero` narrows the ZeRO levels searched (e.g. (0,) as published)."""
         check_gpu_count(n_gpus, platform)
+        zero = tuple(sorted(set(check_zero_levels(zero))))
         E = max(cfg.n_routed_experts, 1)
         choices = {
             "pp": tuple(d for d in divisors(n_gpus) if d <= cfg.n_layers),
@@ -76,6 +89,7 @@ class SearchSpace:
             "alltoall": ALLTOALL_ALGORITHMS,
             "checkpointing": CHECKPOINTING,
             "placement": EP_PLACEMENTS,
+            "zero": zero,
         }
         return cls(n_gpus, global_batch, seq_len, cfg.n_layers, E, platform.max_ep, choices,
                    platform.gpus_per_node, platform.nodes_per_domain)
@@ -123,6 +137,9 @@ class SearchSpace:
             return "without a pipeline every schedule is 1f1b (gradient accumulation)"
         if ep == 1 and (pt["alltoall"] != "flat" or pt["placement"] != "local"):
             return "ep=1 has no all-to-all: only the flat/local variant is kept"
+        if pt.get("zero", 0) and dp * ep == 1:
+            return (f"zero={pt['zero']} needs a replica group of > 1 rank; dp={dp} x ep={ep} "
+                    f"holds one copy of each parameter")
         return None
 
     def to_plan(self, pt: Point) -> ParallelPlan:
@@ -134,7 +151,7 @@ class SearchSpace:
             microbatches=self.global_batch // (dp * pt["ep"] * pt["mbs"]),
             global_batch=self.global_batch, seq_len=self.seq_len, schedule=name,
             n_virtual=int(v or 1), alltoall=pt["alltoall"], checkpointing=pt["checkpointing"],
-            ep_placement=pt["placement"],
+            ep_placement=pt["placement"], zero=pt.get("zero", 0),
         )
 
     @staticmethod
