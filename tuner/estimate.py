@@ -574,7 +574,7 @@ def _zero_note(plan: ParallelPlan, asm: Assumptions) -> str:
     grads = ""
     if plan.zero == 2 and plan.microbatches > 1 and asm.zero2_grad_sync == "last":
         grads = (f"; gradients held whole while the {plan.microbatches} micro-batches accumulate "
-                 "(reduce-scattered after the last)")
+                 "(reduced after the last)")
     if asm.zero_sharding == "per-parameter":
         how = ("whole parameters per owner; gradients " +
                ("all-reduced" if plan.zero == 1 else "reduced to owners") +
