@@ -13,7 +13,7 @@ the trainer does not act on `parallel.zero` (`trainer_supports_zero`).
     .venv/bin/python benchmarks/bench_tuner_validate.py --repredict   # no runs: the last measured
         rows of tuner_validate.jsonl against the current model and platform files
     flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_validate.py \
-        --reuse-platforms --only zero        # the ZeRO rows only (names containing "zero")
+        --reuse-platforms --only zero        # the ZeRO rows only (names starting with "zero")
 (`flock` keeps other timing runs on this shared machine from overlapping with it.)
 
 1. Platform. A CPU "device" is one training process, and W processes share this machine's
@@ -175,7 +175,7 @@ def main() -> None:
     ap.add_argument("--reuse-platforms", action="store_true",
                     help="use the platform files already measured (skip ~2 min of benchmarks)")
     ap.add_argument("--only", default="",
-                    help="comma-separated config names (or parts of names, e.g. zero) to run")
+                    help="comma-separated config names to run; 'zero' selects the ZeRO rows")
     ap.add_argument("--zero-rows", choices=("auto", "on", "off"), default="auto",
                     help="ZeRO rows: auto runs them when the trainer acts on parallel.zero")
     ap.add_argument("--repredict", action="store_true",
@@ -184,7 +184,8 @@ def main() -> None:
 
     cfg = presets.get("tiny")
     wanted = [w for w in args.only.split(",") if w]
-    configs = [c for c in CONFIGS if not wanted or any(w in c[0] for w in wanted)]
+    configs = [c for c in CONFIGS if not wanted or c[0] in wanted
+               or ("zero" in wanted and c[0].startswith("zero"))]
     zero_on = args.zero_rows == "on" or (args.zero_rows == "auto" and trainer_supports_zero())
     if not zero_on and any(p.zero for _, p in configs):
         print("ZeRO rows skipped: " + ("--zero-rows=off" if args.zero_rows == "off" else
