@@ -14,8 +14,10 @@ rank of the destination):
            backward, dispatch backward: each exchange's rank plan and, for auto, decision)
     call   one unplanned `all_to_all` forward and its backward
 `new_ms_per_call` is a repeat's wall time divided by its exchanges (4 or 2): the median of
-the repeats; `new_cpu_ms_per_call` (printed as "(cpu)") the same in this process's CPU time. `auto` runs the concurrent model of configs/platforms/frontier.toml's link rates
-(what a calibrated model is too); its own row summary is part of the call.
+the repeats; `new_cpu_ms_per_call` (printed as "(cpu)") the same in this process's CPU
+time. `auto` runs the concurrent model of configs/platforms/frontier.toml's link rates
+(what a calibrated model is too; transfers added up, as the baseline has them); its own
+row summary is part of the call.
 
 Old vs new in one run: the comm/*.py of `--baseline` (a git revision: by default the one
 before this work) are read with `git show` into a temporary package `comm_base` and run
@@ -74,10 +76,13 @@ def split_matrix(R: int, seed: int) -> np.ndarray:
     return np.stack([rng.multinomial(ROWS, weights / weights.sum()) for _ in range(R)])
 
 
-def model_numbers() -> dict:
-    """The frontier platform's link rates as CostModel fields (both versions take them)."""
-    m = comm.CostModel.from_platform("frontier")
-    return {f.name: getattr(m, f.name) for f in dataclasses.fields(m) if f.name != "source"}
+def model_numbers(cls: type | None = None) -> dict:
+    """The frontier platform's link rates as the fields of CostModel `cls` (default this
+    checkout's). The flat collective's transfers add up (flat_overlap off, the only form
+    the baseline knows) so that both versions decide alike; the host work is the same."""
+    m = dataclasses.replace(comm.CostModel.from_platform("frontier"), flat_overlap=False)
+    names = {f.name for f in dataclasses.fields(cls or comm.CostModel)} - {"source"}
+    return {k: v for k, v in dataclasses.asdict(m).items() if k in names}
 
 
 def _plans_equal(a: object, b: object) -> bool:
@@ -136,7 +141,8 @@ class Base:
         self.b = base
         R = len(S)
         self.topo = base.Topology.uniform(R // G, G)
-        self.model = base.CostModel(**model_numbers()) if algorithm == "auto" else None
+        self.model = base.CostModel(**model_numbers(base.CostModel)) \
+            if algorithm == "auto" else None
         self.algorithm, self.R = algorithm, R
         rows = S.tolist()
         cost = importlib.import_module("comm_base.cost")

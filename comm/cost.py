@@ -1,14 +1,13 @@
-"""A small alpha-beta cost model that picks flat or HALO per call (`algorithm="auto"`).
+"""`algorithm="auto"`: flat or HALO per call, by the all-to-all model of comm.a2a_model.
 
-Inputs: the split matrix S [R, R] (rows), bytes per row, the Topology and `CostModel`
-parameters (bandwidths in bytes/s, per-message costs in seconds). Both algorithms push the
-same bytes through each node's NICs; they differ in messages and in the extra hop:
-    flat: every rank sends one network message per remote rank it has rows for;
-          t = max_node(net bytes / NIC capacity) + max_rank(net messages) * alpha_net
-              + intra-node bytes / local bandwidth + local messages * alpha_local
-    halo: one network message per (rank, remote node); phase III adds an intra-node hop and
-          a second round of latency after phase II; phase I overlaps II -> III:
-          t = max(t_I, t_II + t_III) + halo_overhead_s
+Inputs: the split matrix S [R, R] (rows), bytes per row, the Topology and a `CostModel`
+(comm.a2a_model.Rates, the link rates, plus what only `auto` needs: gloo's pairwise flat
+collective, measured corrections, where the numbers came from). This module reads the loads
+the model takes off S (bytes through the busiest NIC, message counts, what each relay
+forwards), exactly, in plain loops (`reference_predict_*`, the definition), vectorised
+(`predict_flat`, `predict_halo`), in one pass for small groups, in blocked passes for
+node-major topologies, or bracketed from per-row summaries (`decide_from_summaries`); the
+times themselves are always comm.a2a_model's `flat_time`, `phase_time` and `halo_time`.
 The decision depends only on data every rank holds identically (S, topology, parameters),
 so all ranks pick the same algorithm without another collective.
 """
@@ -24,6 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from comm.a2a_model import Rates, flat_time, halo_time, phase_time
 from comm.halo_plan import relay_table
 from comm.topology import Topology
 
@@ -44,24 +44,21 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class CostModel:
-    """Machine parameters. Where they come from is the caller's choice and `source` says it:
+class CostModel(Rates):
+    """The all-to-all model's parameters as `auto` uses them. Where they come from is the caller's choice and `source` says it:
     `comm.calibrate` (measured on the job's own links, what the trainer uses), `from_platform`
     (a configs/platforms file's link rates), `emulator` (the namespace emulator's shaped NIC).
     The field defaults are the emulator's 100 Mbit/s NIC: placeholders for tests and the
     emulator, never a machine's numbers, and `all_to_all(..., algorithm="auto")` refuses to
     run across nodes without a model rather than fall back to them.
 
-    nic_bandwidth: bytes/s per NIC per direction (rank2nic tells which NIC a rank uses).
-    local_bandwidth: bytes/s one rank moves to a peer on its node.
-    alpha_net / alpha_local: seconds of fixed cost per network / intra-node message.
-    halo_overhead_s: fixed extra cost of HALO (two dependent phases, planning on the host).
+    The link rates and per-message costs are `comm.a2a_model.Rates`'s fields (rank2nic
+    tells which NIC a rank uses); besides them:
     flat_pairwise: the flat collective runs R-1 dependent pairwise steps whose two
         directions serialise (a pessimistic default for gloo); False: all peers at once.
-    flat_nic_bandwidth: bytes/s per NIC that the flat collective's concurrent flows reach,
-        when it differs from HALO's (None: nic_bandwidth). `calibrate` measures it: gloo's
-        all_to_all_single posts each send before the receive from the same peer, and its
-        TCP pairs then move some pairs' two directions one after the other.
+    (flat_nic_bandwidth, a Rates field: `calibrate` measures it; gloo's all_to_all_single
+        posts each send before the receive from the same peer, and its TCP pairs then move
+        some pairs' two directions one after the other.)
     corrections: measured / predicted time of each algorithm at the exchanges `calibrate`
         timed, as (busiest-NIC bytes, flat factor, HALO factor) sorted by bytes. `auto`
         scales its two predictions by the factors interpolated at the call's busiest-NIC
@@ -75,13 +72,7 @@ class CostModel:
         counts; False counts only the peers with rows (HALO always does).
     """
 
-    nic_bandwidth: float = 12.5e6  # 100 Mbit/s: the emulator's default shaped NIC
-    local_bandwidth: float = 1.0e9
-    alpha_net: float = 100e-6
-    alpha_local: float = 20e-6
-    halo_overhead_s: float = 200e-6
     flat_pairwise: bool = False
-    flat_nic_bandwidth: float | None = None
     corrections: tuple[tuple[float, float, float], ...] = ()
     flat_empty_messages: bool = False
     source: str = field(default="placeholder defaults (the emulator's 100 Mbit/s NIC)",
@@ -95,10 +86,12 @@ class CostModel:
         gloo's all_to_all_single walks the peers one step at a time (send to rank+i, receive
         from rank-i, wait) and its TCP pairs serialise the two directions of an exchange, so
         a 2-rank exchange of 4 MB each way at 100 Mbit/s takes 0.70 s instead of 0.34 s
-        (measured on the emulator). NCCL / RCCL run all peers concurrently.
+        (measured on the emulator). NCCL / RCCL run all peers concurrently, on-node and
+        off-node links at once (`flat_overlap`).
         """
         gloo = backend == "gloo"
-        return cls(**{"flat_pairwise": gloo, "flat_empty_messages": gloo, **overrides})
+        return cls(**{"flat_pairwise": gloo, "flat_empty_messages": gloo,
+                      "flat_overlap": not gloo, **overrides})
 
     @classmethod
     def emulator(cls, nic_mbit: float = 100.0, backend: str = "gloo") -> CostModel:
@@ -150,15 +143,7 @@ class CostModel:
                 f"us, HALO overhead {1e6 * self.halo_overhead_s:.0f} us")
 
     def __post_init__(self) -> None:
-        for name in ("nic_bandwidth", "local_bandwidth"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 bytes/s, got {getattr(self, name)}")
-        if self.flat_nic_bandwidth is not None and not self.flat_nic_bandwidth > 0:
-            raise ValueError(f"flat_nic_bandwidth must be > 0 bytes/s or None, got "
-                             f"{self.flat_nic_bandwidth}")
-        for name in ("alpha_net", "alpha_local", "halo_overhead_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 s, got {getattr(self, name)}")
+        super().__post_init__()
         points = [tuple(c) for c in self.corrections]
         if any(len(c) != 3 or not all(v > 0 for v in c) for c in points) or any(
                 a[0] >= b[0] for a, b in zip(points, points[1:], strict=False)):
@@ -257,10 +242,8 @@ def reference_predict_flat(
                 inn[(node[d], nic[d])] = inn.get((node[d], nic[d]), 0.0) + b
         net_msgs, local_msgs = max(net_msgs, msgs), max(local_msgs, lm)
         local_bytes = max(local_bytes, lb)
-    bw = model.flat_nic_bandwidth or model.nic_bandwidth
-    net = max(_nic_time(out, bw), _nic_time(inn, bw))
-    local = local_bytes / model.local_bandwidth + local_msgs * model.alpha_local
-    return net + net_msgs * model.alpha_net + local
+    nic_bytes = max(max(out.values(), default=0.0), max(inn.values(), default=0.0))
+    return flat_time(nic_bytes, net_msgs, local_bytes, local_msgs, model)
 
 
 def reference_predict_halo(
@@ -293,15 +276,15 @@ def reference_predict_halo(
             out[(node[s], nic[s])] = out.get((node[s], nic[s]), 0.0) + b
             inn[(m, nic[r])] = inn.get((m, nic[r]), 0.0) + b
         net_msgs = max(net_msgs, len(per_node))
-        t_intra = max(t_intra, lb / model.local_bandwidth + lm * model.alpha_local)
-    t_inter = max(_nic_time(out, model.nic_bandwidth), _nic_time(inn, model.nic_bandwidth))
-    t_inter += net_msgs * model.alpha_net
+        t_intra = max(t_intra, phase_time(lb, lm, model.local_bandwidth, model.alpha_local))
+    nic_bytes = max(max(out.values(), default=0.0), max(inn.values(), default=0.0))
+    t_inter = phase_time(nic_bytes, net_msgs, model.nic_bandwidth, model.alpha_net)
     t_relay = max(
-        (relayed[r] / model.local_bandwidth + len(relay_peers[r]) * model.alpha_local
+        (phase_time(relayed[r], len(relay_peers[r]), model.local_bandwidth, model.alpha_local)
          for r in range(R)),
         default=0.0,
     )
-    return max(t_intra, t_inter + t_relay) + model.halo_overhead_s
+    return halo_time(t_intra, t_inter, t_relay, model)
 
 
 # ---- vectorised predictions (what `auto` runs on every call) -----------------------------
@@ -417,12 +400,10 @@ def _flat(B: np.ndarray, L: _Layout, model: CostModel) -> float:
                            inn.reshape(R - 1, L.n_nics).max(axis=1)) / model.nic_bandwidth
         return float(np.maximum(rank_t, nic_t).sum())
     nonzero = np.ones_like(B, dtype=bool) if model.flat_empty_messages else B > 0
-    net = max(_nic_load(L, B * L.remote)) / (model.flat_nic_bandwidth or model.nic_bandwidth)
     net_msgs = int((nonzero & L.remote).sum(axis=1).max())
     local_bytes = float((B * L.local).sum(axis=1).max())
     local_msgs = int((nonzero & L.local).sum(axis=1).max())
-    return (net + net_msgs * model.alpha_net + local_bytes / model.local_bandwidth
-            + local_msgs * model.alpha_local)
+    return flat_time(max(_nic_load(L, B * L.remote)), net_msgs, local_bytes, local_msgs, model)
 
 
 def _halo(B: np.ndarray, L: _Layout, model: CostModel) -> float:
@@ -431,17 +412,17 @@ def _halo(B: np.ndarray, L: _Layout, model: CostModel) -> float:
     out_b = float(np.bincount(L.nic, per_node.sum(axis=1), minlength=L.n_nics).max())
     in_b = float(np.bincount(L.relay_nic.ravel(), per_node.ravel(), minlength=L.n_nics).max())
     net_msgs = int((per_node > 0).sum(axis=1).max())
-    t_inter = max(out_b, in_b) / model.nic_bandwidth + net_msgs * model.alpha_net
+    t_inter = phase_time(max(out_b, in_b), net_msgs, model.nic_bandwidth, model.alpha_net)
     forwarded = L.forwarding & (B > 0)
     hops, dsts = L.hop[forwarded], np.nonzero(forwarded)[1]
     relayed = np.bincount(hops, B[forwarded], minlength=R)
     seen = np.zeros((R, R), dtype=bool)  # seen[r, d]: relay r forwards something to d
     seen[hops, dsts] = True
-    t_relay = float((relayed / model.local_bandwidth
-                     + seen.sum(axis=1) * model.alpha_local).max())
-    t_intra = float(((B * L.local).sum(axis=1) / model.local_bandwidth
-                     + ((B > 0) & L.local).sum(axis=1) * model.alpha_local).max())
-    return max(t_intra, t_inter + t_relay) + model.halo_overhead_s
+    t_relay = float(phase_time(relayed, seen.sum(axis=1), model.local_bandwidth,
+                               model.alpha_local).max())
+    t_intra = float(phase_time((B * L.local).sum(axis=1), ((B > 0) & L.local).sum(axis=1),
+                               model.local_bandwidth, model.alpha_local).max())
+    return halo_time(t_intra, t_inter, t_relay, model)
 
 
 def _predict_blocked(
@@ -473,9 +454,9 @@ class _BlockedTerms(NamedTuple):
         """HALO's time with `peers` [R] (the exact fan-out, or a bound on it: the time is
         monotone in it, so bounds give bounds, bit for bit in float arithmetic)."""
         m = self.model
-        t_relay = float((self.relayed * self.row_bytes / m.local_bandwidth
-                         + peers * m.alpha_local).max())
-        return max(self.t_intra, self.t_inter + t_relay) + m.halo_overhead_s
+        t_relay = float(phase_time(self.relayed * self.row_bytes, peers, m.local_bandwidth,
+                                   m.alpha_local).max())
+        return halo_time(self.t_intra, self.t_inter, t_relay, m)
 
     def halo_bounds(self, G: int) -> tuple[float, float]:
         """HALO at least / at most: a relay that forwards rows forwards them to 1 to
@@ -535,9 +516,8 @@ def _blocked_terms(S: np.ndarray, row_bytes: int, L: _Layout, model: CostModel
         nz = ZA.sum(axis=0 if transposed else 1)  # peers each rank sends rows to
         flat_msgs = int((nz - own_nz - (diag > 0)).max())
         local_msgs = int(own_nz.max())
-    flat = (busiest * row_bytes / (model.flat_nic_bandwidth or model.nic_bandwidth)
-            + flat_msgs * model.alpha_net + float(local_rows.max()) * row_bytes
-            / model.local_bandwidth + local_msgs * model.alpha_local)
+    flat = flat_time(busiest * row_bytes, flat_msgs, float(local_rows.max()) * row_bytes,
+                     local_msgs, model)
 
     # HALO phase II: one message per (rank, remote node) into the relay's NIC; relay
     # r = m * G + g (rail-aligned, `_Blocked`) receives from the sources n * G + g, n != m:
@@ -550,16 +530,16 @@ def _blocked_terms(S: np.ndarray, row_bytes: int, L: _Layout, model: CostModel
         into = sums.reshape(N, G, N).sum(axis=0).T
     into = into.reshape(R)
     halo_in = np.bincount(L.nic, into, minlength=L.n_nics)
-    t_inter = (max(float(nic_out.max()), float(halo_in.max())) * row_bytes / model.nic_bandwidth
-               + int((far > 0).sum(axis=1).max()) * model.alpha_net)
+    t_inter = phase_time(max(float(nic_out.max()), float(halo_in.max())) * row_bytes,
+                         int((far > 0).sum(axis=1).max()), model.nic_bandwidth, model.alpha_net)
     # Phase III: relay r forwards what it received minus its own rows, S[n * G + g, r]
     # (n != m): the diagonal of S's G x G blocks, a strided view of A (no gather).
     # diag4[a, b, g] = A[a * G + g, b * G + g]; for S = A^T it is S[b * G + g, a * G + g].
     diag4 = np.diagonal(A.reshape(N, G, N, G), axis1=1, axis2=3)
     own = diag4.sum(axis=1 if transposed else 0, dtype=np.int64).reshape(R) - diag
     relayed = (into - own).astype(np.float64)  # rows: exact in float64
-    t_intra = float((local_rows * row_bytes / model.local_bandwidth
-                     + own_nz * model.alpha_local).max())
+    t_intra = float(phase_time(local_rows * row_bytes, own_nz, model.local_bandwidth,
+                               model.alpha_local).max())
 
     def relay_peers() -> np.ndarray:
         # Relay m * G + g forwards to h != g of its node when some source n * G + g,
@@ -622,18 +602,18 @@ def _predict_both_loops(
         halo_msgs = max(halo_msgs, packed)
         flat_msgs = max(flat_msgs, msgs)
         local_rows, local_msgs = max(local_rows, lr), max(local_msgs, lm)
-        t_intra = max(t_intra, lr * row_bytes / model.local_bandwidth + lm * model.alpha_local)
+        t_intra = max(t_intra, phase_time(lr * row_bytes, lm, model.local_bandwidth,
+                                          model.alpha_local))
     busiest = max(max(out), max(inn_flat)) * row_bytes
     if model.flat_empty_messages:
         flat_msgs, local_msgs = L.peers_max
-    flat = (busiest / (model.flat_nic_bandwidth or model.nic_bandwidth)
-            + flat_msgs * model.alpha_net + local_rows * row_bytes / model.local_bandwidth
-            + local_msgs * model.alpha_local)
-    t_inter = (max(max(out), max(inn_halo)) * row_bytes / model.nic_bandwidth
-               + halo_msgs * model.alpha_net)
-    t_relay = max(v * row_bytes / model.local_bandwidth + bin(mask).count("1") * model.alpha_local
+    flat = flat_time(busiest, flat_msgs, local_rows * row_bytes, local_msgs, model)
+    t_inter = phase_time(max(max(out), max(inn_halo)) * row_bytes, halo_msgs,
+                         model.nic_bandwidth, model.alpha_net)
+    t_relay = max(phase_time(v * row_bytes, bin(mask).count("1"), model.local_bandwidth,
+                             model.alpha_local)
                   for v, mask in zip(relayed, relay_peers, strict=True))
-    return flat, max(t_intra, t_inter + t_relay) + model.halo_overhead_s, busiest
+    return flat, halo_time(t_intra, t_inter, t_relay, model), busiest
 
 
 # ---- `auto` from row summaries: a bracket, and a decision or "run the full model" ---------
@@ -717,11 +697,11 @@ def summary_bracket(
     busiest = max(max(out), max(flat_in)) * rb
     n_msgs, n_local = L.peers_max if model.flat_empty_messages else (max(flat_msgs),
                                                                        max(lmsgs))
-    flat = (busiest / (model.flat_nic_bandwidth or model.nic_bandwidth)
-            + n_msgs * model.alpha_net + max(lrows) * rb / bw_local + n_local * a_local)
-    t_intra = max(lr * rb / bw_local + lm * a_local for lr, lm in zip(lrows, lmsgs, strict=True))
-    t_inter = (max(max(out), max(halo_in)) * rb / model.nic_bandwidth
-               + max(halo_msgs) * model.alpha_net)
+    flat = flat_time(busiest, n_msgs, max(lrows) * rb, n_local, model)
+    t_intra = max(phase_time(lr * rb, lm, bw_local, a_local)
+                  for lr, lm in zip(lrows, lmsgs, strict=True))
+    t_inter = phase_time(max(max(out), max(halo_in)) * rb, max(halo_msgs), model.nic_bandwidth,
+                         model.alpha_net)
     total = sum(forwarded)
     low = high = 0.0
     if total:
@@ -730,10 +710,10 @@ def summary_bracket(
         node_in = [0] * topo.num_nodes
         for m, v in zip(L.nic_node, halo_in, strict=True):
             node_in[m] += v
-        low = total / R * rb / bw_local + a_local
-        high = min(total, max(node_in)) * rb / bw_local + (L.g_max - 1) * a_local
-    return (flat, max(t_intra, t_inter + low) + model.halo_overhead_s,
-            max(t_intra, t_inter + high) + model.halo_overhead_s, busiest)
+        low = phase_time(total / R * rb, 1, bw_local, a_local)
+        high = phase_time(min(total, max(node_in)) * rb, L.g_max - 1, bw_local, a_local)
+    return (flat, halo_time(t_intra, t_inter, low, model),
+            halo_time(t_intra, t_inter, high, model), busiest)
 
 
 def decide_from_summaries(

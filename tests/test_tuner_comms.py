@@ -48,3 +48,32 @@ def test_estimate_with_netsim_model():
     b = estimate(cfg, plan, pf, assumptions=Assumptions(alltoall_model="netsim"))
     assert b.time["alltoall"] == pytest.approx(a.time["alltoall"], rel=0.03)
     assert b.time["compute"] == a.time["compute"]
+
+
+@pytest.mark.parametrize("name", ["frontier", "dgx-h100"])
+@pytest.mark.parametrize("nodes", [1, 2, 4])
+def test_planner_and_auto_are_one_model(name, nodes):
+    """The planner (rates from tuner.platform) and `auto` (CostModel.from_platform on the same
+    file, loads read off the split matrix) give the same flat and HALO times for the same
+    exchange: a group filling `nodes` nodes, every pair exchanging the same rows."""
+    import numpy as np
+
+    from comm import CostModel, Topology
+    from comm.cost import _layout, _predict_blocked, predict_flat, predict_halo
+    from tuner.comms import rates
+
+    pf = load_platform(name)
+    auto = CostModel.from_platform(name)
+    assert rates(pf) == auto.rates()  # one set of parameters, read twice from one file
+    G = pf.gpus_per_node
+    topo = Topology.uniform(nodes, G, nics_per_node=pf.nics_per_node)
+    R, rows, row_bytes = nodes * G, 3000, 14336  # 3000 tokens of d=7168 in bf16 per pair
+    S = [[rows] * R for _ in range(R)]
+    g = placement(R, 1, G)
+    nbytes = R * rows * row_bytes  # each rank's send buffer, its own share included
+    flat, halo = alltoall_time(nbytes, g, "flat", pf), alltoall_time(nbytes, g, "halo", pf)
+    assert predict_flat(S, row_bytes, topo, auto) == pytest.approx(flat, rel=1e-12)
+    assert predict_halo(S, row_bytes, topo, auto) == pytest.approx(halo, rel=1e-12)
+    if nodes > 1:  # the blocked passes `auto` runs beyond 32 ranks read the same loads
+        got = _predict_blocked(np.asarray(S), row_bytes, _layout(topo), auto)
+        assert got[:2] == pytest.approx((flat, halo), rel=1e-12)

@@ -1,8 +1,14 @@
-"""Closed-form communication costs: all-to-all (flat, HALO), pipeline P2P, ring all-reduce.
+"""Communication costs for the planner: all-to-all (flat, HALO), pipeline P2P, ring all-reduce.
 
-The network simulator exists (`comm.netsim`, flow-level): `netsim_alltoall_time` below runs
-an exchange through it, and `tuner.estimate` uses it instead of `alltoall_time` when the
-assumptions say `alltoall_model = "netsim"`; the closed forms here are the fast default.
+All-to-all times come from the one all-to-all model, `comm.a2a_model` (the one `auto` decides
+with at run time): this module only supplies its inputs, the link rates of a platform file
+(`rates`) and the loads of a uniform exchange of a group placed on nodes
+(`comm.a2a_model.uniform_load`). `netsim_alltoall_time` runs the same exchange through
+`comm.netsim`, the flow-level simulator that validates the model (tests/test_tuner_comms.py:
+within 3 % inside one locality domain) and that `tuner.estimate` uses instead when the
+assumptions say `alltoall_model = "netsim"`. See docs/architecture.md, "All-to-all cost:
+which model is used where".
+
 Placement of a group on the machine is decided by its rank stride in the mesh:
 
     EP placement "local":  rank = (pp_i * DP + dp_i) * EP + ep_i   (EP innermost, the trainer's)
@@ -11,19 +17,9 @@ Placement of a group on the machine is decided by its rank stride in the mesh:
 A group of `size` members `stride` ranks apart, with G devices per node, has
 `min(size, max(1, G // stride))` members per node (ranks of a node are consecutive).
 
-The closed form assumes the group's traffic meets no congestion beyond its own NIC share:
-true inside one locality domain (one switch), which the planner enforces for EP groups;
-`netsim_alltoall_time` runs the same exchange through `comm.netsim` (flow-level, every
-concurrent EP group of the nodes involved) and is what the tests compare against.
-
-All-to-all, uniform routing, B bytes leaving each rank's send buffer (its own share included):
-    flat: max(intra / B_intra, inter / (eff * B_nic)) + per-peer message latency
-    halo: phase I (intra) runs beside II -> III; II sends one packed message per remote node
-          over every NIC of the node, III redistributes what arrived over the intra-node links
-          (not needed with one member per node):
-          max(intra / B_intra, inter / B_nic + inter / B_intra) + per-remote-node latency
-where intra = B * (local peers) / EP, inter = B * (remote peers) / EP and B_nic is one
-device's share of its node's NICs. Published lower bound (docs/reference.md 1.2):
+The model assumes the group's traffic meets no congestion beyond its own NIC share (every
+device of a node exchanging alike): true inside one locality domain (one switch), which the
+planner enforces for EP groups. Published lower bound (docs/reference.md 1.2):
 4bskd / (EP B_nic) for a forward dispatch + combine pair across nodes.
 """
 
@@ -33,10 +29,11 @@ import functools
 import math
 from dataclasses import dataclass
 
+from comm.a2a_model import Rates, uniform_load, uniform_time
 from tuner.platform import Platform
 
 __all__ = ["GroupPlacement", "placement", "alltoall_time", "netsim_alltoall_time", "p2p_time",
-           "allreduce_time"]
+           "allreduce_time", "rates"]
 
 
 @dataclass(frozen=True)
@@ -67,32 +64,36 @@ def placement(size: int, stride: int, gpus_per_node: int) -> GroupPlacement:
     return GroupPlacement(size, per_node)
 
 
+def rates(platform: Platform, vendor_efficiency: float = 1.0) -> Rates:
+    """The all-to-all model's parameters from a platform's link rates, as
+    `comm.CostModel.from_platform` reads them from the same file: NIC and intra-node rates
+    and latencies, one network latency as HALO's fixed overhead, the flat collective's
+    on-node and off-node transfers overlapping unless the backend is gloo. The vendor
+    collective reaching `vendor_efficiency` of the link rates scales the flat rates."""
+    if not 0.0 < vendor_efficiency <= 1.0:
+        raise ValueError(f"vendor_efficiency={vendor_efficiency} must be in (0, 1]")
+    scaled = vendor_efficiency != 1.0
+    return Rates(nic_bandwidth=platform.nic_bandwidth,
+                 local_bandwidth=platform.intra_node_bandwidth,
+                 alpha_net=platform.network_latency, alpha_local=platform.intra_node_latency,
+                 halo_overhead_s=platform.network_latency,
+                 flat_nic_bandwidth=platform.nic_bandwidth * vendor_efficiency if scaled
+                 else None,
+                 flat_local_bandwidth=platform.intra_node_bandwidth * vendor_efficiency
+                 if scaled else None,
+                 flat_overlap=platform.backend != "gloo")
+
+
 def alltoall_time(nbytes: float, group: GroupPlacement, algorithm: str, platform: Platform,
                   vendor_efficiency: float = 1.0) -> float:
     """Seconds for one all-to-all where each rank's send buffer holds `nbytes` spread evenly
-    over the `group.size` ranks (the own share stays local)."""
+    over the `group.size` ranks (the own share stays local): `comm.a2a_model` on the loads
+    of that exchange, every device of a node exchanging alike."""
     if group.size == 1 or nbytes <= 0:
         return 0.0
-    share = nbytes / group.size
-    intra = share * group.local_peers
-    inter = share * group.remote_peers
-    b_intra, b_nic = platform.intra_node_bandwidth, platform.nic_bandwidth_per_gpu
-    lat_intra = platform.intra_node_latency if group.local_peers else 0.0
-    if algorithm == "flat":
-        # The vendor collective posts one message per peer; each costs a latency on the link
-        # class it uses, and the link rates are scaled by the vendor efficiency.
-        t = max(intra / b_intra, inter / b_nic) / vendor_efficiency
-        return t + lat_intra * group.local_peers + platform.network_latency * group.remote_peers
-    if algorithm == "halo":
-        remote_nodes = group.nodes - 1
-        phase1 = intra / b_intra
-        # Phase III exists only when the relay that received a packed message is not the
-        # destination itself, i.e. when the group has several members per node.
-        hop3 = inter / b_intra if group.per_node > 1 else 0.0
-        phase23 = inter / b_nic + hop3 if remote_nodes else 0.0
-        msgs = platform.network_latency * remote_nodes + 2 * lat_intra
-        return max(phase1, phase23) + msgs
-    raise ValueError(f"all-to-all algorithm {algorithm!r}; valid: flat, halo")
+    load = uniform_load(nbytes, group.size, group.per_node,
+                        platform.gpus_per_node / platform.nics_per_node)
+    return uniform_time(load, algorithm, rates(platform, vendor_efficiency))
 
 
 @functools.lru_cache(maxsize=1024)
