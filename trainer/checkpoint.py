@@ -254,13 +254,13 @@ def load_checkpoint(path: str | Path, model: nn.Module, optim: torch.optim.Optim
     rows = _expert_rows(model)
     params = dict(model.named_parameters())
     for name, p in params.items():
-        if not _owns(optim, p):
-            continue
-        st = optim.state[p]
+        owned = _owns(optim, p)  # under ZeRO the weights load everywhere, the state on owners
         if name in rows:
             for j, e in rows[name]:
                 p.data[j].copy_(sd[f"model.{name}.{e}"])
                 for k in ("exp_avg", "exp_avg_sq"):
-                    st[k][j].copy_(sd[f"optim.{k}.{name}.{e}"])
-        st["step"] = sd[f"optim.step.{name}"].clone()
+                    if owned:
+                        optim.state[p][k][j].copy_(sd[f"optim.{k}.{name}.{e}"])
+        if owned:
+            optim.state[p]["step"] = sd[f"optim.step.{name}"].clone()
     return meta

@@ -1,0 +1,151 @@
+"""ZeRO-1/2 and overlapped gradient reduction on CPU (gloo): state bytes per rank and step time.
+
+The tiny preset scaled so that optimizer state dominates (d_model 512: 13.7 M parameters, 12.6 M
+of them experts; AdamW keeps 8 bytes of state per parameter) and a small batch per rank (2 x 64
+tokens), so the step is mostly gradient reduction and optimizer work. Each layout is one spawn
+of gloo processes; in it every configuration builds its own copy of the model (same seed) and
+the configurations take turns step by step (round robin), so machine noise hits them alike.
+
+Per configuration and rank: optimizer-state bytes (the tensors in `optim.state`), gradient
+bytes held after the reduction, and the median step time (forward, backward, `finish`, clip,
+optimizer step incl. the ZeRO parameter broadcast) over the measured steps; the max over ranks
+is reported. Layouts: DP=2 and DP=4 (EP=1: every parameter has dp replicas) for ZeRO-0/1/2,
+and EP=2 x DP=2 for ZeRO-0/1/2 with overlap on and off.
+
+    flock /tmp/piper-bench.lock python benchmarks/bench_zero.py [--steps 8] [--warmup 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))
+
+from _common import cpu_name, git_sha  # noqa: E402
+
+from comm import run_local  # noqa: E402
+
+# name -> (zero, overlap, bucket_bytes)
+CONFIGS = {"zero0_flat": (0, False, 25 << 20), "zero0_overlap": (0, True, 4 << 20),
+           "zero1_overlap": (1, True, 4 << 20), "zero1_flat": (1, False, 25 << 20),
+           "zero2_overlap": (2, True, 4 << 20)}
+LAYOUTS = {"dp2": (2, 1, ["zero0_flat", "zero1_overlap", "zero2_overlap"]),
+           "dp4": (4, 1, ["zero0_flat", "zero1_overlap", "zero2_overlap"]),
+           "ep2_dp2": (4, 2, list(CONFIGS))}
+
+
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+def _worker(rank: int, world: int, _group, ep: int, names: list[str], steps: int, warmup: int,
+            d_model: int, batch: int, seq: int) -> dict:
+    from model import MoETransformer, presets
+    from trainer.mesh import Mesh
+    from trainer.parallel import GradSync, parallelize
+    from trainer.zero import build_optimizer
+
+    torch.set_num_threads(1)
+    mesh = Mesh.plan(world, rank, pp=1, ep=ep).build_groups()
+    mcfg = dataclasses.replace(presets.get("tiny"), d_model=d_model)
+    runs = {}
+    for name in names:
+        zero, overlap, bucket = CONFIGS[name]
+        with torch.device("meta"):
+            model = MoETransformer(mcfg)
+        parallelize(model, mesh, alltoall="flat")
+        model.materialize(torch.device("cpu"), seed=0)
+        sync = GradSync(model, mesh, zero=zero, bucket_bytes=bucket, overlap=overlap)
+        opt = build_optimizer(model, sync, 1e-3, (0.9, 0.95), 1e-8, 0.1)
+        runs[name] = {"model": model, "sync": sync, "opt": opt, "times": []}
+    g = torch.Generator().manual_seed(1000 + mesh.data_idx)
+    for step in range(warmup + steps):
+        tokens = torch.randint(0, mcfg.vocab_size, (batch, seq + 1), generator=g)
+        for name in names:  # round robin: every configuration sees the same machine noise
+            r = runs[name]
+            model, sync, opt = r["model"], r["sync"], r["opt"]
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            sync.start_step(1)
+            logits = model(tokens[:, :-1])
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            (ce + model.aux_loss()).backward()
+            sync.finish()
+            sync.clip(1.0)
+            r["grad_bytes"] = _nbytes(p.grad for p in model.parameters() if p.grad is not None)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            if step >= warmup:
+                r["times"].append(dt)
+            r["loss"] = float(ce.detach())
+    out = {}
+    for name in names:
+        r = runs[name]
+        opt, model = r["opt"], r["model"]
+        out[name] = {"state_bytes": _nbytes(v for p in model.parameters()
+                                            for v in opt.state.get(p, {}).values()),
+                     "param_bytes": _nbytes(model.parameters()),
+                     "grad_bytes": r["grad_bytes"], "times": r["times"], "loss": r["loss"]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--out", default=str(RESULTS / "bench_zero.jsonl"))
+    args = ap.parse_args()
+    table = []
+    for lay in args.layouts.split(","):
+        world, ep, names = LAYOUTS[lay]
+        t0 = time.perf_counter()
+        res = run_local(_worker, world, ep, names, args.steps, args.warmup, args.d_model,
+                        args.batch, args.seq, timeout_s=1800)
+        print(f"{lay}: {time.perf_counter() - t0:.0f} s", flush=True)
+        base = None
+        for name in names:
+            per_rank = [r[name] for r in res]
+            # a step ends with every rank's last collective: the slowest rank's median
+            med = max(statistics.median(r["times"]) for r in per_rank)
+            row = {"layout": lay, "world": world, "ep": ep, "dp": world // ep, "config": name,
+                   "state_bytes_max": max(r["state_bytes"] for r in per_rank),
+                   "state_bytes_min": min(r["state_bytes"] for r in per_rank),
+                   "grad_bytes_max": max(r["grad_bytes"] for r in per_rank),
+                   "param_bytes": per_rank[0]["param_bytes"], "step_s_median": med,
+                   "final_loss_rank0": per_rank[0]["loss"]}
+            if base is None:
+                base = row
+            row["state_vs_zero0"] = row["state_bytes_max"] / base["state_bytes_max"]
+            row["step_vs_zero0"] = med / base["step_s_median"]
+            table.append(row)
+            print(f"  {name:14s} state/rank {row['state_bytes_max'] / 1e6:7.2f} MB "
+                  f"({row['state_vs_zero0']:.2f} x zero0)  grads/rank "
+                  f"{row['grad_bytes_max'] / 1e6:6.2f} MB  step {1e3 * med:7.1f} ms "
+                  f"({row['step_vs_zero0']:.2f} x zero0)", flush=True)
+    rec = {"sha": git_sha(), "cpu": cpu_name(), "device": "cpu", "backend": "gloo",
+           "d_model": args.d_model, "batch_per_rank": args.batch, "seq": args.seq,
+           "steps": args.steps, "warmup": args.warmup, "time": time.time(), "table": table}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    print(f"appended to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
