@@ -47,6 +47,8 @@ def test_plan_writes_a_plan_train_py_accepts(tmp_path, capsys):
      r"does not fit on 64 x frontier GPUs: .* It would fit on 512 GPUs \(pp=32, ep=16, ZeRO-0"),
     (["--model", "tiny", "--platform", "local", "--gpus", "2", "--zero", "0,3"],
      "--zero=3: the ZeRO level must be 0 .*, 1 .* or 2"),
+    (["--model", "tiny", "--platform", "local", "--gpus", "1", "--seq", "64", "--zero", "1,2"],
+     r"no layout of 1 GPUs can use ZeRO levels \[1, 2\]: ZeRO > 0 needs a replica group"),
     (["--model", "tiny", "--platform", "local", "--gpus", "2", "--zero", "one"],
      "--zero 'one': 'one' is not a ZeRO level; valid: 0, 1, 2"),
     (["--model", "gpt-5", "--platform", "frontier", "--gpus", "64"],

@@ -84,6 +84,11 @@ def _explain_no_fit(cfg: ModelConfig, platform: Platform, req: PlanRequest,
     lean = leanest_memory(cfg, platform, req.n_gpus, req.global_batch, req.seq_len, precision,
                           assumptions, zero=req.zero)
     usable = platform.usable_hbm / 1e9
+    if lean is None and 0 not in req.zero and leanest_memory(
+            cfg, platform, req.n_gpus, req.global_batch, req.seq_len, precision, assumptions,
+            zero=(0,)) is not None:
+        return (f"no layout of {req.n_gpus} GPUs can use ZeRO levels {list(req.zero)}: ZeRO > 0 "
+                f"needs a replica group of > 1 rank (DP x EP > 1); add 0 to --zero")
     if lean is None:
         return (f"no layout of {req.n_gpus} GPUs satisfies the structural constraints for "
                 f"{cfg.name} with global batch {req.global_batch}: choose a global batch that is a "
