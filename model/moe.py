@@ -31,6 +31,21 @@ from .recompute import recompute
 from .router import Router
 
 
+def replica_slots(topk_idx: torch.Tensor, rep_slots: torch.Tensor,
+                  n_rep: torch.Tensor) -> torch.Tensor:
+    """Physical slot of every (token, choice) when experts have replicas: the j-th assignment
+    to expert e (in token order within this process's batch) goes to replica j mod n_rep[e].
+    Deterministic, and each replica gets an even share (counts differ by at most one).
+    topk_idx [T, K] logical ids; rep_slots [E, max_rep]; n_rep [E] -> slots [T, K]."""
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_rep.numel())
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(flat)
+    rank[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    return rep_slots[flat, rank % n_rep[flat]].view_as(topk_idx)
+
+
 class SwiGLU(nn.Module):
     """Dense gated FFN: w2(silu(w1 x) * w3 x). Used for dense layers and shared experts."""
 
@@ -122,15 +137,82 @@ class MoELayer(nn.Module):
         # Qwen2-MoE gates the shared expert per token with sigmoid(x . g).
         self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_expert_gate else None
         self.register_buffer("expert2slot", torch.arange(E, dtype=torch.long))
+        # Redundant slots (balance.plan_replicas): n_slots >= E physical slots, slot2expert maps
+        # each to its logical expert; a token for expert e goes to one of e's replicas
+        # (`replica_slots`). Without replicas (n_slots == E) `expert2slot` alone is the map and
+        # migration permutes it; these buffers are then unused.
+        self.n_slots = E
+        self.replicated = False
+        self.initial_slots: list[int] | None = None  # what reset_state restores (None: identity)
+        self.register_buffer("slot2expert", torch.arange(E, dtype=torch.long), persistent=False)
+        self.register_buffer("rep_slots", torch.arange(E, dtype=torch.long)[:, None],
+                             persistent=False)  # [E, max replicas], padded with the first
+        self.register_buffer("n_rep", torch.ones(E, dtype=torch.long), persistent=False)
         self.dispatcher: Any = LocalDispatcher()
         self.last_counts = torch.zeros(E, dtype=torch.long)
         self.last_aux_loss = torch.zeros(())
 
+    def resize_slots(self, slot2expert: list[int]) -> None:
+        """Give the layer len(slot2expert) >= E expert slots with this initial map (before
+        `materialize`: the expert weights are re-created with one row per slot; every slot is
+        initialised as its logical expert, so replicas start identical)."""
+        n = len(slot2expert)
+        ex = self.experts
+        for name in ("w1", "w3", "w2"):
+            w = getattr(ex, name)
+            setattr(ex, name, nn.Parameter(torch.empty(n, *w.shape[1:], dtype=w.dtype,
+                                                       device=w.device)))
+        self.n_slots = n
+        self.initial_slots = [int(e) for e in slot2expert]
+        self.slot2expert = torch.zeros(n, dtype=torch.long, device=self.expert2slot.device)
+        self.set_slots(self.initial_slots)
+
+    @torch.no_grad()
+    def set_slots(self, slot2expert) -> None:
+        """Install a slot map (length n_slots; every expert at least once): the replica tables
+        and `expert2slot` (each expert's first slot, which checkpoints save)."""
+        E, dev = self.num_experts, self.expert2slot.device
+        m = torch.as_tensor(slot2expert, dtype=torch.long).reshape(-1).cpu()
+        if m.numel() != self.n_slots:
+            raise ValueError(f"slot map has {m.numel()} slots; this layer has {self.n_slots}")
+        if m.numel() and (int(m.min()) < 0 or int(m.max()) >= E):
+            raise ValueError(f"slot map names expert {int(m.max()) if int(m.max()) >= E else int(m.min())}; "
+                             f"valid ids are 0..{E - 1}")
+        n_rep = torch.bincount(m, minlength=E)
+        if int(n_rep.min()) == 0:
+            raise ValueError(f"slot map misses expert(s) {torch.nonzero(n_rep == 0).flatten().tolist()[:8]}")
+        order = torch.argsort(m, stable=True)  # slots grouped by expert, in slot order
+        starts = torch.cumsum(n_rep, 0) - n_rep
+        reps = torch.empty(E, int(n_rep.max()), dtype=torch.long)
+        reps[:] = order[starts][:, None]  # pad with the first replica
+        within = torch.arange(m.numel()) - starts[m[order]]
+        reps[m[order], within] = order
+        self.slot2expert = m.to(dev)
+        self.rep_slots, self.n_rep = reps.to(dev), n_rep.to(dev)
+        self.expert2slot.copy_(order[starts].to(dev))
+        self.replicated = self.n_slots > E
+
+    def slot_map(self) -> torch.Tensor:
+        """slot -> logical expert for every slot ([n_slots]; the inverse of expert2slot when
+        there are no replicas, which migration keeps as the one map)."""
+        if self.replicated:
+            return self.slot2expert
+        m = torch.empty_like(self.expert2slot)
+        m[self.expert2slot] = torch.arange(self.num_experts, device=m.device)
+        return m
+
     @torch.no_grad()
     def reset_state(self) -> None:
-        """Initial buffers and per-forward outputs: identity placement, zero router bias."""
+        """Initial buffers and per-forward outputs: identity placement (or the initial slot map
+        of `resize_slots`), zero router bias."""
         dev = self.expert2slot.device
-        self.expert2slot.copy_(torch.arange(self.num_experts, dtype=torch.long, device=dev))
+        if self.initial_slots is not None:
+            self.set_slots(self.initial_slots)
+        else:  # (to_empty left the replica tables unset: identity, one replica each)
+            ident = torch.arange(self.num_experts, dtype=torch.long, device=dev)
+            self.expert2slot.copy_(ident)
+            self.slot2expert, self.rep_slots = ident.clone(), ident[:, None].clone()
+            self.n_rep = torch.ones_like(ident)
         self.router.e_score_correction_bias.zero_()
         self.last_counts = torch.zeros(self.num_experts, dtype=torch.long, device=dev)
         self.last_aux_loss = torch.zeros((), device=dev)
@@ -141,8 +223,11 @@ class MoELayer(nn.Module):
         topk_idx, topk_w, aux = self.router.route(x_BSD)
         self.last_aux_loss = aux
         self.last_counts = torch.bincount(topk_idx.flatten(), minlength=self.num_experts).detach()
-        slot_idx = self.expert2slot[topk_idx]
-        x_sorted, counts, meta = permute(x_TD, slot_idx, self.num_experts)
+        if self.replicated:
+            slot_idx = replica_slots(topk_idx, self.rep_slots, self.n_rep)
+        else:
+            slot_idx = self.expert2slot[topk_idx]
+        x_sorted, counts, meta = permute(x_TD, slot_idx, self.n_slots)
         x_loc, counts_loc, ctx = self.dispatcher.dispatch(x_sorted, counts)
         y_loc = self.experts(x_loc, counts_loc)
         y_sorted = self.dispatcher.combine(y_loc, ctx)

@@ -119,11 +119,13 @@ class MoETransformer(nn.Module):
                 module.reset_state()
                 _normal(module.router.weight, std, seed, f"{mname}.router.weight")
                 experts = module.experts
+                slot_map = module.slot_map().cpu()
                 for wname in ("w1", "w3", "w2"):
                     w = getattr(experts, wname)
                     for s in range(w.shape[0]):
-                        # reset_state made the placement the identity: slot g holds expert g
-                        e = experts.first_slot + s
+                        # reset_state restored the initial placement: slot g holds expert
+                        # slot_map()[g] (g itself without replicas); replicas start identical
+                        e = int(slot_map[experts.first_slot + s])
                         _normal(w[s], std, seed, f"{mname}.experts.{wname}", e)
 
     # ---------------------------------------------------------------- forward

@@ -134,3 +134,84 @@ def test_bad_inputs() -> None:
         plan_replicas(w, 4, 3, current=[0, 1, 2, 3, 4])
     with pytest.raises(ValueError, match="max_moves=-1"):
         plan_replicas(w, 4, 3, max_moves=-1)
+
+
+# -- the MoE layer with redundant slots (model.moe: resize_slots / set_slots / replica_slots) --
+
+def _layer_pair(slot2expert: list[int], E: int = 4, seed: int = 0):
+    """A layer without replicas and the same layer with `slot2expert`, every replica a copy
+    of its expert."""
+    import dataclasses
+
+    import torch
+
+    from model import presets
+    from model.moe import MoELayer
+
+    cfg = dataclasses.replace(presets.get("tiny"), d_model=32, moe_ffn_dim=16,
+                              n_routed_experts=E, top_k=2)
+    torch.manual_seed(seed)
+    plain = MoELayer(cfg)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.normal_(0.0, 0.2)
+    rep = MoELayer(cfg)
+    rep.load_state_dict(plain.state_dict())
+    rep.resize_slots(slot2expert)
+    with torch.no_grad():
+        for n in ("w1", "w2", "w3"):
+            getattr(rep.experts, n).copy_(getattr(plain.experts, n)[torch.tensor(slot2expert)])
+    return plain, rep
+
+
+def test_layer_with_replicas_equals_layer_without() -> None:
+    """Reference: the same layer with one slot per expert. Outputs and input gradients are
+    equal; each expert's weight gradient is the sum of its replicas' gradients, every replica
+    receives tokens."""
+    import torch
+
+    m = [0, 1, 2, 3, 0, 2, 2]
+    plain, rep = _layer_pair(m)
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    y0 = plain(x)
+    y0.square().sum().backward()
+    g0 = x.grad.clone()
+    x.grad = None
+    y1 = rep(x)
+    y1.square().sum().backward()
+    torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, g0, rtol=1e-6, atol=1e-6)
+    for n in ("w1", "w2", "w3"):
+        g = getattr(rep.experts, n).grad
+        summed = torch.zeros_like(getattr(plain.experts, n).grad).index_add_(
+            0, torch.tensor(m), g)
+        torch.testing.assert_close(summed, getattr(plain.experts, n).grad, rtol=1e-5, atol=1e-6)
+        assert all(float(g[s].abs().sum()) > 0 for s in range(len(m))), n
+    assert rep.expert2slot.tolist() == [0, 1, 2, 3]  # checkpoints save each expert's first slot
+    assert rep.slot_map().tolist() == m
+
+
+def test_replica_split_is_even_and_deterministic() -> None:
+    import torch
+
+    from model.moe import replica_slots
+
+    plain, rep = _layer_pair([0, 1, 2, 3, 0, 2, 2])
+    idx = torch.randint(0, 4, (50, 2), generator=torch.Generator().manual_seed(3))
+    slots = replica_slots(idx, rep.rep_slots, rep.n_rep)
+    assert torch.equal(slots, replica_slots(idx, rep.rep_slots, rep.n_rep))
+    assert torch.equal(rep.slot2expert[slots], idx)  # every token reaches its own expert
+    per_slot = torch.bincount(slots.flatten(), minlength=7)
+    for e in range(4):
+        mine = per_slot[rep.slot2expert == e]
+        assert int(mine.max() - mine.min()) <= 1, (e, mine.tolist())
+
+
+def test_bad_slot_maps_are_named() -> None:
+    _, rep = _layer_pair([0, 1, 2, 3, 0, 2])
+    with pytest.raises(ValueError, match="misses expert"):
+        rep.set_slots([0, 1, 2, 2, 0, 2])
+    with pytest.raises(ValueError, match="valid ids are 0..3"):
+        rep.set_slots([0, 1, 2, 3, 0, 9])
+    with pytest.raises(ValueError, match="has 5 slots; this layer has 6"):
+        rep.set_slots([0, 1, 2, 3, 0])
