@@ -8,6 +8,11 @@ the experts move inside the EP group with their weights and AdamW moments (`exp_
 the dispatcher reads, is updated. The model's function is unchanged: a logical expert computes
 the same thing in any slot.
 
+Under ZeRO-1/2 (trainer/zero.py) the optimizer keeps AdamW state for the parameters this rank
+owns only; ownership is decided by parameter shape and index, so the EP ranks of one dp index
+(the ranks that swap rows) own the same expert parameters: both move their rows' moments, or
+neither has any (their replica's owner keeps the whole parameter's state and moves it).
+
 `force_every` (tests and demos) swaps one expert pair per rank pair every N steps regardless of
 load, so migration is exercised on every step it is asked for.
 """
@@ -18,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .config import BalanceConfig
@@ -39,6 +45,17 @@ class Balancer:
                                       cooldown=cfg.cooldown, max_swaps=cfg.max_swaps, method=method)
         self.monitor = Monitor(len(layers), E, ep, self.policy)
         self.events: list[dict[str, Any]] = []
+        owns = getattr(optim, "owns", None)
+        if owns is not None and ep_group is not None:  # ZeRO: the swap partners must agree
+            ps = [p for layer in layers.values() for p in layer.experts.parameters()]
+            mine = torch.tensor([float(owns(p)) for p in ps], dtype=torch.float64,
+                                device=ps[0].device)  # NCCL reduces device tensors only
+            lo, hi = mine.clone(), mine.clone()
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=ep_group)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=ep_group)
+            if not torch.equal(lo, hi):
+                raise RuntimeError("ZeRO ownership of expert parameters differs across the EP "
+                                   "group; migration would pair rows with missing AdamW state")
 
     def _e2r(self) -> np.ndarray:
         return np.stack([(layer.expert2slot.cpu() // self.El).numpy() for layer in self.layers.values()])
