@@ -89,6 +89,8 @@ class StageMemory:
     optimizer: float  # fp32 master copy + optimizer moments
     activations: float
     buffers: float
+    # held state bytes per part; under per-parameter ZeRO each part carries the group's
+    # largest owned share (the total is exact, the split over parts proportional)
     state_by_part: dict[str, float] = field(default_factory=dict)
     act_by_part: dict[str, float] = field(default_factory=dict)
     params_by_part: dict[str, float] = field(default_factory=dict)
