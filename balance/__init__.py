@@ -40,6 +40,7 @@ from balance.placement import (
     swaps_between,
 )
 from balance.planner import METHODS, greedy_repack, plan_swaps
+from balance.replica_move import move_slots, plan_slot_moves
 
 __all__ = [
     "METHODS",
@@ -56,8 +57,10 @@ __all__ = [
     "imbalance",
     "lower_bound",
     "migrate",
+    "move_slots",
     "permute_slots",
     "placement_of",
+    "plan_slot_moves",
     "plan_swaps",
     "rank_loads",
     "slot_lower_bound",
