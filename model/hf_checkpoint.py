@@ -389,9 +389,7 @@ def load_hf_weights(model: nn.Module, ckpt: HFCheckpoint) -> dict[str, int]:
             continue
         if isinstance(src, ExpertKeys):
             layer = layers[ours.rsplit(".experts.", 1)[0]]
-            E = layer.expert2slot.numel()
-            slot2expert = torch.empty(E, dtype=torch.int64)
-            slot2expert[layer.expert2slot.cpu()] = torch.arange(E)
+            slot2expert = layer.slot_map().cpu()  # every replica loads its expert
             per_expert = src.per_expert[0] in ckpt.files
             for j in range(t.shape[0]):
                 e = int(slot2expert[layer.experts.first_slot + j])

@@ -345,6 +345,9 @@ GAPS = {
                                ["balance.method='bogus'"]),
     "zero level": (["--parallel.zero=3"], ["parallel.zero=3", "valid: 0", "2 (optimizer state"]),
     "negative zero level": (["--parallel.zero=-1"], ["parallel.zero=-1"]),
+    "negative redundant slots": (["--balance.redundant=-1"], ["balance.redundant=-1", ">= 0"]),
+    "redundant slots without EP": (["--balance.redundant=1"],
+                                   ["balance.redundant=1", "parallel.ep > 1"]),
     "accumulation microbatches": (["--train.global_batch=8", "--parallel.microbatches=3"],
                                   ["parallel.microbatches=3 must divide the 8 sequences",
                                    "valid: [1, 2, 4, 8]"]),
@@ -356,3 +359,11 @@ def test_more_bad_values(name, text_file):
     argv, needles = GAPS[name]
     _expect(lambda: _prepare([*BASE, f"--data={text_file}", *argv]),
             *needles)
+
+
+def test_too_many_redundant_slots():
+    from trainer.setup import _check_redundant
+
+    _expect(lambda: _check_redundant(7, 8, 2), "balance.redundant=7 exceeds the 4 experts",
+            "valid: 0..4")
+    _check_redundant(4, 8, 2)  # every expert a rank does not hold, once: allowed

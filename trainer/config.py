@@ -104,6 +104,9 @@ class BalanceConfig:
     # Experiment knob: a fixed router selection bias -skew * ln(1 + e) for logical expert e, so
     # the first experts (all on EP rank 0 at start) are hot. 0 = off. Used by bench_migration.
     skew: float = 0.0
+    # redundant expert slots per EP rank (issue 20): each rank hosts E / ep + redundant slots
+    # and hot experts get replicas (balance.plan_replicas); 0 = one slot per expert
+    redundant: int = 0
 
 
 @dataclass

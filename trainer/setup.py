@@ -98,6 +98,7 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     if E % mesh.ep:
         raise MeshError(f"ep={mesh.ep} does not divide {E} experts of model {model_name(cfg)!r}; "
                         f"valid ep: {valid_divisors(E)}")
+    _check_redundant(cfg.balance.redundant, E, mesh.ep)
     if cfg.comm.alltoall not in ("flat", "halo", "auto"):
         raise ConfigError(f"comm.alltoall={cfg.comm.alltoall!r}; valid: flat, halo, auto")
     if cfg.comm.topology:
@@ -203,6 +204,19 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
               f" layers, the run builds {mcfg.n_layers} (model.n_layers): checkpoint layers "
               f"{list(hf_skipped)} are skipped", file=sys.stderr, flush=True)
     return Prepared(cfg, mcfg, mesh, corpus, resume_path, hf, tuple(hf_skipped or ()))
+
+
+def _check_redundant(r: int, E: int, ep: int) -> None:
+    """balance.redundant: r extra slots per EP rank, each holding an expert the rank does not
+    hold yet (so r <= E - E / ep), and only where there are ranks to spread load over."""
+    if r < 0:
+        raise ConfigError(f"balance.redundant={r} must be >= 0 (redundant expert slots per EP rank)")
+    if r and ep == 1:
+        raise ConfigError(f"balance.redundant={r} needs expert parallelism (parallel.ep > 1): with "
+                          f"one EP rank a replica would sit beside its own expert")
+    if r > E - E // ep:
+        raise ConfigError(f"balance.redundant={r} exceeds the {E - E // ep} experts an EP rank "
+                          f"does not hold (E={E}, ep={ep}); valid: 0..{E - E // ep}")
 
 
 def model_name(cfg: RunConfig) -> str:

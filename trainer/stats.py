@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from balance.replicas import replica_loads
+
 from .checkpoint import named_moe_layers
 from .memory import SavedTensorMeter
 from .mesh import Mesh
@@ -85,9 +87,14 @@ class StepStats:
         ep == 1); `LayerGather` averages them over the whole model's layers."""
         vals = []
         for layer, c in zip(self.model.moe_layers(), counts, strict=True):
-            E = c.numel()
-            rank_of = layer.expert2slot.cpu() // (E // self.mesh.ep)
-            load = torch.zeros(self.mesh.ep, dtype=torch.float64).index_add_(0, rank_of, c.cpu())
+            if layer.replicated:  # an expert's tokens are shared evenly by its replicas
+                load = torch.from_numpy(replica_loads(c.cpu().numpy(),
+                                                      layer.slot_map().cpu().numpy(),
+                                                      self.mesh.ep))
+            else:
+                rank_of = layer.expert2slot.cpu() // (c.numel() // self.mesh.ep)
+                load = torch.zeros(self.mesh.ep, dtype=torch.float64).index_add_(0, rank_of,
+                                                                                 c.cpu())
             vals.append(float(load.max() / load.mean().clamp_min(1e-9)))
         return vals
 
