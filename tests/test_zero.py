@@ -253,11 +253,13 @@ def _norms(out: Path) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("nproc,layout", [(4, ["--parallel.ep=2"]),
+                                          (4, ["--parallel.ep=2", "--parallel.microbatches=2"]),
                                           (8, ["--parallel.pp=2", "--parallel.ep=2",
                                                "--parallel.microbatches=2"])],
-                         ids=["ep2-dp2", "pp2-ep2-dp2"])
+                         ids=["ep2-dp2", "ep2-dp2-accumulate2", "pp2-ep2-dp2"])
 def test_trainer_zero_losses_equal_zero0(tmp_path, small_data, nproc, layout):
-    """ZeRO-1 and ZeRO-2 repeat the ZeRO-0 losses step by step (rel 1e-5), clipping active."""
+    """ZeRO-1 and ZeRO-2 repeat the ZeRO-0 losses step by step (rel 1e-5), clipping active;
+    also with 2 accumulated micro-batches per step (pp=1) and with a pipeline."""
     args = [*layout, "--train.steps=6"]
     base = _run(tmp_path, "z0", nproc, [*args, "--parallel.zero=0"], small_data)
     assert min(_norms(base)) > 0.5
