@@ -4,9 +4,9 @@ Reference: one process holds the global tensors ``[R * S, ...]`` rebuilt row by 
 each row taken from its expert's original data (``ref[g] = data[slot2expert[g]]``). Every rank
 starts from its slice of the reference for the old map; after ``move_slots`` its slice must
 equal the reference for the new map, bit for bit, for every tensor (bf16 weights as an
-``nn.Parameter``, fp32 AdamW-like moments, float64 and int64 tensors, a 1-D one). Maps come from
-``plan_replicas`` on Zipf loads whose hot experts change from one plan to the next, and from
-rotating a map by one rank (every slot changes and no source is local).
+``nn.Parameter``, fp32 AdamW-like moments, float64, bool and int64 tensors, a 1-D one). Maps
+come from ``plan_replicas`` on Zipf loads whose hot experts change from one plan to the next,
+and from rotating a map by one rank (every slot changes and no source is local).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def expert_data(E: int, seed: int) -> list[torch.Tensor]:
     return [
         torch.randn(E, 3, 4, generator=g).to(torch.bfloat16),  # w1 (bf16 weight)
         torch.randn(E, 4, 3, generator=g).to(torch.bfloat16),  # w2
+        torch.rand(E, 3, generator=g) < 0.5,  # bool, 3 bytes a row: later segments need padding
         torch.randn(E, 3, 4, generator=g),  # exp_avg (fp32)
         torch.rand(E, 3, 4, generator=g),  # exp_avg_sq (fp32, >= 0)
         torch.randn(E, 5, generator=g, dtype=torch.float64),
