@@ -117,8 +117,8 @@ def move_slots(old_map: Any, new_map: Any, tensors: Sequence[torch.Tensor | None
 
     Args:
         old_map, new_map: ``[R * S]`` slot -> expert maps, identical on every rank of
-            ``group`` (e.g. the layer's ``slot_map()`` and :func:`balance.replicas.plan_replicas`'s
-            result); validated before any communication.
+            ``group`` (e.g. the layer's ``slot_map()`` and the result of
+            :func:`balance.replicas.plan_replicas`); validated before any communication.
         tensors: this rank's per-slot tensors, each with dim 0 == S (weights, grads, optimizer
             moments; any dtypes and devices), changed in place; ``None`` entries are skipped.
             Every rank of the group must pass the same structure (shapes and dtypes).
