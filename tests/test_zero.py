@@ -275,8 +275,9 @@ def test_trainer_resume_across_zero_levels_and_layouts(tmp_path, small_data):
     ZeRO-1, resumed under ZeRO-2, the uninterrupted ZeRO-0 losses (rel 1e-5). Across layouts
     the losses move by summation order and by the per-rank aux loss (1 vs 4 processes), so
     there the reference is the same layout change under ZeRO-0: a ZeRO-1 checkpoint of
-    EP=2 x DP=2 resumed by one process with ZeRO-0, and a ZeRO-0 checkpoint resumed with ZeRO-2
-    at EP=2 x DP=1, each equal (rel 1e-5) to resuming the ZeRO-0 checkpoint the same way."""
+    EP=2 x DP=2 resumed by one process with ZeRO-0 equals the ZeRO-0 checkpoint resumed so,
+    and a one-process ZeRO-0 checkpoint resumed with ZeRO-1 at EP=2 x DP=2 equals it resumed
+    there with ZeRO-0 (rel 1e-5)."""
     ep2dp2 = ["--parallel.ep=2", "--train.steps=8"]
     full = _run(tmp_path, "full", 4, [*ep2dp2, "--train.ckpt_every=4"], small_data)
     c = _run(tmp_path, "c", 4, [*ep2dp2, "--parallel.zero=1", "--train.stop_after=4"],
@@ -287,9 +288,12 @@ def test_trainer_resume_across_zero_levels_and_layouts(tmp_path, small_data):
                                 f"--train.resume={z1_ckpt}"], small_data)
     ref_a = _run(tmp_path, "ref_a", 1, ["--parallel.ep=1", "--train.steps=8",
                                         f"--train.resume={z0_ckpt}"], small_data)
-    b = _run(tmp_path, "b", 2, [*ep2dp2, "--parallel.zero=2", f"--train.resume={z0_ckpt}"],
+    one = _run(tmp_path, "one", 1, ["--parallel.ep=1", "--train.steps=8",
+                                    "--train.stop_after=4"], small_data)
+    one_ckpt = one / "checkpoints" / "step_00000004"
+    b = _run(tmp_path, "b", 4, [*ep2dp2, "--parallel.zero=1", f"--train.resume={one_ckpt}"],
              small_data)
-    ref_b = _run(tmp_path, "ref_b", 2, [*ep2dp2, f"--train.resume={z0_ckpt}"], small_data)
+    ref_b = _run(tmp_path, "ref_b", 4, [*ep2dp2, f"--train.resume={one_ckpt}"], small_data)
     _run(tmp_path, "c", 4, [*ep2dp2, "--parallel.zero=2", "--resume"], small_data)
     _same(step_losses(full), step_losses(c), 8, 1e-5)
     for got, ref in ((a, ref_a), (b, ref_b)):
