@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -28,8 +27,6 @@ from .parallel import GradSync, parallelize
 from .pipe import build_stages, ce_loss, moe_aux, split_layers
 from .setup import build_schedule
 from .zero import build_optimizer as zero_optimizer
-
-_SYNC_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its GradSync
 
 __all__ = ["pick_device", "build_model", "Pipeline", "build_pipeline", "import_hf",
            "build_grad_sync", "build_optimizer"]
@@ -158,18 +155,11 @@ def build_grad_sync(cfg: RunConfig, model, mesh: Mesh) -> GradSync:
     earlier versions); zero=1/2 reduce in buckets overlapped with the backward (trainer/zero.py)."""
     zero = cfg.parallel.zero
     sync = GradSync(model, mesh, zero=zero, overlap=zero > 0)
-    _SYNC_OF[model] = sync  # build_optimizer's ZeRO wrapper needs the ownership and groups
     return sync
 
 
-def build_optimizer(cfg: RunConfig, model, mesh: Mesh):
+def build_optimizer(cfg: RunConfig, model, sync: GradSync):
     """AdamW with weight decay on matrices (dim >= 2) only: torch.optim.AdamW at zero=0, the
-    sharded `trainer.zero.ZeroOptimizer` at zero=1/2 (call build_grad_sync first)."""
+    sharded `trainer.zero.ZeroOptimizer` at zero=1/2 (sharded by `sync`'s ownership)."""
     o = cfg.optim
-    sync = _SYNC_OF.get(model)
-    if sync is None:
-        if cfg.parallel.zero:
-            raise RuntimeError("build_optimizer with parallel.zero > 0 needs build_grad_sync("
-                               "cfg, model, mesh) first: the optimizer shards by its ownership")
-        sync = GradSync(model, mesh, overlap=False)
     return zero_optimizer(model, sync, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay)
