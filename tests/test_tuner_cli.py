@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +52,13 @@ def test_plan_writes_a_plan_train_py_accepts(tmp_path, capsys):
      r"no layout of 1 GPUs can use ZeRO levels \[1, 2\]: ZeRO > 0 needs a replica group"),
     (["--model", "tiny", "--platform", "local", "--gpus", "2", "--zero", "one"],
      "--zero 'one': 'one' is not a ZeRO level; valid: 0, 1, 2"),
+    (["--model", "tiny", "--platform", "local", "--gpus", "2", "--seq", "64", "--redundant", "-1"],
+     r"--redundant -1: redundant expert slots per EP rank must be >= 0"),
+    (["--model", "tiny", "--platform", "local", "--gpus", "2", "--seq", "64", "--redundant", "5"],
+     r"--redundant 5: an EP rank does not hold more than E - E/ep = 4 of tiny's 8 experts "
+     r"\(ep=2\); .* valid: 0\.\.4"),
+    (["--model", "tiny", "--platform", "local", "--gpus", "1", "--seq", "64", "--redundant", "1"],
+     r"--redundant 1: no EP degree > 1 fits these GPUs; .* valid: 0\.\.0"),
     (["--model", "gpt-5", "--platform", "frontier", "--gpus", "64"],
      "unknown model preset 'gpt-5'; valid:"),
     (["--model", "tiny", "--platform", "frontier", "--gpus", "8", "--measure", "2"],
@@ -110,3 +118,67 @@ def test_plan_file_round_trip_carries_zero(zero, tmp_path):
     run = parse_args(["--plan", str(path)])
     assert (run.parallel.zero, run.parallel.dp, run.parallel.ep) == (zero, 2, 2)
     assert f"--parallel.zero={zero}" in train_args(plan, "tiny", tmp_path, 4, None)
+
+
+@pytest.mark.parametrize("r", [0, 2])
+def test_plan_file_round_trip_carries_redundant(r, tmp_path):
+    """[run.balance] redundant = r in the plan file (absent for r = 0) -> train.py's config
+    parser -> the same r; measured runs pass it too."""
+    from model import presets
+    from tuner import ParallelPlan, estimate, load_platform
+    from tuner.launch import train_args
+    from tuner.report import plan_toml
+
+    plan = ParallelPlan(pp=1, ep=2, dp=2, microbatches=2, global_batch=8, seq_len=64, zero=1,
+                        redundant=r)
+    e = estimate(presets.get("tiny"), plan, load_platform("local"))
+    path = tmp_path / "plan.toml"
+    path.write_text(plan_toml(e, "tiny", {"model": "tiny"}))
+    data = tomllib.loads(path.read_text())
+    assert data["run"].get("balance") == ({"redundant": r} if r else None)
+    assert data["plan"].get("predicted_redundant_memory_gb") == \
+        (round(e.redundant_memory / 1e9, 3) if r else None)
+    run = parse_args(["--plan", str(path)])
+    assert (run.balance.redundant, run.parallel.ep, run.parallel.zero) == (r, 2, 1)
+    assert (f"--balance.redundant={r}" in train_args(plan, "tiny", tmp_path, 4, None)) == bool(r)
+
+
+def _small_platform(tmp_path: Path, hbm_gb: float) -> Path:
+    """configs/platforms/local.toml with another memory size (a platform file may be a path)."""
+    src = (Path(__file__).resolve().parents[1] / "configs/platforms/local.toml").read_text()
+    src = re.sub(r"(?m)^hbm_gb = .*$", f"hbm_gb = {hbm_gb}", src)
+    path = tmp_path / "small.toml"
+    path.write_text(re.sub(r"(?m)^name = .*$", 'name = "small"', src))
+    return path
+
+
+def test_redundant_slots_that_do_not_fit_say_what_they_need(tmp_path, capsys):
+    """tiny on 2 CPU processes of 63 MB usable each: the 4 slots cost 4 x 4 MoE layers x one
+    expert's parameters x 16 B (fp32 weight, gradient, 2 Adam moments; ZeRO-1 shards nothing
+    with DP = 1), computed here from the model built on the meta device."""
+    import torch
+
+    from model import MoETransformer, presets
+    from model.moe import GroupedExperts
+
+    with torch.device("meta"):
+        m = MoETransformer(presets.get("tiny"))
+    mods = [g for g in m.modules() if isinstance(g, GroupedExperts)]
+    slot = sum(g.w1.numel() + g.w2.numel() + g.w3.numel() for g in mods) // mods[0].num_experts
+    need = 4 * slot * 16
+    pf = _small_platform(tmp_path, 0.07)
+    argv = ["plan", "--model", "tiny", "--platform", str(pf), "--gpus", "2", "--seq", "64",
+            "--global-batch", "4", "--trials", "5", "--out", str(tmp_path)]
+    assert main([*argv, "--redundant", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --redundant 4: the 4 redundant expert slots per MoE layer "
+                          f"need {need / 1e9:.3g} GB per GPU"), err
+    assert re.search(r"available: [0-9.]+ GB of the 0\.063 GB usable HBM .* at most --redundant "
+                     r"1 fits on 2 x small GPUs \(valid: 0\.\.1", err), err
+    # One slot fits: the plan carries it, and the report prints what it costs.
+    assert main([*argv, "--redundant", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"redundant expert slots: 1 per MoE layer on each EP rank .* "
+                     rf"{slot * 16 / 1e9:.2f} GB per GPU at the peak", out), out
+    plan = tomllib.loads((tmp_path / "tiny-small-2.toml").read_text())
+    assert plan["run"]["balance"]["redundant"] == 1 and plan["run"]["parallel"]["ep"] == 2

@@ -298,3 +298,108 @@ def test_per_parameter_zero_keeps_whole_tensors():
     # whole tensors leave one rank a few norm vectors ahead (768 B of 34 MB)
     assert (b.grads, b.optimizer) == pytest.approx((a.grads, a.optimizer), rel=1e-4)
     assert b.optimizer >= a.optimizer
+
+
+# -- Redundant expert slots (issue 20) ----------------------------------------------------------
+
+def _slot_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters of one expert slot, MoE layers) of the built model on the meta device: a
+    GroupedExperts' w1 + w2 + w3 over its E experts."""
+    import torch
+
+    from model import MoETransformer
+    from model.moe import GroupedExperts
+
+    with torch.device("meta"):
+        m = MoETransformer(cfg)
+    mods = [g for g in m.modules() if isinstance(g, GroupedExperts)]
+    per = {(g.w1.numel() + g.w2.numel() + g.w3.numel()) // g.num_experts for g in mods}
+    assert len(per) == 1 and all(g.num_experts == cfg.n_routed_experts for g in mods)
+    return per.pop(), len(mods)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+@pytest.mark.parametrize("r", [1, 3])
+def test_redundant_slots_memory_and_sync_by_hand(zero, r):
+    """r extra slots per MoE layer: their weights (2 B), gradients (2 B, / DP when ZeRO-2
+    shards them) and fp32 master + Adam (12 B, / DP under ZeRO-1/2) per parameter, from the
+    model's own parameter counts; one all-reduce over EP of r x EP slots' bf16 gradients."""
+    cfg = presets.get("tiny")  # 8 experts, 4 MoE layers
+    P, n_moe = _slot_params(cfg)
+    dp, ep = 2, 2
+    base = ParallelPlan(pp=1, ep=ep, dp=dp, microbatches=1, global_batch=8, seq_len=64, zero=zero)
+    e0, er = estimate(cfg, base, PF), estimate(cfg, base.replace(redundant=r), PF)
+    s0, sr = e0.stages[0], er.stages[0]
+    per_param = 2 + 2 / (dp if zero == 2 else 1) + 12 / (dp if zero >= 1 else 1)
+    extra = r * n_moe * P * per_param
+    assert sr.redundant_bytes == pytest.approx(extra, rel=1e-12)
+    assert er.redundant_memory == pytest.approx(extra, rel=1e-12)
+    assert sr.total - s0.total == pytest.approx(extra, rel=1e-12)
+    assert sr.params - s0.params == r * n_moe * P
+    assert (sr.activations, sr.buffers) == (s0.activations, s0.buffers)
+    assert s0.redundant_bytes == e0.redundant_memory == 0
+    # Ring all-reduce inside one 4-GPU node of PF (100e9 B/s, 1e-6 s a step): EP pairs are
+    # ranks (0, 1), (2, 3). At most r x EP replicated experts per layer, bf16 gradients.
+    nbytes = r * ep * P * n_moe * 2
+    assert er.dp_collectives["replica_all_reduce"] == pytest.approx(
+        2 * (ep - 1) / ep * nbytes / 100e9 + 2 * (ep - 1) * 1e-6, rel=1e-12)
+    assert "replica_all_reduce" not in e0.dp_collectives
+    # The DP sync of expert gradients grows by the slots' share (same intra-node ring).
+    other = {k: v for k, v in er.dp_collectives.items() if k != "replica_all_reduce"}
+    if zero == 0:
+        grow = 2 * (dp - 1) / dp * r * n_moe * P * 2 / 100e9
+        assert other["all_reduce"] - e0.dp_collectives["all_reduce"] == pytest.approx(grow, rel=1e-9)
+    # The optimizer streams the slots' updated state too (16 B, / DP with ZeRO).
+    upd = r * n_moe * P * 16 / (dp if zero else 1)
+    assert er.time["optimizer"] - e0.time["optimizer"] == pytest.approx(2 * upd / 1e12, rel=1e-9)
+    for k in ("compute", "alltoall", "p2p"):
+        assert er.time[k] == e0.time[k]
+    assert er.time["dp_sync"] == pytest.approx(sum(er.dp_collectives.values()), rel=1e-12)
+
+
+def test_redundant_zero_is_todays_estimate():
+    """r = 0 (explicit) is the estimate without the field, whatever the layout and ZeRO, and
+    adds no part, collective or note (426 estimates of three presets also equal those of the
+    code before redundant slots, 913b034: checked once, see docs/planner.md)."""
+    cfg = presets.get("mixtral-8x7b")
+    for kw in (dict(pp=4, ep=8, dp=2, zero=1), dict(pp=2, ep=2, dp=8, zero=2),
+               dict(pp=8, ep=4, dp=1, zero=0, schedule="zb-h1")):
+        plan = ParallelPlan(microbatches=8, global_batch=256, seq_len=512, **kw)
+        for asm in (Assumptions(), Assumptions(zero_sharding="per-parameter")):
+            a, b = estimate(cfg, plan, PF, assumptions=asm), \
+                estimate(cfg, plan.replace(redundant=0), PF, assumptions=asm)
+            assert a == b
+            assert all("redundant_experts" not in s.state_by_part for s in a.stages)
+            assert not any("redundant" in n for n in a.notes)
+            assert set(a.time) == {"compute", "alltoall", "p2p", "bubble", "dp_sync", "optimizer"}
+            assert "replica_all_reduce" not in a.dp_collectives and a.redundant_memory == 0
+
+
+def test_redundant_per_parameter_zero_shards_the_wider_expert_tensors():
+    """Per-parameter ZeRO owns whole tensors: with r slots each expert tensor has E/EP + r
+    rows. DP = 2 owners of tiny's 4 layers x 3 expert tensors: 6 each, so the expert state
+    still halves, slots included."""
+    cfg = presets.get("tiny")
+    P, n_moe = _slot_params(cfg)
+    asm = Assumptions(zero_sharding="per-parameter")
+    plan = ParallelPlan(pp=1, ep=2, dp=2, microbatches=1, global_batch=8, seq_len=64, zero=1)
+    s0 = stage_memory(cfg, plan, PF, assumptions=asm)[0]
+    s2 = stage_memory(cfg, plan.replace(redundant=2), PF, assumptions=asm)[0]
+    assert s2.optimizer - s0.optimizer == pytest.approx(12 * 2 * n_moe * P / 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(redundant=-1), r"redundant=-1: redundant expert slots per EP rank must be an int >= 0"),
+    (dict(redundant=True), r"redundant=True: .* must be an int >= 0"),
+    (dict(redundant=1.0), r"redundant=1.0: .* must be an int >= 0"),
+    (dict(redundant=1, ep=1), r"redundant=1 needs ep > 1: .* valid with ep=1: 0"),
+])
+def test_bad_redundant_is_named(bad, message):
+    kw = dict(pp=1, ep=2, dp=1, microbatches=1, global_batch=2, seq_len=8) | bad
+    with pytest.raises(ValueError, match=message):
+        ParallelPlan(**kw)
+    # More slots than experts a rank does not hold: tiny, E = 8, EP = 2 -> 0..4.
+    plan = ParallelPlan(pp=1, ep=2, dp=1, microbatches=1, global_batch=2, seq_len=8, redundant=5)
+    with pytest.raises(ValueError, match=r"redundant=5 exceeds the 4 experts of tiny an EP rank "
+                                         r"does not hold \(E=8, ep=2\).* valid: 0\.\.4"):
+        estimate(presets.get("tiny"), plan, PF)

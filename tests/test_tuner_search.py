@@ -99,3 +99,25 @@ def test_zero_lets_a_model_fit_where_replicated_state_does_not():
     assert zero[1]["zero"] > 0 and rep[1]["zero"] == 0
     with pytest.raises(ValueError, match="zero=5: the ZeRO level must be"):
         SearchSpace.default(cfg, pf, 256, 512, 4096, zero=(0, 5))
+
+
+def test_redundant_is_fixed_and_limits_ep():
+    """Mixtral (E = 8) on 64 GCDs with r = 6: only EP degrees with E - E/EP >= 6 (EP 4, 8)
+    host the slots; every point carries r = 6; a layout the slots push past the usable HBM is
+    rejected saying how much of its memory they take (4 layers x 6 slots x 176 M params x
+    16 B at PP 8 x EP 8, DP 1)."""
+    cfg, pf = presets.get("mixtral-8x7b"), load_platform("frontier")
+    sp = SearchSpace.default(cfg, pf, 64, 512, 4096, redundant=6)
+    assert sp.choices["ep"] == (4, 8)
+    pt = {"pp": 8, "ep": 8, "mbs": 1, "schedule": "1f1b", "alltoall": "flat",
+          "checkpointing": "full", "placement": "local", "zero": 1}
+    assert sp.to_plan(pt).redundant == 6
+    assert "redundant=6 needs ep > 1 and at most E - E/ep = 4 (ep=2)" in sp.reject(dict(pt, ep=2))
+    c = Evaluator(sp, cfg, pf)(pt)
+    slots = 4 * 6 * cfg.expert_params() * 16
+    assert c.rejected.startswith("peak memory")
+    assert f"({slots / 1e9:.1f} GB of it the 6 redundant expert slots per MoE layer)" in c.rejected
+    assert Evaluator(dataclasses.replace(sp, redundant=0), cfg, pf)(pt).rejected is None
+    with pytest.raises(ValueError, match=r"--redundant 8: an EP rank does not hold more than "
+                                         r"E - E/ep = 7 .*valid: 0\.\.7"):
+        SearchSpace.default(cfg, pf, 64, 512, 4096, redundant=8)

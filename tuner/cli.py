@@ -3,7 +3,7 @@
     python -m tuner plan --model deepseek-v3|HF_CHECKPOINT_DIR --platform frontier --gpus 1024 --seq 4096 \\
         --global-batch 4096 [--trials 300] [--seed 0] [--storage study.db] [--out runs/plans]
         [--alltoall-model closed-form|netsim] [--zero 0,1,2] [--zero-sharding per-parameter|flat]
-        [--measure K [--measure-steps 8]]
+        [--redundant R] [--measure K [--measure-steps 8]]
     python -m tuner reproduce-paper [--out benchmarks/results/reproduce_paper.md]
     python -m tuner measure [--out configs/platforms/local.toml] [--procs 4]
 
@@ -13,6 +13,12 @@ the chosen one as `[run.parallel] zero` and the report says what it saves.
 `--zero-sharding` says how the state is split (`Assumptions.zero_sharding`): "per-parameter"
 (default: what train.py does, whole parameters per owner, trainer/zero.py) or "flat" (even
 shards, as Megatron's distributed optimizer, DeepSpeed or FSDP2 would).
+`--redundant R` gives every EP rank R redundant expert slots per MoE layer (the trainer's
+`--balance.redundant`; default 0). It is fixed, not searched: whether replicas pay depends on
+the routing load, which the planner cannot see. The estimate counts the slots' weights,
+gradients and optimizer state and their replica gradient all-reduce; only EP degrees that can
+host R are searched; the report prints the memory they take and the plan file carries
+`[run.balance] redundant = R`.
 
 `--measure K` runs the best K plans as short real torchrun jobs on this machine (CPU
 processes, gloo), stores each measurement beside its prediction in the study (user attribute
@@ -67,9 +73,12 @@ def _plan(args: argparse.Namespace) -> int:
     from model import presets
     from tuner.planner import PlanRequest, run_plan
     from tuner.platform import load_platform
-    from tuner.report import format_table, zero_summary
+    from tuner.report import format_table, redundant_summary, zero_summary
 
     zero = _zero_levels(args.zero)
+    if args.redundant < 0:
+        raise ValueError(f"--redundant {args.redundant}: redundant expert slots per EP rank must "
+                         f"be >= 0 (0 = one slot per expert)")
     hf_path = _hf_model_path(args.model)
     if hf_path:
         from model import ModelConfig
@@ -88,7 +97,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.storage:
         storage = args.storage if "://" in args.storage else f"sqlite:///{Path(args.storage).resolve()}"
     req = PlanRequest(args.model, args.platform, args.gpus, args.seq, args.global_batch,
-                      args.trials, args.seed, storage, zero)
+                      args.trials, args.seed, storage, zero, args.redundant)
     from tuner.counts import trainer_act_supported
     from tuner.layout import FP32_TRAINER_PRECISION, PUBLISHED_PRECISION, Assumptions
 
@@ -112,6 +121,8 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"\nbest: MFU {100 * best.mfu:.1f} %, {best.tflops_per_gpu:.1f} TFLOPS/GPU, "
           f"{best.tokens_per_s:,.0f} tokens/s, peak memory {best.peak_memory / 1e9:.1f} GB")
     print(f"  {zero_summary(best)}")
+    if best.plan.redundant:
+        print(f"  {redundant_summary(best)}")
     for s in (best.stages[:1] + best.stages[-1:])[:len(best.stages)]:  # first and last stage
         parts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(s.state_by_part.items()))
         acts = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(s.act_by_part.items()))
@@ -219,6 +230,9 @@ def _parser() -> argparse.ArgumentParser:
                         "optimizer state, 2 also sharded gradients (default 0,1,2)")
     p.add_argument("--zero-sharding", default="per-parameter", choices=("per-parameter", "flat"),
                    help="ZeRO's split: whole parameters per owner (train.py's) or even flat shards")
+    p.add_argument("--redundant", type=int, default=0, metavar="R",
+                   help="redundant expert slots per EP rank and MoE layer (the trainer's "
+                        "--balance.redundant; fixed, not searched; default 0)")
     p.add_argument("--measure", type=int, default=0,
                    help="run the top K plans for real on this machine and re-rank by measured time")
     p.add_argument("--measure-steps", type=int, default=8, help="training steps per measured run")

@@ -14,6 +14,11 @@ Memory of pipeline rank r (bytes):
                            micro-batches are in flight: M = 1, or a reduce-scatter after every
                            micro-batch (`Assumptions.zero2_grad_sync`)
                  weights stay whole on every rank (ZeRO-3 is not modelled).
+                 Redundant expert slots (`ParallelPlan.redundant` = r, the trainer's
+                 `--balance.redundant`): every EP rank holds r more expert slots per MoE layer
+                 (part "redundant_experts": r x one expert's parameters per MoE layer), each
+                 with its own weights, gradients and optimizer state, sharded under ZeRO
+                 like the other experts (replica group DP).
     activations  peak_inflight(schedule)[r] x the largest per-micro-batch activation of one of
                  its chunks (see `tuner.counts`), + one layer's working set when recomputing,
                  + the last stage's logits (bf16 and fp32 for the loss) for one micro-batch
@@ -40,6 +45,11 @@ Step time (seconds), for the busiest rank:
                   "per-parameter" sharding (this trainer): ZeRO-1 all-reduces, ZeRO-2
                   reduces to owners (a reduce-scatter's time); owners broadcast the weights
                   (an all-gather's time)
+        redundant (r > 0): one more collective per step, the gradients of replicated
+                  experts summed over their replicas: an all-reduce over the EP group of at
+                  most r x EP experts' gradients per MoE layer (every redundant slot may hold
+                  a different expert: an upper bound), before the DP sync; it reuses the
+                  gradient bucket already counted in the buffers
     + optimizer update (memory bound: 2 x the state bytes of the parameters this rank
       updates / HBM; with ZeRO only its shard)
 MFU = model.flops_per_token(s) x tokens per step / (step time x GPUs x peak).
@@ -97,6 +107,13 @@ class StageMemory:
     zero: int = 0
     update_bytes: float = 0.0  # state bytes of the parameters this rank's optimizer updates
     zero_saved: float = 0.0  # grads + optimizer bytes ZeRO spares this rank (vs ZeRO-0)
+    redundant: int = 0  # ParallelPlan.redundant: extra expert slots per MoE layer
+
+    @property
+    def redundant_bytes(self) -> float:
+        """State bytes (weights, gradients, optimizer, as held under the ZeRO level) of the
+        redundant expert slots on this rank: what r > 0 adds to its memory."""
+        return self.state_by_part.get("redundant_experts", 0.0)
 
     @property
     def state(self) -> float:
@@ -138,6 +155,11 @@ class Estimate:
     @property
     def peak_memory(self) -> float:
         return max(s.total for s in self.stages)
+
+    @property
+    def redundant_memory(self) -> float:
+        """Bytes the redundant expert slots take on the rank with the peak memory (0 for r=0)."""
+        return max(self.stages, key=lambda s: s.total).redundant_bytes
 
     @property
     def fits(self) -> bool:
@@ -199,6 +221,11 @@ def _check(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions) -> None:
                          f"{[d for d in range(1, E + 1) if E % d == 0]}")
     if not E and plan.ep != 1:
         raise ValueError(f"{cfg.name} has no routed experts; ep={plan.ep} must be 1")
+    if plan.redundant > E - E // plan.ep:
+        raise ValueError(
+            f"redundant={plan.redundant} exceeds the {E - E // plan.ep} experts of {cfg.name} an "
+            f"EP rank does not hold (E={E}, ep={plan.ep}): a redundant slot holds a replica of "
+            f"one of them; valid: 0..{E - E // plan.ep}")
     if asm.attention == "sharded" and plan.global_batch % (plan.dp * plan.ep * plan.microbatches):
         raise ValueError(
             f"global_batch={plan.global_batch} is not divisible by dp={plan.dp} x ep={plan.ep} x "
@@ -245,6 +272,9 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
         for i in layers:
             for p, n in kinds[cfg.is_moe_layer(i)].params.items():
                 params[p] = params.get(p, 0) + n
+            if plan.redundant and cfg.is_moe_layer(i):
+                params["redundant_experts"] = (params.get("redundant_experts", 0)
+                                               + plan.redundant * cfg.expert_params())
         if r == 0:
             params["embedding"] = emb
         if r == plan.pp - 1:
@@ -300,7 +330,7 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                            for p, (w, g, o, _) in held.items()},
             act_by_part=act, params_by_part=dict(params), zero=plan.zero,
             update_bytes=sum(h[3] for h in held.values()) * pb.state_bytes,
-            zero_saved=full_go - grads - optim,
+            zero_saved=full_go - grads - optim, redundant=plan.redundant,
         ))
     return out
 
@@ -310,13 +340,14 @@ def _held_params(part: str, n: float, plan: ParallelPlan, asm: Assumptions,
     """(weights, gradients, optimizer state, updated) parameter counts of `n` parameters of
     `part` that one rank holds or updates under the plan's ZeRO level (module docstring);
     `shares`: the largest fraction of (non-expert, expert) state one rank of the group owns."""
-    shard = n * (shares[1] if part == "experts" else shares[0])
+    shard = n * (shares[1] if part in _EXPERT_PARTS else shares[0])
     if plan.zero == 0:
         return n, n, n, n
     grads_sharded = plan.zero == 2 and (plan.microbatches == 1 or asm.zero2_grad_sync == "each")
     return n, shard if grads_sharded else n, shard, shard
 
 
+_EXPERT_PARTS = ("experts", "redundant_experts")  # replicated over DP only (expert group)
 _TENSORS: dict[str, list[tuple[str, bool, int]]] = {}  # repr(cfg) -> the model's parameters
 
 
@@ -355,13 +386,15 @@ def _greedy_max_share(numels: list[float], n: int) -> float:
 
 
 @functools.lru_cache(maxsize=8192)
-def _per_parameter_shares(key: str, layers: tuple[int, ...], first: bool, last: bool, ep: int,
-                          g_rep: int, g_exp: int) -> tuple[float, float]:
+def _per_parameter_shares(key: str, layers: tuple[int, ...], first: bool, last: bool,
+                          slots: float, g_rep: int, g_exp: int) -> tuple[float, float]:
+    """`slots`: the share of a layer's E experts one EP rank holds, (E / EP + r) / E: its
+    expert tensors (w1, w2, w3 of `GroupedExperts`) have that many rows."""
     where = {str(i) for i in layers} | ({"first"} if first else set()) | ({"last"} if last else set())
     rep, exp = [], []
     for w, is_exp, n in _TENSORS[key]:
         if w in where:
-            (exp if is_exp else rep).append(n / ep if is_exp else n)
+            (exp if is_exp else rep).append(n * slots if is_exp else n)
     return _greedy_max_share(rep, g_rep), _greedy_max_share(exp, g_exp)
 
 
@@ -372,7 +405,9 @@ def _shares(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions, layers: tupl
     if plan.zero == 0 or asm.zero_sharding == "flat":
         return 1.0 / g_rep, 1.0 / g_exp
     _model_tensors(cfg)
-    return _per_parameter_shares(repr(cfg), layers, first, last, plan.ep, g_rep, g_exp)
+    E = cfg.n_routed_experts
+    slots = (E // plan.ep + plan.redundant) / E if E else 1.0
+    return _per_parameter_shares(repr(cfg), layers, first, last, slots, g_rep, g_exp)
 
 
 def reduce_scatter_time(nbytes: float, group: GroupPlacement, platform: Platform) -> float:
@@ -391,10 +426,20 @@ def all_gather_time(nbytes: float, group: GroupPlacement, platform: Platform) ->
 def _dp_sync(sm: StageMemory, plan: ParallelPlan, groups: dict[str, GroupPlacement],
              platform: Platform, precision: PrecisionPolicy, asm: Assumptions) -> dict[str, float]:
     """Seconds of each gradient-sync collective of one pipeline rank (module docstring)."""
-    exp = sm.params_by_part.get("experts", 0.0)
+    exp = sum(sm.params_by_part.get(p, 0.0) for p in _EXPERT_PARTS)
     rep = sum(sm.params_by_part.values()) - exp
     gb, wb = precision.grad_bytes, precision.weight_bytes
     pairs = ((rep, groups["rep"]), (exp, groups["dp"]))
+    out = {}
+    if plan.redundant:
+        # r slots per rank and MoE layer -> at most r x EP replicated experts per layer
+        replicated = sm.params_by_part.get("redundant_experts", 0.0) * plan.ep
+        out["replica_all_reduce"] = allreduce_time(replicated * gb, groups["ep"], platform)
+    return {**_dp_collectives(plan, pairs, platform, gb, wb, asm), **out}
+
+
+def _dp_collectives(plan: ParallelPlan, pairs: tuple, platform: Platform, gb: int, wb: int,
+                    asm: Assumptions) -> dict[str, float]:
     if plan.zero == 0:
         return {"all_reduce": sum(allreduce_time(n * gb, g, platform) for n, g in pairs)}
     n_rs = plan.microbatches if plan.zero == 2 and asm.zero2_grad_sync == "each" else 1
@@ -558,7 +603,10 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
         f"DP {asm.dp_overlap:.0%}; routing imbalance {asm.routing_imbalance}",
         "bubble from the unit-cost schedule scaled to the slowest rank",
         _zero_note(plan, asm),
-    )
+    ) + ((f"redundant expert slots: {plan.redundant} per MoE layer on each EP rank (weights, "
+          f"gradients, optimizer state as the experts'); their gradients all-reduced over the "
+          f"EP group of {plan.ep} (at most {plan.redundant * plan.ep} replicated experts per "
+          f"layer)",) if plan.redundant else ())
     return Estimate(
         model=cfg.name, platform=pf.name, plan=plan, stages=tuple(stages), time=time,
         step_time=step, model_flops=flops, tflops_per_gpu=tflops / 1e12,

@@ -2,8 +2,11 @@
 
 `ParallelPlan` is one point of the planner's search space: the PP x DP x EP degrees, the
 pipeline schedule and micro-batching, the all-to-all algorithm, activation checkpointing,
-where EP groups sit, and the ZeRO level (0 replicated state, 1 optimizer state sharded over
-each parameter's data-parallel replicas, 2 gradients too; `trainer` `--parallel.zero`).
+where EP groups sit, the ZeRO level (0 replicated state, 1 optimizer state sharded over
+each parameter's data-parallel replicas, 2 gradients too; `trainer` `--parallel.zero`) and
+the redundant expert slots per EP rank (`redundant`, the trainer's `--balance.redundant`:
+each EP rank hosts E / EP + r slots per MoE layer, the r extra holding replicas of hot
+experts; a fixed input, not searched).
 `PrecisionPolicy` says how many bytes each parameter costs in training (the published default
 is 16: bf16 weight and gradient, fp32 master copy and two Adam moments). `Assumptions`
 collects the modelling choices that are not facts of the platform (overlap, routing balance,
@@ -193,9 +196,17 @@ class ParallelPlan:
     checkpointing: str = "none"
     ep_placement: str = "local"
     zero: int = 0
+    redundant: int = 0  # extra expert slots per MoE layer on every EP rank (r)
 
     def __post_init__(self) -> None:
         check_zero_levels(self.zero)
+        r = self.redundant
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"redundant={r!r}: redundant expert slots per EP rank must be an "
+                             f"int >= 0 (0 = one slot per expert)")
+        if r and self.ep == 1:
+            raise ValueError(f"redundant={r} needs ep > 1: with one EP rank every expert is "
+                             f"already on it; valid with ep=1: 0")
         for f in ("pp", "ep", "dp", "microbatches", "global_batch", "seq_len", "n_virtual"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

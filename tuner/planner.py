@@ -3,7 +3,10 @@
 A request that cannot be served ends in `PlanError` with a message that says what would work:
 a GPU count that does not fill nodes names the two nearest usable counts; a model that does
 not fit names the smallest GPU count (doubling) at which its leanest layout fits, and the
-memory that layout would need on the requested count.
+memory that layout would need on the requested count. With redundant expert slots
+(`PlanRequest.redundant`, fixed by the user: the planner cannot see the routing load that
+decides it) that fit only without them, it says how much memory the extra slots need, how
+much the leanest layout leaves them, and the largest r that fits.
 """
 
 from __future__ import annotations
@@ -42,9 +45,14 @@ class PlanRequest:
     seed: int = 0
     storage: str | None = None  # e.g. sqlite:///study.db; None = in memory
     zero: tuple[int, ...] = ZERO_LEVELS  # ZeRO levels searched
+    redundant: int = 0  # redundant expert slots per EP rank and MoE layer (fixed, not searched)
 
     def __post_init__(self) -> None:
         check_zero_levels(self.zero)
+        if isinstance(self.redundant, bool) or not isinstance(self.redundant, int) \
+                or self.redundant < 0:
+            raise ValueError(f"--redundant {self.redundant!r}: redundant expert slots per EP "
+                             f"rank must be an int >= 0 (0 = one slot per expert)")
 
 
 @dataclass
@@ -60,11 +68,13 @@ class PlanOutput:
 def leanest_memory(cfg: ModelConfig, platform: Platform, n_gpus: int, global_batch: int,
                    seq_len: int, precision: PrecisionPolicy = PUBLISHED_PRECISION,
                    assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
-                   zero: tuple[int, ...] = ZERO_LEVELS) -> tuple[float, dict] | None:
+                   zero: tuple[int, ...] = ZERO_LEVELS,
+                   redundant: int = 0) -> tuple[float, dict] | None:
     """Smallest peak memory of any structurally valid layout with the memory-leanest choices
     (full recompute, one sequence per micro-batch, 1F1B, the ZeRO level of `zero` that needs
-    least, the lower one on a tie), and that layout's point."""
-    space = SearchSpace.default(cfg, platform, n_gpus, global_batch, seq_len, mbs=(1,), zero=zero)
+    least, the lower one on a tie) and `redundant` slots, and that layout's point."""
+    space = SearchSpace.default(cfg, platform, n_gpus, global_batch, seq_len, mbs=(1,), zero=zero,
+                                redundant=redundant)
     ev = Evaluator(space, cfg, platform, precision, assumptions)
     best: tuple[float, dict] | None = None
     for pp in space.choices["pp"]:
@@ -82,8 +92,12 @@ def _explain_no_fit(cfg: ModelConfig, platform: Platform, req: PlanRequest,
                     precision: PrecisionPolicy = PUBLISHED_PRECISION,
                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> str:
     lean = leanest_memory(cfg, platform, req.n_gpus, req.global_batch, req.seq_len, precision,
-                          assumptions, zero=req.zero)
+                          assumptions, zero=req.zero, redundant=req.redundant)
     usable = platform.usable_hbm / 1e9
+    if req.redundant and lean is not None:
+        msg = _explain_redundant(cfg, platform, req, lean, precision, assumptions)
+        if msg:
+            return msg
     if lean is None and 0 not in req.zero and leanest_memory(
             cfg, platform, req.n_gpus, req.global_batch, req.seq_len, precision, assumptions,
             zero=(0,)) is not None:
@@ -103,13 +117,58 @@ def _explain_no_fit(cfg: ModelConfig, platform: Platform, req: PlanRequest,
         try:
             check_gpu_count(n, platform)
             got = leanest_memory(cfg, platform, n, max(req.global_batch, n), req.seq_len,
-                                 precision, assumptions, zero=req.zero)
+                                 precision, assumptions, zero=req.zero, redundant=req.redundant)
         except ValueError:
             continue
         if got is not None and got[0] <= platform.usable_hbm:
             return msg + (f". It would fit on {n} GPUs (pp={got[1]['pp']}, ep={got[1]['ep']}, "
                           f"ZeRO-{got[1]['zero']}: {got[0] / 1e9:.1f} GB)")
     return msg + ". No GPU count up to 4096x the request fits: reduce seq_len or the model"
+
+
+def _explain_redundant(cfg: ModelConfig, platform: Platform, req: PlanRequest,
+                       lean: tuple[float, dict], precision: PrecisionPolicy,
+                       assumptions: Assumptions) -> str:
+    """When the model fits without its redundant slots but not with them: what they need on
+    the leanest layout with them, what that layout leaves free, and the largest r that fits;
+    "" when the model does not fit even without them."""
+    from tuner.estimate import stage_memory
+
+    args = (cfg, platform, req.n_gpus, req.global_batch, req.seq_len, precision, assumptions)
+    if (base := leanest_memory(*args, zero=req.zero)) is None or base[0] > platform.usable_hbm:
+        return ""
+    space = SearchSpace.default(cfg, platform, req.n_gpus, req.global_batch, req.seq_len,
+                                mbs=(1,), zero=req.zero, redundant=req.redundant)
+    plan = space.to_plan(lean[1])
+    with_r = stage_memory(cfg, plan, platform, precision, assumptions)
+    without = max(s.total for s in stage_memory(cfg, plan.replace(redundant=0), platform,
+                                                precision, assumptions))
+    peak = max(with_r, key=lambda s: s.total)
+    # r = lo fits, r = hi does not: bisect (the leanest memory grows with r)
+    (lo, fit), hi = (0, base), req.redundant
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        got = leanest_memory(*args, zero=req.zero, redundant=mid)
+        (lo, fit), hi = ((mid, got), hi) if got is not None and got[0] <= platform.usable_hbm \
+            else ((lo, fit), mid)
+    p, q = lean[1], fit[1]
+    usable = platform.usable_hbm
+    left = (f"available: {_gb(usable - without)} of the {_gb(usable)} usable HBM beside the rest "
+            f"of that layout ({_gb(without)})" if without <= usable else
+            f"available: none, that layout needs {_gb(without)} even without them (usable HBM "
+            f"{_gb(usable)}; only EP degrees that host {req.redundant} slots qualify)")
+    return (f"--redundant {req.redundant}: the {req.redundant} redundant expert slots per MoE "
+            f"layer need {_gb(peak.redundant_bytes)} per GPU (weights, gradients and optimizer "
+            f"state at ZeRO-{p['zero']}) on the leanest layout that hosts them (pp={p['pp']}, "
+            f"ep={p['ep']}, full recompute, 1 sequence per micro-batch: {_gb(lean[0])} with "
+            f"them); {left}; at most --redundant {lo} fits on {req.n_gpus} x {platform.name} "
+            f"GPUs (valid: 0..{lo}; its leanest layout: pp={q['pp']}, ep={q['ep']}, "
+            f"ZeRO-{q['zero']}, {_gb(fit[0])})")
+
+
+def _gb(nbytes: float) -> str:
+    """Bytes as GB with three significant digits (planning spans MB-sized toys to TB)."""
+    return f"{nbytes / 1e9:.3g} GB"
 
 
 def run_plan(cfg: ModelConfig, platform: Platform, req: PlanRequest, out_dir: Path | None,
@@ -126,11 +185,14 @@ def run_plan(cfg: ModelConfig, platform: Platform, req: PlanRequest, out_dir: Pa
         raise PlanError(f"global batch {req.global_batch} and seq {req.seq_len} must be >= 1")
     if req.seq_len > cfg.max_seq_len:
         raise PlanError(f"seq {req.seq_len} exceeds {cfg.name}'s max_seq_len {cfg.max_seq_len}")
-    space = SearchSpace.default(cfg, platform, req.n_gpus, req.global_batch, req.seq_len,
-                                zero=req.zero)
+    try:
+        space = SearchSpace.default(cfg, platform, req.n_gpus, req.global_batch, req.seq_len,
+                                    zero=req.zero, redundant=req.redundant)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
     # The leanest layout decides "cannot fit at all" before any trial runs.
     lean = leanest_memory(cfg, platform, req.n_gpus, req.global_batch, req.seq_len,
-                          precision, assumptions, zero=req.zero)
+                          precision, assumptions, zero=req.zero, redundant=req.redundant)
     if lean is None or lean[0] > platform.usable_hbm:
         raise PlanError(_explain_no_fit(cfg, platform, req, precision, assumptions))
     # Branch and bound skips full evaluations of points that cannot beat the best found.

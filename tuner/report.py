@@ -2,7 +2,8 @@
 
 The plan file is TOML that `train.py --plan FILE` applies like a config file: the run config
 lives under `[run.<section>]` (model; parallel, incl. `ep_placement` and `zero`; comm; train,
-incl. `checkpointing`), so every choice of the plan is run as planned; `[plan]` records the request
+incl. `checkpointing`; balance, `redundant`, only when the plan has redundant expert slots),
+so every choice of the plan is run as planned; `[plan]` records the request
 and the prediction (and, after `--measure`, the measurement), so that a run can be compared
 with what was predicted.
 """
@@ -18,7 +19,7 @@ from tuner.platform import Platform
 from tuner.search import Candidate
 
 __all__ = ["format_table", "plan_toml", "run_sections", "launch_lines", "sbatch_script",
-           "plot_frontier", "zero_summary"]
+           "plot_frontier", "zero_summary", "redundant_summary"]
 
 _COLS = ("#", "pp", "ep", "dp", "M", "mbs", "schedule", "a2a", "ckpt", "place", "zero",
          "mem GB", "saved GB", "step s", "compute", "all2all", "p2p", "bubble", "dp sync", "MFU %", "TFLOPS")
@@ -63,6 +64,20 @@ def zero_summary(e: Estimate, attention: str = "sharded") -> str:
             f"GB instead of {peak0 / 1e9:.1f} GB with ZeRO-0); gradient sync: {dc}")
 
 
+def redundant_summary(e: Estimate) -> str:
+    """One line: the plan's redundant expert slots, the memory they take at the peak and the
+    replica gradient all-reduce ("" when the plan has none)."""
+    p = e.plan
+    if not p.redundant:
+        return ""
+    t = e.dp_collectives.get("replica_all_reduce", 0.0)
+    return (f"redundant expert slots: {p.redundant} per MoE layer on each EP rank (E/EP + "
+            f"{p.redundant} slots), {e.redundant_memory / 1e9:.2f} GB per GPU at the peak "
+            f"of its {e.peak_memory / 1e9:.1f} GB (weights, gradients, optimizer state at "
+            f"ZeRO-{p.zero}); replica "
+            f"gradient all-reduce over EP = {p.ep}: {t:.3f} s per step")
+
+
 def _toml_value(v: object) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -81,6 +96,7 @@ def run_sections(p: ParallelPlan) -> dict[str, dict]:
         "comm": {"alltoall": p.alltoall},
         "train": {"global_batch": p.global_batch, "seq_len": p.seq_len,
                   "checkpointing": p.checkpointing},
+        **({"balance": {"redundant": p.redundant}} if p.redundant else {}),
     }
 
 
@@ -96,6 +112,8 @@ def plan_toml(e: Estimate, model_name: str, request: dict[str, object], hf_path:
             "predicted_tflops_per_gpu": round(e.tflops_per_gpu, 2),
             "predicted_peak_memory_gb": round(e.peak_memory / 1e9, 2),
             "predicted_peak_memory_zero0_gb": round(e.peak_memory_zero0 / 1e9, 2),
+            **({"predicted_redundant_memory_gb": round(e.redundant_memory / 1e9, 3)}
+               if p.redundant else {}),
             **{f"predicted_{k}_s": round(v, 4) for k, v in e.time.items()},
         },
         "run.model": {"hf_path": hf_path} if hf_path else {"preset": model_name},

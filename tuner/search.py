@@ -82,10 +82,14 @@ class Evaluator:
             plan = self.space.to_plan(pt)
             mem = stage_memory(self.cfg, plan, self.platform, self.precision, self.assumptions)
             self.memory_checks += 1
-            c.peak_memory = max(s.total for s in mem)
+            peak = max(mem, key=lambda s: s.total)
+            c.peak_memory = peak.total
             if c.peak_memory > self.platform.usable_hbm:
                 c.rejected = (f"peak memory {c.peak_memory / 1e9:.1f} GB > usable "
                               f"{self.platform.usable_hbm / 1e9:.1f} GB")
+                if plan.redundant:
+                    c.rejected += (f" ({peak.redundant_bytes / 1e9:.1f} GB of it the "
+                                   f"{plan.redundant} redundant expert slots per MoE layer)")
             else:
                 if self.prune and self.incumbent < math.inf:
                     lb = step_time_lower_bound(self.cfg, plan, self.platform, self.precision,

@@ -13,6 +13,9 @@ plus what the schedules need):
     interleaving needs PP >= 2 and M % PP == 0           peak memory <= usable HBM
     ZeRO > 0 needs a replica group of > 1 rank (DP x EP > 1; with DP = 1 only the
     non-expert state shards, over EP)
+    r redundant expert slots (fixed per request, not searched) need EP > 1 and
+    r <= E - E / EP (a replica sits beside experts its rank does not hold): EP degrees that
+    cannot host r are left out of the choices
 The memory constraint needs the memory model but not the time model: it is checked by
 `tuner.estimate.stage_memory` alone.
 """
@@ -36,10 +39,33 @@ from tuner.layout import (
 )
 from tuner.platform import Platform
 
-__all__ = ["SearchSpace", "Point", "divisors", "check_gpu_count"]
+__all__ = ["SearchSpace", "Point", "divisors", "check_gpu_count", "check_redundant"]
 
 Point = dict[str, Any]
 SCHEDULE_CHOICES = ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b:2", "interleaved-1f1b:4")
+
+
+def _hosts(r: int, n_experts: int, ep: int) -> bool:
+    """Whether an EP group of `ep` ranks can host r redundant slots per rank."""
+    return r == 0 or (ep > 1 and r <= n_experts - n_experts // ep)
+
+
+def check_redundant(r: object, cfg: ModelConfig, eps: tuple[int, ...]) -> None:
+    """Refuse a redundant-slot count no EP degree of `eps` can host, naming the valid range."""
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+        raise ValueError(f"--redundant {r!r}: redundant expert slots per EP rank must be an int "
+                         f">= 0 (0 = one slot per expert)")
+    if r == 0:
+        return
+    E = cfg.n_routed_experts
+    top = max((E - E // d for d in eps if d > 1), default=0)
+    if r > top:
+        why = (f"{cfg.name} has no routed experts" if not E else
+               "no EP degree > 1 fits these GPUs" if not top else
+               f"an EP rank does not hold more than E - E/ep = {top} of {cfg.name}'s {E} experts "
+               f"(ep={max(d for d in eps if E - E // d == top)})")
+        raise ValueError(f"--redundant {r}: {why}; a redundant slot replicates one of them; "
+                         f"valid: 0..{top}")
 
 
 def divisors(n: int) -> list[int]:
@@ -72,18 +98,22 @@ class SearchSpace:
     choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     gpus_per_node: int = 8
     nodes_per_domain: int = 1
+    redundant: int = 0  # ParallelPlan.redundant of every point (fixed, not a choice)
 
     @classmethod
     def default(cls, cfg: ModelConfig, platform: Platform, n_gpus: int, global_batch: int,
                 seq_len: int, mbs: tuple[int, ...] = (1, 2, 4, 8),
-                zero: tuple[int, ...] = ZERO_LEVELS) -> SearchSpace:
-        """The full space; `zero` narrows the ZeRO levels searched (e.g. (0,) as published)."""
+                zero: tuple[int, ...] = ZERO_LEVELS, redundant: int = 0) -> SearchSpace:
+        """The full space; `zero` narrows the ZeRO levels searched (e.g. (0,) as published);
+        `redundant` is every point's r (EP degrees that cannot host it are left out)."""
         check_gpu_count(n_gpus, platform)
         zero = tuple(sorted(set(check_zero_levels(zero))))
         E = max(cfg.n_routed_experts, 1)
+        eps = tuple(d for d in divisors(n_gpus) if E % d == 0 and d <= platform.max_ep)
+        check_redundant(redundant, cfg, eps)
         choices = {
             "pp": tuple(d for d in divisors(n_gpus) if d <= cfg.n_layers),
-            "ep": tuple(d for d in divisors(n_gpus) if E % d == 0 and d <= platform.max_ep),
+            "ep": tuple(d for d in eps if _hosts(redundant, cfg.n_routed_experts, d)),
             "mbs": tuple(mbs),
             "schedule": SCHEDULE_CHOICES,
             "alltoall": ALLTOALL_ALGORITHMS,
@@ -92,7 +122,7 @@ class SearchSpace:
             "zero": zero,
         }
         return cls(n_gpus, global_batch, seq_len, cfg.n_layers, E, platform.max_ep, choices,
-                   platform.gpus_per_node, platform.nodes_per_domain)
+                   platform.gpus_per_node, platform.nodes_per_domain, redundant)
 
     @property
     def size(self) -> int:
@@ -137,6 +167,9 @@ class SearchSpace:
             return "without a pipeline every schedule is 1f1b (gradient accumulation)"
         if ep == 1 and (pt["alltoall"] != "flat" or pt["placement"] != "local"):
             return "ep=1 has no all-to-all: only the flat/local variant is kept"
+        if not _hosts(self.redundant, self.n_experts, ep):
+            return (f"redundant={self.redundant} needs ep > 1 and at most E - E/ep = "
+                    f"{self.n_experts - self.n_experts // ep} (ep={ep})")
         if pt.get("zero", 0) and dp * ep == 1:
             return (f"zero={pt['zero']} needs a replica group of > 1 rank; dp={dp} x ep={ep} "
                     f"holds one copy of each parameter")
@@ -151,7 +184,7 @@ class SearchSpace:
             microbatches=self.global_batch // (dp * pt["ep"] * pt["mbs"]),
             global_batch=self.global_batch, seq_len=self.seq_len, schedule=name,
             n_virtual=int(v or 1), alltoall=pt["alltoall"], checkpointing=pt["checkpointing"],
-            ep_placement=pt["placement"], zero=pt.get("zero", 0),
+            ep_placement=pt["placement"], zero=pt.get("zero", 0), redundant=self.redundant,
         )
 
     @staticmethod
