@@ -12,9 +12,10 @@ same exchange with the splits swapped. `algorithm` picks how the rows travel:
 "halo" first gathers every rank's split row, in two levels (`comm.halo.halo_gather_ints`:
 (G - 1) + (N - 1) messages per rank instead of R - 1). "auto" (calibrated, concurrent flat
 model) sends every peer the sender's row together with an O(R) summary of it
-(`comm.cost.row_summary`), in one collective like flat's exchange of split sizes. The summaries decide in O(R) steps per rank
-wherever the model's answer does not hinge on HALO's relay hop, the usual case; otherwise
-the model is evaluated on the matrix (O(R^2) steps per rank).
+(`comm.cost.row_summary`), in one collective like flat's exchange of split sizes. The
+summaries decide in O(R) steps per rank wherever the model's answer does not hinge on HALO's
+relay hop, the usual case; otherwise the model is evaluated on the matrix (a few numpy
+passes over its R^2 entries), as it always is for the mirrored exchange (`reverse()`).
 
 `plan_all_to_all` makes that small exchange ahead of the rows and carries the caller's own
 ints in it (the MoE dispatcher's per-expert counts); `all_to_all(..., plan=plan)` then moves
@@ -79,7 +80,7 @@ class AllToAllPlan:
     def reverse(self) -> AllToAllPlan:
         """The plan of the mirrored exchange (rows go back; the splits swap), decided the
         way its own call would decide it: `auto` runs the model on the transposed matrix
-        here, on every rank alike, instead of another exchange."""
+        here (a view, read in place), on every rank alike, instead of another exchange."""
         if self.splits is None:
             return dataclasses.replace(self, in_splits=self.out_splits,
                                        out_splits=self.in_splits)

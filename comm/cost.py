@@ -45,9 +45,10 @@ __all__ = [
 
 @dataclass(frozen=True)
 class CostModel(Rates):
-    """The all-to-all model's parameters as `auto` uses them. Where they come from is the caller's choice and `source` says it:
-    `comm.calibrate` (measured on the job's own links, what the trainer uses), `from_platform`
-    (a configs/platforms file's link rates), `emulator` (the namespace emulator's shaped NIC).
+    """The all-to-all model's parameters as `auto` uses them. Where they come from is the
+    caller's choice and `source` says it: `comm.calibrate` (measured on the job's own links,
+    what the trainer uses), `from_platform` (a configs/platforms file's link rates),
+    `emulator` (the namespace emulator's shaped NIC).
     The field defaults are the emulator's 100 Mbit/s NIC: placeholders for tests and the
     emulator, never a machine's numbers, and `all_to_all(..., algorithm="auto")` refuses to
     run across nodes without a model rather than fall back to them.
