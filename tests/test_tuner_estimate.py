@@ -339,10 +339,20 @@ def test_redundant_slots_memory_and_sync_by_hand(zero, r):
     assert (sr.activations, sr.buffers) == (s0.activations, s0.buffers)
     assert s0.redundant_bytes == e0.redundant_memory == 0
     # Ring all-reduce inside one 4-GPU node of PF (100e9 B/s, 1e-6 s a step): EP pairs are
-    # ranks (0, 1), (2, 3). At most r x EP replicated experts per layer, bf16 gradients.
-    nbytes = r * ep * P * n_moe * 2
+    # ranks (0, 1), (2, 3). At most r x EP replicated experts per layer, bf16 gradient rows,
+    # one all-reduce per layer (r x EP rows fit the 64 MiB bucket)...
+    def ring(nbytes):
+        return 2 * (ep - 1) / ep * nbytes / 100e9 + 2 * (ep - 1) * 1e-6
+
+    row = P * 2
     assert er.dp_collectives["replica_all_reduce"] == pytest.approx(
-        2 * (ep - 1) / ep * nbytes / 100e9 + 2 * (ep - 1) * 1e-6, rel=1e-12)
+        n_moe * ring(r * ep * row), rel=1e-12)
+    # ... or, with a bucket of 4 rows, 4-row all-reduces and the rest.
+    small = Assumptions(replica_bucket_bytes=4 * row + 1)
+    got = estimate(cfg, base.replace(redundant=r), PF, assumptions=small)
+    full, rest = divmod(r * ep, 4)
+    assert got.dp_collectives["replica_all_reduce"] == pytest.approx(
+        n_moe * (full * ring(4 * row) + (ring(rest * row) if rest else 0.0)), rel=1e-12)
     assert "replica_all_reduce" not in e0.dp_collectives
     # The DP sync of expert gradients grows by the slots' share (same intra-node ring).
     other = {k: v for k, v in er.dp_collectives.items() if k != "replica_all_reduce"}
@@ -403,3 +413,12 @@ def test_bad_redundant_is_named(bad, message):
     with pytest.raises(ValueError, match=r"redundant=5 exceeds the 4 experts of tiny an EP rank "
                                          r"does not hold \(E=8, ep=2\).* valid: 0\.\.4"):
         estimate(presets.get("tiny"), plan, PF)
+
+
+def test_replica_bucket_is_the_trainers():
+    """`Assumptions.replica_bucket_bytes` states the bucket trainer/replicas.py sums with."""
+    from trainer import replicas
+
+    assert Assumptions().replica_bucket_bytes == replicas._BUCKET_BYTES
+    with pytest.raises(ValueError, match="replica_bucket_bytes=0 must be >= 1"):
+        Assumptions(replica_bucket_bytes=0)

@@ -45,11 +45,12 @@ Step time (seconds), for the busiest rank:
                   "per-parameter" sharding (this trainer): ZeRO-1 all-reduces, ZeRO-2
                   reduces to owners (a reduce-scatter's time); owners broadcast the weights
                   (an all-gather's time)
-        redundant (r > 0): one more collective per step, the gradients of replicated
-                  experts summed over their replicas: an all-reduce over the EP group of at
-                  most r x EP experts' gradients per MoE layer (every redundant slot may hold
-                  a different expert: an upper bound), before the DP sync; it reuses the
-                  gradient bucket already counted in the buffers
+        redundant (r > 0): the gradients of replicated experts summed over their replicas
+                  after the DP sync (trainer/replicas.py): per MoE layer, all-reduces over
+                  the EP group of at most r x EP experts' gradient rows (every redundant slot
+                  may hold a different expert: an upper bound), in buckets of
+                  `Assumptions.replica_bucket_bytes`. Their bucket is allocated after the
+                  backward, when the activations are freed: not added to the peak
     + optimizer update (memory bound: 2 x the state bytes of the parameters this rank
       updates / HBM; with ZeRO only its shard)
 MFU = model.flops_per_token(s) x tokens per step / (step time x GPUs x peak).
@@ -108,6 +109,7 @@ class StageMemory:
     update_bytes: float = 0.0  # state bytes of the parameters this rank's optimizer updates
     zero_saved: float = 0.0  # grads + optimizer bytes ZeRO spares this rank (vs ZeRO-0)
     redundant: int = 0  # ParallelPlan.redundant: extra expert slots per MoE layer
+    moe_layers: int = 0  # MoE layers on this rank
 
     @property
     def redundant_bytes(self) -> float:
@@ -331,6 +333,7 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
             act_by_part=act, params_by_part=dict(params), zero=plan.zero,
             update_bytes=sum(h[3] for h in held.values()) * pb.state_bytes,
             zero_saved=full_go - grads - optim, redundant=plan.redundant,
+            moe_layers=sum(1 for i in layers if cfg.is_moe_layer(i)),
         ))
     return out
 
@@ -432,10 +435,24 @@ def _dp_sync(sm: StageMemory, plan: ParallelPlan, groups: dict[str, GroupPlaceme
     pairs = ((rep, groups["rep"]), (exp, groups["dp"]))
     out = {}
     if plan.redundant:
-        # r slots per rank and MoE layer -> at most r x EP replicated experts per layer
-        replicated = sm.params_by_part.get("redundant_experts", 0.0) * plan.ep
-        out["replica_all_reduce"] = allreduce_time(replicated * gb, groups["ep"], platform)
+        out["replica_all_reduce"] = _replica_sum_time(sm, plan, groups["ep"], platform, gb, asm)
     return {**_dp_collectives(plan, pairs, platform, gb, wb, asm), **out}
+
+
+def _replica_sum_time(sm: StageMemory, plan: ParallelPlan, group: GroupPlacement,
+                      platform: Platform, gb: int, asm: Assumptions) -> float:
+    """Seconds to sum replicated experts' gradients over the EP group on one pipeline rank:
+    per MoE layer at most r x EP replicated experts (every redundant slot a different one),
+    their gradient rows all-reduced in buckets of `Assumptions.replica_bucket_bytes` (at least
+    one expert's row each), as trainer/replicas.py's `sum_replica_grads` does."""
+    if not sm.moe_layers:
+        return 0.0
+    row = sm.params_by_part["redundant_experts"] / (plan.redundant * sm.moe_layers) * gb
+    per = max(1, int(asm.replica_bucket_bytes // row))  # rows per all-reduce
+    full, rest = divmod(plan.redundant * plan.ep, per)
+    one = full * allreduce_time(per * row, group, platform) + allreduce_time(rest * row, group,
+                                                                             platform)
+    return sm.moe_layers * one
 
 
 def _dp_collectives(plan: ParallelPlan, pairs: tuple, platform: Platform, gb: int, wb: int,
