@@ -202,6 +202,14 @@ class Monitor:
                 out[i] = swaps
         return out
 
+    def last_event(self, layer: int) -> int:
+        """The step of `layer`'s last planned event (its cooldown starts there)."""
+        return int(self._last_event[layer])
+
+    def mark(self, layer: int, step: int) -> None:
+        """Start `layer`'s cooldown at `step` (a re-placement planned outside `plan`)."""
+        self._last_event[layer] = step
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume the trigger exactly after a checkpoint."""
         return {

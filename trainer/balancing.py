@@ -74,11 +74,80 @@ class Balancer:
             plans[i] = swaps
         return plans
 
+    # -- redundant slots (--balance.redundant > 0): re-place replicas instead of swapping ------
+    def _slot_maps(self) -> list[np.ndarray]:
+        return [layer.slot_map().cpu().numpy() for layer in self.layers.values()]
+
+    def _replica_plans(self, step: int) -> dict[int, tuple[np.ndarray, dict[str, float]]]:
+        """{layer: (new slot map, planned imbalance)} of the layers due: forced every N steps
+        (each rank's redundant slots take the next experts it does not hold), else when the
+        window is full, the cooldown passed and the replica-aware imbalance exceeds the
+        threshold (balance.plan_replicas, at most 2 * max_swaps slot changes)."""
+        from balance.replicas import plan_replicas, replica_loads
+
+        maps, R = self._slot_maps(), self.ep
+        S = maps[0].size // R if maps else 0
+        out = {}
+        if self.cfg.force_every:
+            if step % self.cfg.force_every:
+                return {}
+            for i, m in enumerate(maps):
+                new = m.reshape(R, S).copy()
+                for q in range(R):
+                    for j in range(self.El, S):
+                        held = set(new[q].tolist())
+                        e = int(new[q, j])
+                        for _ in range(self.E):
+                            e = (e + 1) % self.E
+                            if e not in held:
+                                break
+                        new[q, j] = e
+                out[i] = (new.reshape(-1), {})
+            return out
+        if not self.monitor.window_full:
+            return {}
+        w = self.monitor.load()
+        for i, m in enumerate(maps):
+            if step - self.monitor.last_event(i) < self.policy.cooldown:
+                continue
+            loads = replica_loads(w[i], m, R)
+            mean = loads.mean()
+            if mean <= 0 or loads.max() / mean <= self.policy.threshold:
+                continue
+            new = plan_replicas(w[i], R, S, current=m, max_moves=2 * self.cfg.max_swaps)
+            self.monitor.mark(i, step)
+            after = replica_loads(w[i], new, R).max() / mean
+            if (new != m).any():
+                out[i] = (np.asarray(new), {"imbalance_before": float(loads.max() / mean),
+                                            "imbalance_after_planned": float(after)})
+        return out
+
+    def _replace(self, step: int) -> list[dict[str, Any]]:
+        from balance import expert_state_tensors, move_slots
+
+        events = []
+        for i, (new, info) in self._replica_plans(step).items():
+            name = self.names[i]
+            layer = self.layers[name]
+            ex = layer.experts
+            old = layer.slot_map().cpu().numpy()
+            res = move_slots(old, new, expert_state_tensors([ex.w1, ex.w2, ex.w3], self.optim),
+                             self.group, self.ep, n_experts=self.E)
+            layer.set_slots(new.tolist())
+            events.append({"event": "migration", "step": step, "layer": name, "replicas": True,
+                           "swaps": res["moved_slots"], "moved_experts": res["moved_slots"],
+                           "bytes_sent": res["bytes_sent"], "seconds": res["seconds"], **info})
+        return events
+
     def after_step(self, step: int, counts: list[torch.Tensor]) -> list[dict[str, Any]]:
         """Record the step's counts; plan and carry out migrations when due. Returns events."""
         from balance import expert_state_tensors, migrate
 
         self.monitor.record(torch.stack([c.cpu() for c in counts]))
+        if self.cfg.redundant:
+            events = self._replace(step)
+            self.events += events
+            return events
         if self.cfg.force_every:
             plans = self._forced(step) if step % self.cfg.force_every == 0 else {}
             planned = {}

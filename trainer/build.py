@@ -58,7 +58,8 @@ def build_model(cfg: RunConfig, mcfg: Any, mesh: Mesh):
     topo = ep_topology(cfg, mesh, algo)
     cost_model = calibrate_auto(mesh, mcfg, topo) \
         if algo == "auto" and topo is not None and topo.num_nodes > 1 else None
-    parallelize(model, mesh, alltoall=algo, topology=topo, cost_model=cost_model)
+    parallelize(model, mesh, alltoall=algo, topology=topo, cost_model=cost_model,
+                redundant=cfg.balance.redundant)
     return model
 
 

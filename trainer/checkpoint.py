@@ -60,11 +60,9 @@ def _expert_rows(model: nn.Module) -> dict[str, list[tuple[int, int]]]:
     """For each expert param name: [(local row, logical expert)] held by this rank."""
     out: dict[str, list[tuple[int, int]]] = {}
     for lname, layer in named_moe_layers(model).items():
-        E = layer.expert2slot.numel()
         El = layer.experts.w1.shape[0]
-        lo = _slot_offset(layer, E, El)
-        slot2expert = torch.empty(E, dtype=torch.int64)
-        slot2expert[layer.expert2slot.cpu()] = torch.arange(E)
+        lo = _slot_offset(layer, layer.n_slots, El)
+        slot2expert = layer.slot_map().cpu()  # replicas of one expert share its key
         for pname, _ in layer.experts.named_parameters():
             full = f"{lname}.experts.{pname}"
             out[full] = [(j, int(slot2expert[lo + j])) for j in range(El)]
@@ -149,7 +147,9 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optim: torch.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(_state(model, optim), checkpoint_id=str(tmp))
     # each pipeline stage knows only its own layers' placement: gather them all for meta.json
-    placement = {name: layer.expert2slot.tolist() for name, layer in named_moe_layers(model).items()}
+    # without replicas: expert2slot [E]; with redundant slots: {"slots": slot2expert [n_slots]}
+    placement = {name: {"slots": layer.slot_map().tolist()} if layer.replicated
+                 else layer.expert2slot.tolist() for name, layer in named_moe_layers(model).items()}
     layer_state = dict(layer_state or {})
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts: list[tuple[dict, dict]] = [({}, {}) for _ in range(dist.get_world_size())]
@@ -218,6 +218,31 @@ def check_same_model(path: Path, meta: dict[str, Any], expect: dict[str, Any]) -
                           + ", ".join(parts[:8]))
 
 
+def _restore_placement(path: Path, name: str, layer: nn.Module, saved: Any,
+                       saved_ep: int) -> None:
+    """The layer's saved placement where it fits this run; weights load by logical expert, so a
+    run with another number of redundant slots keeps its own initial map instead."""
+    E = layer.num_experts
+    if isinstance(saved, dict) and "slots" in saved:  # a run with redundant slots
+        from balance.replicas import check_slot_map
+
+        slots = saved["slots"]
+        try:
+            check_slot_map(slots, E, saved_ep, len(slots) // saved_ep,
+                           f"checkpoint {str(path)!r} placement of {name!r}")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        if layer.replicated and len(slots) == layer.n_slots and \
+                saved_ep == getattr(layer.dispatcher, "ep", 1):
+            layer.set_slots(slots)
+        return
+    if saved is None or len(saved) != E:
+        raise CheckpointError(f"checkpoint {str(path)!r}: no placement of {E} experts for "
+                              f"{name!r}; it is from another model")
+    if not layer.replicated:
+        layer.expert2slot.copy_(torch.tensor(saved, dtype=torch.int64))
+
+
 def load_checkpoint(path: str | Path, model: nn.Module, optim: torch.optim.Optimizer,
                     expect_model: dict[str, Any] | None = None) -> dict[str, Any]:
     """Collective. Restores placement, weights and optimizer state in place; returns meta."""
@@ -228,11 +253,8 @@ def load_checkpoint(path: str | Path, model: nn.Module, optim: torch.optim.Optim
     layers = named_moe_layers(model)
     placement = meta.get("placement", {})
     for name, layer in layers.items():  # this rank's MoE layers (one pipeline stage's under PP)
-        slots = placement.get(name)
-        if slots is None or len(slots) != layer.expert2slot.numel():
-            raise CheckpointError(f"checkpoint {str(path)!r}: no placement of {len(layer.expert2slot)} "
-                                  f"experts for {name!r}; it is from another model")
-        layer.expert2slot.copy_(torch.tensor(slots, dtype=torch.int64))
+        _restore_placement(path, name, layer, placement.get(name),
+                           int((meta.get("mesh") or {}).get("ep", 1)))
     # AdamW state must exist before DCP can load into it (under ZeRO: the owned parameters')
     for p in model.parameters():
         if not _owns(optim, p):

@@ -61,6 +61,13 @@ def format_event(ev: dict[str, Any]) -> str:
     if ev["event"] == "nonfinite":
         return (f"  non-finite loss/gradient at step {ev['step']} (loss {ev['loss']}, grad norm "
                 f"{ev['grad_norm']}): {ev['action']} ({ev['count']} so far)")
+    if ev.get("replicas"):
+        s = (f"  replica re-placement at step {ev['step']}: {ev['layer']} {ev['swaps']} slot(s) "
+             f"changed, {ev['bytes_sent'] / 1e6:.2f} MB sent by rank 0, {1e3 * ev['seconds']:.1f} ms")
+        if "imbalance_before" in ev:
+            s += (f", imbalance {ev['imbalance_before']:.2f} -> "
+                  f"{ev['imbalance_after_planned']:.2f} (window)")
+        return s
     s = (f"  migration at step {ev['step']}: {ev['layer']} {ev['swaps']} swap(s), "
          f"{ev['moved_experts']} experts moved, {ev['bytes_sent'] / 1e6:.2f} MB sent by rank 0, "
          f"{1e3 * ev['seconds']:.1f} ms")

@@ -106,12 +106,17 @@ class EPDispatcher:
 
 
 def parallelize(model: nn.Module, mesh: Mesh, alltoall: str = "flat", topology=None,
-                cost_model=None) -> nn.Module:
-    """Shard the experts of every MoE layer over the mesh's EP group (in place)."""
+                cost_model=None, redundant: int = 0) -> nn.Module:
+    """Shard the experts of every MoE layer over the mesh's EP group (in place); with
+    `redundant` = r > 0 every EP rank hosts E / ep + r slots (trainer/replicas.py)."""
     if mesh.ep == 1:
         return model
+    from .replicas import initial_slot_map
+
     for layer in model.moe_layers():
-        disp = EPDispatcher(mesh.ep_group, mesh.ep, layer.expert2slot.numel(), alltoall, topology,
+        if redundant:
+            layer.resize_slots(initial_slot_map(layer.num_experts, mesh.ep, redundant))
+        disp = EPDispatcher(mesh.ep_group, mesh.ep, layer.n_slots, alltoall, topology,
                             cost_model)
         lo, hi = mesh.ep_idx * disp.local, (mesh.ep_idx + 1) * disp.local
         ex = layer.experts
@@ -176,6 +181,8 @@ class GradSync:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
         self.mesh, self.zero, self.overlap = mesh, zero, overlap
+        # {expert param: [S] row weights} for the norm under redundant slots (trainer/replicas)
+        self.row_weights: dict[nn.Parameter, torch.Tensor] = {}
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.dense = [p for n, p in named if not is_expert_param(n)]
         self.expert = [p for n, p in named if is_expert_param(n)]
@@ -318,6 +325,15 @@ class GradSync:
         self._allreduce(self.expert, self.mesh.dp_group, self.scale)
 
     # -- after the reduction ------------------------------------------------------------------
+    def _sq(self, p: nn.Parameter) -> torch.Tensor:
+        """Squared norm of p's gradient; expert slots of replicated experts weigh 1 / replicas
+        (`row_weights`, set per step with redundant slots), so each expert counts once."""
+        g = p.grad.double()
+        w = self.row_weights.get(p)
+        if w is None:
+            return g.pow(2).sum()
+        return (g.pow(2).reshape(g.shape[0], -1).sum(1) * w).sum()
+
     def clip(self, max_norm: float) -> float:
         """Scale all grads so the global L2 norm is <= max_norm; returns the norm before clipping.
 
@@ -326,7 +342,7 @@ class GradSync:
         the EP ranks of a dp index hold different experts), so one sum over the stage group
         gives the stage's squared norm."""
         if self.zero == 2:
-            sq = sum((p.grad.double().pow(2).sum() for p in self.dense + self.expert
+            sq = sum((self._sq(p) for p in self.dense + self.expert
                       if p.grad is not None), torch.zeros((), dtype=torch.float64))
             if self.mesh.stage_group is not None:
                 dist.all_reduce(sq, group=self.mesh.stage_group)
@@ -334,7 +350,7 @@ class GradSync:
         else:
             dense_sq = sum((p.grad.double().pow(2).sum() for p in self.dense),
                            torch.zeros((), dtype=torch.float64))
-            expert_sq = sum((p.grad.double().pow(2).sum() for p in self.expert),
+            expert_sq = sum((self._sq(p) for p in self.expert),
                             torch.zeros((), dtype=torch.float64))
             if self.mesh.ep_group is not None:  # expert shards differ across the EP group
                 dist.all_reduce(expert_sq, group=self.mesh.ep_group)

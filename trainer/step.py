@@ -22,6 +22,7 @@ from torch.autograd.profiler import record_function
 
 from .common import TrainingError
 from .memory import state_bytes
+from .replicas import replica_row_weights, sum_replica_grads
 
 __all__ = ["train_step", "forward_loss", "lr_at", "allreduce_mean", "doc_layout"]
 
@@ -144,6 +145,9 @@ def train_step(tr) -> dict[str, Any]:
     tr.phase = "gradient all-reduce"
     with record_function("grad_sync"):
         tr.sync.finish()  # what the backward's hooks have not launched yet, then wait
+        if tr.cfg.balance.redundant:  # every replica gets its expert's whole gradient
+            sum_replica_grads(tr.model, tr.mesh.ep_group)
+            tr.sync.row_weights = replica_row_weights(tr.model)
         norm = tr.sync.clip(tr.cfg.optim.grad_clip)
     t2 = time.perf_counter()
     loss, aux_v = allreduce_mean(tr, [float(ce.detach()), float(aux.detach())])
