@@ -215,3 +215,45 @@ def test_bad_slot_maps_are_named() -> None:
         rep.set_slots([0, 1, 2, 3, 0, 9])
     with pytest.raises(ValueError, match="has 5 slots; this layer has 6"):
         rep.set_slots([0, 1, 2, 3, 0])
+
+
+def test_checkpoint_placement_that_misses_or_repeats_an_expert_is_named(tmp_path) -> None:
+    """A saved slot map is checked against the saved EP size before it is used."""
+    from trainer.checkpoint import CheckpointError, _restore_placement
+
+    _, rep = _layer_pair([0, 1, 2, 3, 0, 2])
+    with pytest.raises(CheckpointError, match="misses|missing"):
+        _restore_placement(tmp_path, "layers.1.ffn", rep, {"slots": [0, 1, 2, 2, 0, 2]}, 2)
+    with pytest.raises(CheckpointError, match="twice|more than once|rank"):
+        _restore_placement(tmp_path, "layers.1.ffn", rep, {"slots": [0, 0, 1, 2, 3, 1]}, 2)
+
+
+def test_sum_replica_grads_gives_every_replica_the_expert_gradient() -> None:
+    """One process (group None): after the sum, each replica's gradient is the gradient the
+    layer without replicas computes for that expert."""
+    import torch
+
+    from trainer.replicas import replica_row_weights, sum_replica_grads
+
+    m = [0, 1, 2, 3, 0, 2, 2]
+    plain, rep = _layer_pair(m)
+    x = torch.randn(2, 24, 32)
+
+    class Holder(torch.nn.Module):  # what sum_replica_grads reads: moe_layers()
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def moe_layers(self):
+            return [self.layer]
+
+    plain(x).square().sum().backward()
+    rep(x).square().sum().backward()
+    sum_replica_grads(Holder(rep), None)
+    for n in ("w1", "w2", "w3"):
+        g = getattr(rep.experts, n).grad
+        for s, e in enumerate(m):
+            torch.testing.assert_close(g[s], getattr(plain.experts, n).grad[e], rtol=1e-5,
+                                       atol=1e-6)
+    w = replica_row_weights(Holder(rep))[rep.experts.w1]
+    assert w.tolist() == [0.5, 1.0, 1 / 3, 1.0, 0.5, 1 / 3, 1 / 3]

@@ -84,8 +84,8 @@ def sum_replica_grads(model: nn.Module, group) -> None:
             pos[chunk] = torch.arange(chunk.numel())
             mine = [(j, int(pos[e])) for j, e in enumerate(experts.tolist()) if pos[e] >= 0]
             buf = params[0].grad.new_zeros(chunk.numel(), row)
-            for j, k in mine:
-                buf[k] = torch.cat([p.grad[j].reshape(-1) for p in params])
+            for j, k in mine:  # (+=: one rank may hold two replicas when it is the only one)
+                buf[k] += torch.cat([p.grad[j].reshape(-1) for p in params])
             if group is not None:
                 dist.all_reduce(buf, group=group)
             for j, k in mine:
