@@ -52,8 +52,9 @@ def _nbytes(ts) -> int:
 def _worker(rank: int, world: int, _group, ep: int, names: list[str], steps: int, warmup: int,
             d_model: int, batch: int, seq: int) -> dict:
     from model import MoETransformer, presets
+    from trainer.grad_sync import GradSync
     from trainer.mesh import Mesh
-    from trainer.parallel import GradSync, parallelize
+    from trainer.parallel import parallelize
     from trainer.zero import build_optimizer
 
     torch.set_num_threads(1)

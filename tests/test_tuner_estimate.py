@@ -420,6 +420,6 @@ def test_replica_bucket_is_the_trainers():
     """`Assumptions.replica_bucket_bytes` states the bucket trainer/replicas.py sums with."""
     from trainer import replicas
 
-    assert Assumptions().replica_bucket_bytes == replicas._BUCKET_BYTES
+    assert Assumptions().replica_bucket_bytes == replicas.REPLICA_BUCKET_BYTES
     with pytest.raises(ValueError, match="replica_bucket_bytes=0 must be >= 1"):
         Assumptions(replica_bucket_bytes=0)

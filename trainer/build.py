@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 from .common import log
 from .config import ConfigError, RunConfig
+from .grad_sync import GradSync
 from .memory import rss_peak, rss_reset_peak
 from .mesh import Mesh
-from .parallel import GradSync, parallelize
+from .parallel import parallelize
 from .pipe import build_stages, ce_loss, moe_aux, split_layers
 from .setup import build_schedule
 from .zero import build_optimizer as zero_optimizer

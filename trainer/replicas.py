@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["initial_slot_map", "sum_replica_grads", "replica_row_weights"]
+__all__ = ["initial_slot_map", "sum_replica_grads", "replica_row_weights", "REPLICA_BUCKET_BYTES"]
 
-_BUCKET_BYTES = 64 << 20  # rows of replicated experts summed per all-reduce, at most
+REPLICA_BUCKET_BYTES = 64 << 20  # rows of replicated experts summed per all-reduce, at most
 
 
 def initial_slot_map(E: int, ep: int, r: int) -> list[int]:
@@ -77,7 +77,7 @@ def sum_replica_grads(model: nn.Module, group) -> None:
         if hot.numel() == 0:
             continue
         row = sum(p[0].numel() for p in params)
-        per = max(1, _BUCKET_BYTES // (row * params[0].grad.element_size()))
+        per = max(1, REPLICA_BUCKET_BYTES // (row * params[0].grad.element_size()))
         for b0 in range(0, hot.numel(), per):
             chunk = hot[b0:b0 + per]
             pos = torch.full((layer.num_experts,), -1, dtype=torch.long)

@@ -1,0 +1,291 @@
+"""Gradient averaging over each parameter's replica group, ZeRO-2 reduction to owners, the global
+norm and clipping (`GradSync`); the sharded optimizer is trainer/zero.py.
+
+Every rank's loss is the mean over its own B/(dp*ep) sequences, so the global loss is the mean of
+the rank losses over the dp*ep ranks of a stage:
+  non-expert grads: sum over the stage group (dp x ep), / (dp*ep)
+  expert grads:     sum over the dp group, / (dp*ep)  (the EP all-to-all already summed the
+                    contributions of the whole EP group into the owner's grad)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .mesh import Mesh
+from .parallel import is_expert_param
+
+__all__ = ["GradSync"]
+
+
+class _Bucket:
+    """Gradients of a few parameters reduced by one collective.
+
+    kind: "dense" (replicated over the stage group) or "expert" (over the dp group); owner:
+    the group rank the bucket is reduced to under ZeRO-2 (None: all-reduced to every rank)."""
+
+    __slots__ = ("idx", "params", "kind", "owner", "pending", "buf", "work")
+
+    def __init__(self, idx: int, kind: str, owner: int | None) -> None:
+        self.idx, self.kind, self.owner = idx, kind, owner
+        self.params: list[nn.Parameter] = []
+        self.pending = 0
+        self.buf: torch.Tensor | None = None
+        self.work = None
+
+
+class GradSync:
+    """Averages gradients over each parameter's replica group, in buckets, and clips them.
+
+    Two ways to drive it:
+      start_step(m); m x (forward; backward); finish()   reduction overlapped with backward:
+          each parameter's post-accumulate-grad hook counts its accumulations; after the m-th
+          its gradient is final, and a bucket whose parameters are all final is launched as an
+          async collective (async_op=True) while backward goes on.
+      sync()   after the whole backward: today's single flat all-reduce per group (zero=0 only;
+          kept for callers that do not drive the hooks).
+
+    Buckets are fixed at construction and launched strictly in id order on every rank, also
+    when they become ready out of order (a later bucket waits for the earlier ones): NCCL (and
+    gloo) match collectives on a group by issue order, so every rank must issue them in one
+    global order. Ids follow reverse parameter order (roughly the order backward produces the
+    gradients). A parameter whose hook does not fire m times (an expert that received no token
+    in a micro-batch, a zero-bubble W step that accumulates `.grad` by hand) leaves its bucket
+    and every later one for `finish()`, which launches them in the same id order: correct,
+    only less overlap. overlap=False builds one bucket per group (per owner under ZeRO-2) in
+    forward parameter order, launched by `finish()`: with zero=0 that is exactly the flat
+    all-reduce of earlier versions (bitwise the same losses; gloo's sums depend on an
+    element's position in the buffer, so another bucketing can differ in the last bit).
+
+    No full extra copy of the gradients: a launched bucket's flat buffer becomes the
+    parameters' `.grad` (views into it), and the separate gradient tensors are dropped; under
+    ZeRO-2 the non-owners drop them without a view (freed once the reduce completed).
+    """
+
+    def __init__(self, model: nn.Module, mesh: Mesh, zero: int = 0, bucket_bytes: int = 25 << 20,
+                 overlap: bool = True):
+        from .zero import ZERO_LEVELS, assign_owners
+
+        if zero not in ZERO_LEVELS:
+            raise ValueError(f"zero={zero!r}; valid: {list(ZERO_LEVELS)}")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
+        self.mesh, self.zero, self.overlap = mesh, zero, overlap
+        # {expert param: [S] row weights} for the norm under redundant slots (trainer/replicas)
+        self.row_weights: dict[nn.Parameter, torch.Tensor] = {}
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.dense = [p for n, p in named if not is_expert_param(n)]
+        self.expert = [p for n, p in named if is_expert_param(n)]
+        self.scale = 1.0 / (mesh.dp * mesh.ep)
+        self.groups = {"dense": mesh.stage_group, "expert": mesh.dp_group}
+        self.group_size = {k: (dist.get_world_size(g) if g is not None else 1)
+                           for k, g in self.groups.items()}
+        self.group_rank = {k: (dist.get_rank(g) if g is not None else 0)
+                           for k, g in self.groups.items()}
+        # owner (group rank) of every parameter; ZeRO-0 keeps it too (unused there)
+        self._owner: dict[int, tuple[str, int]] = {}
+        for kind, ps in (("dense", self.dense), ("expert", self.expert)):
+            for p, o in zip(ps, assign_owners([p.numel() for p in ps], self.group_size[kind]),
+                            strict=True):
+                self._owner[id(p)] = (kind, o)
+        order = [p for _, p in named]
+        self.buckets = self._make_buckets(order[::-1] if overlap else order,
+                                          bucket_bytes if overlap else None, zero == 2)
+        # broadcast buckets of updated parameters (ZeRO-1/2): one owner each, forward order
+        self.bcast = self._make_buckets(order, bucket_bytes, True) if zero else []
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._m = 0  # accumulations per step; 0: hooks idle (no start_step)
+        self._count: dict[int, int] = {}
+        self._next = 0  # id of the next bucket to launch
+        self.launched_in_backward = 0  # buckets the hooks launched in the last step (overlap)
+        if overlap:
+            for p in order:
+                p.register_post_accumulate_grad_hook(self._hook)
+
+    def _make_buckets(self, params: list[nn.Parameter], cap: int | None,
+                      by_owner: bool) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        open_: dict[tuple, tuple[_Bucket, int]] = {}
+        for p in params:
+            kind, owner = self._owner[id(p)]
+            key = (kind, owner if by_owner else None, p.dtype, p.device)
+            b, size = open_.get(key, (None, 0))
+            if b is None or (cap is not None and size + p.numel() * p.element_size() > cap
+                             and b.params):
+                b, size = _Bucket(len(buckets), kind, key[1]), 0
+                buckets.append(b)
+            b.params.append(p)
+            open_[key] = (b, size + p.numel() * p.element_size())
+        return buckets
+
+    def owns(self, p: nn.Parameter) -> bool:
+        """Whether this rank keeps p's optimizer state (always at zero=0)."""
+        if self.zero == 0 or id(p) not in self._owner:
+            return True
+        kind, o = self._owner[id(p)]
+        return o == self.group_rank[kind]
+
+    # -- reduction --------------------------------------------------------------------------
+    def start_step(self, m: int = 1) -> None:
+        """Arm the hooks for a step of m micro-batches (m backward passes per parameter)."""
+        if m < 1:
+            raise ValueError(f"m={m} micro-batches; need >= 1")
+        self._m, self._count, self._next = m, {}, 0
+        self.launched_in_backward = 0
+        for b in self.buckets:
+            b.pending, b.buf, b.work = len(b.params), None, None
+
+    def _hook(self, p: nn.Parameter) -> None:
+        if not self._m:
+            return
+        c = self._count.get(id(p), 0) + 1
+        self._count[id(p)] = c
+        if c > self._m:
+            raise RuntimeError(f"a parameter of shape {list(p.shape)} accumulated a gradient "
+                               f"{c} times in a step armed for {self._m} micro-batches "
+                               f"(GradSync.start_step(m) must get the number of backward passes)")
+        if c < self._m:
+            return
+        b = self._bucket_of[id(p)]
+        b.pending -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+            self.launched_in_backward += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        assert b.idx == self._next, (b.idx, self._next)
+        self._next += 1
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        # one parameter: its own gradient is the buffer (a view, no copy)
+        flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 \
+            else grads[0].reshape(-1)
+        group = self.groups[b.kind]
+        mine = b.owner is None or b.owner == self.group_rank[b.kind]
+        if group is not None:
+            if b.owner is None:
+                b.work = dist.all_reduce(flat, group=group, async_op=True)
+            else:
+                b.work = dist.reduce(flat, dist.get_global_rank(group, b.owner), group=group,
+                                     async_op=True)
+        b.buf = flat
+        i = 0
+        for p in b.params:  # the flat buffer becomes the gradient storage (owners)
+            n = p.numel()
+            p.grad = flat[i:i + n].view_as(p) if mine else None
+            i += n
+
+    def finish(self) -> None:
+        """Launch the buckets not launched yet (in id order), wait for all, average."""
+        if not self._m:  # not armed: a plain backward without hooks counting
+            self.start_step(1)
+        for b in self.buckets[self._next:]:
+            self._launch(b)
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            if b.owner is None or b.owner == self.group_rank[b.kind]:
+                b.buf.mul_(self.scale)
+            b.buf, b.work = None, None
+        self._m = 0
+
+    @staticmethod
+    def _allreduce(params: list[nn.Parameter], group, scale: float) -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if group is not None:
+            dist.all_reduce(flat, group=group)
+        flat.mul_(scale)
+        i = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[i:i + n].view_as(g))
+            i += n
+
+    def sync(self) -> None:
+        """The reduction of earlier versions, after the whole backward (zero=0 only)."""
+        if self.zero:
+            raise RuntimeError(f"GradSync.sync() reduces for zero=0; with zero={self.zero} "
+                               f"use start_step(m) / finish()")
+        for p in self.dense + self.expert:
+            if p.grad is None:  # e.g. an expert that received no token: its grad is zero
+                p.grad = torch.zeros_like(p)
+        self._allreduce(self.dense, self.mesh.stage_group, self.scale)
+        self._allreduce(self.expert, self.mesh.dp_group, self.scale)
+
+    # -- after the reduction ------------------------------------------------------------------
+    def _sq(self, p: nn.Parameter) -> torch.Tensor:
+        """Squared norm of p's gradient; expert slots of replicated experts weigh 1 / replicas
+        (`row_weights`, set per step with redundant slots), so each expert counts once."""
+        g = p.grad.double()
+        w = self.row_weights.get(p)
+        if w is None:
+            return g.pow(2).sum()
+        return (g.pow(2).reshape(g.shape[0], -1).sum(1) * w).sum()
+
+    def clip(self, max_norm: float) -> float:
+        """Scale all grads so the global L2 norm is <= max_norm; returns the norm before clipping.
+
+        ZeRO-2: each rank holds only its owned grads; every grad of a stage has exactly one
+        owner in the stage group (dense: one per stage group; experts: one per dp group, and
+        the EP ranks of a dp index hold different experts), so one sum over the stage group
+        gives the stage's squared norm."""
+        if self.zero == 2:
+            sq = sum((self._sq(p) for p in self.dense + self.expert
+                      if p.grad is not None), torch.zeros((), dtype=torch.float64))
+            if self.mesh.stage_group is not None:
+                dist.all_reduce(sq, group=self.mesh.stage_group)
+            total = sq
+        else:
+            dense_sq = sum((p.grad.double().pow(2).sum() for p in self.dense),
+                           torch.zeros((), dtype=torch.float64))
+            expert_sq = sum((self._sq(p) for p in self.expert),
+                            torch.zeros((), dtype=torch.float64))
+            if self.mesh.ep_group is not None:  # expert shards differ across the EP group
+                dist.all_reduce(expert_sq, group=self.mesh.ep_group)
+            total = dense_sq + expert_sq
+        if self.mesh.pp_group is not None:  # every stage holds different layers
+            dist.all_reduce(total, group=self.mesh.pp_group)
+        norm = math.sqrt(float(total))
+        if max_norm > 0 and norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            for p in self.dense + self.expert:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def broadcast_params(self) -> None:
+        """ZeRO-1/2, after the owners stepped: every parameter from its owner to its replicas
+        (async broadcasts launched in bucket order, then waited)."""
+        pending = []
+        for b in self.bcast:
+            group = self.groups[b.kind]
+            if group is None:
+                continue
+            mine = b.owner == self.group_rank[b.kind]
+            single = len(b.params) == 1 and b.params[0].is_contiguous()
+            if single:
+                flat = b.params[0].data
+            elif mine:
+                flat = torch.cat([p.data.reshape(-1) for p in b.params])
+            else:
+                flat = torch.empty(sum(p.numel() for p in b.params), dtype=b.params[0].dtype,
+                                   device=b.params[0].device)
+            work = dist.broadcast(flat, dist.get_global_rank(group, b.owner), group=group,
+                                  async_op=True)
+            pending.append((b, flat, work, mine or single))
+        for b, flat, work, done in pending:
+            work.wait()
+            if done:  # the owner's own values, or broadcast in place
+                continue
+            i = 0
+            for p in b.params:
+                n = p.numel()
+                p.data.copy_(flat[i:i + n].view_as(p))
+                i += n
