@@ -345,6 +345,8 @@ GAPS = {
                                ["balance.method='bogus'"]),
     "zero level": (["--parallel.zero=3"], ["parallel.zero=3", "valid: 0", "2 (optimizer state"]),
     "negative zero level": (["--parallel.zero=-1"], ["parallel.zero=-1"]),
+    "grad overlap mode": (["--parallel.grad_overlap=maybe"],
+                          ["parallel.grad_overlap='maybe'", "valid: auto, true, false"]),
     "negative redundant slots": (["--balance.redundant=-1"], ["balance.redundant=-1", ">= 0"]),
     "redundant slots without EP": (["--balance.redundant=1"],
                                    ["balance.redundant=1", "parallel.ep > 1"]),

@@ -56,3 +56,14 @@ def test_accumulation_with_ep_equals_one_pass(tmp_path, data):
     one = _rows(tmp_path, "m1", 2, args, data)
     acc = _rows(tmp_path, "m2", 2, [*args, "--parallel.microbatches=2"], data)
     _same(one, acc)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_overlapped_grad_sync_at_zero0_equals_the_flat_one(tmp_path, data):
+    """--parallel.grad_overlap=true at ZeRO-0 (buckets launched from the backward's hooks, the
+    GPU default) against the flat post-backward all-reduce, with 2 accumulated micro-batches."""
+    args = ["--parallel.ep=2", "--comm.alltoall=flat", "--parallel.microbatches=2"]
+    flat = _rows(tmp_path, "flat", 2, [*args, "--parallel.grad_overlap=false"], data)
+    over = _rows(tmp_path, "over", 2, [*args, "--parallel.grad_overlap=true"], data)
+    _same(flat, over)

@@ -150,14 +150,21 @@ def import_hf(model, hf, hf_path: str, out: Path, mesh: Mesh, device: torch.devi
         f"({mine / 1e6:.1f} MB), the most any rank read {float(total) / 1e6:.1f} MB", rank)
 
 
-def build_grad_sync(cfg: RunConfig, model, mesh: Mesh) -> GradSync:
+def grad_overlap(cfg: RunConfig, device: torch.device) -> bool:
+    """--parallel.grad_overlap: auto = on with ZeRO-1/2 or on a GPU, off for ZeRO-0 on CPU."""
+    mode = cfg.parallel.grad_overlap
+    if mode == "auto":
+        return cfg.parallel.zero > 0 or device.type == "cuda"
+    return mode == "true"
+
+
+def build_grad_sync(cfg: RunConfig, model, mesh: Mesh, device: torch.device) -> GradSync:
     """Gradient averaging over each parameter's replicas, and the global gradient norm.
 
-    zero=0 reduces after the backward in one flat buffer per group (bit for bit the losses of
-    earlier versions); zero=1/2 reduce in buckets overlapped with the backward (trainer/zero.py)."""
-    zero = cfg.parallel.zero
-    sync = GradSync(model, mesh, zero=zero, overlap=zero > 0)
-    return sync
+    With overlap, gradients are reduced in buckets launched from the backward's hooks; without,
+    after the backward in one flat buffer per group (the losses of earlier versions, bit for
+    bit, at ZeRO-0)."""
+    return GradSync(model, mesh, zero=cfg.parallel.zero, overlap=grad_overlap(cfg, device))
 
 
 def build_optimizer(cfg: RunConfig, model, sync: GradSync):

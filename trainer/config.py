@@ -57,6 +57,10 @@ class ParallelConfig:
     # optimizer-state sharding over each parameter's data-parallel replicas: 0 = replicated,
     # 1 = optimizer state sharded (ZeRO-1), 2 = optimizer state and gradients sharded (ZeRO-2)
     zero: int = 0
+    # reduce gradients in buckets as the backward produces them (DDP-style overlap): true |
+    # false | auto (= on with ZeRO-1/2 and on GPUs; off for ZeRO-0 on CPU, where gloo's
+    # threads share the cores with the backward and the flat post-backward all-reduce is faster)
+    grad_overlap: str = "auto"
     n_virtual: int = 1
     layer_split: str = ""  # layers per stage, e.g. "3,5"; "" = even split
     # "local": EP groups are consecutive ranks (inside a node); "spread": EP outermost, so an

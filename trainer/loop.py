@@ -72,7 +72,7 @@ class Trainer:
         if self.profiler.window and self.pipe is not None:
             stage_ranges(self.pipe.stages)
         self.pp_idle: tuple[float, float] | None = None
-        self.sync = build_grad_sync(self.cfg, self.model, self.mesh)
+        self.sync = build_grad_sync(self.cfg, self.model, self.mesh, self.device)
         self.optim = build_optimizer(self.cfg, self.model, self.sync)
         self.hooks = install_faults(t, self.rank)
         self.step, self.phase, self.nonfinite_steps, self.logging = 0, "setup", 0, True

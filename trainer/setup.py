@@ -91,6 +91,8 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     if par.zero not in (0, 1, 2):
         raise ConfigError(f"parallel.zero={par.zero!r}; valid: 0 (replicated state), 1 (optimizer "
                           f"state sharded), 2 (optimizer state and gradients sharded)")
+    if par.grad_overlap not in ("auto", "true", "false"):
+        raise ConfigError(f"parallel.grad_overlap={par.grad_overlap!r}; valid: auto, true, false")
     zero_note = check_zero(cfg, mesh)  # a replica group of one rank: ZeRO has no effect there
     if zero_note and rank == 0:
         print(f"note: {zero_note}", file=sys.stderr, flush=True)
