@@ -15,6 +15,7 @@ Public API:
 
 from __future__ import annotations
 
+from comm.a2a_model import Rates, flat_time, halo_time
 from comm.alltoall import ALGORITHMS, AllToAllPlan, all_to_all, plan_all_to_all
 from comm.calibrate import calibrate, time_all_to_all
 from comm.cost import CostModel, choose_algorithm, predict_flat, predict_halo
@@ -38,10 +39,13 @@ __all__ = [
     "FlatAllToAll",
     "HaloAllToAll",
     "Message",
+    "Rates",
     "RankPlan",
     "SplitPlans",
     "Topology",
     "all_to_all",
+    "flat_time",
+    "halo_time",
     "calibrate",
     "choose_algorithm",
     "decode_slingshot_mac",
