@@ -13,6 +13,12 @@ over the lower bounds, moved experts and planning time.
    triggers each planner; reports the imbalance each step actually saw and total moves.
 3. trace (``--trace FILE``): per-step counts recorded from real training, JSON lines
    ``{"step": int, "counts": [[E counts of layer 0], [layer 1], ...]}``; run like (2).
+4. replication (``--replication`` only): Zipf s in {0.8, 1.0, 1.3}, E in {64, 256}, R in
+   {8, 32}, r in {0, 1, 2} redundant slots per rank: max / mean rank load and slot changes
+   (from the trainer's start map, and from the previous window's plan) of swaps only, an
+   EPLB-style greedy and balance.plan_replicas (replication_grid's docstring). With --trace the
+   trace is also replayed with r = 1, 2 redundant slots, fixed or re-placed the way
+   trainer/balancing.py does (simulate_replicas).
 
 Lower bounds: LB = max(mean rank load, hottest expert) (the target in issue 7) and the
 slot-aware SLB >= LB (every rank hosts exactly E/R experts; see balance.slot_lower_bound).
@@ -246,52 +252,165 @@ def eplb_reference(load: np.ndarray, n_ranks: int, slots: int) -> np.ndarray:
     return np.array([e for row in rows for e in row])
 
 
+def _next_popularity(p: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """drift_counts' rule once: ~10 % of the experts trade popularity."""
+    q = p.copy()
+    idx = rng.choice(p.size, size=max(2, p.size // 10), replace=False)
+    q[idx] = q[rng.permutation(idx)]
+    return q
+
+
+REPL_CASES = [(s, E, R) for s in (0.8, 1.0, 1.3) for E in (64, 256) for R in (8, 32)]
+REPL_METHODS = ("swaps-only", "eplb-greedy", "plan_replicas", "plan_replicas-b16")
+
+
+def _repl_plan(method: str, w: np.ndarray, cur: np.ndarray, R: int, S: int) -> np.ndarray:
+    """One plan of `method` (REPL_METHODS) for window load `w` from the map in use `cur`."""
+    from balance.replicas import plan_replicas
+
+    if method == "swaps-only":  # cur: expert -> rank
+        return np.asarray(apply_swaps(cur, plan_swaps(w, cur, R, max_swaps=w.size)))
+    if method == "eplb-greedy":
+        return eplb_reference(w, R, S)
+    budget = 16 if method == "plan_replicas-b16" else None
+    return plan_replicas(w, R, S, current=cur, max_moves=budget)
+
+
 def replication_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """max / mean rank load with r redundant slots per rank: swaps only (r = 0, minmax from
-    the contiguous start), EPLB's greedy (reference) and balance.plan_replicas."""
-    from balance.replicas import plan_replicas, replica_loads, slot_changes
+    """max / mean rank load and slot changes with r redundant slots per rank (issue 20 item 5).
+
+    Per case three windows of counts (multinomial draws, Zipf popularity shuffled over experts):
+    w0, planned from the identity placement (the trainer's start: trainer.replicas
+    .initial_slot_map, rank q's spare slots hold the next rank's first experts); then, each
+    planned from w0's plan, w1-same (a fresh draw, same popularity: sampling noise only) and
+    w1-drift (~10 % of the experts traded popularity, drift_counts' rule). Methods:
+      swaps-only         r = 0, plan_swaps minmax, swap budget E (all it wants)
+      eplb-greedy        EPLB's published greedy (eplb_reference): re-plans from scratch, no
+                         notion of the current map
+      plan_replicas      balance.plan_replicas(current=previous map), no move budget
+      plan_replicas-b16  the same within 16 slot changes per plan (the trainer's 2 * max_swaps
+                         at the default max_swaps = 8)
+    Imbalance: the plan's max rank load / mean rank load on the window it was planned on
+    (replica-aware: an expert's tokens shared evenly by its replicas)."""
+    from balance.replicas import replica_loads
+    from trainer.replicas import initial_slot_map
 
     rows = []
-    rng = np.random.default_rng(args.seed)
-    for s in (0.8, 1.0, 1.3):
-        for E, R in ((64, 8), (256, 32)):
-            load = zipf_probs(E, s, True, rng) * args.tokens * args.topk * args.window
-            mean = load.sum() / R
-            start = np.repeat(np.arange(R), E // R)
-            t0 = time.perf_counter()
-            swapped = np.asarray(apply_swaps(start, plan_swaps(load, start, R, max_swaps=E)))
-            t_swap = time.perf_counter() - t0
-            base = {"bench": "replication", "zipf_s": s, "E": E, "R": R}
-            rows.append(base | {"method": "swaps-only", "r": 0, "plan_ms": 1e3 * t_swap,
-                                "imbalance": float(rank_loads(load, swapped, R).max() / mean)})
-            cur = np.argsort(swapped, kind="stable")  # slot map of the swapped placement
-            for r in (0, 1, 2):
+    for s, E, R in REPL_CASES:
+        rng = np.random.default_rng([args.seed, int(s * 10), E, R])
+        p0 = zipf_probs(E, s, True, rng)
+        n = args.tokens * args.topk * args.window
+        windows = {"w0": rng.multinomial(n, p0).astype(np.float64),
+                   "w1-same": rng.multinomial(n, p0).astype(np.float64),
+                   "w1-drift": rng.multinomial(n, _next_popularity(p0, rng)).astype(np.float64)}
+        hot = {k: float(w.max() / (w.sum() / R)) for k, w in windows.items()}
+        base = {"bench": "replication", "zipf_s": s, "E": E, "R": R,
+                "hottest_over_mean": hot["w0"]}
+        for method in REPL_METHODS:
+            for r in ((0,) if method == "swaps-only" else (0, 1, 2)):
                 S = E // R + r
+                if method == "swaps-only":
+                    start = np.repeat(np.arange(R), E // R)  # expert -> rank
+                else:
+                    start = np.asarray(initial_slot_map(E, R, r), dtype=np.int64)
+                row = base | {"method": method, "r": r, "slots_per_rank": S}
                 t0 = time.perf_counter()
-                ours = plan_replicas(load, R, S)
-                t_ours = time.perf_counter() - t0
-                ref = eplb_reference(load, R, S)
-                for name, m, ms in (("eplb-greedy", ref, None), ("plan_replicas", ours, t_ours)):
-                    row = base | {"method": name, "r": r,
-                                  "imbalance": float(replica_loads(load, m, R).max() / mean),
-                                  "dup_on_rank": int(sum(len(set(x)) < S for x in m.reshape(R, S)))}
-                    if ms is not None:
-                        row["plan_ms"] = 1e3 * ms
-                    if r == 0:
-                        row["slot_changes_from_swapped"] = slot_changes(cur, m)
-                    rows.append(row)
-    print(f"\nreplication (Zipf shuffled, window {args.window} x {args.tokens} tokens x top-"
-          f"{args.topk}): max / mean rank load")
-    print(f"{'s':>4} {'E':>4} {'R':>3} {'swaps':>6} " + " ".join(
-        f"{m[:5]}+r{r}".rjust(10) for m in ("eplb", "ours") for r in (0, 1, 2)))
-    for s in (0.8, 1.0, 1.3):
-        for E, R in ((64, 8), (256, 32)):
-            sel = [x for x in rows if x["zipf_s"] == s and x["E"] == E]
-            sw = next(x for x in sel if x["method"] == "swaps-only")["imbalance"]
-            vals = [next(x for x in sel if x["method"] == m and x["r"] == r)["imbalance"]
-                    for m in ("eplb-greedy", "plan_replicas") for r in (0, 1, 2)]
-            print(f"{s:>4} {E:>4} {R:>3} {sw:>6.3f} " + " ".join(f"{v:>10.3f}" for v in vals))
+                m0 = _repl_plan(method, windows["w0"], start, R, S)
+                row["plan_ms"] = 1e3 * (time.perf_counter() - t0)
+                for k, w in windows.items():
+                    m = m0 if k == "w0" else _repl_plan(method, w, m0, R, S)
+                    frm = start if k == "w0" else m0
+                    rl = (rank_loads(w, m, R) if method == "swaps-only"
+                          else replica_loads(w, m, R))
+                    row[f"imbalance_{k}"] = float(rl.max() / (w.sum() / R))
+                    # swaps-only maps are expert -> rank: a moved expert is one slot change
+                    row[f"changes_{k}"] = int((np.asarray(frm) != np.asarray(m)).sum())
+                if method != "swaps-only":
+                    row["dup_on_rank"] = int(sum(len(set(x)) < S for x in m0.reshape(R, S)))
+                rows.append(row)
+    print_replication(rows, args)
     return rows
+
+
+def print_replication(rows: list[dict], args: argparse.Namespace) -> None:
+    print(f"\nreplication (Zipf shuffled, window {args.window} x {args.tokens} tokens x top-"
+          f"{args.topk}, seed {args.seed}); per method: max/mean on w0 and slot changes from the "
+          "identity | changes w0 -> w1-same | max/mean on w1-drift and changes w0 -> w1-drift")
+    cols = [("swaps-only", 0)] + [(m, r) for m in REPL_METHODS[1:] for r in (0, 1, 2)]
+    for what in ("imbalance_w0", "changes_w0", "changes_w1-same", "imbalance_w1-drift",
+                 "changes_w1-drift"):
+        print(f"\n| {what} | s | E | R | hottest/mean | " + " | ".join(
+            f"{m} r={r}" for m, r in cols) + " |")
+        print("|---" * (5 + len(cols)) + "|")
+        for s, E, R in REPL_CASES:
+            sel = {(x["method"], x["r"]): x for x in rows
+                   if (x["zipf_s"], x["E"], x["R"]) == (s, E, R)}
+            if not sel:
+                continue
+            any_row = next(iter(sel.values()))
+            fmt = "{:.3f}" if what.startswith("imbalance") else "{}"
+            print(f"| | {s} | {E} | {R} | {any_row['hottest_over_mean']:.2f} | " + " | ".join(
+                fmt.format(sel[c][what]) for c in cols) + " |")
+    tgt = [x for x in rows if (x["zipf_s"], x["E"], x["R"], x["r"], x["method"]) ==
+           (1.0, 256, 32, 1, "plan_replicas")]
+    if tgt:
+        v = tgt[0]["imbalance_w0"]
+        print(f"\ntarget Zipf 1.0, E=256, R=32, r=1: plan_replicas max/mean {v:.3f} (<= 1.10) -> "
+              f"{'PASS' if v <= 1.10 else 'FAIL'}")
+    print("plan_replicas planning time (w0, ms): " + ", ".join(
+        f"E={x['E']} R={x['R']} r={x['r']}: {x['plan_ms']:.0f}" for x in rows
+        if x["method"] == "plan_replicas" and x["zipf_s"] == 1.0))
+
+
+def simulate_replicas(counts_TLE: np.ndarray, R: int, r: int, replan: bool,
+                      args: argparse.Namespace) -> dict:
+    """Replay a trace with r redundant slots per rank, the way trainer/balancing.py runs them:
+    start from trainer.replicas.initial_slot_map; with `replan`, when the window is full, the
+    cooldown has passed and the replica-aware window imbalance exceeds the threshold, re-place
+    with plan_replicas(current, max_moves = 2 * policy_swaps). Imbalance: each step's own
+    counts on the map it ran with."""
+    from balance.replicas import plan_replicas, replica_loads, slot_changes
+    from trainer.replicas import initial_slot_map
+
+    steps, n_layers, e = counts_TLE.shape
+    S = e // R + r
+    pol = MigrationPolicy(threshold=args.threshold, window=args.window, cooldown=args.cooldown,
+                          max_swaps=args.policy_swaps)
+    mon = Monitor(n_layers, e, R, pol)
+    maps = [np.asarray(initial_slot_map(e, R, r), dtype=np.int64) for _ in range(n_layers)]
+    imb, moves, events, plan_ms = [], 0, 0, []
+    for t in range(steps):
+        c = counts_TLE[t]
+        per = []
+        for i in range(n_layers):
+            rl = replica_loads(c[i], maps[i], R)
+            per.append(rl.max() / rl.mean() if rl.mean() > 0 else 1.0)
+        imb.append(float(np.mean(per)))
+        mon.record(c)
+        if not replan or not mon.window_full:
+            continue
+        w = mon.load()
+        t0 = time.perf_counter()
+        for i in range(n_layers):
+            if t - mon.last_event(i) < pol.cooldown:
+                continue
+            rl = replica_loads(w[i], maps[i], R)
+            if rl.mean() <= 0 or rl.max() / rl.mean() <= pol.threshold:
+                continue
+            new = plan_replicas(w[i], R, S, current=maps[i], max_moves=2 * args.policy_swaps)
+            mon.mark(i, t)
+            if (new != maps[i]).any():
+                moves += slot_changes(maps[i], new)
+                events += 1
+                maps[i] = np.asarray(new)
+        plan_ms.append((time.perf_counter() - t0) * 1e3)
+    return {
+        "method": f"replicas r={r}" + (" re-placed" if replan else " static"), "steps": steps,
+        "layers": n_layers, "E": e, "R": R, "redundant": r,
+        "mean_imbalance": float(np.mean(imb)), "p95_imbalance": float(np.percentile(imb, 95)),
+        "moves": moves, "events": events,
+        "plan_ms_max": max(plan_ms) if plan_ms else 0.0, "series": imb,
+    }
 
 
 def main() -> None:
@@ -359,6 +478,15 @@ def main() -> None:
             dyn.append(res)
             print(f"{m:>14} {res['mean_imbalance']:>14.3f} {res['p95_imbalance']:>7.3f} "
                   f"{res['moves']:>6} {res['events']:>7} {res['plan_ms_max']:>12.2f}")
+        if name == "trace":  # redundant slots on the recorded trace (issue 20)
+            for red, replan in ((1, False), (1, True), (2, False), (2, True)):
+                if red > counts.shape[2] - counts.shape[2] // r:
+                    continue
+                res = simulate_replicas(counts, r, red, replan, args) | {"bench": name}
+                dyn.append(res)
+                print(f"{res['method']:>22} {res['mean_imbalance']:>6.3f} "
+                      f"{res['p95_imbalance']:>7.3f} {res['moves']:>6} {res['events']:>7} "
+                      f"{res['plan_ms_max']:>12.2f}")
 
     with open(out / "bench_balance.jsonl", "a") as f:
         for row in static:
