@@ -82,7 +82,8 @@ class Balancer:
         """{layer: (new slot map, planned imbalance)} of the layers due: forced every N steps
         (each rank's redundant slots take the next experts it does not hold), else when the
         window is full, the cooldown passed and the replica-aware imbalance exceeds the
-        threshold (balance.plan_replicas, at most 2 * max_swaps slot changes)."""
+        threshold (balance.plan_replicas, at most 2 * max_swaps slot changes, the policy's
+        tolerance), and only when the plan lowers the maximum rank load by >= min_gain."""
         from balance.replicas import plan_replicas, replica_loads
 
         maps, R = self._slot_maps(), self.ep
@@ -114,10 +115,12 @@ class Balancer:
             mean = loads.mean()
             if mean <= 0 or loads.max() / mean <= self.policy.threshold:
                 continue
-            new = plan_replicas(w[i], R, S, current=m, max_moves=2 * self.cfg.max_swaps)
+            new = plan_replicas(w[i], R, S, current=m, max_moves=2 * self.cfg.max_swaps,
+                                tolerance=self.policy.tolerance)
             self.monitor.mark(i, step)
             after = replica_loads(w[i], new, R).max() / mean
-            if (new != m).any():
+            gain = 1.0 - after / (loads.max() / mean)
+            if (new != m).any() and gain >= self.policy.min_gain:  # as swaps: >= min_gain
                 out[i] = (np.asarray(new), {"imbalance_before": float(loads.max() / mean),
                                             "imbalance_after_planned": float(after)})
         return out
