@@ -87,6 +87,13 @@ def run_train(args: list[str], nproc: int = 1, timeout: float = 600,
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
 
 
+def train_ok(args: list[str], out: Path, nproc: int = 1) -> Path:
+    """run_train with --train.out_dir=out; fails the test with the run's output tails."""
+    r = run_train([*args, f"--train.out_dir={out}"], nproc=nproc)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return out
+
+
 @pytest.fixture
 def train_runner():
     return run_train

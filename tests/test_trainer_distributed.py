@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_train, stdlib_corpus, step_losses
+from conftest import stdlib_corpus, step_losses, train_ok
 
 pytestmark = pytest.mark.multiproc
 
@@ -28,10 +28,7 @@ def small_data(tmp_path_factory) -> str:
 
 
 def _run(tmp: Path, name: str, nproc: int, extra: list[str], data: str) -> Path:
-    out = tmp / name
-    r = run_train([*COMMON, "--data", data, f"--train.out_dir={out}", *extra], nproc=nproc)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return out
+    return train_ok([*COMMON, "--data", data, *extra], tmp / name, nproc)
 
 
 def test_ep2_dp2_matches_single_process(tmp_path, small_data):

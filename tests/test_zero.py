@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_train, stdlib_corpus, step_losses
+from conftest import stdlib_corpus, step_losses, train_ok
 from torch import nn
 
 from comm import run_local
@@ -233,10 +233,7 @@ def small_data(tmp_path_factory) -> str:
 
 
 def _run(tmp: Path, name: str, nproc: int, extra: list[str], data: str) -> Path:
-    out = tmp / name
-    r = run_train([*COMMON, "--data", data, f"--train.out_dir={out}", *extra], nproc=nproc)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return out
+    return train_ok([*COMMON, "--data", data, *extra], tmp / name, nproc)
 
 
 def _same(a: dict[int, float], b: dict[int, float], steps: int, rel: float) -> None:
