@@ -81,3 +81,27 @@ def test_resume_without_replicas_on_one_process(tmp_path, data, reference):
     _losses(out, 2, ["--parallel.ep=2", "--balance.redundant=2", *FORCED,
                      "--train.stop_after=2"], data)
     _same(reference, _losses(out, 1, ["--parallel.ep=1", "--resume"], data))
+
+
+@pytest.mark.slow
+def test_hf_import_fills_every_replica(tmp_path, data):
+    """--model.hf_path with r = 1: every replica slot reads its expert's weights, so the first
+    loss equals the import without replicas."""
+    import subprocess
+    import sys
+
+    hf = tmp_path / "hf"
+    subprocess.run([sys.executable, "examples/make_tiny_hf.py", "--out", str(hf)], check=True,
+                   capture_output=True)
+    args = [f"--model.hf_path={hf}", "--parallel.ep=2", "--train.steps=1", "--train.seq_len=64",
+            "--train.global_batch=4", "--train.eval_every=0", "--train.eval_batches=1",
+            "--train.plot=false", "--train.tensorboard=false", "--comm.alltoall=flat",
+            "--data", data]
+    first = []
+    for r in (0, 1):
+        out = tmp_path / f"r{r}"
+        res = run_train([*args, f"--balance.redundant={r}", f"--train.out_dir={out}"], nproc=2)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        first.append(rows[0]["loss"])
+    assert first[1] == pytest.approx(first[0], rel=1e-6)
