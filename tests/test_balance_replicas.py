@@ -257,3 +257,19 @@ def test_sum_replica_grads_gives_every_replica_the_expert_gradient() -> None:
                                        atol=1e-6)
     w = replica_row_weights(Holder(rep))[rep.experts.w1]
     assert w.tolist() == [0.5, 1.0, 1 / 3, 1.0, 0.5, 1 / 3, 1 / 3]
+
+
+def test_replica_exchange_pairs_senders_with_receivers() -> None:
+    """What rank a sends to b is, slot for slot, what b expects from a; only experts both hold."""
+    from trainer.replicas import initial_slot_map, replica_exchange
+
+    for m, R in ((initial_slot_map(8, 4, 1), 4), (initial_slot_map(16, 4, 2), 4),
+                 ([0, 1, 4, 2, 3, 0, 4, 5, 1], 3)):
+        S = len(m) // R
+        plans = [replica_exchange(m, R, q) for q in range(R)]
+        for a in range(R):
+            for b in range(R):
+                sent = [a * S + j for j in plans[a][0][b]]
+                assert sent == plans[b][1][a], (m, a, b)
+                assert all(m[g] in m[b * S:(b + 1) * S] for g in sent)
+            assert plans[a][0][a] == [] and plans[a][1][a] == []

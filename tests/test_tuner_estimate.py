@@ -338,24 +338,20 @@ def test_redundant_slots_memory_and_sync_by_hand(zero, r):
     assert sr.params - s0.params == r * n_moe * P
     assert (sr.activations, sr.buffers) == (s0.activations, s0.buffers)
     assert s0.redundant_bytes == e0.redundant_memory == 0
-    # Ring all-reduce inside one 4-GPU node of PF (100e9 B/s, 1e-6 s a step): EP pairs are
-    # ranks (0, 1), (2, 3). At most r x EP replicated experts per layer, bf16 gradient rows,
-    # one all-reduce per layer (r x EP rows fit the 64 MiB bucket)...
-    def ring(nbytes):
-        return 2 * (ep - 1) / ep * nbytes / 100e9 + 2 * (ep - 1) * 1e-6
-
+    # One all-to-all per MoE layer inside one 4-GPU node of PF (100e9 B/s, 1e-6 s a message):
+    # EP pairs are ranks (0, 1), (2, 3); each rank sends r x c bf16 gradient rows (c = 2
+    # replicas per replicated expert) to its one peer: bytes / bandwidth + one message.
     row = P * 2
-    assert er.dp_collectives["replica_all_reduce"] == pytest.approx(
-        n_moe * ring(r * ep * row), rel=1e-12)
-    # ... or, with a bucket of 4 rows, 4-row all-reduces and the rest.
-    small = Assumptions(replica_bucket_bytes=4 * row + 1)
-    got = estimate(cfg, base.replace(redundant=r), PF, assumptions=small)
-    full, rest = divmod(r * ep, 4)
-    assert got.dp_collectives["replica_all_reduce"] == pytest.approx(
-        n_moe * (full * ring(4 * row) + (ring(rest * row) if rest else 0.0)), rel=1e-12)
-    assert "replica_all_reduce" not in e0.dp_collectives
+    assert er.dp_collectives["replica_sum"] == pytest.approx(
+        n_moe * (r * 2 * row / 100e9 + 1e-6), rel=1e-12)
+    # ... and with 3 replicas per replicated expert, 3 rows per redundant slot.
+    got = estimate(cfg, base.replace(redundant=r), PF,
+                   assumptions=Assumptions(replicas_per_expert=3))
+    assert got.dp_collectives["replica_sum"] == pytest.approx(
+        n_moe * (r * 3 * row / 100e9 + 1e-6), rel=1e-12)
+    assert "replica_sum" not in e0.dp_collectives
     # The DP sync of expert gradients grows by the slots' share (same intra-node ring).
-    other = {k: v for k, v in er.dp_collectives.items() if k != "replica_all_reduce"}
+    other = {k: v for k, v in er.dp_collectives.items() if k != "replica_sum"}
     if zero == 0:
         grow = 2 * (dp - 1) / dp * r * n_moe * P * 2 / 100e9
         grew = other["all_reduce"] - e0.dp_collectives["all_reduce"]
@@ -383,7 +379,7 @@ def test_redundant_zero_is_todays_estimate():
             assert all("redundant_experts" not in s.state_by_part for s in a.stages)
             assert not any("redundant" in n for n in a.notes)
             assert set(a.time) == {"compute", "alltoall", "p2p", "bubble", "dp_sync", "optimizer"}
-            assert "replica_all_reduce" not in a.dp_collectives and a.redundant_memory == 0
+            assert "replica_sum" not in a.dp_collectives and a.redundant_memory == 0
 
 
 def test_redundant_per_parameter_zero_shards_the_wider_expert_tensors():
@@ -416,10 +412,6 @@ def test_bad_redundant_is_named(bad, message):
         estimate(presets.get("tiny"), plan, PF)
 
 
-def test_replica_bucket_is_the_trainers():
-    """`Assumptions.replica_bucket_bytes` states the bucket trainer/replicas.py sums with."""
-    from trainer import replicas
-
-    assert Assumptions().replica_bucket_bytes == replicas.REPLICA_BUCKET_BYTES
-    with pytest.raises(ValueError, match="replica_bucket_bytes=0 must be >= 1"):
-        Assumptions(replica_bucket_bytes=0)
+def test_replicas_per_expert_is_checked():
+    with pytest.raises(ValueError, match="replicas_per_expert=1 must be >= 2"):
+        Assumptions(replicas_per_expert=1)

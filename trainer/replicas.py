@@ -5,11 +5,12 @@ which logical expert each holds, and a token for an expert with c replicas goes 
 (`model.moe.replica_slots`). What that asks of a training step:
 
 - Gradients: every replica computes a partial gradient from its share of the tokens. After the
-  data-parallel reduction (`GradSync.finish`) the replicas' gradients are summed over the EP
-  group (`sum_replica_grads`: one all-reduce per bucket of replicated experts' rows; a rank
-  adds zeros for replicas it does not hold), so every replica holds the expert's full gradient,
-  applies the same AdamW update and stays identical to the others. Sums and means commute, so
-  the order against the data-parallel average does not matter.
+  data-parallel reduction (`GradSync.finish`) the holders of an expert swap their partials
+  (`sum_replica_grads`: one all_to_all_single per layer, each rank sending (replicas - 1) rows
+  per replica slot it holds) and add them in global slot order, so every replica holds the
+  expert's full gradient, bit for bit the same, applies the same AdamW update and stays
+  identical to the others. Sums and means commute, so the order against the data-parallel
+  average does not matter.
 - The gradient norm counts each logical expert once: each slot's squared norm is weighted by
   1 / (its expert's replica count) (`replica_row_weights`, read by `GradSync.clip`).
 - Initial map (`initial_slot_map`): rank q holds experts q*E/ep .. (q+1)*E/ep - 1 in its first
@@ -26,9 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["initial_slot_map", "sum_replica_grads", "replica_row_weights", "REPLICA_BUCKET_BYTES"]
-
-REPLICA_BUCKET_BYTES = 64 << 20  # rows of replicated experts summed per all-reduce, at most
+__all__ = ["initial_slot_map", "sum_replica_grads", "replica_row_weights", "replica_exchange"]
 
 
 def initial_slot_map(E: int, ep: int, r: int) -> list[int]:
@@ -62,35 +61,64 @@ def replica_row_weights(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
     return out
 
 
+def replica_exchange(slot2expert: list[int], n_ranks: int, rank: int
+                     ) -> tuple[list[list[int]], list[list[int]]]:
+    """Which rows rank `rank` sends to and receives from every rank when replicas swap partial
+    gradients: send[q] = its local rows whose expert rank q also holds, recv[q] = the global
+    slots of q whose rows arrive from q; both ordered by global slot, so sender and receiver
+    derive the same order from the slot map alone."""
+    S = len(slot2expert) // n_ranks
+    held = [set(slot2expert[q * S:(q + 1) * S]) for q in range(n_ranks)]
+    send: list[list[int]] = [[] for _ in range(n_ranks)]
+    recv: list[list[int]] = [[] for _ in range(n_ranks)]
+    for q in range(n_ranks):
+        if q == rank:
+            continue
+        send[q] = [j for j in range(S) if slot2expert[rank * S + j] in held[q]]
+        recv[q] = [q * S + j for j in range(S) if slot2expert[q * S + j] in held[rank]]
+    return send, recv
+
+
 @torch.no_grad()
 def sum_replica_grads(model: nn.Module, group) -> None:
     """Sum each replicated expert's gradient over its replicas (collective over the EP group;
-    every rank of the group calls it with the same slot maps)."""
+    every rank of the group calls it with the same slot maps).
+
+    Point to point, not an all-reduce: every rank sends each local replica's partial gradient
+    to the other ranks holding that expert (one all_to_all_single per layer), so a rank moves
+    (replicas - 1) rows per replica slot it holds, whatever the group size. Each replica then
+    adds the partials in global slot order, the same order on every holder, so replicas stay
+    identical to the bit."""
+    R = dist.get_world_size(group) if group is not None else 1
+    me = dist.get_rank(group) if group is not None else 0
     for layer in model.moe_layers():
         if not layer.replicated:
             continue
         params = [p for p in layer.experts.parameters() if p.grad is not None]
         if not params:  # ZeRO-2: this dp index does not own them, on every rank of the group
             continue
-        experts, _ = _local(layer)
-        hot = torch.nonzero(layer.n_rep.cpu() > 1).flatten()  # replicated experts, ascending
-        if hot.numel() == 0:
-            continue
-        row = sum(p[0].numel() for p in params)
-        per = max(1, REPLICA_BUCKET_BYTES // (row * params[0].grad.element_size()))
-        for b0 in range(0, hot.numel(), per):
-            chunk = hot[b0:b0 + per]
-            pos = torch.full((layer.num_experts,), -1, dtype=torch.long)
-            pos[chunk] = torch.arange(chunk.numel())
-            mine = [(j, int(pos[e])) for j, e in enumerate(experts.tolist()) if pos[e] >= 0]
-            buf = params[0].grad.new_zeros(chunk.numel(), row)
-            for j, k in mine:  # (+=: one rank may hold two replicas when it is the only one)
-                buf[k] += torch.cat([p.grad[j].reshape(-1) for p in params])
-            if group is not None:
-                dist.all_reduce(buf, group=group)
-            for j, k in mine:
+        m = layer.slot_map().cpu().tolist()
+        S, lo = params[0].shape[0], layer.experts.first_slot
+        n_rep = layer.n_rep.cpu().tolist()
+        rows = torch.cat([p.grad.reshape(S, -1) for p in params], 1)  # [S, row] own partials
+        partial = {lo + j: rows[j] for j in range(S) if n_rep[m[lo + j]] > 1}
+        if R > 1:
+            send, recv = replica_exchange(m, R, me)
+            out = rows[[j for q in range(R) for j in send[q]]]
+            back = rows.new_empty(sum(len(r) for r in recv), rows.shape[1])
+            dist.all_to_all_single(back, out, [len(r) for r in recv], [len(s) for s in send],
+                                   group=group)
+            got = [g for q in range(R) for g in recv[q]]
+            partial.update({g: back[i] for i, g in enumerate(got)})
+        total = {}
+        for g in sorted(partial):  # every holder adds in global slot order
+            e = m[g]
+            total[e] = partial[g].clone() if e not in total else total[e].add_(partial[g])
+        for j in range(S):
+            e = m[lo + j]
+            if n_rep[e] > 1:
                 o = 0
                 for p in params:
                     n = p[0].numel()
-                    p.grad[j].copy_(buf[k, o:o + n].view_as(p.grad[j]))
+                    p.grad[j].copy_(total[e][o:o + n].view_as(p.grad[j]))
                     o += n

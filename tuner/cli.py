@@ -16,7 +16,7 @@ shards, as Megatron's distributed optimizer, DeepSpeed or FSDP2 would).
 `--redundant R` gives every EP rank R redundant expert slots per MoE layer (the trainer's
 `--balance.redundant`; default 0). It is fixed, not searched: whether replicas pay depends on
 the routing load, which the planner cannot see. The estimate counts the slots' weights,
-gradients and optimizer state and their replica gradient all-reduce; only EP degrees that can
+gradients and optimizer state and their replica gradient sum; only EP degrees that can
 host R are searched; the report prints the memory they take and the plan file carries
 `[run.balance] redundant = R`.
 

@@ -46,11 +46,11 @@ Step time (seconds), for the busiest rank:
                   reduces to owners (a reduce-scatter's time); owners broadcast the weights
                   (an all-gather's time)
         redundant (r > 0): the gradients of replicated experts summed over their replicas
-                  after the DP sync (trainer/replicas.py): per MoE layer, all-reduces over
-                  the EP group of at most r x EP experts' gradient rows (every redundant slot
-                  may hold a different expert: an upper bound), in buckets of
-                  `Assumptions.replica_bucket_bytes`. Their bucket is allocated after the
-                  backward, when the activations are freed: not added to the peak
+                  after the DP sync (trainer/replicas.py): per MoE layer, one all-to-all in
+                  the EP group in which each rank sends r x c gradient rows (c =
+                  `Assumptions.replicas_per_expert`, each holder sending its partial to the
+                  c - 1 others). Its buffers are allocated after the backward, when the
+                  activations are freed: not added to the peak
     + optimizer update (memory bound: 2 x the state bytes of the parameters this rank
       updates / HBM; with ZeRO only its shard)
 MFU = model.flops_per_token(s) x tokens per step / (step time x GPUs x peak).
@@ -435,24 +435,23 @@ def _dp_sync(sm: StageMemory, plan: ParallelPlan, groups: dict[str, GroupPlaceme
     pairs = ((rep, groups["rep"]), (exp, groups["dp"]))
     out = {}
     if plan.redundant:
-        out["replica_all_reduce"] = _replica_sum_time(sm, plan, groups["ep"], platform, gb, asm)
+        out["replica_sum"] = _replica_sum_time(sm, plan, groups["ep"], platform, gb, asm)
     return {**_dp_collectives(plan, pairs, platform, gb, wb, asm), **out}
 
 
 def _replica_sum_time(sm: StageMemory, plan: ParallelPlan, group: GroupPlacement,
                       platform: Platform, gb: int, asm: Assumptions) -> float:
-    """Seconds to sum replicated experts' gradients over the EP group on one pipeline rank:
-    per MoE layer at most r x EP replicated experts (every redundant slot a different one),
-    their gradient rows all-reduced in buckets of `Assumptions.replica_bucket_bytes` (at least
-    one expert's row each), as trainer/replicas.py's `sum_replica_grads` does."""
-    if not sm.moe_layers:
+    """Seconds to sum replicated experts' gradients over their replicas on one pipeline rank,
+    as trainer/replicas.py's `sum_replica_grads` does: per MoE layer one all-to-all in the EP
+    group in which each rank sends r x c gradient rows to other ranks (c replicas per
+    replicated expert, `Assumptions.replicas_per_expert`), timed with the all-to-all model of
+    an even exchange of that many off-rank bytes."""
+    if not sm.moe_layers or group.size == 1:
         return 0.0
     row = sm.params_by_part["redundant_experts"] / (plan.redundant * sm.moe_layers) * gb
-    per = max(1, int(asm.replica_bucket_bytes // row))  # rows per all-reduce
-    full, rest = divmod(plan.redundant * plan.ep, per)
-    one = full * allreduce_time(per * row, group, platform) + allreduce_time(rest * row, group,
-                                                                             platform)
-    return sm.moe_layers * one
+    off_rank = plan.redundant * asm.replicas_per_expert * row
+    n = group.size
+    return sm.moe_layers * alltoall_time(off_rank * n / (n - 1), group, "flat", platform)
 
 
 def _dp_collectives(plan: ParallelPlan, pairs: tuple, platform: Platform, gb: int, wb: int,
@@ -621,9 +620,9 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
         "bubble from the unit-cost schedule scaled to the slowest rank",
         _zero_note(plan, asm),
     ) + ((f"redundant expert slots: {plan.redundant} per MoE layer on each EP rank (weights, "
-          f"gradients, optimizer state as the experts'); their gradients all-reduced over the "
-          f"EP group of {plan.ep} (at most {plan.redundant * plan.ep} replicated experts per "
-          f"layer)",) if plan.redundant else ())
+          f"gradients, optimizer state as the experts'); their gradients summed over the replicas "
+          f"by one all-to-all per MoE layer in the EP group of {plan.ep}, each rank sending "
+          f"{plan.redundant} x {asm.replicas_per_expert} rows",) if plan.redundant else ())
     return Estimate(
         model=cfg.name, platform=pf.name, plan=plan, stages=tuple(stages), time=time,
         step_time=step, model_flops=flops, tflops_per_gpu=tflops / 1e12,

@@ -119,10 +119,11 @@ class Assumptions:
         and owners broadcast the updated weights (timed as an all-gather: each rank receives
         what it does not own). The memory taken per stage is the sum of the dense and the
         expert group's largest loads (an upper bound: they may fall on different ranks).
-    replica_bucket_bytes: the most bytes of replicated experts' gradient rows one all-reduce
-        of the replica sum carries (redundant expert slots; trainer/replicas.py's bucket, 64
-        MiB; at least one expert's row): sets how many all-reduces, and so latencies, a MoE
-        layer's replica sum takes.
+    replicas_per_expert: how many replicas c a replicated expert has when the replica sum
+        is priced (redundant expert slots; trainer/replicas.py swaps partial gradients between
+        an expert's holders, (c - 1) rows per replica slot, so each EP rank sends r x c rows
+        per MoE layer). 2 (pairs): the common case of one redundant slot per hot expert; a
+        placement that gives one expert many replicas moves more.
     activation_set: "published" (the per-layer tensors of the published formulas, see
         `tuner.counts`) or "trainer" (what our eager fp32 model really saves, incl. norms,
         router and permutation indices; with it the last stage keeps final norm, lm_head
@@ -153,7 +154,7 @@ class Assumptions:
     activation_traffic_passes: float = 0.0
     zero2_grad_sync: str = "last"
     zero_sharding: str = "flat"
-    replica_bucket_bytes: int = 64 * 2**20
+    replicas_per_expert: int = 2
 
     def __post_init__(self) -> None:
         for f in ("alltoall_overlap", "p2p_overlap", "dp_overlap"):
@@ -174,8 +175,9 @@ class Assumptions:
             raise ValueError(f"activation_set={self.activation_set!r}; valid: published, trainer")
         if self.grad_bucket_bytes < 0:
             raise ValueError(f"grad_bucket_bytes={self.grad_bucket_bytes} must be >= 0")
-        if self.replica_bucket_bytes < 1:
-            raise ValueError(f"replica_bucket_bytes={self.replica_bucket_bytes} must be >= 1")
+        if self.replicas_per_expert < 2:
+            raise ValueError(f"replicas_per_expert={self.replicas_per_expert} must be >= 2 "
+                             f"(a replicated expert has at least two copies)")
         if self.zero_sharding not in ZERO_SHARDING:
             raise ValueError(f"zero_sharding={self.zero_sharding!r}; valid: "
                              f"{', '.join(ZERO_SHARDING)}")

@@ -66,16 +66,16 @@ def zero_summary(e: Estimate, attention: str = "sharded") -> str:
 
 def redundant_summary(e: Estimate) -> str:
     """One line: the plan's redundant expert slots, the memory they take at the peak and the
-    replica gradient all-reduce ("" when the plan has none)."""
+    replica gradient sum ("" when the plan has none)."""
     p = e.plan
     if not p.redundant:
         return ""
-    t = e.dp_collectives.get("replica_all_reduce", 0.0)
+    t = e.dp_collectives.get("replica_sum", 0.0)
     return (f"redundant expert slots: {p.redundant} per MoE layer on each EP rank (E/EP + "
             f"{p.redundant} slots), {e.redundant_memory / 1e9:.2f} GB per GPU at the peak "
             f"of its {e.peak_memory / 1e9:.1f} GB (weights, gradients, optimizer state at "
             f"ZeRO-{p.zero}); replica "
-            f"gradient all-reduce over EP = {p.ep}: {t:.3f} s per step")
+            f"gradient sum (all-to-all) over EP = {p.ep}: {t:.3f} s per step")
 
 
 def _toml_value(v: object) -> str:
