@@ -79,7 +79,6 @@ def test_migration_keeps_losses_and_resumes(tmp_path, small_data):
         assert got[s] == pytest.approx(plain[s], rel=1e-5), (s, plain[s], got[s])
 
 
-@pytest.mark.slow  # HALO in training stays in the default tier via test_trainer_emulated.py
 def test_halo_training_equals_flat(tmp_path, small_data):
     """EP=4 over two (declared) nodes of 2 ranks: HALO's hierarchical exchange trains with the
     same per-step losses as the flat all-to-all (it is an exact permutation of the same rows)."""
