@@ -138,13 +138,14 @@ class MoELayer(nn.Module):
         self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_expert_gate else None
         self.register_buffer("expert2slot", torch.arange(E, dtype=torch.long))
         # Redundant slots (balance.plan_replicas): n_slots >= E physical slots, slot2expert maps
-        # each to its logical expert; a token for expert e goes to one of e's replicas
-        # (`replica_slots`). Without replicas (n_slots == E) `expert2slot` alone is the map and
-        # migration permutes it; these buffers are then unused.
+        # each to its logical expert (on the host: the trainer reads it every step without a
+        # device sync); a token for expert e goes to one of e's replicas (`replica_slots`, from
+        # the device tables rep_slots / n_rep). Without replicas (n_slots == E) `expert2slot`
+        # alone is the map and migration permutes it; these are then unused.
         self.n_slots = E
         self.replicated = False
         self.initial_slots: list[int] | None = None  # what reset_state restores (None: identity)
-        self.register_buffer("slot2expert", torch.arange(E, dtype=torch.long), persistent=False)
+        self.slot2expert = torch.arange(E, dtype=torch.long)
         self.register_buffer("rep_slots", torch.arange(E, dtype=torch.long)[:, None],
                              persistent=False)  # [E, max replicas], padded with the first
         self.register_buffer("n_rep", torch.ones(E, dtype=torch.long), persistent=False)
@@ -164,7 +165,6 @@ class MoELayer(nn.Module):
                                                        device=w.device)))
         self.n_slots = n
         self.initial_slots = [int(e) for e in slot2expert]
-        self.slot2expert = torch.zeros(n, dtype=torch.long, device=self.expert2slot.device)
         self.set_slots(self.initial_slots)
 
     @torch.no_grad()
@@ -187,19 +187,24 @@ class MoELayer(nn.Module):
         reps[:] = order[starts][:, None]  # pad with the first replica
         within = torch.arange(m.numel()) - starts[m[order]]
         reps[m[order], within] = order
-        self.slot2expert = m.to(dev)
+        self.slot2expert = m
         self.rep_slots, self.n_rep = reps.to(dev), n_rep.to(dev)
         self.expert2slot.copy_(order[starts].to(dev))
         self.replicated = self.n_slots > E
 
     def slot_map(self) -> torch.Tensor:
-        """slot -> logical expert for every slot ([n_slots]; the inverse of expert2slot when
-        there are no replicas, which migration keeps as the one map)."""
+        """slot -> logical expert for every slot ([n_slots], on the host; the inverse of
+        expert2slot when there are no replicas, which migration keeps as the one map)."""
         if self.replicated:
             return self.slot2expert
-        m = torch.empty_like(self.expert2slot)
-        m[self.expert2slot] = torch.arange(self.num_experts, device=m.device)
+        e2s = self.expert2slot.cpu()
+        m = torch.empty_like(e2s)
+        m[e2s] = torch.arange(self.num_experts)
         return m
+
+    def replica_counts(self) -> torch.Tensor:
+        """Replicas of each logical expert ([E], on the host)."""
+        return torch.bincount(self.slot_map(), minlength=self.num_experts)
 
     @torch.no_grad()
     def reset_state(self) -> None:
@@ -208,11 +213,8 @@ class MoELayer(nn.Module):
         dev = self.expert2slot.device
         if self.initial_slots is not None:
             self.set_slots(self.initial_slots)
-        else:  # (to_empty left the replica tables unset: identity, one replica each)
-            ident = torch.arange(self.num_experts, dtype=torch.long, device=dev)
-            self.expert2slot.copy_(ident)
-            self.slot2expert, self.rep_slots = ident.clone(), ident[:, None].clone()
-            self.n_rep = torch.ones_like(ident)
+        else:
+            self.expert2slot.copy_(torch.arange(self.num_experts, dtype=torch.long, device=dev))
         self.router.e_score_correction_bias.zero_()
         self.last_counts = torch.zeros(self.num_experts, dtype=torch.long, device=dev)
         self.last_aux_loss = torch.zeros((), device=dev)

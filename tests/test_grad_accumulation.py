@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_train, stdlib_corpus
+from conftest import stdlib_corpus, train_ok
 
 COMMON = ["--config", "configs/tiny-ep-dp.toml", "--train.seq_len=64", "--train.global_batch=8",
           "--model.d_model=64", "--model.moe_ffn_dim=64", "--model.aux_loss_coef=0",
@@ -28,9 +28,7 @@ def data(tmp_path_factory) -> str:
 def _rows(tmp: Path, name: str, nproc: int, extra: list[str], data: str) -> dict[int, dict]:
     import json
 
-    out = tmp / name
-    r = run_train([*COMMON, "--data", data, f"--train.out_dir={out}", *extra], nproc=nproc)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    out = train_ok([*COMMON, "--data", data, *extra], tmp / name, nproc)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return {r["step"]: r for r in rows if "loss" in r}
 

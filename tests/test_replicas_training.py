@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_train, stdlib_corpus
+from conftest import stdlib_corpus, step_losses, train_ok
 
 pytestmark = pytest.mark.multiproc
 
@@ -37,12 +37,11 @@ def reference(tmp_path_factory, data) -> dict[int, float]:
 
 
 def _losses(out: Path, nproc: int, extra: list[str], data: str, events: list | None = None):
-    r = run_train([*COMMON, "--data", data, f"--train.out_dir={out}", *extra], nproc=nproc)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    train_ok([*COMMON, "--data", data, *extra], out, nproc)
     if events is not None:
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
         events += [x for x in rows if x.get("event") == "migration"]
-    return {x["step"]: x["loss"] for x in rows if "loss" in x}
+    return step_losses(out)
 
 
 def _same(ref: dict[int, float], got: dict[int, float]) -> None:
@@ -100,8 +99,5 @@ def test_hf_import_fills_every_replica(tmp_path, data):
     first = []
     for r in (0, 1):
         out = tmp_path / f"r{r}"
-        res = run_train([*args, f"--balance.redundant={r}", f"--train.out_dir={out}"], nproc=2)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        first.append(rows[0]["loss"])
+        first.append(step_losses(train_ok([*args, f"--balance.redundant={r}"], out, 2))[1])
     assert first[1] == pytest.approx(first[0], rel=1e-6)

@@ -66,8 +66,7 @@ class Balancer:
         k = step // self.cfg.force_every
         plans = {}
         for i, layer in enumerate(self.layers.values()):
-            slot2expert = torch.empty(self.E, dtype=torch.int64)
-            slot2expert[layer.expert2slot.cpu()] = torch.arange(self.E)
+            slot2expert = layer.slot_map()
             swaps = [Swap(int(slot2expert[r * self.El + k % self.El]),
                           int(slot2expert[(r + 1) * self.El + (k + 1) % self.El]))
                      for r in range(0, self.ep - 1, 2)]
@@ -76,7 +75,7 @@ class Balancer:
 
     # -- redundant slots (--balance.redundant > 0): re-place replicas instead of swapping ------
     def _slot_maps(self) -> list[np.ndarray]:
-        return [layer.slot_map().cpu().numpy() for layer in self.layers.values()]
+        return [layer.slot_map().numpy() for layer in self.layers.values()]
 
     def _replica_plans(self, step: int) -> dict[int, tuple[np.ndarray, dict[str, float]]]:
         """{layer: (new slot map, planned imbalance)} of the layers due: forced every N steps
@@ -133,7 +132,7 @@ class Balancer:
             name = self.names[i]
             layer = self.layers[name]
             ex = layer.experts
-            old = layer.slot_map().cpu().numpy()
+            old = layer.slot_map().numpy()
             res = move_slots(old, new, expert_state_tensors([ex.w1, ex.w2, ex.w3], self.optim),
                              self.group, self.ep, n_experts=self.E)
             layer.set_slots(new.tolist())

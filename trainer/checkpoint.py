@@ -62,7 +62,7 @@ def _expert_rows(model: nn.Module) -> dict[str, list[tuple[int, int]]]:
     for lname, layer in named_moe_layers(model).items():
         El = layer.experts.w1.shape[0]
         lo = _slot_offset(layer, layer.n_slots, El)
-        slot2expert = layer.slot_map().cpu()  # replicas of one expert share its key
+        slot2expert = layer.slot_map()  # replicas of one expert share its key
         for pname, _ in layer.experts.named_parameters():
             full = f"{lname}.experts.{pname}"
             out[full] = [(j, int(slot2expert[lo + j])) for j in range(El)]

@@ -13,10 +13,10 @@ __all__ = ["StepWriter", "format_row", "format_event", "truncate_jsonl"]
 
 
 class StepWriter:
-    def __init__(self, t, out: Path, sinks, start_step: int, world_size: int):
+    def __init__(self, t, out: Path, sinks, start_step: int):
         self.t, self.out, self.sinks = t, out, sinks
         self.metrics_path = out / "metrics.jsonl"
-        self.start_step, self.world_size = start_step, world_size
+        self.start_step = start_step
 
     def write(self, m: dict[str, Any], events: list[dict[str, Any]], stats, logged: bool,
               elapsed: float) -> None:

@@ -135,7 +135,7 @@ class Trainer:
         end = min(t.steps, t.stop_after) if t.stop_after > 0 else t.steps
         sinks = Sinks(t, self.out, self.cfg.to_dict(), self.step, self.rank,
                       lambda msg: log(msg, self.rank))
-        writer = StepWriter(t, self.out, sinks, self.step, self.mesh.world_size)
+        writer = StepWriter(t, self.out, sinks, self.step)
         try:
             history, last_val = self._loop(end, writer)
         finally:

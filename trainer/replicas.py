@@ -42,10 +42,10 @@ def initial_slot_map(E: int, ep: int, r: int) -> list[int]:
 
 
 def _local(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(experts of this rank's slots [S], their replica counts [S]), on the CPU."""
+    """(experts of this rank's slots [S], their replica counts [S]), on the host."""
     S, lo = layer.experts.w1.shape[0], layer.experts.first_slot
-    experts = layer.slot_map()[lo:lo + S].cpu()
-    return experts, layer.n_rep.cpu()[experts]
+    experts = layer.slot_map()[lo:lo + S]
+    return experts, layer.replica_counts()[experts]
 
 
 def replica_row_weights(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
@@ -97,14 +97,16 @@ def sum_replica_grads(model: nn.Module, group) -> None:
         params = [p for p in layer.experts.parameters() if p.grad is not None]
         if not params:  # ZeRO-2: this dp index does not own them, on every rank of the group
             continue
-        m = layer.slot_map().cpu().tolist()
+        m = layer.slot_map().tolist()
         S, lo = params[0].shape[0], layer.experts.first_slot
-        n_rep = layer.n_rep.cpu().tolist()
-        rows = torch.cat([p.grad.reshape(S, -1) for p in params], 1)  # [S, row] own partials
-        partial = {lo + j: rows[j] for j in range(S) if n_rep[m[lo + j]] > 1}
-        if R > 1:
+        n_rep = layer.replica_counts().tolist()
+        local = [j for j in range(S) if n_rep[m[lo + j]] > 1]  # this rank's replica slots
+        pos = {j: i for i, j in enumerate(local)}
+        rows = torch.cat([p.grad[local].reshape(len(local), p[0].numel()) for p in params], 1)
+        partial = {lo + j: rows[pos[j]] for j in local}  # own partials [row]
+        if R > 1:  # (a rank holding no replica still takes part in the collective)
             send, recv = replica_exchange(m, R, me)
-            out = rows[[j for q in range(R) for j in send[q]]]
+            out = rows[[pos[j] for q in range(R) for j in send[q]]]
             back = rows.new_empty(sum(len(r) for r in recv), rows.shape[1])
             dist.all_to_all_single(back, out, [len(r) for r in recv], [len(s) for s in send],
                                    group=group)
@@ -114,11 +116,9 @@ def sum_replica_grads(model: nn.Module, group) -> None:
         for g in sorted(partial):  # every holder adds in global slot order
             e = m[g]
             total[e] = partial[g].clone() if e not in total else total[e].add_(partial[g])
-        for j in range(S):
-            e = m[lo + j]
-            if n_rep[e] > 1:
-                o = 0
-                for p in params:
-                    n = p[0].numel()
-                    p.grad[j].copy_(total[e][o:o + n].view_as(p.grad[j]))
-                    o += n
+        for j in local:
+            o = 0
+            for p in params:
+                n = p[0].numel()
+                p.grad[j].copy_(total[m[lo + j]][o:o + n].view_as(p.grad[j]))
+                o += n

@@ -88,9 +88,6 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     else:  # the schedule is unused with pp=1, but a wrong value is still a mistake worth naming
         _check_schedule(cfg.parallel, 1)
         split_layers(mcfg.n_layers, cfg.parallel.n_virtual, cfg.parallel.layer_split)
-    if par.zero not in (0, 1, 2):
-        raise ConfigError(f"parallel.zero={par.zero!r}; valid: 0 (replicated state), 1 (optimizer "
-                          f"state sharded), 2 (optimizer state and gradients sharded)")
     if par.grad_overlap not in ("auto", "true", "false"):
         raise ConfigError(f"parallel.grad_overlap={par.grad_overlap!r}; valid: auto, true, false")
     zero_note = check_zero(cfg, mesh)  # a replica group of one rank: ZeRO has no effect there

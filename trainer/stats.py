@@ -87,15 +87,9 @@ class StepStats:
         ep == 1); `LayerGather` averages them over the whole model's layers."""
         vals = []
         for layer, c in zip(self.model.moe_layers(), counts, strict=True):
-            if layer.replicated:  # an expert's tokens are shared evenly by its replicas
-                load = torch.from_numpy(replica_loads(c.cpu().numpy(),
-                                                      layer.slot_map().cpu().numpy(),
-                                                      self.mesh.ep))
-            else:
-                rank_of = layer.expert2slot.cpu() // (c.numel() // self.mesh.ep)
-                load = torch.zeros(self.mesh.ep, dtype=torch.float64).index_add_(0, rank_of,
-                                                                                 c.cpu())
-            vals.append(float(load.max() / load.mean().clamp_min(1e-9)))
+            # each rank's tokens; an expert's are shared evenly by its replicas (if any)
+            load = replica_loads(c.cpu().numpy(), layer.slot_map().numpy(), self.mesh.ep)
+            vals.append(float(load.max() / max(load.mean(), 1e-9)))
         return vals
 
     def exchange_time(self) -> dict[str, float]:
