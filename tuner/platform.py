@@ -98,9 +98,10 @@ class Platform:
                 raise ValueError(f"platform {self.name!r}: {f.name}={v} must be in (0, 1]")
         if self.layer_overhead < 0:
             raise ValueError(f"platform {self.name!r}: layer_overhead={self.layer_overhead} must be >= 0")
-        for f in ("peak_flops", "hbm_bytes", "nic_bandwidth", "intra_node_bandwidth", "hbm_bandwidth"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"platform {self.name!r}: {f}={getattr(self, f)} must be > 0")
+        for key in ("peak_flops", "hbm_bytes", "nic_bandwidth", "intra_node_bandwidth",
+                    "hbm_bandwidth"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"platform {self.name!r}: {key}={getattr(self, key)} must be > 0")
         if self.launcher not in ("slurm", "torchrun"):
             raise ValueError(f"platform {self.name!r}: launcher={self.launcher!r}; valid: slurm, torchrun")
 
@@ -117,6 +118,28 @@ class Platform:
                 f = (math.log2(width) - math.log2(w0)) / (math.log2(w1) - math.log2(w0))
                 return e0 + f * (e1 - e0)
         return table[-1][1]
+
+    def matmul_eff(self, m: float, n: float, k: float) -> float:
+        """Efficiency (achieved / `peak_flops`) of one dense GEMM [m, k] x [k, n].
+
+        Without a per-shape table this is `gemm_eff(min(n, k))`: the width table (or the
+        single `gemm_efficiency`), as the estimate priced every dense GEMM before shapes."""
+        return self.gemm_eff(min(n, k))
+
+    def grouped_eff(self, rows_per_expert: float, n: float, k: float) -> float:
+        """Efficiency of the grouped expert GEMM: every expert multiplies its
+        `rows_per_expert` routed rows [rows, k] by its own [k, n] weight.
+
+        Without a rows-per-expert table this is the single `grouped_gemm_efficiency`."""
+        return self.grouped_gemm_efficiency
+
+    def attention_eff(self, seq: int, head_dim: int, causal: bool) -> float:
+        """Efficiency of the attention kernel (scores and weighted values) for sequence length
+        `seq` and head width `head_dim`; `causal` says whether the FLOPs it is applied to
+        count only the unmasked half.
+
+        Without a table this is the single `attention_efficiency`."""
+        return self.attention_efficiency
 
     @property
     def usable_hbm(self) -> float:
