@@ -1,16 +1,68 @@
 """Small helpers shared by the benchmark scripts (imported as `_common`: every script runs with
-its own folder on sys.path)."""
+its own folder on sys.path).
+
+Where a benchmark's files go: a run writes its rows, plots and tables to `runs/bench/<name>/`
+(ignored by git) or to `--out DIR`; only `--record` appends to the tracked records in
+`benchmarks/results/`, the rows the docs' tables cite. So running any benchmark with its
+defaults leaves `git status` clean. Every script adds the two flags with `add_output_args`
+and asks `output_dir` where to write.
+"""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import platform
 import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RECORDS = ROOT / "benchmarks" / "results"  # tracked: written only with --record
+RUNS = ROOT / "runs" / "bench"  # ignored (.gitignore: runs/): the default for every run
 
-__all__ = ["cpu_name", "git_sha"]
+__all__ = ["RECORDS", "ROOT", "RUNS", "add_output_args", "cpu_name", "git_sha", "output_dir",
+           "previous", "print_written"]
+
+
+def add_output_args(p: argparse.ArgumentParser, name: str) -> None:
+    """Add `--out DIR` and `--record` (exclusive) to a benchmark's parser; `name` is the
+    benchmark's folder under runs/bench/, kept in the namespace for `output_dir`."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--out", type=Path, default=None,
+                   help=f"folder for this run's rows and plots (default: runs/bench/{name}/, "
+                        "ignored by git)")
+    g.add_argument("--record", action="store_true",
+                   help="append to the tracked records in benchmarks/results/ instead (the rows "
+                        "the docs cite)")
+    p.set_defaults(bench_name=name)
+
+
+def output_dir(args: argparse.Namespace, create: bool = True) -> Path:
+    """The folder a run writes to: `--out`, benchmarks/results/ with `--record`, else
+    runs/bench/<name>/. Created unless `create` is False."""
+    name = getattr(args, "bench_name", None)
+    if name is None:
+        raise ValueError("output_dir needs a namespace from a parser set up with "
+                         "add_output_args(parser, name)")
+    out = Path(args.out) if args.out is not None else RECORDS if args.record else RUNS / name
+    if create:
+        out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def previous(out: Path, filename: str) -> Path:
+    """Rows written earlier, for a script that reads them back (re-predict, replay, re-plot):
+    `out/filename` when this output folder has it, else the tracked record of that name."""
+    here = out / filename
+    return here if here.is_file() else RECORDS / filename
+
+
+def print_written(*paths: Path) -> None:
+    """One line saying where this run's files went (paths relative to the checkout inside it)."""
+    def show(p: Path) -> str:
+        p = Path(p).resolve()
+        return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+    print("results written to: " + ", ".join(show(p) for p in paths))
 
 
 @functools.cache

@@ -14,13 +14,15 @@ the trainer does not act on `parallel.zero` (`trainer_supports_zero`).
         rows of tuner_validate.jsonl against the current model and platform files
     flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_validate.py \
         --reuse-platforms --only zero        # the ZeRO rows only (names starting with "zero")
+    flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_validate.py --record
 (`flock` keeps other timing runs on this shared machine from overlapping with it.)
 
 1. Platform. A CPU "device" is one training process, and W processes share this machine's
    cores, so compute rates depend on W: `tuner.measure` is run with W processes at once for
-   every world size used (2 and 4), each written to
-   benchmarks/results/tuner_validate_platform_w<W>.toml, and each config is predicted on the
-   platform of its own world size.
+   every world size used (2 and 4), each written to tuner_validate_platform_w<W>.toml in the
+   output folder, and each config is predicted on the platform of its own world size
+   (`--reuse-platforms` and `--repredict` take the output folder's platform files, else the
+   recorded ones in benchmarks/results/).
 2. Runs. Each config runs as a short real `torchrun` job of train.py (tiny preset, fp32, gloo)
    through `tuner.launch.run_plan_locally`; after the warm-up steps the medians of
    `step_time_s`, `mem_state_bytes_max` and `mem_act_peak_bytes_max` are the measurement.
@@ -39,7 +41,9 @@ the trainer does not act on `parallel.zero` (`trainer_supports_zero`).
    separately). Communication buffers are not seen by the trainer's meter, so they are left
    out of both sides.
 
-Results: benchmarks/results/tuner_validate.jsonl (rows appended) and tuner_validate.md.
+Results: tuner_validate.jsonl (rows appended) and tuner_validate.md in runs/bench/tuner_validate/
+(ignored by git) or `--out DIR`; `--record` writes them to benchmarks/results/, the tracked
+record. `--repredict` reads the output folder's rows, else the recorded ones.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import git_sha  # noqa: E402
+from _common import add_output_args, git_sha, output_dir, previous, print_written
 
 from model import presets
 from tuner import Assumptions, ParallelPlan, estimate, load_platform
@@ -60,7 +64,6 @@ from tuner.launch import Measured, run_plan_locally
 from tuner.layout import FP32_TRAINER_PRECISION
 from tuner.measure import measure_platform
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MEM_TOL, TIME_TOL = 0.15, 0.25
 
 # (name, plan): world size <= 4; tiny preset, 16 sequences of 256 tokens per step.
@@ -108,13 +111,15 @@ def trainer_supports_zero() -> bool:
                if f.name != "config.py")
 
 
-def platform_path(world: int) -> Path:
-    return RESULTS / f"tuner_validate_platform_w{world}.toml"
+def platform_path(out: Path, world: int) -> Path:
+    """The measured platform of `world` processes in output folder `out`."""
+    return out / f"tuner_validate_platform_w{world}.toml"
 
 
-def predict(cfg, plan: ParallelPlan, world: int, imbalance: float = 1.0) -> dict[str, float]:
-    """Predicted per-rank peak memory (state + activations, bytes) and step time (s)."""
-    pf = load_platform(platform_path(world))
+def predict(cfg, plan: ParallelPlan, platform: Path, imbalance: float = 1.0) -> dict[str, float]:
+    """Predicted per-rank peak memory (state + activations, bytes) and step time (s) on the
+    platform file `platform`."""
+    pf = load_platform(platform)
     # ZeRO as the trainer shards it: whole parameters per owner (trainer/zero.py)
     asm = Assumptions(activation_set="trainer", routing_imbalance=imbalance,
                       activation_traffic_passes=4.0, zero_sharding="per-parameter")
@@ -131,10 +136,11 @@ HDR = (f"{'config':26} {'W':>1} {'mem pred':>8} {'meas':>7} {'err':>6} {'step pr
 
 
 def _row(cfg, name: str, plan: ParallelPlan, m: Measured, args: argparse.Namespace,  # noqa: ANN001
-         measured_at: str = "") -> dict:
-    """Predict `plan`, compare with measurement `m`, print one line, return the JSON row."""
-    p = predict(cfg, plan, plan.n_gpus, max(1.0, m.imbalance))
-    p_bal = predict(cfg, plan, plan.n_gpus)
+         platforms: dict[int, Path], measured_at: str = "") -> dict:
+    """Predict `plan` on `platforms[world]`, compare with measurement `m`, print one line,
+    return the JSON row."""
+    p = predict(cfg, plan, platforms[plan.n_gpus], max(1.0, m.imbalance))
+    p_bal = predict(cfg, plan, platforms[plan.n_gpus])
     mem_err = p["memory"] / m.memory_bytes - 1
     t_err = p["step_time"] / m.step_time_s - 1
     state_err = p["state"] / m.state_bytes - 1
@@ -168,7 +174,7 @@ def _row(cfg, name: str, plan: ParallelPlan, m: Measured, args: argparse.Namespa
     return row
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -180,7 +186,13 @@ def main() -> None:
                     help="ZeRO rows: auto runs them when the trainer acts on parallel.zero")
     ap.add_argument("--repredict", action="store_true",
                     help="no runs: compare the last measured rows with the current model")
-    args = ap.parse_args()
+    add_output_args(ap, "tuner_validate")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    out = output_dir(args)
 
     cfg = presets.get("tiny")
     wanted = [w for w in args.only.split(",") if w]
@@ -192,20 +204,26 @@ def main() -> None:
               "the trainer does not act on parallel.zero yet (no trainer module reads it)"))
         configs = [c for c in configs if not c[1].zero]
     worlds = sorted({p.n_gpus for _, p in configs})
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    platforms: dict[int, Path] = {}
     for w in worlds:
-        if (args.reuse_platforms or args.repredict) and platform_path(w).is_file():
-            continue
+        if args.reuse_platforms or args.repredict:
+            platforms[w] = previous(out, platform_path(out, w).name)
+            if platforms[w].is_file():
+                print(f"platform for {w} processes: {platforms[w]}")
+                continue
+        platforms[w] = platform_path(out, w)
         t0 = time.perf_counter()
-        measure_platform(platform_path(w), n_procs=w)
+        measure_platform(platforms[w], n_procs=w)
         print(f"measured platform for {w} processes in {time.perf_counter() - t0:.0f} s: "
-              f"{platform_path(w)}")
+              f"{platforms[w]}")
 
     rows = []
     print(HDR + "\n" + "-" * len(HDR))
     if args.repredict:
         last = {}
-        for line in (RESULTS / "tuner_validate.jsonl").read_text().splitlines():
+        measured = previous(out, "tuner_validate.jsonl")
+        print(f"--repredict: measured rows from {measured}")
+        for line in measured.read_text().splitlines():
             r = json.loads(line)
             last[r["config"]] = r
         for name, plan in configs:
@@ -215,13 +233,14 @@ def main() -> None:
             r = last[name]
             m = Measured(r["meas_step_s"], r["meas_state_gb"] * 1e9, r["meas_act_gb"] * 1e9,
                          r["meas_act_max_gb"] * 1e9, r["meas_imbalance"], r["steps"] - r["warmup"])
-            rows.append(_row(cfg, name, plan, m, args, measured_at=r.get("time", "")))
+            rows.append(_row(cfg, name, plan, m, args, platforms,
+                             measured_at=r.get("measured_at", r.get("time", ""))))
     else:
         with tempfile.TemporaryDirectory(prefix="tuner-validate-") as tmp:
             for name, plan in configs:
                 m = run_plan_locally(plan, "tiny", Path(tmp) / name.replace(" ", "_").replace(":", ""),
                                      steps=args.steps, warmup=args.warmup)
-                rows.append(_row(cfg, name, plan, m, args))
+                rows.append(_row(cfg, name, plan, m, args, platforms))
     n_ok = sum(r["pass"] for r in rows)
     print(f"\n{n_ok} of {len(rows)} configurations within {MEM_TOL:.0%} (memory) and "
           f"{TIME_TOL:.0%} (step time); claim needs >= 6: {'holds' if n_ok >= 6 else 'FAILS'}")
@@ -236,15 +255,18 @@ def main() -> None:
                       f"ZeRO-0 {1e3 * base['meas_state_gb']:.1f} MB "
                       f"({r['meas_state_gb'] / base['meas_state_gb']:.2f}x; predicted "
                       f"{r['pred_state_gb'] / base['pred_state_gb']:.2f}x)")
-    with open(RESULTS / "tuner_validate.jsonl", "a") as f:
+    with open(out / "tuner_validate.jsonl", "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    # The summary holds the latest row of every config, so a run of a few (--only) keeps the rest.
+    # The summary holds the latest row of every config in this folder, so a run of a few
+    # (--only) keeps the rest.
     latest = {}
-    for line in (RESULTS / "tuner_validate.jsonl").read_text().splitlines():
+    for line in (out / "tuner_validate.jsonl").read_text().splitlines():
         r = json.loads(line)
         latest[r["config"]] = r
-    _markdown([latest[n] for n, _ in CONFIGS if n in latest], RESULTS / "tuner_validate.md")
+    _markdown([latest[n] for n, _ in CONFIGS if n in latest], out / "tuner_validate.md")
+    print_written(out / "tuner_validate.jsonl", out / "tuner_validate.md",
+                  *(p for p in platforms.values() if p.parent == out))
 
 
 # What the zb-h1 rows carry that the model does not (memory matches since the meter fix):
