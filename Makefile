@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 NPROC ?= 4
 STAMP := $(VENV)/.installed
 
-.PHONY: train test test-all lint gpu-check gpu-check-multi clean-venv
+.PHONY: train test test-fast test-all lint typecheck check gpu-check gpu-check-multi clean-venv
 
 $(PY):
 	@if [ -z "$(VENV_FLAGS)" ] && $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -41,11 +41,24 @@ train: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
+# The edit loop: unit tests only (no torchrun/gloo processes, no Triton interpreter, no
+# network namespaces); under 2 minutes on 2 cores.
+FAST_MARKERS := not slow and not gpu and not multiproc and not interpreter and not netns
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "$(FAST_MARKERS)" $(ARGS)
+
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# mypy over the packages and train.py ([tool.mypy] in pyproject.toml; tests are not checked).
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+# What CI runs (.ci/run): lint, the type check, then the default test tier.
+check: lint typecheck test
 
 clean-venv:
 	rm -rf $(VENV)
