@@ -135,11 +135,15 @@ class Platform:
 
     def attention_eff(self, seq: int, head_dim: int, causal: bool) -> float:
         """Efficiency of the attention kernel (scores and weighted values) for sequence length
-        `seq` and head width `head_dim`; `causal` says whether the FLOPs it is applied to
-        count only the unmasked half.
+        `seq` and head width `head_dim`. The kernel priced is the trainer's causal one;
+        `causal` says how the caller counts its FLOPs: True = only the unmasked half
+        (Megatron, FlashAttention papers), False = the full s x s products (the model's
+        convention, `ModelConfig.flops_per_token`). The two answers differ by exactly 2x, so
+        the time FLOPs / (peak x efficiency) is the same under either count.
 
-        Without a table this is the single `attention_efficiency`."""
-        return self.attention_efficiency
+        Without a table: `attention_efficiency`, which is stated against the full count (as
+        `tuner measure` measures it), halved for causal=True."""
+        return self.attention_efficiency / 2 if causal else self.attention_efficiency
 
     @property
     def usable_hbm(self) -> float:
