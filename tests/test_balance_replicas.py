@@ -166,8 +166,8 @@ def _layer_pair(slot2expert: list[int], E: int = 4, seed: int = 0):
 
 def test_layer_with_replicas_equals_layer_without() -> None:
     """Reference: the same layer with one slot per expert. Outputs and input gradients are
-    equal; each expert's weight gradient is the sum of its replicas' gradients, every replica
-    receives tokens."""
+    equal to fp32 rounding; each expert's weight gradient is the sum of its replicas'
+    gradients, every replica receives tokens."""
     import torch
 
     m = [0, 1, 2, 3, 0, 2, 2]
@@ -179,7 +179,9 @@ def test_layer_with_replicas_equals_layer_without() -> None:
     x.grad = None
     y1 = rep(x)
     y1.square().sum().backward()
-    torch.testing.assert_close(y1, y0, rtol=0, atol=0)
+    # Replicas split an expert's rows into GEMMs of other shapes (other BLAS blocking): fp32,
+    # depth 32 then 16, so a few ulp apart (|y| <= 4 here; 6e-8 seen on a Zen 4), not bitwise.
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x.grad, g0, rtol=1e-6, atol=1e-6)
     for n in ("w1", "w2", "w3"):
         g = getattr(rep.experts, n).grad
