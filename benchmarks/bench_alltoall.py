@@ -19,8 +19,9 @@ Numbers per row:
     algbw_MBps   bytes each rank sends to other ranks (max over ranks) / time
     vs_flat      time / flat time, measured in the same run (<= 1 means not slower)
     nic_frac     time the shaped NICs need at least (busiest node direction / rate) / time
-Results are appended to benchmarks/results/alltoall.jsonl (git SHA, device) and plotted in
-benchmarks/results/alltoall.png. Inside each emulated node this script runs as a torchrun
+Results are appended to alltoall.jsonl (git SHA, device) and plotted in alltoall.png, in
+runs/bench/alltoall/ (ignored by git) or `--out DIR`; `--record` writes them to
+benchmarks/results/, the tracked record. Inside each emulated node this script runs as a torchrun
 worker (--worker); the driver never touches torch.distributed.
 """
 
@@ -38,10 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import git_sha  # noqa: E402
+from _common import add_output_args, git_sha, output_dir, print_written  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 ROW_BYTES = 1024  # one row = 256 fp32 values
 ALGORITHMS = ("flat", "halo", "auto")
 CONTROL = "flat-again"  # --control: the flat call measured a second time, as its own arm
@@ -159,7 +159,7 @@ def worker(args: argparse.Namespace) -> int:
                     **calibrated,
                 })
     if rank == 0:
-        Path(args.out).write_text(json.dumps(rows_out))
+        Path(args.worker_out).write_text(json.dumps(rows_out))
     dist.destroy_process_group()
     return 0
 
@@ -175,7 +175,7 @@ def run_setup(setup: str, sizes: list[int], args: argparse.Namespace) -> list[di
         cmd = [sys.executable, "-m", "comm.emulate", "--nodes", str(nodes), "--gpus-per-node",
                str(gpus), "--nic-mbit", mbit, "--mtu", str(args.mtu),
                "--timeout-s", str(args.timeout_s), "--",
-               sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out),
+               sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
                "--sizes", ",".join(map(str, sizes)), "--patterns", ",".join(args.patterns),
                "--warmup", str(args.warmup), "--repeats", str(args.repeats),
                "--min-time-s", str(args.min_time_s), "--max-repeats", str(args.max_repeats),
@@ -273,10 +273,10 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--setups", default=DEFAULT_SETUPS,
                    help="comma list of NODESxGPUS@MBIT")
     p.add_argument("--sizes", default=None, help="bytes per pair, e.g. 1K,256K,16M "
@@ -306,12 +306,17 @@ def main() -> int:
                    help="when a repeat starts: 'clock' releases all ranks at one time on the "
                    "host's clock (the emulated nodes share it); 'barrier' times each rank "
                    "from its own exit of a barrier, whose spread counts against the exchange")
-    args = p.parse_args()
+    add_output_args(p, "alltoall")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     args.patterns = args.patterns.split(",")
     if args.worker:
         args.sizes = [int(v) for v in args.sizes.split(",")]
         return worker(args)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args)
     meta = {"git_sha": git_sha(), "device": f"{platform.node()} {platform.processor() or 'cpu'}"
             f" ({os.cpu_count()} cores), emulated NICs", "time": time.strftime("%FT%T")}
     rows = []
@@ -321,7 +326,7 @@ def main() -> int:
         sizes = [parse_size(s) for s in (args.sizes or default).split(",")]
         rows += [{**meta, **r} for r in run_setup(setup, sizes, args)]
     name = "alltoall_dispatch" if args.dispatch else "alltoall"
-    with open(RESULTS / f"{name}.jsonl", "a") as f:
+    with open(out / f"{name}.jsonl", "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     print(f"{'setup':<12} {'pattern':<9} {'pair':>8} {'algo':<5} {'time ms':>9} "
@@ -333,12 +338,17 @@ def main() -> int:
               f"{r['nic_frac']:>8.3f} {r['auto_choice']:>8}")
     if args.dispatch:
         summarize_dispatch(rows)
+        print_written(out / f"{name}.jsonl")
         return 0 if rows else 1
     summarize(rows)
     if rows:  # the default run owns alltoall.png; other setups get their own picture
         tag = "" if args.setups == DEFAULT_SETUPS else "_" + args.setups.replace(",", "_")
         tag += "" if args.mtu == 1500 else f"_mtu{args.mtu}"
-        plot(rows, RESULTS / f"alltoall{tag.replace('@', 'at')}.png")
+        png = out / f"alltoall{tag.replace('@', 'at')}.png"
+        plot(rows, png)
+        print_written(out / f"{name}.jsonl", png)
+    else:
+        print_written(out / f"{name}.jsonl")
     return 0 if rows else 1
 
 

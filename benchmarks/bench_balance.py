@@ -28,7 +28,8 @@ slot-aware SLB >= LB (every rank hosts exactly E/R experts; see balance.slot_low
     python benchmarks/bench_balance.py --trace runs/tiny/counts.jsonl --ranks 4
     python benchmarks/bench_balance.py --replication   # redundant slots: ours vs EPLB's greedy
 
-Results: benchmarks/results/bench_balance.jsonl (rows appended), bench_balance.png.
+Results: bench_balance.jsonl (rows appended) and bench_balance.png in runs/bench/balance/
+(ignored by git) or `--out DIR`; `--record` appends to benchmarks/results/, the tracked record.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import cpu_name, git_sha  # noqa: E402
+from _common import add_output_args, cpu_name, git_sha, output_dir  # noqa: E402
 
 from balance import (
     MigrationPolicy,
@@ -54,7 +55,6 @@ from balance import (
     slot_lower_bound,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # "minmax-tol0" is minmax with tolerance=0: lowest max first, moves only break ties.
 METHODS = ("none", "hill-climb", "minmax", "minmax-tol0", "greedy-repack")
 
@@ -413,7 +413,7 @@ def simulate_replicas(counts_TLE: np.ndarray, R: int, r: int, replan: bool,
     }
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="headline case and a short drift run")
     ap.add_argument("--seed", type=int, default=0)
@@ -429,15 +429,18 @@ def main() -> None:
     ap.add_argument("--cooldown", type=int, default=20)
     ap.add_argument("--policy-swaps", type=int, default=8, help="drift / trace: swaps per event")
     ap.add_argument("--trace", default=None, help="JSON lines of recorded per-step counts")
-    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--replication", action="store_true",
                     help="only the redundant-slot grid (balance.plan_replicas vs EPLB's greedy)")
-    args = ap.parse_args()
+    add_output_args(ap, "balance")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if args.quick:
         args.steps = min(args.steps, 150)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args)
     meta = {"git": git_sha(), "device": _device(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "seed": args.seed, "tokens": args.tokens, "topk": args.topk, "window": args.window}
     if args.replication:

@@ -2,7 +2,7 @@
 rank does around the rows, without moving any (one process, a fake topology).
 
     python benchmarks/bench_comm_host.py [--ranks 64 256 1024] [--repeats 7]
-                                         [--baseline a865662] [--out benchmarks/results]
+                                         [--baseline a865662] [--out DIR | --record]
 
 What one repeat times, starting from the ints the small exchange delivered (built outside
 the timed region, as the exchange would hand them over) on rank 1 of R = N x 8 ranks
@@ -22,7 +22,9 @@ row summary is part of the call.
 Old vs new in one run: the comm/*.py of `--baseline` (a git revision: by default the one
 before this work) are read with `git show` into a temporary package `comm_base` and run
 on the same inputs; both versions' rank plans and decisions are checked equal. Rows are
-appended to <out>/comm_host.jsonl with the git SHA, the machine and its load average.
+appended to comm_host.jsonl with the git SHA, the machine and its load average, in
+runs/bench/comm_host/ (ignored by git) or `--out DIR`; `--record` appends to
+benchmarks/results/comm_host.jsonl, the tracked record.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import ROOT, git_sha  # noqa: E402
+from _common import ROOT, add_output_args, git_sha, output_dir  # noqa: E402
 
 import comm  # noqa: E402
 from comm.alltoall import settle_plan  # noqa: E402
@@ -201,15 +203,19 @@ def timed(fn: object, repeats: int) -> tuple[float, float, object]:
     return statistics.median(samples), statistics.median(cpu), out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_comm_host.py", description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--baseline", default="a865662",
                    help="git revision of the old comm/ (default: before the vectorised path)")
     p.add_argument("--no-baseline", action="store_true", help="time this checkout only")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    args = p.parse_args(argv)
+    add_output_args(p, "comm_host")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     bad = [r for r in args.ranks if r < 2 * G or r % G]
     if bad or args.repeats < 1:
         raise SystemExit(f"--ranks must be multiples of {G} of at least {2 * G} (got {bad}); "
@@ -218,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
                "cores": os.cpu_count(), "python": platform.python_version(),
                "numpy": np.__version__}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args)
     rows = []
     print(f"{'R':>5} {'algorithm':>9} {'path':>6} {'new ms/call':>12} {'(cpu)':>7} "
           f"{'base ms/call':>13} {'ratio':>6}  chosen")

@@ -9,7 +9,9 @@ FLOPs ([M, D] @ [D, F]): the roof a grouped GEMM is measured against. Ops: "fwd"
 GPU (the claims): ``python benchmarks/bench_grouped_gemm.py [--out DIR]``.
 CPU (how kernels/_cpu.py picked its path; shapes shrunk by --shrink):
 ``python benchmarks/bench_grouped_gemm.py --allow-cpu --shrink 8 --tokens 1024``.
-Writes JSON rows to DIR/bench_grouped_gemm.jsonl and a plot DIR/bench_grouped_gemm.png.
+Writes JSON rows to DIR/bench_grouped_gemm.jsonl and a plot DIR/bench_grouped_gemm.png; DIR
+is runs/bench/grouped_gemm/ (ignored by git) unless `--out DIR` is given, and `--record` makes
+it benchmarks/results/, the tracked record.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _common import git_sha  # noqa: E402
+from _common import add_output_args, git_sha, output_dir  # noqa: E402
 
 from kernels import _cpu, grouped_gemm  # noqa: E402
 
@@ -192,7 +194,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS)
     p.add_argument("--tokens", type=int, default=8192, help="tokens per step (rows = tokens * top_k)")
@@ -202,10 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--allow-cpu", action="store_true", help="run on CPU (fp32) instead of failing")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
-    args = p.parse_args(argv)
+    add_output_args(p, "grouped_gemm")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if not torch.cuda.is_available() and not args.allow_cpu:
@@ -213,13 +219,13 @@ def main(argv: list[str] | None = None) -> int:
               "paths instead)", file=sys.stderr)
         return 2
     rows = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "bench_grouped_gemm.jsonl", "a") as f:
+    out = output_dir(args)
+    with open(out / "bench_grouped_gemm.jsonl", "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     if rows:
-        plot(rows, args.out / "bench_grouped_gemm.png")
-    print(f"wrote {len(rows)} rows to {args.out / 'bench_grouped_gemm.jsonl'}")
+        plot(rows, out / "bench_grouped_gemm.png")
+    print(f"wrote {len(rows)} rows to {out / 'bench_grouped_gemm.jsonl'}")
     return 0
 
 

@@ -11,7 +11,8 @@ the load and the peak RSS during it, reset with /proc/self/clear_refs). Reports 
     python benchmarks/bench_hf_import.py [--d-model 256 --ffn 1024 --layers 8 --experts 8]
         [--layouts ep4,pp2xep2,ep1]
 
-Results: printed, and appended to benchmarks/results/hf_import.jsonl. One run at a time
+Results: printed, and appended to hf_import.jsonl in runs/bench/hf_import/ (ignored by git) or
+`--out DIR`; `--record` appends to benchmarks/results/, the tracked record. One run at a time
 (flock /tmp/piper-bench.lock), as it launches 4 processes.
 """
 
@@ -27,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, git_sha
+from _common import ROOT, add_output_args, git_sha, output_dir, print_written
 
 LAYOUTS = {"ep4": (1, 4, 4), "pp2xep2": (2, 2, 4), "ep1": (1, 1, 1)}  # pp, ep, processes
 
@@ -65,7 +66,7 @@ def run_layout(name: str, ckpt: Path, data: Path, work: Path) -> list[dict]:
     return [json.loads((out / "hf_import" / f"rank_{i}.json").read_text()) for i in range(n)]
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--ffn", type=int, default=1024)
@@ -73,7 +74,12 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--layouts", default="ep4,pp2xep2,ep1")
-    a = p.parse_args()
+    add_output_args(p, "hf_import")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
     bad = [x for x in a.layouts.split(",") if x not in LAYOUTS]
     if bad:
         raise SystemExit(f"--layouts: unknown {bad}; valid: {', '.join(LAYOUTS)}")
@@ -103,11 +109,12 @@ def main() -> None:
                       f"({100 * row['read_frac']:5.1f} %), peak RSS growth during the load "
                       f"{row['peak_growth_bytes'] / 1e6:7.1f} MB "
                       f"({100 * row['peak_growth_frac']:5.1f} % of the checkpoint)")
-    res = ROOT / "benchmarks" / "results" / "hf_import.jsonl"
+    res = output_dir(a) / "hf_import.jsonl"
     with open(res, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    print(f"appended {len(rows)} rows to {res.relative_to(ROOT)}")
+    print(f"appended {len(rows)} rows")
+    print_written(res)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ on / off.
 --mode runs: separate runs, on, off, on, off, ... (--repeats each), medians of step_time_s
 and of the row-to-row interval per run, median over runs.
 
-Appends one row to benchmarks/results/logging.jsonl.
+Appends one row to logging.jsonl in runs/bench/logging/ (ignored by git) or `--out DIR`;
+`--record` appends it to benchmarks/results/, the tracked record. The training runs themselves
+go to --work-dir.
 
     flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_logging.py [--steps 60] [--repeats 3]
 """
@@ -34,10 +36,9 @@ import sys
 import time
 from pathlib import Path
 
-from _common import git_sha
+from _common import add_output_args, git_sha, output_dir, print_written
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 MODES = {"on": ["--train.tensorboard=true", "--train.layer_metrics=true"],
          "off": ["--train.tensorboard=false", "--train.layer_metrics=false"],
          "ab": ["--train.tensorboard=true", "--train.layer_metrics=true",
@@ -69,14 +70,20 @@ def _ab(rows: list[dict], skip: int) -> dict[str, dict[str, list[float]]]:
     return got
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mode", choices=("ab", "runs"), default="ab")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip", type=int, default=6, help="warm-up steps left out of the medians")
-    ap.add_argument("--out", default="/tmp/piper-bench-logging")
-    args = ap.parse_args()
+    ap.add_argument("--work-dir", default="/tmp/piper-bench-logging",
+                    help="where the training runs write (each run's folder is replaced)")
+    add_output_args(ap, "logging")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if not 1 <= args.skip < args.steps - 4 or args.repeats < 1:
         raise SystemExit(f"need 1 <= --skip < --steps - 4 and --repeats >= 1 (got skip "
                          f"{args.skip}, steps {args.steps}, repeats {args.repeats})")
@@ -87,7 +94,7 @@ def main() -> None:
     if args.mode == "ab":
         pooled = {"on": {"step": [], "cycle": []}, "off": {"step": [], "cycle": []}}
         for k in range(args.repeats):
-            rows = _run(Path(args.out) / f"ab_{k}", args.steps, "ab")
+            rows = _run(Path(args.work_dir) / f"ab_{k}", args.steps, "ab")
             got = _ab(rows, args.skip)
             for m in pooled:
                 for key in ("step", "cycle"):
@@ -109,7 +116,7 @@ def main() -> None:
         per: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
         for k in range(args.repeats):
             for mode in ("on", "off"):
-                rows = _run(Path(args.out) / f"{mode}_{k}", args.steps, mode)[args.skip:]
+                rows = _run(Path(args.work_dir) / f"{mode}_{k}", args.steps, mode)[args.skip:]
                 times = [r["time"] for r in rows]
                 per[mode].append((statistics.median(r["step_time_s"] for r in rows),
                                   statistics.median(b - a for a, b in zip(times, times[1:],
@@ -126,9 +133,10 @@ def main() -> None:
               f"{row['interval_ratio']:.4f}")
     row["loadavg_end"] = os.getloadavg()[0]
     row["wall_s"] = time.time() - t0
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS / "logging.jsonl", "a") as f:
+    res = output_dir(args) / "logging.jsonl"
+    with open(res, "a") as f:
         f.write(json.dumps(row) + "\n")
+    print_written(res)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ and slot changes: experts (slots) whose weights + AdamW state moved, summed over
 migration events (a swap changes 2 slots).
 
     python benchmarks/bench_migration.py [--steps 40] [--skew 0.05] [--runs static,migrate,...]
+
+One row is appended to bench_migration.jsonl in runs/bench/migration/ (ignored by git) or
+`--out DIR`; `--record` appends it to benchmarks/results/, the tracked record. The training
+runs themselves go to --work-dir.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ import sys
 import time
 from pathlib import Path
 
+from _common import add_output_args, output_dir, print_written
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 
 
 # name: (redundant slots per rank, balance.enabled)
@@ -67,20 +72,26 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--skew", type=float, default=0.05)
     ap.add_argument("--runs", default=",".join(RUNS),
                     help=f"comma-separated subset of {', '.join(RUNS)} (static is the baseline)")
-    ap.add_argument("--out", default="/tmp/piper-bench-migration")
-    args = ap.parse_args()
+    ap.add_argument("--work-dir", default="/tmp/piper-bench-migration",
+                    help="where the training runs write, one folder per run")
+    add_output_args(ap, "migration")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     names = [n.strip() for n in args.runs.split(",") if n.strip()]
     bad = [n for n in names if n not in RUNS]
     if bad or "static" not in names:
         sys.exit(f"--runs={args.runs!r}: unknown {bad}; valid: {', '.join(RUNS)}, "
                  "and static (the baseline) must be among them")
-    base = Path(args.out)
+    base = Path(args.work_dir)
     runs = {}
     for name in names:
         t0 = time.perf_counter()
@@ -126,11 +137,11 @@ def main() -> None:
               f"{r['spread_s_after']:>10.3f} {r['step_s_after']:>9.3f} {r['slot_changes']:>8} "
               f"{_fmt(r['wait_s_ratio'], '.2f'):>7} {_fmt(r['spread_s_ratio'], '.2f'):>8} "
               f"{_fmt(r['step_s_ratio'], '.2f'):>7}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    res = output_dir(args) / "bench_migration.jsonl"
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                          text=True).stdout.strip()
     mig = next((t for t in table if t["run"] == "migrate"), None)
-    with open(RESULTS / "bench_migration.jsonl", "a") as f:
+    with open(res, "a") as f:
         f.write(json.dumps({
             "sha": sha, "device": "cpu", "steps": args.steps, "skew": args.skew,
             "first_migration": first, "events": sum(len(v) for v in events.values()),
@@ -140,6 +151,7 @@ def main() -> None:
             "step_ratio": mig["step_s_ratio"] if mig else None,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_avg_1m": os.getloadavg()[0]}) + "\n")
+    print_written(res)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ Targets (issue 3): ours >= 1.8x faster than hf default; ours <= 1.3x dense.
 
 ``python benchmarks/bench_moe_layer.py`` runs the Mixtral-like shape (d=1024, f=3584, E=8,
 k=2, T=2048) and the fine-grained one (E=64, k=6, f=512). The contenders run round-robin, so
-a noisy shared machine slows them alike. Writes DIR/bench_moe_layer.jsonl and .png.
+a noisy shared machine slows them alike. Writes DIR/bench_moe_layer.jsonl and .png: DIR is
+runs/bench/moe_layer/ (ignored by git), `--out DIR`, or with `--record` benchmarks/results/,
+the tracked record.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import git_sha  # noqa: E402
+from _common import add_output_args, git_sha, output_dir, print_written  # noqa: E402
 from bench_grouped_gemm import device_name  # noqa: E402
 
 SHAPES = {  # name: (d, f, E, k)
@@ -165,7 +167,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--tokens", type=int, default=2048)
@@ -175,9 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                    help="wall time, or process CPU time (CPU only; use with --threads 1)")
     p.add_argument("--skip-eager", action="store_true", help="leave out the hf eager loop")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)")
+    add_output_args(p, "moe_layer")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -188,11 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for s in args.shapes:
         rows += run_shape(s, args, device, dtype)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "bench_moe_layer.jsonl", "a") as fh:
+    out = output_dir(args)
+    with open(out / "bench_moe_layer.jsonl", "a") as fh:
         for r in rows:
             fh.write(json.dumps(r) + "\n")
-    plot(rows, args.out / "bench_moe_layer.png")
+    plot(rows, out / "bench_moe_layer.png")
+    print_written(out / "bench_moe_layer.jsonl", out / "bench_moe_layer.png")
     return 0
 
 

@@ -17,7 +17,7 @@ median of --repeats.
 DGX section: the rail-optimised fat tree (dgx_fat_tree) with spine taper 1, 2, 4, 4-256
 nodes, 1 MiB per pair, bandwidth only: HALO's rail-aligned phase II avoids the spines.
 Validation section: every flat / HALO row that benchmarks/bench_alltoall.py measured on the
-emulated cluster (results/alltoall.jsonl) is simulated on `emulator(nodes, G, mbit)` with
+emulated cluster (the record benchmarks/results/alltoall.jsonl) is simulated on `emulator(nodes, G, mbit)` with
 the same split matrix; predicted vs measured time and the error are printed and stored. Its
 NIC efficiency is fitted on 2-node all-to-all rows; benchmarks/bench_netsim_validate.py is
 the validation with an independent point-to-point calibration (the README's table).
@@ -26,7 +26,8 @@ the validation with an independent point-to-point calibration (the README's tabl
     python benchmarks/bench_netsim.py --quick     # 2-64 nodes, packed, balanced only
     python benchmarks/bench_netsim.py --sections dgx,validate
 
-Results: benchmarks/results/bench_netsim.jsonl (rows appended), bench_netsim.png.
+Results: bench_netsim.jsonl (rows appended) and bench_netsim.png in runs/bench/netsim/ (ignored
+by git) or `--out DIR`; `--record` writes them to benchmarks/results/, the tracked record.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from _common import git_sha  # noqa: E402
+from _common import RECORDS, add_output_args, git_sha, output_dir, previous, print_written
 
 from comm.netsim import (
     dgx_fat_tree,
@@ -58,7 +59,6 @@ from comm.netsim.cli import Case, format_table, run_case
 from comm.netsim.topologies import FRONTIER_GROUPS
 from comm.topology import Topology
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PUBLISHED = (1.2, 9.0)  # HALO / vendor all-to-all bandwidth, 16-512 nodes (docs/reference.md 1.4)
 
 
@@ -141,13 +141,13 @@ def dgx(args: argparse.Namespace) -> list[dict]:
 
 def validate() -> list[dict]:
     """Simulated vs emulator-measured times (rows of bench_alltoall.py, same splits)."""
-    measured = RESULTS / "alltoall.jsonl"
+    measured = RECORDS / "alltoall.jsonl"
     if not measured.exists():
         print(f"no {measured}: run benchmarks/bench_alltoall.py first")
         return []
     # The split matrices come from bench_alltoall itself, so both sides move the same rows.
     spec = importlib.util.spec_from_file_location("bench_alltoall",
-                                                  RESULTS.parent / "bench_alltoall.py")
+                                                  Path(__file__).with_name("bench_alltoall.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = []
@@ -216,7 +216,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -227,28 +227,38 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sections", default="frontier,speed,dgx,validate",
                    help="comma-separated subset of frontier,speed,dgx,validate; 'plot' "
-                        "alone redraws the plot from the last run's rows in the JSONL")
-    args = p.parse_args()
+                        "alone redraws the plot from the last run's rows in the JSONL (the "
+                        "output folder's, else the record's)")
+    add_output_args(p, "netsim")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     sections = {x.strip() for x in args.sections.split(",")}
     if args.quick:
         args.max_nodes = min(args.max_nodes, 64)
-    RESULTS.mkdir(exist_ok=True)
+    out = output_dir(args)
     if sections == {"plot"}:
-        old = [json.loads(x) for x in (RESULTS / "bench_netsim.jsonl").read_text().splitlines()]
+        src = previous(out, "bench_netsim.jsonl")
+        old = [json.loads(x) for x in src.read_text().splitlines()]
         last = max(r["time"] for r in old if r.get("kind") == "frontier")
-        plot([r for r in old if r.get("time") == last], RESULTS / "bench_netsim.png")
+        plot([r for r in old if r.get("time") == last], out / "bench_netsim.png")
+        print(f"rows of {last} from {src}")
+        print_written(out / "bench_netsim.png")
         return
     meta = {"git": git_sha(), "device": _device(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     rows = sweep(args) if "frontier" in sections else []
     rows += speed(args) if "speed" in sections else []
     rows += dgx(args) if "dgx" in sections else []
     rows += validate() if "validate" in sections else []
-    with open(RESULTS / "bench_netsim.jsonl", "a") as f:
+    with open(out / "bench_netsim.jsonl", "a") as f:
         for r in rows:
             f.write(json.dumps(meta | r) + "\n")
     if "frontier" in sections:
-        plot(rows, RESULTS / "bench_netsim.png")
-    print(f"\nrows appended to {RESULTS / 'bench_netsim.jsonl'}; plot {RESULTS / 'bench_netsim.png'}")
+        plot(rows, out / "bench_netsim.png")
+    print(f"\nrows appended to {out / 'bench_netsim.jsonl'}"
+          + (f"; plot {out / 'bench_netsim.png'}" if "frontier" in sections else ""))
 
 
 if __name__ == "__main__":

@@ -50,8 +50,10 @@ flat-p2p and halo; the summary prints all three, gloo's collective with its miss
 --replay re-predicts the newest stored run with whatever algorithms it has (runs from before
 flat-p2p existed replay their flat and halo rows).
 
-Results: rows appended to benchmarks/results/netsim_validate.jsonl (git SHA, device), the
-table written to benchmarks/results/netsim_validate.md.
+Results: rows appended to netsim_validate.jsonl (git SHA, device), the table written to
+netsim_validate.md, in runs/bench/netsim_validate/ (ignored by git) or `--out DIR`; `--record`
+writes them to benchmarks/results/, the tracked record. --replay reads the output folder's
+rows, else the record's, and writes the re-predicted rows and table to the output folder.
 """
 
 from __future__ import annotations
@@ -68,11 +70,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import git_sha  # noqa: E402
+from _common import add_output_args, git_sha, output_dir, previous, print_written
 from bench_alltoall import ROW_BYTES, nic_bound_s, parse_size, split_matrix
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 CALIB_SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 MODES = ("oneway", "duplex", "duplex2", "sendfirst", "local")
 FLOWS_PER_NIC = {"oneway": 1, "duplex": 1, "duplex2": 2, "sendfirst": 1, "local": 1}
@@ -218,7 +219,7 @@ def worker(args: argparse.Namespace) -> int:
     rows = calib_worker(args, group, rank) if args.mode == "calib" else \
         a2a_worker(args, group, rank, R)
     if rank == 0:
-        Path(args.out).write_text(json.dumps(rows))
+        Path(args.worker_out).write_text(json.dumps(rows))
     dist.barrier(group)
     dist.destroy_process_group()
     return 0
@@ -231,7 +232,7 @@ def emulate(nodes: int, gpus: int, mbit: float, worker_args: list[str],
         out = Path(tmp) / "rows.json"
         cmd = [sys.executable, "-m", "comm.emulate", "--nodes", str(nodes), "--gpus-per-node",
                str(gpus), "--nic-mbit", str(mbit), "--timeout-s", str(timeout_s), "--",
-               sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out),
+               sys.executable, str(Path(__file__).resolve()), "--worker", "--worker-out", str(out),
                *worker_args]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR"}
         rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
@@ -352,10 +353,10 @@ def markdown(cal: dict, rows: list[dict], mbit: float, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mode", default="a2a", help=argparse.SUPPRESS)
     p.add_argument("--setups", default="2x2;4x2",
                    help="';'-separated NODESxRANKS[:SIZES], e.g. '2x2;8x2:16K,256K'")
@@ -367,7 +368,12 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--replay", action="store_true",
                    help="re-predict the newest stored run (no emulation)")
-    args = p.parse_args()
+    add_output_args(p, "netsim_validate")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     args.patterns = args.patterns.split(",")
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if args.worker:
@@ -390,21 +396,24 @@ def main() -> int:
                                                  *common], args.timeout_s)
         measured_rows += [{**m, "nic_mbit": args.mbit} for m in measured]
     rows = report(cal, measured_rows, args.mbit)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS / "netsim_validate.jsonl", "a") as f:
+    out = output_dir(args)
+    with open(out / "netsim_validate.jsonl", "a") as f:
         f.write(json.dumps({**meta, "kind": "calibration", "nic_mbit": args.mbit,
                             "fit": cal, "rows": calib_rows}) + "\n")
         for r in rows:
             f.write(json.dumps({**meta, "kind": "validation", **r}) + "\n")
-    (RESULTS / "netsim_validate.md").write_text(markdown(cal, rows, args.mbit, meta))
-    print(f"rows appended to {RESULTS / 'netsim_validate.jsonl'}, table in "
-          f"{RESULTS / 'netsim_validate.md'}")
+    (out / "netsim_validate.md").write_text(markdown(cal, rows, args.mbit, meta))
+    print(f"rows appended to {out / 'netsim_validate.jsonl'}, table in "
+          f"{out / 'netsim_validate.md'}")
     return 0
 
 
 def replay(args: argparse.Namespace) -> int:
     """Re-predict the newest stored run (calibration + measurements) without emulating."""
-    stored = [json.loads(x) for x in (RESULTS / "netsim_validate.jsonl").read_text().splitlines()]
+    out = output_dir(args)
+    src = previous(out, "netsim_validate.jsonl")
+    print(f"--replay: stored rows from {src}")
+    stored = [json.loads(x) for x in src.read_text().splitlines()]
     cal_row = [r for r in stored if r["kind"] == "calibration"][-1]
     meta = {k: cal_row[k] for k in ("git_sha", "time", "device")}
     cal = calibration(cal_row["rows"], cal_row["nic_mbit"])
@@ -419,9 +428,10 @@ def replay(args: argparse.Namespace) -> int:
     lines = [json.dumps({**meta, "kind": "validation", **next(fresh)})
              if r["kind"] == "validation" and r["time"] == meta["time"] else json.dumps(r)
              for r in stored]
-    (RESULTS / "netsim_validate.jsonl").write_text("\n".join(lines) + "\n")
-    (RESULTS / "netsim_validate.md").write_text(markdown(cal, rows, cal_row["nic_mbit"], meta))
-    print(f"re-predicted the run of {meta['time']}; table in {RESULTS / 'netsim_validate.md'}")
+    (out / "netsim_validate.jsonl").write_text("\n".join(lines) + "\n")
+    (out / "netsim_validate.md").write_text(markdown(cal, rows, cal_row["nic_mbit"], meta))
+    print(f"re-predicted the run of {meta['time']}")
+    print_written(out / "netsim_validate.jsonl", out / "netsim_validate.md")
     return 0
 
 

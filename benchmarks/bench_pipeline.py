@@ -18,8 +18,10 @@ compute with no sleeps. Per schedule:
              (`peak_activation_bytes`; = peak_inflight[rank] x bytes when stages weigh the
              same, which they do except for the loss's saved tensors on the last stage).
 
-Rows go to benchmarks/results/pipeline.jsonl (git SHA, device); plots: a summary figure and
-planned vs measured Gantt charts for the largest configuration. A table is printed.
+Rows go to pipeline.jsonl (git SHA, device); plots: a summary figure and planned vs measured
+Gantt charts for the largest configuration, all in runs/bench/pipeline/ (ignored by git) or
+`--out DIR`; `--record` writes them to benchmarks/results/, the tracked record. A table is
+printed.
 
     .venv/bin/python benchmarks/bench_pipeline.py                 # 2 and 4 ranks, 4 and 8 mbs
     .venv/bin/python benchmarks/bench_pipeline.py --ranks 2 --microbatches 4 --repeats 3
@@ -45,7 +47,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _common import cpu_name, git_sha  # noqa: E402
+from _common import add_output_args, cpu_name, git_sha, output_dir  # noqa: E402
 
 import pipeline  # noqa: E402
 from pipeline.launch import run_local  # noqa: E402
@@ -248,7 +250,7 @@ def _plots(rows: list[dict], out: Path, stamp: str) -> None:
             pipeline.chrome_trace(r["_spans"], out / f"pipeline_measured_{tag}.json")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
@@ -257,9 +259,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="Linear+ReLU layers per rank")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    add_output_args(ap, "pipeline")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    out = output_dir(args)
     cfg = {k: getattr(args, k) for k in ("dim", "rows", "layers", "warmup", "repeats")}
     sha, device, stamp = git_sha(), _device(), time.strftime("%Y%m%d-%H%M%S")
     rows = []
@@ -274,7 +280,7 @@ def main() -> None:
            f"{'act MiB meas/pred per rank':<40}")
     print(hdr)
     print("-" * len(hdr))
-    with open(args.out / "pipeline.jsonl", "a") as f:
+    with open(out / "pipeline.jsonl", "a") as f:
         for r in rows:
             mem = " ".join(f"{a / 2**20:.2f}/{b / 2**20:.2f}"
                            for a, b in zip(r["act_bytes_measured"], r["act_bytes_pred"],
@@ -287,10 +293,11 @@ def main() -> None:
             row = {k: v for k, v in r.items() if not k.startswith("_")}
             row.update(git_sha=sha, device=device, time=stamp, config=cfg)
             f.write(json.dumps(row) + "\n")
-    _plots(rows, args.out, stamp)
+    _plots(rows, out, stamp)
     print(f"one-way P2P hand-over of a {args.rows} x {args.dim} fp32 activation: "
           f"{rows[0]['p2p_ms']:.3f} ms (median, ranks 0 -> 1)" if rows else "")
-    print(f"rows appended to {args.out / 'pipeline.jsonl'}; plots pipeline_*.png (overwritten by each run)")
+    print(f"rows appended to {out / 'pipeline.jsonl'}; plots {out}/pipeline_*.png (overwritten "
+          "by each run)")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ thread pool (all cores, no I/O, no EOS), bounds what the pipeline could reach. T
     flock /tmp/piper-bench.lock python benchmarks/bench_tokenize.py               # ~8 MB subset
     flock /tmp/piper-bench.lock python benchmarks/bench_tokenize.py --mb 0 --workers 1 2 4
 
-Results: rows appended to benchmarks/results/tokenize.jsonl (git SHA, CPU, cores, load).
+Results: rows appended to tokenize.jsonl (git SHA, CPU, cores, load) in runs/bench/tokenize/
+(ignored by git) or `--out DIR`; `--record` appends to benchmarks/results/, the tracked record;
+`--no-save` writes no rows.
 """
 
 from __future__ import annotations
@@ -34,14 +36,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, cpu_name, git_sha
+from _common import ROOT, add_output_args, cpu_name, git_sha, output_dir
 
 sys.path.insert(0, str(ROOT))
 
 from trainer.data import default_corpus_files  # noqa: E402
 from trainer.data.prepare import _available_cores, prepare  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _cpu() -> str:
@@ -107,7 +107,7 @@ def library_reference(tok_json: Path, files: list[Path], repeats: int) -> tuple[
     return statistics.median(rates), statistics.median(cpu_rates)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", default=None, help="a tokenizer.json or folder (default: "
                     "train a byte-level BPE on the corpus)")
@@ -118,7 +118,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "piper-bench-tok"))
     ap.add_argument("--no-save", action="store_true")
-    args = ap.parse_args()
+    add_output_args(ap, "tokenize")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
 
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -176,11 +181,11 @@ def main() -> None:
           f"{ref:10,.0f} tokens/s wall, {ref_cpu:10,.0f} tokens per CPU-s; the 1-worker text "
           f"pipeline gets {one['tokens_per_cpu_s'] / ref_cpu:.2f} of its per-CPU rate")
     if not args.no_save:
-        RESULTS.mkdir(exist_ok=True)
-        with (RESULTS / "tokenize.jsonl").open("a") as fh:
+        res = output_dir(args) / "tokenize.jsonl"
+        with res.open("a") as fh:
             for row in rows:
                 fh.write(json.dumps(row) + "\n")
-        print(f"appended {len(rows)} rows to {RESULTS / 'tokenize.jsonl'}")
+        print(f"appended {len(rows)} rows to {res}")
 
 
 if __name__ == "__main__":

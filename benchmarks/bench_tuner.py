@@ -20,7 +20,8 @@ evals (and checked on proposals and model calls too).
     python benchmarks/bench_tuner.py --seeds 2 --trials 300
     python benchmarks/bench_tuner.py --model mixtral-8x22b --gpus 256 --global-batch 1024
 
-Results: benchmarks/results/bench_tuner.jsonl (rows appended), bench_tuner.png.
+Results: bench_tuner.jsonl (rows appended) and bench_tuner.png in runs/bench/tuner/ (ignored by
+git) or `--out DIR`; `--record` writes them to benchmarks/results/, the tracked record.
 """
 
 from __future__ import annotations
@@ -32,17 +33,15 @@ import statistics
 import time
 from pathlib import Path
 
-from _common import git_sha  # noqa: E402
+from _common import add_output_args, git_sha, output_dir, print_written
 
 from model import presets
 from tuner import load_platform
 from tuner.search import Evaluator, exhaustive, optuna_search
 from tuner.space import SearchSpace
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
-
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="deepseek-v3")
     ap.add_argument("--platform", default="frontier")
@@ -52,7 +51,12 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--trials", type=int, default=400, help="TPE budget (capped at space / 4)")
     ap.add_argument("--univariate", action="store_true", help="also run independent TPE")
-    args = ap.parse_args()
+    add_output_args(ap, "tuner")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
 
     cfg, pf = presets.get(args.model), load_platform(args.platform)
     space = SearchSpace.default(cfg, pf, args.gpus, args.global_batch, args.seq)
@@ -106,11 +110,12 @@ def main() -> None:
           f"{'holds' if ok else 'FAILS'}; median first trial within 5 %: "
           f"{statistics.median([r['first_within_5pct'] or budget + 1 for r in mv_rows])}")
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS / "bench_tuner.jsonl", "a") as f:
+    out = output_dir(args)
+    with open(out / "bench_tuner.jsonl", "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    _plot(curves, space.size, RESULTS / "bench_tuner.png", f"{cfg.name}, {args.gpus} x {pf.name}")
+    _plot(curves, space.size, out / "bench_tuner.png", f"{cfg.name}, {args.gpus} x {pf.name}")
+    print_written(out / "bench_tuner.jsonl", out / "bench_tuner.png")
 
 
 def _plot(curves: list, size: int, path: Path, title: str) -> None:

@@ -13,6 +13,9 @@ is reported. Layouts: DP=2 and DP=4 (EP=1: every parameter has dp replicas) for 
 and EP=2 x DP=2 for ZeRO-0/1/2 with overlap on and off.
 
     flock /tmp/piper-bench.lock python benchmarks/bench_zero.py [--steps 8] [--warmup 2]
+
+One row is appended to bench_zero.jsonl in runs/bench/zero/ (ignored by git) or `--out DIR`;
+`--record` appends it to benchmarks/results/, the tracked record.
 """
 
 from __future__ import annotations
@@ -29,10 +32,9 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
-from _common import cpu_name, git_sha  # noqa: E402
+from _common import add_output_args, cpu_name, git_sha, output_dir  # noqa: E402
 
 from comm import run_local  # noqa: E402
 
@@ -102,7 +104,7 @@ def _worker(rank: int, world: int, _group, ep: int, names: list[str], steps: int
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
@@ -110,8 +112,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
-    ap.add_argument("--out", default=str(RESULTS / "bench_zero.jsonl"))
-    args = ap.parse_args()
+    add_output_args(ap, "zero")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     table = []
     for lay in args.layouts.split(","):
         world, ep, names = LAYOUTS[lay]
@@ -142,10 +148,10 @@ def main() -> None:
     rec = {"sha": git_sha(), "cpu": cpu_name(), "device": "cpu", "backend": "gloo",
            "d_model": args.d_model, "batch_per_rank": args.batch, "seq": args.seq,
            "steps": args.steps, "warmup": args.warmup, "time": time.time(), "table": table}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
+    res = output_dir(args) / "bench_zero.jsonl"
+    with open(res, "a") as f:
         f.write(json.dumps(rec) + "\n")
-    print(f"appended to {args.out}")
+    print(f"appended to {res}")
 
 
 if __name__ == "__main__":

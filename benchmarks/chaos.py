@@ -35,7 +35,9 @@ Launcher: restarts work with torchrun's c10d rendezvous and TORCH_DISABLE_SHARE_
 (the default here); with a static rendezvous (--master-addr/--master-port) the relaunched workers
 meet the dead ones' keys in the shared store and fail or hang in init (see LAUNCHERS).
 
-Rows are appended to benchmarks/results/chaos.jsonl; a table and a bar plot (chaos_<launcher>.png).
+Rows are appended to chaos.jsonl; a table and a bar plot (chaos_<launcher>.png), in
+runs/bench/chaos/ (ignored by git) or `--out DIR`; `--record` writes them to
+benchmarks/results/, the tracked record. The training runs go to --work-dir.
 """
 
 from __future__ import annotations
@@ -56,10 +58,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the trainer package lives at the root
     sys.path.insert(0, str(ROOT))
-from _common import cpu_name  # noqa: E402  (this script's own folder is on sys.path)
+from _common import (  # noqa: E402  (this script's own folder is on sys.path)
+    add_output_args,
+    cpu_name,
+    output_dir,
+    print_written,
+)
 
 FAULTS = ("kill9", "kill-in-save", "stall", "nan-skip", "nan-stop", "one-expert", "zero-tokens")
 # The smallest model the pipeline tests use: startup dominates, a step takes ~0.1 s on CPU.
@@ -428,17 +434,24 @@ def _plot(rows: list[dict[str, Any]], png: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="one seed per fault")
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"subset of {','.join(FAULTS)}")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--limit-s", type=float, default=300, help="wall-clock limit per launch")
-    ap.add_argument("--out", default="/tmp/piper-chaos")
+    ap.add_argument("--work-dir", default="/tmp/piper-chaos",
+                    help="where the training runs write (a dated folder per invocation)")
     ap.add_argument("--launcher", choices=LAUNCHERS, default="c10d",
                     help="torchrun rendezvous (see LAUNCHERS): static shows the restart bug")
-    args = ap.parse_args()
+    add_output_args(ap, "chaos")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
+    args = ap.parse_args(argv)
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
@@ -446,7 +459,7 @@ def main() -> None:
     if args.steps < 6:
         ap.error(f"--steps={args.steps}: need >= 6 (checkpoints every 3 steps, faults after step 1)")
     seeds = 1 if args.quick else args.seeds
-    base = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    base = Path(args.work_dir) / time.strftime("%Y%m%d-%H%M%S")
     base.mkdir(parents=True)
     LAUNCHER[0] = args.launcher
     from trainer.data import default_corpus_files
@@ -464,7 +477,7 @@ def main() -> None:
           flush=True)
     meta = _meta()
     rows: list[dict[str, Any]] = []
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args)
     for fault in faults:
         for seed in range(seeds):
             row = run_fault(fault, seed, base, args.steps, refs, args.limit_s)
@@ -473,7 +486,7 @@ def main() -> None:
             row.update(meta, steps=args.steps, layout="pp2-ep2", limit_s=args.limit_s,
                        launcher=args.launcher)
             rows.append(row)
-            with open(RESULTS / "chaos.jsonl", "a") as f:
+            with open(out / "chaos.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"{fault:13s} seed {seed}: {row['outcome']:12s} rank {row['rank']!s:4s} step "
                   f"{row['step']:>2} {row['wall_s']:6.1f} s resumed at {row['resumed_at']}  "
@@ -486,9 +499,10 @@ def main() -> None:
                                        for k in kinds) + f"{max(r['wall_s'] for r in mine):>12.1f}")
     n_bad = sum(r["outcome"] in ("FAILED", "not-injected") for r in rows)
     print(f"\n{len(rows)} runs, {n_bad} failed, {time.monotonic() - t0:.0f} s total; rows appended to "
-          f"{RESULTS / 'chaos.jsonl'}")
+          f"{out / 'chaos.jsonl'}")
     if set(faults) == set(FAULTS) and seeds >= 5:  # only a full matrix replaces the picture
-        _plot(rows, RESULTS / f"chaos_{args.launcher}.png")
+        _plot(rows, out / f"chaos_{args.launcher}.png")
+        print_written(out / "chaos.jsonl", out / f"chaos_{args.launcher}.png")
     sys.exit(1 if n_bad else 0)
 
 

@@ -6,7 +6,7 @@
 # 470 s); each step has its own time limit so one hang cannot eat the rest, and a failed step
 # does not stop the later ones. Several GPUs: benchmarks/gpu_check_multi.sh (PP x EP, NCCL).
 #
-#   benchmarks/gpu_check.sh [OUT_DIR]     (default benchmarks/results/gpu-<date>)
+#   benchmarks/gpu_check.sh [OUT_DIR]     (default runs/bench/gpu-<date>, ignored by git)
 #   PRESET=qwen3-30b-a3b PY=python TRAIN_STEPS=30 benchmarks/gpu_check.sh /tmp/run1
 #
 # OUT_DIR gets: env.txt, summary.txt (one line per step with its exit status and seconds),
@@ -16,7 +16,7 @@
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT="${1:-$ROOT/benchmarks/results/gpu-$(date +%Y%m%d-%H%M%S)}"
+OUT="${1:-$ROOT/runs/bench/gpu-$(date +%Y%m%d-%H%M%S)}"
 PRESET="${PRESET:-mixtral-8x7b}"
 TRAIN_STEPS="${TRAIN_STEPS:-30}"
 # shellcheck source=benchmarks/gpu_env.sh

@@ -13,7 +13,7 @@
 # A rank that waits longer than 90 s on a collective or P2P fails the run (a deadlock shows as
 # an error, not a hang). Budget: about 6 minutes (the step limits add up to 420 s).
 #
-#   benchmarks/gpu_check_multi.sh [OUT_DIR]    (default benchmarks/results/gpu-multi-<date>)
+#   benchmarks/gpu_check_multi.sh [OUT_DIR]    (default runs/bench/gpu-multi-<date>, ignored)
 #   STEPS=20 PY=python benchmarks/gpu_check_multi.sh /tmp/multi
 #
 # OUT_DIR gets: env.txt, summary.txt, <step>.log, and one run folder per (layout, dtype) with
@@ -22,7 +22,7 @@
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT="${1:-$ROOT/benchmarks/results/gpu-multi-$(date +%Y%m%d-%H%M%S)}"
+OUT="${1:-$ROOT/runs/bench/gpu-multi-$(date +%Y%m%d-%H%M%S)}"
 STEPS="${STEPS:-20}"
 # shellcheck source=benchmarks/gpu_env.sh
 source "$ROOT/benchmarks/gpu_env.sh"
