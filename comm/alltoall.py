@@ -127,11 +127,12 @@ def plan_all_to_all(
     algorithm = _fixed_algorithm(algorithm, topology, cost_model, world)
     if algorithm == "flat":
         k = len(rows[0])
-        values = exchange_ints([v for d in range(world) for v in (*rows[d], splits[d])],
-                               group, device)
-        got = [values[s * (k + 1):(s + 1) * (k + 1)] for s in range(world)]
+        ints = exchange_ints([v for d in range(world) for v in (*rows[d], splits[d])],
+                             group, device)
+        got = [ints[s * (k + 1):(s + 1) * (k + 1)] for s in range(world)]
         plan = AllToAllPlan(tuple(splits), tuple(g[k] for g in got), "flat")
         return plan, [g[:k] for g in got]
+    assert topology is not None, "_fixed_algorithm returns 'flat' without a topology"
     values = _exchange_matrix(splits, group, algorithm, topology, cost_model, rows, device,
                               torch.int64)
     return settle_plan(values, splits, len(rows[0]), dist.get_rank(group), algorithm,
@@ -166,7 +167,8 @@ def settle_plan(
     # 2-15 ms at R = 1024, in fresh pages, more than the model and the plans read of it)
     S = SplitPlans(V[:, k:k + world], topology, _checked=True)
     if choice is None:
-        choice = choose_algorithm(S.matrix, row_bytes, topology, model)  # type: ignore[arg-type]
+        assert model is not None, "choice is None only for auto, which has a model (above)"
+        choice = choose_algorithm(S.matrix, row_bytes, topology, model)
     plan = AllToAllPlan(tuple(in_splits), tuple(S.matrix[:, rank].tolist()), choice, S,
                         requested, topology, model, row_bytes)
     return plan, V[:, :k].tolist()
@@ -216,6 +218,7 @@ def all_to_all(
     if x.shape[0] >= 2**31:  # every value sent is at most the rows of x
         raise ValueError(f"x has {x.shape[0]} rows; algorithm={algorithm!r} handles < 2**31")
     row_bytes = x.element_size() * _row_numel(x)
+    assert topology is not None, "_fixed_algorithm returns 'flat' without a topology"
     # int32 halves the bytes of this exchange, which runs before every call's rows.
     values = _exchange_matrix(splits, group, algorithm, topology, cost_model, None,
                               _split_device(x.device, group), torch.int32)
@@ -307,7 +310,7 @@ def _exchange_matrix(
     values = halo_gather_array(mine, group, topology, device, dtype) \
         if algorithm == "halo" and not k else None
     if values is None:
-        if k:
+        if payload is not None and k:
             send = np.empty((world, k + len(mine)), dtype=np.int64)
             send[:, :k] = payload
             send[:, k:] = mine

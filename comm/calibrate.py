@@ -27,6 +27,7 @@ measured on the machine at hand; the corrections hold what those few numbers mis
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections import deque
@@ -252,21 +253,18 @@ def calibrate(
     # flat rate came out up to 18 % off and `auto` ran flat where HALO was 6-17 % faster. A
     # 12 ms exchange of 8 ranks on 2 cores spreads over +-40 %: 15 repeats of the one-row
     # exchange once made `auto` pick HALO where it was 13 % slower.
-    timed = {"min_time_s": min_time_s, "max_repeats": max(repeats, small_repeats, max_repeats)}
-    measured = {1: time_algorithms(group, topo, small, row_numel, repeats=small_repeats,
-                                   **timed)}
+    timed = functools.partial(time_algorithms, min_time_s=min_time_s,
+                              max_repeats=max(repeats, small_repeats, max_repeats))
+    measured = {1: timed(group, topo, small, row_numel, repeats=small_repeats)}
     alpha = measured[1]["flat"] / (R - 1)
     fitted = dataclasses.replace(base, alpha_net=alpha, alpha_local=alpha, halo_overhead_s=0.0)
 
     rows = large_rows
-    measured[rows] = time_algorithms(group, topo, _uniform(R, rows), row_numel, repeats=repeats,
-                                     **timed)
+    measured[rows] = timed(group, topo, _uniform(R, rows), row_numel, repeats=repeats)
     while measured[rows]["halo"] < 5 * measured[1]["halo"] and rows * 4 <= max_rows:
         rows *= 4
-        measured[rows] = time_algorithms(group, topo, _uniform(R, rows), row_numel,
-                                         repeats=repeats, **timed)
-    measured[2 * rows] = time_algorithms(group, topo, _uniform(R, 2 * rows), row_numel,
-                                         repeats=repeats, **timed)
+        measured[rows] = timed(group, topo, _uniform(R, rows), row_numel, repeats=repeats)
+    measured[2 * rows] = timed(group, topo, _uniform(R, 2 * rows), row_numel, repeats=repeats)
     t_a, t_b = measured[rows]["halo"], measured[2 * rows]["halo"]
     f_a, f_b = measured[rows]["flat"], measured[2 * rows]["flat"]
 
@@ -277,8 +275,8 @@ def calibrate(
         # loopback TCP hop is far slower than the 1 GB/s default and decides flat vs HALO.
         node = topo.rank2node
         local = [[1 if node[s] == node[d] else 0 for d in range(R)] for s in range(R)]
-        l_a, l_b = (time_algorithms(group, topo, [[v * n for v in r] for r in local],
-                                    row_numel, ("flat",), repeats, **timed)["flat"]
+        l_a, l_b = (timed(group, topo, [[v * n for v in r] for r in local],
+                          row_numel, ("flat",), repeats)["flat"]
                     for n in (rows, 2 * rows))
         per_rank = (G - 1) * rows * row_bytes
         if l_b > l_a:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import math
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -80,9 +80,9 @@ class CostModel(Rates):
                         compare=False)
 
     @classmethod
-    def for_backend(cls, backend: str, **overrides: float) -> CostModel:
+    def for_backend(cls, backend: str, **overrides: Any) -> CostModel:
         """The backend's flags (gloo's flat collective is pairwise) on the placeholder link
-        rates unless `overrides` sets them.
+        rates unless `overrides` (any CostModel fields: rates, flags, `source`) sets them.
 
         gloo's all_to_all_single walks the peers one step at a time (send to rank+i, receive
         from rank-i, wait) and its TCP pairs serialise the two directions of an exchange, so
@@ -198,7 +198,9 @@ def _reference_flat_pairwise(
     node, nic, R = topo.rank2node, topo.rank2nic, topo.world_size
     total = 0.0
     for i in range(1, R):
-        rank_t, out, inn = 0.0, {}, {}
+        rank_t = 0.0
+        out: dict[tuple[int, int], float] = {}
+        inn: dict[tuple[int, int], float] = {}
         for s in range(R):
             d, src = (s + i) % R, (s - i) % R
             t = 0.0
@@ -365,7 +367,7 @@ def _blocked_facts(topo: Topology, relay: np.ndarray) -> _Blocked | None:
     return _Blocked(G) if np.array_equal(relay, rail) else None
 
 
-def _bytes(S: list[list[int]], row_bytes: int) -> np.ndarray:
+def _bytes(S: list[list[int]] | np.ndarray, row_bytes: int) -> np.ndarray:
     return np.asarray(S, dtype=np.float64) * row_bytes  # B[s, d] bytes
 
 
@@ -672,7 +674,7 @@ def row_summary(row: list[int], rank: int, topo: Topology) -> list[int]:
 
 
 def summary_bracket(
-    values: list[int], offset: int, stride: int, row_bytes: int, topo: Topology,
+    values: Sequence[int] | np.ndarray, offset: int, stride: int, row_bytes: int, topo: Topology,
     model: CostModel,
 ) -> tuple[float, float, float, float]:
     """(flat, HALO at least, HALO at most, busiest-NIC bytes) from the rows' summaries:
@@ -718,7 +720,7 @@ def summary_bracket(
 
 
 def decide_from_summaries(
-    values: list[int], offset: int, stride: int, row_bytes: int, topo: Topology,
+    values: Sequence[int] | np.ndarray, offset: int, stride: int, row_bytes: int, topo: Topology,
     model: CostModel,
 ) -> str | None:
     """"flat" / "halo" where `summary_bracket` decides (then it is what `choose_algorithm`

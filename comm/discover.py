@@ -109,23 +109,24 @@ def _group_nodes(records: list[dict[str, Any]]) -> list[list[int]]:
         for r, rec in enumerate(records)
     ]
     nodes: dict[tuple[Any, ...], list[int]] = {}
-    for r, key in enumerate(keys):
-        nodes.setdefault(key, []).append(r)
+    for r, node_key in enumerate(keys):
+        nodes.setdefault(node_key, []).append(r)
     return list(nodes.values())
 
 
 def _local_order(records: list[dict[str, Any]], ranks: list[int]) -> list[int]:
     """The node's ranks in local-index order, cross-checked against the launcher."""
     for key in ("LOCAL_WORLD_SIZE",):
-        sizes = {_int_env(records[r], key, r) for r in ranks} - {None}
+        sizes = {v for r in ranks if (v := _int_env(records[r], key, r)) is not None}
         if sizes and sizes != {len(ranks)}:
             raise ValueError(
                 f"{key}={sorted(sizes)} but ranks {ranks} share host "
                 f"{records[ranks[0]]['hostname']!r}; the launcher and the hosts disagree"
             )
     for key in ("LOCAL_RANK", "SLURM_LOCALID"):
-        values = [_int_env(records[r], key, r) for r in ranks]
-        if None in values:
+        found = [_int_env(records[r], key, r) for r in ranks]
+        values = [v for v in found if v is not None]
+        if len(values) < len(found):
             continue
         if sorted(values) != list(range(len(ranks))):
             raise ValueError(

@@ -15,6 +15,7 @@ lists swapped, so gradients flow back to the rows that produced them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -135,8 +136,8 @@ class FlatAllToAll(torch.autograd.Function):
     """y = all_to_all_single(x); dx = all_to_all_single(dy) with the splits swapped."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,
         x: torch.Tensor,
         in_splits: list[int],
         out_splits: list[int],
@@ -148,8 +149,8 @@ class FlatAllToAll(torch.autograd.Function):
         return _exchange_rows(x, in_splits, out_splits, group)
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, grad_y: torch.Tensor
+    def backward(
+        ctx: Any, grad_y: torch.Tensor
     ) -> tuple[torch.Tensor, None, None, None]:
         grad_x = _exchange_rows(grad_y, ctx.out_splits, ctx.in_splits, ctx.group)
         return grad_x, None, None, None

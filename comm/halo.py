@@ -25,12 +25,13 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from comm.halo_plan import Message, RankPlan, SplitPlans
+from comm.halo_plan import Message, RankPlan, Segment, SplitPlans
 from comm.topology import Topology
 
 __all__ = [
@@ -75,7 +76,10 @@ class _Poster:
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
-        self.pg = dist.group.WORLD if group is None else group
+        pg = dist.group.WORLD if group is None else group
+        if pg is None:  # torch types WORLD as optional: None before init_process_group
+            raise RuntimeError("HALO needs torch.distributed initialised (init_process_group)")
+        self.pg: dist.ProcessGroup = pg
         self.gloo = dist.get_backend(group) == dist.Backend.GLOO
         self.ranks = None if self.gloo or group is None or group is dist.group.WORLD \
             else dist.get_process_group_ranks(group)
@@ -137,17 +141,17 @@ def halo_exchange(
     n_intra, n_inter = len(intra), len(inter)
     if pipelined:
         assert len(works) == len(first) + len(sends), "gloo returns one Work per op"
-        by_source: dict[int, list] = {}
+        by_source: dict[int, list[Message]] = {}
         for m in plan.relay_sends:
             by_source.setdefault(m.source, []).append(m)
         # The relay's own rows of each source: its phase II message holds them (messages
         # lie in the stage buffer in ascending source and offset order).
         landing = sorted((m.segments[0][0], m.peer) for m in plan.inter_recvs)
         starts = [start for start, _ in landing]
-        copies: dict[int, list] = {}
-        for (src, n), dst in plan.stage_copies:
+        copies: dict[int, list[tuple[Segment, Segment]]] = {}
+        for (src, n), dst_seg in plan.stage_copies:
             source = landing[bisect.bisect_right(starts, src) - 1][1]
-            copies.setdefault(source, []).append(((src, n), dst))
+            copies.setdefault(source, []).append(((src, n), dst_seg))
         # A gloo Work must be waited exactly once (a second wait on a receive blocks for a
         # new message), so the awaited ones leave the pending list.
         pending = works[:n_intra] + works[n_intra + n_inter :]
@@ -163,9 +167,9 @@ def halo_exchange(
     else:
         for w in works:
             w.wait()
-        out = plan.relay_sends  # per peer ascending source, as the peer posts its receives
-        works = poster.run(relay, [(_pack(stage, m), m.peer) for m in out],
-                           [_TAG_RELAY] * (len(relay) + len(out)))
+        relay_out = plan.relay_sends  # per peer ascending source, as the peer posts its receives
+        works = poster.run(relay, [(_pack(stage, m), m.peer) for m in relay_out],
+                           [_TAG_RELAY] * (len(relay) + len(relay_out)))
         for (src, n), (dst, _) in plan.stage_copies:
             y.narrow(0, dst, n).copy_(stage.narrow(0, src, n))
     for w in works:
@@ -263,8 +267,8 @@ class HaloAllToAll(torch.autograd.Function):
     one `SplitPlans`, which builds each at most once (and shares them with the reverse)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,
         x: torch.Tensor,
         splits: SplitPlans,
         rank: int,
@@ -274,8 +278,8 @@ class HaloAllToAll(torch.autograd.Function):
         return halo_exchange(x, splits.rank_plan(rank), group)
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, grad_y: torch.Tensor
+    def backward(
+        ctx: Any, grad_y: torch.Tensor
     ) -> tuple[torch.Tensor, None, None, None]:
         plan = ctx.splits.transposed().rank_plan(ctx.rank)
         return halo_exchange(grad_y, plan, ctx.group), None, None, None

@@ -174,7 +174,8 @@ class SplitPlans:
     def __init__(self, S: Sequence[Sequence[int]] | np.ndarray, topo: Topology,
                  _checked: bool = False) -> None:
         if _checked:  # internal: an integer array (or view) of rows validated at the source
-            M = S  # type: ignore[assignment]
+            assert isinstance(S, np.ndarray), "_checked matrices come from settle_plan"
+            M = S
             M.flags.writeable = False
         else:
             M = _as_matrix(S, topo)
@@ -287,7 +288,8 @@ def _rank_plan(M: np.ndarray, topo: Topology, me: int) -> RankPlan:
     if relayed:
         block = M[np.ix_(relayed, mine)].astype(np.int64)  # [sources I relay, mine]
         flat = block.reshape(-1)
-        at = (np.cumsum(flat) - flat).reshape(block.shape)  # stage row of each block entry
+        # stage row of each block entry (annotated: numpy's stubs type reshape(shape) 0-d)
+        at: np.ndarray = (np.cumsum(flat) - flat).reshape(block.shape)
         stage_rows = int(flat.sum())
         for s, first, n in zip(relayed, at[:, 0].tolist(), block.sum(axis=1).tolist(),
                                strict=True):

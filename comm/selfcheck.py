@@ -59,6 +59,8 @@ def check_all_to_all(group: dist.ProcessGroup | None, topo: Topology, seed: int 
             y, _ = all_to_all(x, S[rank], group, algorithm, topology=topo,
                               cost_model=CostModel.emulator())
             (y * ws[rank]).sum().backward()
+            if x.grad is None:
+                raise AssertionError(f"{algorithm} on {name}: no gradient reached the input")
             if not torch.equal(y, y_ref) or not torch.equal(x.grad, dx_ref):
                 raise AssertionError(f"{algorithm} differs from all_to_all_single on {name}")
             passed.append(f"{name}/{algorithm}")

@@ -108,6 +108,7 @@ def run_case(build: Callable[..., Network], net: Network, nodes: int, placement:
     res = simulate(sim_net, traffic, sim_r2g, message_overhead=message_overhead,
                    message_gap=message_gap)
     sent = bytes_per_pair * (R - 1)
+    assert traffic.mult is not None, "Traffic.__post_init__ fills it"
     return Case(net.name.split("-")[0], nodes, R, placement, algo, bytes_per_pair, nonminimal,
                 message_gap, message_overhead, res.time,
                 sent / res.time / 1e9 if res.time > 0 else float("inf"), res.phase_end,

@@ -81,8 +81,8 @@ class Traffic:
             raise ValueError(f"phase ids must be in 0..{P - 1}, got {np.unique(self.phase)}")
         if F and (self.nbytes.min() < 0 or min(self.src.min(), self.dst.min()) < 0):
             raise ValueError("nbytes and rank ids must be >= 0")
-        if F and self.mult.min() < 0:
-            raise ValueError(f"mult must be >= 0, got min {self.mult.min()}")
+        if F and m.min() < 0:
+            raise ValueError(f"mult must be >= 0, got min {m.min()}")
 
     @property
     def num_ranks(self) -> int:
@@ -121,6 +121,7 @@ class SimResult:
 def _classes(net: Network, tr: Traffic, gsrc: np.ndarray, gdst: np.ndarray, keep: np.ndarray,
              key_src: np.ndarray, key_dst: np.ndarray, n_msgs: np.ndarray):
     """Aggregate the kept flows into classes; returns per-class arrays and flow -> class."""
+    assert tr.mult is not None and tr.remote is not None, "Traffic.__post_init__ fills them"
     routes = net.route(gsrc[keep], gdst[keep], tr.remote[keep])
     k_src = np.where(key_src[tr.phase[keep]], tr.src[keep], -1)
     k_dst = np.where(key_dst[tr.phase[keep]], tr.dst[keep], -1)
@@ -179,6 +180,7 @@ def simulate(
                          f"{message_overhead}, {message_gap}")
     rank2gpu = np.asarray(rank2gpu, dtype=np.int64)
     tr = traffic
+    assert tr.mult is not None and tr.remote is not None, "Traffic.__post_init__ fills them"
     R, P = len(rank2gpu), len(tr.phases)
     if tr.num_ranks > R:
         raise ValueError(f"traffic uses ranks up to {tr.num_ranks - 1} but rank2gpu has {R}")

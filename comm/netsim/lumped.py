@@ -76,7 +76,8 @@ def lumped_all_to_all(
                                                      np.arange(g), indexing="ij"))
         parts = [(*intra, 0, False),
                  (i * g + l, j * g + m, np.full(len(i), b), pair[i, j], 0, True)]
-        phases, deps = ("all",), ((),)
+        phases: tuple[str, ...] = ("all",)
+        deps: tuple[tuple[int, ...], ...] = ((),)
     else:
         parts = [(*intra, 0, False)]
         if n > 1:

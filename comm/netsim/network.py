@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -286,10 +287,15 @@ class NetworkBuilder:
         self.seg_links.append((links, fracs))
         return len(self.seg_links) - 1
 
-    def build(self, **fields: object) -> Network:
+    def build(self, **fields: Any) -> Network:
+        """The Network of the links and segments so far; `fields` are its other fields."""
         cols = [np.concatenate([c[i] for c in self._chunks]) if self._chunks else np.zeros(0)
                 for i in range(4)]
         lengths = [len(ls) for ls, _ in self.seg_links]
+        # id lists become int64 arrays; the rest (fabric_paths, nodes_per_group) as given
+        extra: dict[str, Any] = {
+            k: (np.asarray(v, dtype=np.int64) if isinstance(v, (list, np.ndarray)) else v)
+            for k, v in fields.items()}
         seg_ptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         return Network(
             name=self.name,
@@ -301,6 +307,5 @@ class NetworkBuilder:
             seg_ptr=seg_ptr,
             seg_link=np.concatenate([ls for ls, _ in self.seg_links]).astype(np.int64),
             seg_frac=np.concatenate([fs for _, fs in self.seg_links]).astype(np.float64),
-            **{k: (np.asarray(v, dtype=np.int64) if isinstance(v, (list, np.ndarray)) else v)
-               for k, v in fields.items()},
+            **extra,
         )

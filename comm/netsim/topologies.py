@@ -114,7 +114,7 @@ def _dragonfly_wire(b: NetworkBuilder, sw: list[int], groups: int, nonminimal: f
     def intra(g: int, la: int, lc: int) -> list[RoutePath]:
         mids = [u for u in range(S) if u not in (la, lc)]
         f = len(mids) / (len(mids) + 1) if balanced else float(nonminimal)
-        out = [((int(local[g, la, lc]),), 1.0 - f)]
+        out: list[RoutePath] = [((int(local[g, la, lc]),), 1.0 - f)]
         out += [(hop(g, la, u) + hop(g, u, lc), f / len(mids)) for u in mids]
         return [p for p in out if p[1] > 0]
 
@@ -136,7 +136,7 @@ def _dragonfly_wire(b: NetworkBuilder, sw: list[int], groups: int, nonminimal: f
     def core(A: int, B: int) -> list[RoutePath]:
         """Global links (and the hop across the intermediate group) from A to B."""
         vias, m, v = shares(A, B)
-        out = [((int(glink[A, B, i]),), m) for i in range(H)]
+        out: list[RoutePath] = [((int(glink[A, B, i]),), m) for i in range(H)]
         out += [((int(glink[A, C, i]),) + hop(C, gate[C, A, i], gate[C, B, i])
                  + (int(glink[C, B, i]),), v) for C in vias for i in range(H)]
         return [p for p in out if p[1] > 0]
@@ -236,6 +236,7 @@ def emulator(
     def wire(b: NetworkBuilder, sw: list[int]) -> FabricPaths:
         if groups == 1:
             return lambda a, c: []  # one bridge: no switch-to-switch hop
+        assert global_mbit is not None, "checked above: groups > 1 needs global_mbit"
         bw = float(global_mbit) * 1e6 / 8
         up = [b.link(sw[k], sw[groups], bw, link_latency) for k in range(groups)]
         dn = [b.link(sw[groups], sw[k], bw, link_latency) for k in range(groups)]
