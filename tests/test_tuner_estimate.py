@@ -149,12 +149,14 @@ def test_alltoall_count_per_step():
 
 
 def test_chunks_and_bad_inputs():
-    assert chunk_layers(61, 4, 1)[0] == list(range(16))
-    assert [len(c) for c in chunk_layers(10, 2, 2)] == [3, 3, 2, 2]
+    # the trainer's split (trainer.layout.stage_layers): the middle stages take the remainder
+    assert [len(c) for c in chunk_layers(61, 4, 1)] == [15, 16, 15, 15]
+    assert chunk_layers(61, 4, 1)[1] == list(range(15, 31))
+    assert [len(c) for c in chunk_layers(10, 2, 2)] == [2, 3, 3, 2]
     cfg = _mha()
     with pytest.raises(ValueError, match="ep=3 does not divide 8 experts"):
         estimate(cfg, ParallelPlan(pp=1, ep=3, dp=1, microbatches=1, global_batch=3, seq_len=8), PF)
-    with pytest.raises(ValueError, match="exceeds the 4 layers"):
+    with pytest.raises(ValueError, match="exceed the model's 4 layers"):
         estimate(cfg, ParallelPlan(pp=8, ep=1, dp=1, microbatches=1, global_batch=8, seq_len=8), PF)
     with pytest.raises(ValueError, match="n_virtual"):
         ParallelPlan(pp=2, ep=1, dp=1, microbatches=2, global_batch=8, seq_len=8, n_virtual=2)

@@ -1,21 +1,19 @@
-"""The one object that owns rank arithmetic: a PP x DP x EP mesh.
+"""The run's process groups, built from its `trainer.layout.Layout`.
 
-Rank layout (R = world size), by EP placement (the same two as `tuner.comms`):
+`trainer.layout` owns the rank arithmetic (coordinates, the rank of a coordinate, who belongs
+to which group, for the "local" and "spread" EP placements) as pure functions that the
+planner uses too; this module asks it and creates the `torch.distributed` groups:
 
-    local  (default)  rank = (pp_idx * dp + dp_idx) * ep + ep_idx      EP innermost
-    spread            rank = (ep_idx * pp + pp_idx) * dp + dp_idx      EP outermost
-
-With "local" the EP group of a rank is a block of `ep` consecutive ranks (consecutive ranks
-share a node under torchrun, which keeps the all-to-all inside a node when ep <= GPUs per
-node), and the DP replicas of one expert shard are `ep` ranks apart. With "spread" the EP group
-takes one rank from each of `ep` blocks of pp * dp ranks, so it spans nodes, while the pipeline
-and DP neighbours sit close together.
-
-Groups (each a `torch.distributed` process group, or None when it has one member):
     ep_group     ranks of the same (pp, dp): the all-to-all of MoE dispatch, expert migration
     dp_group     ranks of the same (pp, ep): expert gradients are averaged here
     stage_group  ranks of the same pp stage (dp x ep): non-expert gradients are averaged here
     pp_group     ranks of the same (dp, ep): pipeline point-to-point
+
+The trainer runs tp = cp = etp = 1 (`Layout` describes more for the planner; see
+`trainer.layout.not_runnable_because`); with those the layout is PP x DP x EP:
+
+    local  (default)  rank = (pp_idx * dp + dp_idx) * ep + ep_idx      EP innermost
+    spread            rank = (ep_idx * pp + pp_idx) * dp + dp_idx      EP outermost
 """
 
 from __future__ import annotations
@@ -25,62 +23,53 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from .layout import EP_PLACEMENTS, Layout, LayoutError, divisors
+
 __all__ = ["Mesh", "MeshError", "valid_divisors", "EP_PLACEMENTS"]
 
-EP_PLACEMENTS = ("local", "spread")
+MeshError = LayoutError  # the requested parallel layout cannot be built; the message says why
+valid_divisors = divisors
 
-
-class MeshError(ValueError):
-    """The requested parallel layout cannot be built; the message says what would work."""
-
-
-def valid_divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+_KINDS = ("ep", "dp", "stage", "pp")  # the groups the trainer creates, in creation order
 
 
 @dataclass
 class Mesh:
-    world_size: int
+    layout: Layout
     rank: int
-    pp: int
-    dp: int
-    ep: int
-    placement: str = "local"
     groups: dict[str, object] = field(default_factory=dict, repr=False)
 
     @staticmethod
     def plan(world_size: int, rank: int, pp: int, ep: int, dp: int = 0,
              placement: str = "local") -> Mesh:
         """Validate the degrees against the world size (no process groups are created)."""
-        if placement not in EP_PLACEMENTS:
-            raise MeshError(f"parallel.ep_placement={placement!r}; valid: {', '.join(EP_PLACEMENTS)}")
-        for name, v in (("pp", pp), ("ep", ep)):
-            if v < 1:
-                raise MeshError(f"{name}={v} must be >= 1")
-        if dp < 0:
-            raise MeshError(f"dp={dp} must be >= 1 (or 0 to infer it from the world size)")
-        if dp == 0:
-            if world_size % (pp * ep):
-                raise MeshError(
-                    f"world size {world_size} is not divisible by pp={pp} x ep={ep} = {pp * ep}; "
-                    f"launch a multiple of {pp * ep} processes, or pick pp x ep among the "
-                    f"divisors of {world_size}: {valid_divisors(world_size)}"
-                )
-            dp = world_size // (pp * ep)
-        if pp * dp * ep != world_size:
-            raise MeshError(
-                f"world size {world_size} does not match the mesh pp={pp} x dp={dp} x ep={ep} = "
-                f"{pp * dp * ep}; launch {pp * dp * ep} processes (torchrun --nproc-per-node "
-                f"{pp * dp * ep}) or set --parallel.dp=0 to infer dp"
-            )
-        return Mesh(world_size=world_size, rank=rank, pp=pp, dp=dp, ep=ep, placement=placement)
+        return Mesh(Layout.infer(world_size, pp=pp, ep=ep, dp=dp, placement=placement), rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
+    def placement(self) -> str:
+        return self.layout.placement
 
     # coordinates ---------------------------------------------------------------------------
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(pp_idx, dp_idx, ep_idx) of `rank`; the inverse of `rank_of`."""
-        if self.placement == "local":
-            return rank // (self.dp * self.ep), (rank // self.ep) % self.dp, rank % self.ep
-        return (rank // self.dp) % self.pp, rank % self.dp, rank // (self.pp * self.dp)
+        c = self.layout.coords(rank)
+        return c.pp, c.dp, c.ep
 
     @property
     def pp_idx(self) -> int:
@@ -97,28 +86,26 @@ class Mesh:
     @property
     def data_idx(self) -> int:
         """Index of this rank's data shard: every rank of a stage reads different sequences."""
-        return self.dp_idx * self.ep + self.ep_idx
+        return self.layout.data_idx(self.rank)
 
     @property
     def n_data_shards(self) -> int:
-        return self.dp * self.ep
+        return self.layout.n_data_shards
 
     def rank_of(self, pp_idx: int, dp_idx: int, ep_idx: int) -> int:
-        if self.placement == "local":
-            return (pp_idx * self.dp + dp_idx) * self.ep + ep_idx
-        return (ep_idx * self.pp + pp_idx) * self.dp + dp_idx
+        return self.layout.rank_of(pp=pp_idx, dp=dp_idx, ep=ep_idx)
 
     def ep_ranks(self) -> list[int]:
-        return [self.rank_of(self.pp_idx, self.dp_idx, e) for e in range(self.ep)]
+        return self.layout.group("ep", self.rank)
 
     def dp_ranks(self) -> list[int]:
-        return [self.rank_of(self.pp_idx, d, self.ep_idx) for d in range(self.dp)]
+        return self.layout.group("dp", self.rank)
 
     def stage_ranks(self) -> list[int]:
-        return [self.rank_of(self.pp_idx, d, e) for d in range(self.dp) for e in range(self.ep)]
+        return self.layout.group("stage", self.rank)
 
     def pp_ranks(self) -> list[int]:
-        return [self.rank_of(p, self.dp_idx, self.ep_idx) for p in range(self.pp)]
+        return self.layout.group("pp", self.rank)
 
     # process groups ---------------------------------------------------------------------------
     def build_groups(self, timeout: timedelta | None = None) -> Mesh:
@@ -127,21 +114,11 @@ class Mesh:
         `timeout`: how long an operation on these groups may wait before failing (hang
         detection); None = torch's default."""
         if self.world_size == 1 or not dist.is_initialized():
-            self.groups = {k: None for k in ("ep", "dp", "stage", "pp")}
+            self.groups = dict.fromkeys(_KINDS)
             return self
-        layouts = {
-            "ep": [[self.rank_of(p, d, e) for e in range(self.ep)]
-                   for p in range(self.pp) for d in range(self.dp)],
-            "dp": [[self.rank_of(p, d, e) for d in range(self.dp)]
-                   for p in range(self.pp) for e in range(self.ep)],
-            "stage": [[self.rank_of(p, d, e) for d in range(self.dp) for e in range(self.ep)]
-                      for p in range(self.pp)],
-            "pp": [[self.rank_of(p, d, e) for p in range(self.pp)]
-                   for d in range(self.dp) for e in range(self.ep)],
-        }
-        for kind, lists in layouts.items():
+        for kind in _KINDS:
             mine = None
-            for ranks in lists:
+            for ranks in self.layout.groups(kind):
                 # new_group must be called by every rank for every group, even non-members.
                 g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:

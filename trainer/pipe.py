@@ -22,40 +22,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConfigError
+from .layout import LayoutError, stage_bounds, stage_rank
 
 __all__ = ["split_layers", "RemovedLayer", "Stage", "build_stages", "pp_eval_forward"]
 
 
 def split_layers(n_layers: int, n_stages: int, spec: str = "") -> list[int]:
-    """Stage boundaries [0, ..., n_layers] (len n_stages + 1).
-
-    `spec` = comma-separated layer counts per stage ("3,5"); default: as even as possible,
-    earlier stages getting the remainder last (stage 0 also holds the embedding, the last stage
-    the head, so they get no extra layer when the split is uneven).
-    """
-    if spec:
-        try:
-            counts = [int(c) for c in spec.split(",")]
-        except ValueError:
-            raise ConfigError(f"parallel.layer_split={spec!r}: expected comma-separated integers") from None
-        if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 1:
-            raise ConfigError(
-                f"parallel.layer_split={spec!r}: need {n_stages} positive counts (pp x n_virtual) "
-                f"summing to n_layers={n_layers}")
-    else:
-        if n_stages > n_layers:
-            raise ConfigError(f"{n_stages} pipeline stages (pp x n_virtual) exceed the model's "
-                              f"{n_layers} layers; use pp x n_virtual <= {n_layers}")
-        base, extra = divmod(n_layers, n_stages)
-        # middle stages take the remainder: the first and last already carry embedding / head
-        order = list(range(1, n_stages - 1)) + [0, n_stages - 1] if n_stages > 2 else list(range(n_stages))
-        counts = [base] * n_stages
-        for s in order[:extra]:
-            counts[s] += 1
-    bounds = [0]
-    for c in counts:
-        bounds.append(bounds[-1] + c)
-    return bounds
+    """Stage boundaries [0, ..., n_layers] (len n_stages + 1): `trainer.layout.stage_bounds`,
+    the one stage split (the planner's too). `spec` = `parallel.layer_split`, comma-separated
+    layer counts per stage ("3,5"); default: as even as possible, the middle stages taking the
+    remainder (stage 0 also holds the embedding, the last stage the head)."""
+    try:
+        return stage_bounds(n_layers, n_stages, spec)
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
 
 
 class RemovedLayer(nn.Module):
@@ -117,7 +97,7 @@ def build_stages(model: nn.Module, pp: int, pp_idx: int, n_virtual: int, bounds:
                  autocast: bool = False) -> dict[int, Stage]:
     """Keep this rank's stages; strip every other layer and the unused embedding / head."""
     S = pp * n_virtual
-    mine = [s for s in range(S) if s % pp == pp_idx]
+    mine = [s for s in range(S) if stage_rank(s, pp) == pp_idx]
     stages = {s: Stage(model, bounds[s], bounds[s + 1], s == 0, s == S - 1, autocast) for s in mine}
     owned = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
     for i in range(len(model.layers)):
@@ -150,14 +130,14 @@ def pp_eval_forward(stages: dict[int, Stage], pp: int, n_stages: int, pp_ranks: 
     """Forward one batch through all stages in order with blocking P2P; CE on the last stage."""
     x = tokens
     for s in range(n_stages):
-        r = s % pp
+        r = stage_rank(s, pp)
         if s in stages:
-            if s > 0 and (s - 1) % pp != r:
+            if s > 0 and stage_rank(s - 1, pp) != r:
                 x = torch.empty(act_shape, dtype=stages[s].boundary_dtype, device=device)
-                dist.recv(x, src=pp_ranks[(s - 1) % pp])
+                dist.recv(x, src=pp_ranks[stage_rank(s - 1, pp)])
             x = stages[s](x)
-            if s < n_stages - 1 and (s + 1) % pp != r:
-                dist.send(x.contiguous(), dst=pp_ranks[(s + 1) % pp])
+            if s < n_stages - 1 and stage_rank(s + 1, pp) != r:
+                dist.send(x.contiguous(), dst=pp_ranks[stage_rank(s + 1, pp)])
     if n_stages - 1 in stages:
         return float(ce_loss(x, targets))
     return None

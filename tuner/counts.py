@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from model import ModelConfig
+from trainer.layout import stage_layers
 
 __all__ = [
     "LayerCounts",
@@ -182,19 +183,8 @@ def head_params(cfg: ModelConfig) -> tuple[int, int]:
     return V * D, D + V * D
 
 
-def chunk_layers(n_layers: int, pp: int, n_virtual: int) -> list[list[int]]:
-    """Layers of each stage (chunk) s = 0..PP*v-1, contiguous and as even as possible; the
-    first `n_layers % S` chunks take one extra layer. Chunk s runs on rank s % PP."""
-    S = pp * n_virtual
-    if S > n_layers:
-        raise ValueError(
-            f"pp={pp} x n_virtual={n_virtual} = {S} stages exceeds the {n_layers} layers; "
-            f"valid: pp x n_virtual <= {n_layers}"
-        )
-    base, extra = divmod(n_layers, S)
-    out, start = [], 0
-    for s in range(S):
-        n = base + (1 if s < extra else 0)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
+def chunk_layers(n_layers: int, pp: int, n_virtual: int, spec: str = "") -> list[list[int]]:
+    """Layers of each stage (chunk) s = 0..PP*v-1: the trainer's split,
+    `trainer.layout.stage_layers` (contiguous, as even as possible, the middle stages taking the
+    remainder; `spec` = `parallel.layer_split`). Chunk s runs on rank s % PP."""
+    return stage_layers(n_layers, pp, n_virtual, spec)
