@@ -267,8 +267,9 @@ def problem_key(op: str, dtype: torch.dtype, N: int, K: int, E: int) -> str:
 
 
 def default_cache_path() -> Path:
-    if settings().cache_path:
-        return Path(settings().cache_path)
+    cache_path = settings().cache_path
+    if cache_path:
+        return Path(cache_path)
     root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(root) / "piper-moe" / "kernels-autotune.json"
 

@@ -18,6 +18,10 @@ and under ``TRITON_INTERPRET=1``; the measured-fastest torch path on CPU (``_cpu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
 import torch
 
 from kernels._backend import resolve_backend
@@ -75,15 +79,16 @@ def _check(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> Non
             )
 
 
-def _impl(backend: str):  # -> module with gmm, gmm_dx, gmm_dw
+def _impl(backend: str) -> ModuleType:
+    """The module with gmm, gmm_dx, gmm_dw (imported on use: the Triton one needs triton)."""
     if backend == "triton":
-        from kernels import _grouped_gemm_triton as impl
-    else:
-        from kernels import _cpu as impl
-    return impl
+        from kernels import _grouped_gemm_triton
+        return _grouped_gemm_triton
+    from kernels import _cpu
+    return _cpu
 
 
-def _engine_needs(ctx, i: int) -> bool:
+def _engine_needs(ctx: Any, i: int) -> bool:
     """Whether the running backward pass needs the gradient of input `i`.
 
     `ctx.needs_input_grad` only says whether input `i` requires grad. A pass that asks for
@@ -102,7 +107,8 @@ def _engine_needs(ctx, i: int) -> bool:
         return True
 
 
-def _with_config(fn, configs: dict | None, op: str):
+def _with_config(fn: Callable[..., torch.Tensor], configs: dict | None, op: str
+                 ) -> Callable[..., torch.Tensor]:
     """``fn`` with ``config=`` bound when an explicit launch config was asked for ``op``."""
     cfg = (configs or {}).get(op)
     return fn if cfg is None else (lambda *a: fn(*a, config=cfg))
@@ -110,14 +116,16 @@ def _with_config(fn, configs: dict | None, op: str):
 
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK, w_EKN, offs_E, backend, configs):  # type: ignore[override]
+    def forward(ctx: Any, x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor,
+                backend: str, configs: dict | None) -> torch.Tensor:
         ctx.save_for_backward(x_MK, w_EKN, offs_E)
         ctx.backend = backend
         ctx.configs = configs
         return _with_config(_impl(backend).gmm, configs, "fwd")(x_MK, w_EKN, offs_E)
 
     @staticmethod
-    def backward(ctx, dy_MN):  # type: ignore[override]
+    def backward(ctx: Any, dy_MN: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         x_MK, w_EKN, offs_E = ctx.saved_tensors
         impl = _impl(ctx.backend)
         dy_MN = dy_MN.contiguous()

@@ -20,6 +20,8 @@ S = T*k token copies in expert order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -116,23 +118,26 @@ def _make_meta(topk_idx_TK: torch.Tensor, num_experts: int) -> PermuteMeta:
     )
 
 
-def _impl(backend: str):  # -> module with gather_rows / sum_rows / unpermute_bwd
+def _impl(backend: str) -> ModuleType:
+    """The module with gather_rows / combine_rows / combine_rows_bwd (imported on use: the
+    Triton one needs triton)."""
     if backend == "triton":
-        from kernels import _permute_triton as impl
-    else:
-        from kernels import _cpu as impl
-    return impl
+        from kernels import _permute_triton
+        return _permute_triton
+    from kernels import _cpu
+    return _cpu
 
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, sorted2flat_S, flat2sorted_S, k, backend):  # type: ignore[override]
+    def forward(ctx: Any, x_TD: torch.Tensor, sorted2flat_S: torch.Tensor,
+                flat2sorted_S: torch.Tensor, k: int, backend: str) -> torch.Tensor:
         ctx.save_for_backward(flat2sorted_S)
         ctx.k, ctx.backend = k, backend
         return _impl(backend).gather_rows(x_TD, sorted2flat_S, k)
 
     @staticmethod
-    def backward(ctx, dxs_SD):  # type: ignore[override]
+    def backward(ctx: Any, dxs_SD: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         (flat2sorted_S,) = ctx.saved_tensors
         dx = _impl(ctx.backend).combine_rows(dxs_SD.contiguous(), None, flat2sorted_S, ctx.k)
         return dx, None, None, None, None
@@ -140,13 +145,16 @@ class _Permute(torch.autograd.Function):
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_SD, topk_w_TK, sorted2flat_S, flat2sorted_S, backend):  # type: ignore[override]
+    def forward(ctx: Any, y_SD: torch.Tensor, topk_w_TK: torch.Tensor,
+                sorted2flat_S: torch.Tensor, flat2sorted_S: torch.Tensor,
+                backend: str) -> torch.Tensor:
         ctx.save_for_backward(y_SD, topk_w_TK, sorted2flat_S, flat2sorted_S)
         ctx.backend = backend
         return _impl(backend).combine_rows(y_SD, topk_w_TK, flat2sorted_S, topk_w_TK.shape[1])
 
     @staticmethod
-    def backward(ctx, dy_TD):  # type: ignore[override]
+    def backward(ctx: Any, dy_TD: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, None, None, None]:
         y_SD, topk_w_TK, sorted2flat_S, flat2sorted_S = ctx.saved_tensors
         dys, dw = _impl(ctx.backend).combine_rows_bwd(
             dy_TD.contiguous(), y_SD, topk_w_TK, sorted2flat_S, flat2sorted_S,
