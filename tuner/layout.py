@@ -26,6 +26,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from model import CHECKPOINTING  # the modes model/checkpointing.py implements and train.py runs
+from trainer.layout import (  # vocabularies of the one layout model, declared there once
+    EP_PLACEMENTS,
+    SCHEDULES,
+    TRAINER_ALLTOALL,
+    TRAINER_ZERO_LEVELS,
+)
 
 __all__ = [
     "ALLTOALL_ALGORITHMS",
@@ -42,11 +48,12 @@ __all__ = [
     "check_zero_levels",
 ]
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
-ALLTOALL_ALGORITHMS = ("flat", "halo")
-EP_PLACEMENTS = ("local", "spread")
+# What the planner prices so far (issue 33 item 3 widens both to trainer.layout's full
+# ALLTOALL_ALGORITHMS and ZERO_LEVELS): the trainer's all-to-alls but "auto" (which picks flat
+# or HALO at run time; the search compares the two itself) and the trainer's ZeRO levels.
+ALLTOALL_ALGORITHMS = tuple(a for a in TRAINER_ALLTOALL if a != "auto")
 ATTENTION_MODES = ("sharded", "replicated")
-ZERO_LEVELS = (0, 1, 2)  # trainer --parallel.zero: replicated, ZeRO-1, ZeRO-2
+ZERO_LEVELS = TRAINER_ZERO_LEVELS  # trainer --parallel.zero: replicated, ZeRO-1, ZeRO-2
 ZERO2_GRAD_SYNC = ("last", "each")
 ZERO_SHARDING = ("flat", "per-parameter")
 
