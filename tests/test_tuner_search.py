@@ -31,7 +31,8 @@ def test_constraints_by_hand(small):
     plan = sp.to_plan(base)
     assert (plan.dp, plan.microbatches) == (2, 512 // (2 * 8 * 1))
     assert "does not divide 8 experts" in sp.reject(dict(base, ep=16))
-    assert "exceeds 32 layers" in sp.reject(dict(base, pp=16, ep=2, schedule="interleaved-1f1b:4"))
+    assert "exceed the model's 32 layers" in sp.reject(
+        dict(base, pp=16, ep=2, schedule="interleaved-1f1b:4"))
     assert "does not divide global batch" in SearchSpace.default(cfg, pf, 64, 96, 4096).reject(
         dict(base, mbs=4))
     assert 64 not in sp.choices["ep"] and max(sp.choices["ep"]) == 8  # EP <= E and <= 32

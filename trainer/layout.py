@@ -61,6 +61,7 @@ layer); `parallel.layer_split` ("3,5,...") states the counts instead.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -302,6 +303,7 @@ class Layout:
         g = self.group(kind, 0)
         return g[1] - g[0] if len(g) > 1 else 1
 
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - Layout is frozen; the planner asks often
     def node_span(self, kind: str, gpus_per_node: int) -> tuple[int, int]:
         """(most members of one group on one node, most nodes one group spans) with
         `gpus_per_node` consecutive ranks per node: how a group's collective meets the links."""

@@ -5,17 +5,21 @@ schedule ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b:v"), alltoall, checkpointi
 placement, zero (0, 1, 2: `ParallelPlan.zero`). DP and the micro-batch count follow:
 DP = N / (PP * EP), M = b / (DP * EP * mbs).
 
-Constraints, checked in this order before anything is evaluated (Piper's, docs/reference.md 1.5,
-plus what the schedules need):
+Constraints, checked before anything is evaluated. The layout's own feasibility is the one
+layout model's (`trainer.layout.layout_problems`: the rules train.py checks, so no plan is
+refused by one and accepted by the other):
     PP * EP divides N            EP divides E            PP * v <= L
-    EP <= gpus_per_node * nodes_per_domain               DP * EP * mbs divides b
-    an EP group's nodes (placement-dependent) <= nodes_per_domain
-    interleaving needs PP >= 2 and M % PP == 0           peak memory <= usable HBM
-    ZeRO > 0 needs a replica group of > 1 rank (DP x EP > 1; with DP = 1 only the
-    non-expert state shards, over EP)
+    DP * EP data shards and the micro-batches divide b   interleaving needs M % PP == 0
     r redundant expert slots (fixed per request, not searched) need EP > 1 and
     r <= E - E / EP (a replica sits beside experts its rank does not hold): EP degrees that
     cannot host r are left out of the choices
+then the planner's own (Piper's, docs/reference.md 1.5, and pruning of points that are the
+same run):
+    EP <= gpus_per_node * nodes_per_domain               DP * EP * mbs divides b
+    an EP group's nodes (`Layout.node_span`, placement-dependent) <= nodes_per_domain
+    PP = 1 runs 1f1b only (gradient accumulation)        peak memory <= usable HBM
+    ZeRO > 0 needs a replica group of > 1 rank (DP x EP > 1; with DP = 1 only the
+    non-expert state shards, over EP)
 The memory constraint needs the memory model but not the time model: it is checked by
 `tuner.estimate.stage_memory` alone.
 """
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model import ModelConfig
-from tuner.comms import placement
+from trainer.layout import Layout, LayoutError, divisors, layout_problems
 from tuner.layout import (
     ALLTOALL_ALGORITHMS,
     CHECKPOINTING,
@@ -66,10 +70,6 @@ def check_redundant(r: object, cfg: ModelConfig, eps: tuple[int, ...]) -> None:
                f"(ep={max(d for d in eps if E - E // d == top)})")
         raise ValueError(f"--redundant {r}: {why}; a redundant slot replicates one of them; "
                          f"valid: 0..{top}")
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_gpu_count(n_gpus: int, platform: Platform) -> None:
@@ -137,39 +137,48 @@ class SearchSpace:
         for combo in itertools.product(*(self.choices[n] for n in names)):
             yield dict(zip(names, combo, strict=True))
 
+    def layout(self, pt: Point) -> Layout:
+        """The point's rank layout in the one layout model (`trainer.layout.Layout`); raises a
+        LayoutError when pp x ep does not divide the GPUs."""
+        _, _, v = pt["schedule"].partition(":")
+        return Layout.infer(self.n_gpus, pp=pt["pp"], ep=pt["ep"], tp=pt.get("tp", 1),
+                            cp=pt.get("cp", 1), etp=pt.get("etp", 1), vpp=int(v or 1),
+                            placement=pt["placement"])
+
     def reject(self, pt: Point) -> str | None:
-        """Why `pt` violates a structural constraint, or None if it satisfies them all."""
-        N, pp, ep, mbs = self.n_gpus, pt["pp"], pt["ep"], pt["mbs"]
-        name, _, v = pt["schedule"].partition(":")
-        v = int(v or 1)
-        if N % (pp * ep):
-            return f"pp={pp} x ep={ep} does not divide {N} GPUs"
-        if self.n_experts % ep:
-            return f"ep={ep} does not divide {self.n_experts} experts"
+        """Why `pt` violates a constraint, or None if it satisfies them all: the layout's
+        feasibility (`trainer.layout.layout_problems`, the rules train.py checks), then what
+        only the planner asks (locality domains, redundant slots it can host, pruning of
+        points that are the same run)."""
+        pp, ep, mbs = pt["pp"], pt["ep"], pt["mbs"]
+        name = pt["schedule"].partition(":")[0]
+        try:
+            lay = self.layout(pt)
+        except LayoutError as e:
+            return str(e)
+        dp, shards = lay.dp, lay.n_data_shards * mbs
+        m = self.global_batch // shards if self.global_batch % shards == 0 else None
+        probs = layout_problems(lay, self.n_layers, self.n_experts, schedule=name,
+                                microbatches=m, global_batch=self.global_batch,
+                                redundant=self.redundant)
+        if probs:
+            return probs[0]
         if ep > self.max_ep:
             return f"ep={ep} exceeds one locality domain ({self.max_ep} GPUs)"
-        if pp * v > self.n_layers:
-            return f"pp={pp} x v={v} exceeds {self.n_layers} layers"
-        dp = N // (pp * ep)
+        if m is None:
+            return (f"dp={dp} x ep={ep} x mbs={mbs} does not divide global batch "
+                    f"{self.global_batch}")
         if pt["placement"] == "spread":
-            nodes = placement(ep, pp * dp, self.gpus_per_node).nodes
+            nodes = lay.node_span("ep", self.gpus_per_node)[1]
             if nodes > self.nodes_per_domain:
                 # One link joins two switches of a Dragonfly group: an EP group spread over
                 # more than one switch's nodes congests it (comm.netsim: 9x slower at 8 nodes).
                 return (f"spread ep={ep} spans {nodes} nodes, more than one locality domain "
                         f"({self.nodes_per_domain} nodes)")
-        if self.global_batch % (dp * ep * mbs):
-            return f"dp={dp} x ep={ep} x mbs={mbs} does not divide global batch {self.global_batch}"
-        m = self.global_batch // (dp * ep * mbs)
-        if name == "interleaved-1f1b" and (pp < 2 or m % pp):
-            return f"interleaving needs pp >= 2 and microbatches={m} divisible by pp={pp}"
         if pp == 1 and name != "1f1b":
             return "without a pipeline every schedule is 1f1b (gradient accumulation)"
         if ep == 1 and (pt["alltoall"] != "flat" or pt["placement"] != "local"):
             return "ep=1 has no all-to-all: only the flat/local variant is kept"
-        if not _hosts(self.redundant, self.n_experts, ep):
-            return (f"redundant={self.redundant} needs ep > 1 and at most E - E/ep = "
-                    f"{self.n_experts - self.n_experts // ep} (ep={ep})")
         if pt.get("zero", 0) and dp * ep == 1:
             return (f"zero={pt['zero']} needs a replica group of > 1 rank; dp={dp} x ep={ep} "
                     f"holds one copy of each parameter")
