@@ -1,0 +1,400 @@
+"""Predict published MoE training runs with `python -m tuner estimate` and compare (issue 33 item 7).
+
+The runs are benchmarks/data/published_runs.toml (sources and what each one measures:
+docs/reference.md section 5). For every run the layout is turned into `tuner estimate` flags,
+the estimate is run as a subprocess with `--json` (the last stdout line is its JSON object,
+the contract of `tuner.single.summary`), and the prediction is compared with the measured
+figure in the source's own terms:
+
+- tokens/s/GPU where the source prints it, or a step time (then tokens/s/GPU = global batch x
+  sequence / step time / GPUs, exact arithmetic on the printed numbers);
+- else model TFLOP/s/GPU, only where the source uses Megatron's formula and the estimate
+  reports `megatron_tflops_per_gpu` (tuner.flops.megatron_flops_per_token, the same
+  structure): the long-context rows, which print nothing else.
+
+error = predicted / measured - 1 (positive: the planner is optimistic). Summary: median
+|error|, the share within 15 % and 25 %, and for every `rank_group` (one model on one machine
+type at several layouts, from one source) whether the predicted order equals the measured one
+(pairwise order agreement over pairs whose measured values differ, and Spearman's rho).
+
+Flags per run: `--vpp` = the run's VP, `--zero` 3 with FSDP, 1 with Megatron's distributed
+optimizer, 0 without either; `--dispatch` flat for NCCL all-to-all, dedup for DeepEP / HybridEP;
+`--recompute` selective for any module list; `--precision` fp8 for FP8 / MXFP8 GEMMs. Where the
+source leaves a field unknown the run's `assumed` value is used, else this script's default
+(DEFAULTS); each row lists the fields it assumed. Where this checkout's estimate CLI offers them,
+`--precision-policy megatron --zero-sharding flat` are added (Megatron-Core's state bytes and its
+flat distributed-optimizer shards: every source here is Megatron-Core or FSDP2).
+Runs without a preset or without a platform file are listed as skipped with the reason.
+
+    .venv/bin/python benchmarks/bench_tuner_published.py              # all runs
+    .venv/bin/python benchmarks/bench_tuner_published.py --only zoo-  # ids starting with zoo-
+    .venv/bin/python benchmarks/bench_tuner_published.py --record     # the tracked record
+
+Results: tuner_published.jsonl (one row per run, appended, with commit and time) and
+tuner_published.md (this run's table) in runs/bench/tuner_published/ (ignored by git) or
+`--out DIR`; `--record` writes them to the tracked records. No timing of this machine is involved (the estimate is analytic), so no lock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from _common import ROOT, add_output_args, git_sha, output_dir, print_written
+
+DATA = Path(__file__).resolve().parent / "data" / "published_runs.toml"
+UNKNOWN = "unknown"
+# What this script assumes for a field that is unknown and has no `assumed` value in the run.
+DEFAULTS: dict[str, Any] = {"etp": 1, "a2a_overlap": "none", "recompute": "none",
+                            "distributed_optimizer": True, "dispatcher": "alltoall",
+                            "fsdp_degree": None}
+DISPATCH = {"alltoall": "flat", "deepep": "dedup", "hybridep": "dedup"}
+A2A = {"none": "none", "fb": "fb", "layer": "layer"}
+PRECISION = {"bf16": "bf16", "fp8": "fp8"}
+OPTIONAL_FLAGS = (("--precision-policy", "megatron"), ("--zero-sharding", "flat"))
+
+__all__ = ["estimate_flags", "load_runs", "measured", "order_agreement", "predicted", "spearman",
+           "summarise"]
+
+
+def load_runs(path: Path = DATA) -> list[dict[str, Any]]:
+    """The `[[run]]` tables of the published-runs file, with their ids checked unique."""
+    runs = tomllib.loads(Path(path).read_text())["run"]
+    ids = [r["id"] for r in runs]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise ValueError(f"{path}: duplicate run ids {dup}")
+    return runs
+
+
+def _field(run: dict[str, Any], key: str, assumed: list[str]) -> Any:
+    """The run's value of `key`; if unknown, its `assumed` value or DEFAULTS[key] (noted)."""
+    v = run.get(key, UNKNOWN)
+    if v != UNKNOWN:
+        return v
+    a = run.get("assumed", {})
+    if key in a:
+        assumed.append(f"{key}={a[key]}")
+        return a[key]
+    if key in DEFAULTS:
+        assumed.append(f"{key}={DEFAULTS[key]} (bench default)")
+        return DEFAULTS[key]
+    raise ValueError(f"run {run['id']}: {key} is unknown and nothing is assumed for it")
+
+
+def _choice(run: dict[str, Any], key: str, value: Any, table: dict[str, str]) -> str:
+    if value not in table:
+        raise ValueError(f"run {run['id']}: {key}={value!r}; valid: {', '.join(table)}")
+    return table[value]
+
+
+def estimate_flags(run: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """`tuner estimate` flags for a run and the fields it had to assume (module docstring)."""
+    assumed: list[str] = []
+    f = functools.partial(_field, run, assumed=assumed)
+    fsdp = f("fsdp")
+    if fsdp not in (0, "on") and not (isinstance(fsdp, int) and fsdp > 0):
+        raise ValueError(f"run {run['id']}: fsdp={fsdp!r}; valid: 0, a degree >= 1, 'on'")
+    zero = 3 if fsdp != 0 else (1 if f("distributed_optimizer") is True else 0)
+    recompute = str(f("recompute"))
+    if recompute.startswith("selective"):
+        recompute = "selective"
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"run {run['id']}: recompute={recompute!r}; valid: none, "
+                         "selective:<modules>, full")
+    flags = ["--model", run["model"], "--platform", run["platform"]]
+    for flag, key in (("--gpus", "gpus"), ("--seq", "seq"), ("--global-batch", "global_batch"),
+                      ("--mbs", "mbs"), ("--tp", "tp"), ("--pp", "pp"), ("--vpp", "vp"),
+                      ("--cp", "cp"), ("--ep", "ep"), ("--etp", "etp")):
+        v = f(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"run {run['id']}: {key}={v!r} must be an int >= 1")
+        flags += [flag, str(v)]
+    flags += ["--zero", str(zero), "--recompute", recompute,
+              "--dispatch", _choice(run, "dispatcher", f("dispatcher"), DISPATCH),
+              "--a2a-overlap", _choice(run, "a2a_overlap", f("a2a_overlap"), A2A),
+              "--precision", _choice(run, "precision", f("precision"), PRECISION)]
+    return flags, assumed
+
+
+def skip_reason(run: dict[str, Any]) -> str | None:
+    """Why a run cannot be predicted here (no preset, no platform file), or None."""
+    if not run.get("preset", True):
+        return f"no preset for {run['model']} in model/presets.py"
+    if not (ROOT / "configs" / "platforms" / f"{run['platform']}.toml").is_file():
+        return f"no platform file configs/platforms/{run['platform']}.toml"
+    return None
+
+
+def measured(run: dict[str, Any]) -> dict[str, Any]:
+    """The run's comparable figures: tokens/s/GPU (printed, or from the printed step time) and
+    TFLOP/s/GPU with the source's FLOP convention."""
+    out: dict[str, Any] = {"tokens": None, "tokens_from": None, "tflops": None,
+                           "convention": run.get("flops_convention", UNKNOWN)}
+    tok, step = run.get("measured_tokens_per_s_per_gpu"), run.get("measured_step_time_s")
+    if isinstance(tok, int | float) and not isinstance(tok, bool):
+        out["tokens"], out["tokens_from"] = float(tok), "printed"
+    elif isinstance(step, int | float) and not isinstance(step, bool):
+        out["tokens"] = run["global_batch"] * run["seq"] / step / run["gpus"]
+        out["tokens_from"] = "step time"
+    tf = run.get("measured_tflops_per_gpu")
+    if isinstance(tf, int | float) and not isinstance(tf, bool):
+        out["tflops"] = float(tf)
+    return out
+
+
+def predicted(meas: dict[str, Any], pred: dict[str, Any]) -> tuple[str, float, float] | None:
+    """(metric, predicted, measured) of the comparison, or None where nothing compares."""
+    if meas["tokens"] is not None:
+        return "tokens/s", float(pred["tokens_per_s_per_gpu"]), meas["tokens"]
+    if meas["tflops"] is not None and meas["convention"] == "megatron" \
+            and "megatron_tflops_per_gpu" in pred:
+        return "TFLOP/s (Megatron)", float(pred["megatron_tflops_per_gpu"]), meas["tflops"]
+    return None
+
+
+def order_agreement(meas: list[float], pred: list[float]) -> tuple[int, int]:
+    """(pairs ordered alike, pairs compared): pairs whose measured values differ; a predicted
+    tie counts as disagreement."""
+    agree = total = 0
+    for i in range(len(meas)):
+        for j in range(i + 1, len(meas)):
+            if meas[i] == meas[j]:
+                continue
+            total += 1
+            agree += (meas[i] - meas[j]) * (pred[i] - pred[j]) > 0
+    return agree, total
+
+
+def _ranks(x: list[float]) -> list[float]:
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    r = [0.0] * len(x)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            r[order[k]] = (i + j) / 2 + 1  # ties share their mean rank
+        i = j + 1
+    return r
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (Pearson's r of the ranks, ties at mean rank); nan when
+    either side is constant or has fewer than two values."""
+    if len(a) != len(b):
+        raise ValueError(f"spearman: lengths {len(a)} and {len(b)} differ")
+    if len(a) < 2:
+        return math.nan
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    va = sum((x - ma) ** 2 for x in ra)
+    vb = sum((y - mb) ** 2 for y in rb)
+    return cov / math.sqrt(va * vb) if va and vb else math.nan
+
+
+def _group_value(row: dict[str, Any], metric: str) -> tuple[float, float] | None:
+    """(measured, predicted) of a row in its group's ranking metric."""
+    if metric == "tflops":
+        pm = row.get("pred_megatron_tflops")
+        if row["meas_tflops"] is None or pm is None:
+            return None
+        return row["meas_tflops"], pm
+    if row["meas_tokens"] is None or row.get("pred_tokens") is None:
+        return None
+    return row["meas_tokens"], row["pred_tokens"]
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median |error|, shares within 15 / 25 %, and per rank group the order agreement."""
+    errs = [abs(r["error"]) for r in rows if r.get("error") is not None]
+    out: dict[str, Any] = {
+        "runs": len(rows), "compared": len(errs),
+        "median_abs_error": statistics.median(errs) if errs else None,
+        "within_15": sum(e <= 0.15 for e in errs) / len(errs) if errs else None,
+        "within_25": sum(e <= 0.25 for e in errs) / len(errs) if errs else None,
+        "groups": {},
+    }
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("rank_group"):
+            groups.setdefault(r["rank_group"], []).append(r)
+    for g, members in sorted(groups.items()):
+        metric = members[0]["rank_metric"]
+        vals = [(r["id"], v) for r in members if (v := _group_value(r, metric)) is not None]
+        meas, pred = [v[0] for _, v in vals], [v[1] for _, v in vals]
+        agree, total = order_agreement(meas, pred)
+        out["groups"][g] = {
+            "metric": metric, "members": len(members), "ranked": len(vals),
+            "pairs_agree": agree, "pairs": total,
+            "order_equal": total > 0 and agree == total, "spearman": spearman(meas, pred),
+            "measured_order": [i for i, _ in sorted(vals, key=lambda t: -t[1][0])],
+            "predicted_order": [i for i, _ in sorted(vals, key=lambda t: -t[1][1])],
+        }
+    return out
+
+
+@functools.cache
+def _cli_help() -> str:
+    p = subprocess.run([sys.executable, "-m", "tuner", "estimate", "--help"], cwd=ROOT,
+                       capture_output=True, text=True)
+    return p.stdout if p.returncode == 0 else ""
+
+
+def run_estimate(flags: list[str], timeout: float) -> dict[str, Any]:
+    """The JSON object `python -m tuner estimate <flags> --json` prints last; raises
+    RuntimeError with the CLI's last stderr line when it fails."""
+    cmd = [sys.executable, "-m", "tuner", "estimate", *flags, "--json"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    if p.returncode != 0 or not lines:
+        err = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        raise RuntimeError(err[-1] if err else f"exit {p.returncode}, no output")
+    return json.loads(lines[-1])
+
+
+def _megatron_check(run: dict[str, Any], meas: dict[str, Any]) -> float | None:
+    """Our Megatron-formula TFLOP/s at the measured tokens/s over the printed TFLOP/s (checks
+    tuner.flops against the source's formula, independent of any timing); None if n/a."""
+    if meas["tokens"] is None or meas["tflops"] is None or meas["convention"] != "megatron" \
+            or not run.get("preset", True):
+        return None
+    try:
+        from model import presets
+        from tuner.flops import megatron_flops_per_token
+    except ImportError:
+        return None
+    mtp = run.get("mtp_layers", 0)
+    tp = run["tp"] if isinstance(run.get("tp"), int) else 1
+    f = megatron_flops_per_token(presets.get(run["model"]), run["seq"],
+                                 mtp if isinstance(mtp, int) else 0, 128 * tp)
+    return f * meas["tokens"] / 1e12 / meas["tflops"]
+
+
+def evaluate(run: dict[str, Any], extra: list[str], timeout: float) -> dict[str, Any]:
+    """One result row: the run, its flags, the prediction and the comparison."""
+    meas = measured(run)
+    row: dict[str, Any] = {
+        "bench": "tuner_published", "sha": git_sha(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "id": run["id"], "model": run["model"], "platform": run["platform"],
+        "rank_group": run.get("rank_group", ""), "rank_metric": run.get("rank_metric", "tokens"),
+        "meas_tokens": meas["tokens"], "meas_tokens_from": meas["tokens_from"],
+        "meas_tflops": meas["tflops"], "flops_convention": meas["convention"],
+        "megatron_formula_ratio": _megatron_check(run, meas),
+        "status": "predicted", "error": None, "assumed": [],
+    }
+    why = skip_reason(run)
+    if why:
+        row["status"] = f"skipped: {why}"
+        return row
+    flags, row["assumed"] = estimate_flags(run)
+    flags += extra
+    row["flags"] = flags
+    try:
+        pred = run_estimate(flags, timeout)
+    except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
+        row["status"] = f"error: {e}"
+        return row
+    row.update(pred_tokens=pred.get("tokens_per_s_per_gpu"),
+               pred_step_time_s=pred.get("step_time_s"),
+               pred_megatron_tflops=pred.get("megatron_tflops_per_gpu"),
+               pred_model_tflops=pred.get("model_tflops_per_gpu"), pred_mfu=pred.get("mfu"),
+               pred_peak_memory_gb=pred.get("peak_memory_gb"), fits=pred.get("fits"),
+               runnable=pred.get("runnable"),
+               not_runnable_because=pred.get("not_runnable_because"))
+    cmp_ = predicted(meas, pred)
+    if cmp_ is None:
+        row["status"] = "predicted: nothing to compare in the source's terms"
+        return row
+    row["metric"], row["pred_value"], row["meas_value"] = cmp_
+    row["error"] = cmp_[1] / cmp_[2] - 1
+    return row
+
+
+def _fmt(v: Any, spec: str = ".4g") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(rows: list[dict[str, Any]], s: dict[str, Any]) -> str:
+    out = [f"# Published MoE runs predicted by `tuner estimate` (commit {git_sha()})", "",
+           "error = predicted / measured - 1. Runs and sources: "
+           "benchmarks/data/published_runs.toml, docs/reference.md section 5.", "",
+           "| run | metric | measured | predicted | error | Megatron formula / printed | "
+           "fits | runnable (missing) | assumed |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("error") is None:
+            out.append(f"| `{r['id']}` | {r['status']} | | | | "
+                       f"{_fmt(r['megatron_formula_ratio'], '.3f')} | | | |")
+            continue
+        miss = "; ".join(r.get("not_runnable_because") or [])
+        out.append(
+            f"| `{r['id']}` | {r['metric']} | {r['meas_value']:.4g} | {r['pred_value']:.4g} | "
+            f"{100 * r['error']:+.1f} % | {_fmt(r['megatron_formula_ratio'], '.3f')} | "
+            f"{r.get('fits')} | {r.get('runnable')}{f' ({miss})' if miss else ''} | "
+            f"{', '.join(r['assumed'])} |")
+    out += ["", f"Compared {s['compared']} of {s['runs']} runs: median |error| "
+            f"{_fmt(s['median_abs_error'] and 100 * s['median_abs_error'], '.1f')} %, within "
+            f"15 %: {_fmt(s['within_15'] and 100 * s['within_15'], '.0f')} %, within 25 %: "
+            f"{_fmt(s['within_25'] and 100 * s['within_25'], '.0f')} % "
+            "(target: median <= 15 %, >= 80 % within 25 %).", "",
+            "| rank group | metric | ranked | pairs ordered alike | Spearman | order equal | "
+            "measured order (best first) | predicted order |", "|---|---|---|---|---|---|---|---|"]
+    for g, v in s["groups"].items():
+        out.append(f"| {g} | {v['metric']} | {v['ranked']}/{v['members']} | "
+                   f"{v['pairs_agree']}/{v['pairs']} | {_fmt(v['spearman'], '.2f')} | "
+                   f"{v['order_equal']} | {', '.join(v['measured_order'])} | "
+                   f"{', '.join(v['predicted_order'])} |")
+    return "\n".join(out) + "\n"
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=Path, default=DATA, help="published runs (TOML)")
+    ap.add_argument("--only", default="", help="run ids starting with this prefix")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per estimate")
+    ap.add_argument("--estimate-args", default="",
+                    help="extra flags for every `tuner estimate` call (one string)")
+    add_output_args(ap, "tuner_published")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    runs = [r for r in load_runs(args.runs) if r["id"].startswith(args.only)]
+    if not runs:
+        raise SystemExit(f"no run id starts with {args.only!r} in {args.runs}")
+    help_text = _cli_help()
+    if not help_text:
+        raise SystemExit("`python -m tuner estimate --help` failed: this checkout has no "
+                         "estimate command (issue 33 item 6)")
+    extra = [x for flag, val in OPTIONAL_FLAGS if flag in help_text for x in (flag, val)]
+    extra += args.estimate_args.split()
+    rows = []
+    for r in runs:
+        rows.append(evaluate(r, extra, args.timeout))
+        e = rows[-1]["error"]
+        print(f"{r['id']}: {rows[-1]['status']}" + ("" if e is None else f", {100 * e:+.1f} %"),
+              flush=True)
+    s = summarise(rows)
+    out = output_dir(args)
+    with open(out / "tuner_published.jsonl", "a") as fh:
+        fh.writelines(json.dumps(r, default=str) + "\n" for r in rows)
+    md = markdown(rows, s)
+    (out / "tuner_published.md").write_text(md)
+    print(md)
+    print_written(out / "tuner_published.jsonl", out / "tuner_published.md")
+
+
+if __name__ == "__main__":
+    main()
