@@ -69,3 +69,118 @@ def test_gemm_efficiency_by_width_by_hand(tmp_path):
     d["compute"]["layer_overhead_us"] = -1.0
     with pytest.raises(ValueError, match="layer_overhead=-1e-06 must be >= 0"):
         Platform.from_dict(d)
+
+
+def _with_tables(**sections):
+    d = load_platform("frontier").to_dict()
+    for k in ("gemm_table", "grouped_table", "attention_table", "roofline"):
+        d.pop(k, None)
+    d.update(sections)
+    return Platform.from_dict(d)
+
+
+def test_fallbacks_without_tables_are_the_single_efficiencies():
+    d = load_platform("frontier").to_dict()
+    for k in ("gemm_table", "grouped_table", "attention_table", "roofline"):
+        d.pop(k, None)
+    d["compute"]["gemm_width_efficiency"] = [[64, 0.2], [1024, 0.9]]
+    p = Platform.from_dict(d)
+    assert p.matmul_eff(4096, 256, 8192) == p.gemm_eff(256)  # min(n, k), as before shapes
+    assert p.grouped_eff(16, 2048, 7168) == p.grouped_gemm_efficiency
+    assert p.attention_eff(4096, 128, causal=False) == p.attention_efficiency
+    assert p.attention_eff(4096, 128, causal=True) == p.attention_efficiency / 2
+
+
+def test_gemm_table_log_interpolation_by_hand():
+    p = _with_tables(gemm_table={
+        "m": [64, 256], "n": [128], "k": [16, 64],
+        "efficiency": [[[0.2, 0.4]], [[0.6, 0.8]]]})
+    assert p.matmul_eff(64, 128, 16) == pytest.approx(0.2)  # grid points
+    assert p.matmul_eff(256, 128, 64) == pytest.approx(0.8)
+    # m = 128 is half-way from 64 to 256 in log: mean of the m rows; k = 32 likewise
+    assert p.matmul_eff(128, 128, 16) == pytest.approx(0.4)
+    assert p.matmul_eff(128, 999, 32) == pytest.approx((0.2 + 0.4 + 0.6 + 0.8) / 4)
+    # clamped at every end (n has one point: any n)
+    assert p.matmul_eff(8, 1, 4) == pytest.approx(0.2)
+    assert p.matmul_eff(1e6, 1e6, 1e6) == pytest.approx(0.8)
+    # k = 16 * 2**0.5: a quarter of the way in log from 16 to 64
+    assert p.matmul_eff(64, 128, 16 * 2**0.5) == pytest.approx(0.25)
+
+
+def test_grouped_and_attention_tables_by_hand():
+    p = _with_tables(
+        grouped_table={"rows_per_expert": [8, 512], "efficiency": [0.1, 0.7]},
+        attention_table={"seq": [512, 8192], "head_dim": [64, 128],
+                         "efficiency": [[0.2, 0.3], [0.5, 0.6]]})
+    assert p.grouped_eff(64, 2048, 7168) == pytest.approx(0.4)  # 64 = geometric mean of 8, 512
+    assert p.grouped_eff(1, 1, 1) == pytest.approx(0.1) and p.grouped_eff(1e5, 1, 1) == 0.7
+    assert p.attention_eff(2048, 128, causal=True) == pytest.approx(0.45)  # 2048 = log mid
+    assert p.attention_eff(2048, 128, causal=False) == pytest.approx(0.9)  # full count: 2x
+
+
+def test_roofline_by_hand():
+    d = load_platform("dgx-h100").to_dict()
+    for k in ("gemm_table", "grouped_table", "attention_table"):
+        d.pop(k, None)
+    d["roofline"] = {"max_efficiency": 0.7, "grouped_max_efficiency": 0.6, "bytes_per_element": 2}
+    p = Platform.from_dict(d)
+    ridge = p.peak_flops / p.hbm_bandwidth  # FLOP per byte where compute takes over
+    # [16, 4096] x [4096, 4096]: 2 m n k / (2 (m k + k n + m n)) FLOP per byte
+    ai = 2 * 16 * 4096 * 4096 / (2 * (16 * 4096 + 4096 * 4096 + 16 * 4096))
+    assert p.matmul_eff(16, 4096, 4096) == pytest.approx(ai / ridge)
+    assert p.matmul_eff(8192, 8192, 8192) == 0.7  # far above the ridge: the stated cap
+    # grouped: one expert's [r, k] x [k, n] with its weight read for r rows
+    ai = 2 * 8 * 2048 * 7168 / (2 * (8 * 7168 + 7168 * 2048 + 8 * 2048))
+    assert p.grouped_eff(8, 2048, 7168) == pytest.approx(ai / ridge)
+    assert p.grouped_eff(8192, 2048, 7168) == 0.6
+
+
+@pytest.mark.parametrize("section,body,match", [
+    ("gemm_table", {"m": [256, 64], "n": [1], "k": [1], "efficiency": [[[0.5]], [[0.5]]]},
+     r"gemm_table.m=\[256.0, 64.0\] must be a non-empty list of ascending distinct values > 0"),
+    ("gemm_table", {"m": [64], "n": [1, 2], "k": [1], "efficiency": [[[0.5]]]},
+     r"gemm_table.efficiency\[0\] has 1 entries, expected a list of 2 \(one per n\)"),
+    ("grouped_table", {"rows_per_expert": [8, 64], "efficiency": [0.5, 1.5]},
+     r"grouped_table.efficiency has \[1.5\]; every value must be in \(0, 1\]"),
+    ("grouped_table", {"rows_per_expert": [8], "efficiency": [0.5], "n": 3},
+     r"\[grouped_table\] has unknown keys \['n'\] / lacks \[\]"),
+    ("attention_table", {"seq": [512], "efficiency": [[0.5]]},
+     r"\[attention_table\] has unknown keys \[\] / lacks \['head_dim'\]"),
+    ("roofline", {"bytes_per_element": 2}, r"\[roofline\] lacks max_efficiency"),
+    ("roofline", {"max_efficiency": 0.7, "ridge": 3},
+     r"unknown keys \['ridge'\] in \[roofline\]"),
+    ("roofline", {"max_efficiency": 1.2},
+     r"roofline_max_efficiency=1.2 must be in \(0, 1\]"),
+])
+def test_bad_tables_named(section, body, match):
+    with pytest.raises(ValueError, match=match):
+        _with_tables(**{section: body})
+
+
+def test_tables_round_trip_through_the_writer(tmp_path):
+    from tuner.measure import write_platform_toml
+
+    p = _with_tables(
+        gemm_table={"m": [64, 256], "n": [128], "k": [16, 64],
+                    "efficiency": [[[0.2, 0.4]], [[0.6, 0.8]]]},
+        grouped_table={"rows_per_expert": [8, 512], "efficiency": [0.1, 0.7]},
+        attention_table={"seq": [512], "head_dim": [64, 128], "efficiency": [[0.2, 0.3]]},
+        roofline={"max_efficiency": 0.7})
+    assert Platform.from_dict(p.to_dict()) == p
+    path = write_platform_toml(p, tmp_path / "t.toml", {"gemm_table": "a table note"})
+    assert "# a table note\n[gemm_table]" in path.read_text()
+    assert load_platform(path) == p
+
+
+def test_gpu_platforms_price_by_shape():
+    """The shipped GPU files: fine-grained experts (few rows each) below a large GEMM; small
+    GEMMs below large ones; flash attention faster per FLOP at long sequences."""
+    for name in ("dgx-h100", "h200-node", "frontier"):
+        p = load_platform(name)
+        big = p.matmul_eff(16384, 7168, 7168)
+        assert p.matmul_eff(16384, 7168, 7168) >= p.matmul_eff(64, 7168, 7168)
+        assert p.grouped_eff(16, 2048, 7168) < p.grouped_eff(4096, 2048, 7168) <= big
+        if name != "frontier":  # no per-shape attention source for MI250X: the single value
+            assert p.attention_eff(512, 128, True) < p.attention_eff(8192, 128, True) <= 1.0
+        # the same attention time under either FLOP count
+        assert p.attention_eff(4096, 128, False) == pytest.approx(2 * p.attention_eff(4096, 128, True))

@@ -6,10 +6,17 @@ micro-benchmarks run in all `n_procs` processes at once, and the platform takes 
 rank's rate: with 4 processes on 2 cores each process gets about half a core, which a
 benchmark run in one process alone would not see (it measured ~2x too fast). Measured, each
 as the median of repeats after a warm-up:
-    GEMM          fp32 matmul over shapes -> peak = best shape; gemm_efficiency = median / best;
-                  and [2048, w] x [w, w] for w = 64..1024 -> gemm_width_efficiency
-    grouped GEMM  model.GroupedExperts (SwiGLU, uneven token counts) -> its efficiency
-    attention     scaled_dot_product_attention forward + backward -> its efficiency
+    GEMM          fp32 matmul over shapes -> peak = best rate of every dense GEMM measured;
+                  gemm_efficiency = median of the shapes / peak; [2048, w] x [w, w] for
+                  w = 64..1024 -> gemm_width_efficiency; a grid m x n x k (GEMM_GRID, 27
+                  shapes; 8 with `quick`) -> [gemm_table]
+    grouped GEMM  model.GroupedExperts forward + backward (SwiGLU: 3 grouped GEMMs through
+                  kernels.grouped_gemm, the torch path the trainer runs on CPU): uneven token
+                  counts -> grouped_gemm_efficiency; every expert given exactly r rows, r over
+                  GROUPED_ROWS -> [grouped_table] (at D = 128, F = 256)
+    attention     scaled_dot_product_attention causal forward + backward -> its efficiency
+                  (against the full s x s count, as before tables); over seq x head_dim
+                  (ATTN_SEQ x ATTN_HEAD_DIM) -> [attention_table] against the causal count
     layer overhead  forward + backward of one MoE decoder layer at 4 tokens (no math to speak
                   of): the fixed per-layer cost of an eager framework -> layer_overhead
     memory        large tensor copy (read + write bytes / s) -> hbm_bandwidth
@@ -24,20 +31,21 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tuner.platform import Platform
+from tuner.platform import Grid, Platform
 
 __all__ = ["measure_platform", "fit_latency_bandwidth", "write_platform_toml", "p2p_one_way_s"]
 
 
-def fit_latency_bandwidth(sizes: list[float], times: list[float]) -> tuple[float, float]:
+def fit_latency_bandwidth(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
     """Least-squares fit of t = latency + size / bandwidth; returns (latency s, bytes/s).
     The latency is clamped at 0 (a negative intercept is noise)."""
     if len(sizes) != len(times) or len(sizes) < 2:
@@ -77,7 +85,11 @@ def _gemm_rates(shapes: list[tuple[int, int, int]], repeats: int) -> list[float]
     out = []
     for m, k, n in shapes:
         a, b = torch.randn(m, k), torch.randn(k, n)
-        out.append(2 * m * k * n / _median_time(lambda a=a, b=b: a @ b, repeats))
+
+        def mm(a: torch.Tensor = a, b: torch.Tensor = b) -> torch.Tensor:
+            return a @ b
+
+        out.append(2 * m * k * n / _median_time(mm, repeats))
     return out
 
 
@@ -95,6 +107,22 @@ def _grouped_rate(E: int, D: int, F_: int, tokens: int, repeats: int) -> float:
         ex(x, counts).sum().backward()
 
     return 3 * 2 * 3 * tokens * D * F_ / _median_time(step, repeats)  # fwd + 2x bwd, 3 GEMMs
+
+
+def _grouped_rows_rate(E: int, D: int, F_: int, rows: int, repeats: int) -> float:
+    """FLOP/s of GroupedExperts fwd + bwd when each of the E experts gets exactly `rows` rows."""
+    from model import GroupedExperts
+
+    ex = GroupedExperts(E, D, F_)
+    for w in ex.parameters():
+        torch.nn.init.normal_(w, std=0.02)
+    counts = torch.full((E,), rows, dtype=torch.long)
+    x = torch.randn(E * rows, D, requires_grad=True)
+
+    def step() -> None:
+        ex(x, counts).sum().backward()
+
+    return 3 * 2 * 3 * E * rows * D * F_ / _median_time(step, repeats)
 
 
 def _attention_rate(B: int, H: int, S: int, hd: int, repeats: int) -> float:
@@ -134,31 +162,66 @@ def _copy_bandwidth(nbytes: int, repeats: int) -> float:
 
 
 WIDTHS = (64, 128, 256, 512, 1024)  # inner GEMM widths of the efficiency-by-width table
+# Grids of the per-shape tables: (full, quick). m spans the token rows of a micro-batch,
+# n and k the projection widths of the CPU presets (D = 128, F = 256, heads x hd).
+GEMM_GRID = {"m": ((128, 512, 2048), (128, 1024)), "n": ((64, 256, 1024), (64, 512)),
+             "k": ((64, 256, 1024), (64, 512))}
+GROUPED_ROWS = ((2, 8, 32, 128, 512), (8, 128))
+GROUPED_SHAPE = (8, 128, 256)  # experts, D, F of the rows-per-expert table
+ATTN_SEQ = ((64, 256, 1024), (128, 512))
+ATTN_HEAD_DIM = ((32, 64), (32,))
 
 
-def _compute_worker(rank: int, world: int, group: object, threads: int, quick: bool,
-                    reps: int) -> dict:
+def _say(rank: int, verbose: bool, msg: str) -> None:
+    if verbose and rank == 0:
+        print(f"[tuner measure] {msg}", file=sys.stderr, flush=True)
+
+
+def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, threads: int, quick: bool,
+                    reps: int, verbose: bool = False) -> dict:
     """Every compute rate, measured in each of the `world` processes at the same time."""
     torch.set_num_threads(threads)
+    q = 1 if quick else 0
     shapes = [(256, 256, 256), (512, 512, 512)] if quick else \
         [(256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (2048, 512, 2048), (4096, 256, 1024)]
-    rates, widths = [], []
+    rates, widths, grid, grouped_rows, attn_grid = [], [], [], [], []
+    t0 = time.perf_counter()
+    _say(rank, verbose, f"GEMM shapes ({len(shapes)}) and widths ({len(WIDTHS)})")
     for shape in shapes:  # a barrier per shape keeps every process on the same work at once
         dist.barrier(group)
         rates += _gemm_rates([shape], reps)
     for w in WIDTHS:
         dist.barrier(group)
         widths += _gemm_rates([(2048, w, w)], reps)
+    ms, ns, ks = (GEMM_GRID[a][q] for a in "mnk")
+    _say(rank, verbose, f"GEMM grid {len(ms)} x {len(ns)} x {len(ks)} "
+                        f"({time.perf_counter() - t0:.0f} s so far)")
+    for m in ms:
+        for n in ns:
+            for k in ks:
+                dist.barrier(group)
+                grid += _gemm_rates([(m, k, n)], reps)
     dist.barrier(group)
+    _say(rank, verbose, f"grouped GEMM ({time.perf_counter() - t0:.0f} s so far)")
     grouped = _grouped_rate(8, 128, 256, 1024 if quick else 4096, reps)
+    for r in GROUPED_ROWS[q]:
+        dist.barrier(group)
+        grouped_rows.append(_grouped_rows_rate(*GROUPED_SHAPE, r, reps))
     dist.barrier(group)
+    _say(rank, verbose, f"attention ({time.perf_counter() - t0:.0f} s so far)")
     attn = _attention_rate(2, 4, 128 if quick else 256, 32, reps)
+    for S in ATTN_SEQ[q]:
+        for hd in ATTN_HEAD_DIM[q]:
+            dist.barrier(group)
+            attn_grid.append(_attention_rate(1, 4, S, hd, reps))
     dist.barrier(group)
+    _say(rank, verbose, f"memory copy and layer overhead ({time.perf_counter() - t0:.0f} s so far)")
     copy = _copy_bandwidth((32 if quick else 256) * 2**20, reps)
     dist.barrier(group)
     overhead = _layer_overhead(reps)
     return {"rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
-            "overhead": overhead, "widths": widths}
+            "overhead": overhead, "widths": widths, "grid": grid, "grouped_rows": grouped_rows,
+            "attn_grid": attn_grid}
 
 
 def p2p_one_way_s(rank: int, buf: torch.Tensor, repeats: int) -> float:
@@ -176,22 +239,38 @@ def p2p_one_way_s(rank: int, buf: torch.Tensor, repeats: int) -> float:
     return _median_time(ping, repeats, min_s=0.0) / 2
 
 
-def _comm_worker(rank: int, world: int, group: object, sizes: list[int], repeats: int) -> dict:
+def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: list[int], repeats: int) -> dict:
     """Median seconds of all_to_all_single and of a 0 <-> 1 ping-pong per message size."""
     out: dict[str, list[float]] = {"a2a": [], "p2p": []}
     for nb in sizes:
         n = max(world, nb // 4 // world * world)
         x, y = torch.ones(n), torch.empty(n)
         # min_s=0: every rank must make the same number of calls (each is a collective).
-        out["a2a"].append(_median_time(lambda x=x, y=y: dist.all_to_all_single(y, x, group=group),
-                                       repeats, min_s=0.0))
+
+        def a2a(x: torch.Tensor = x, y: torch.Tensor = y) -> object:
+            return dist.all_to_all_single(y, x, group=group)
+
+        out["a2a"].append(_median_time(a2a, repeats, min_s=0.0))
         out["p2p"].append(p2p_one_way_s(rank, torch.ones(max(1, nb // 4)), repeats))
         dist.barrier()
     return out
 
 
+def _toml_value(v: object, digits: int = 6) -> str:
+    """A number or (nested) list of numbers as TOML; floats to `digits` significant digits."""
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x, digits) for x in v) + "]"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return str(v)
+    if isinstance(v, float):
+        val = f"{v:.{digits}g}"
+        return val + ".0" if "." not in val and "e" not in val and "n" not in val else val
+    raise ValueError(f"cannot write {v!r} as a platform value")
+
+
 def write_platform_toml(p: Platform, path: Path, comments: dict[str, str]) -> Path:
-    """Write `p` in the platform-file layout, a comment after each measured value."""
+    """Write `p` in the platform-file layout, a comment after each measured value (keys of
+    `comments`: a value's key, or a table section's name for a comment above it)."""
     lines = ["# Measured on this machine by `python -m tuner measure`; rerun to refresh.",
              "# Units: TFLOPS, GB (1e9 bytes), GB/s per direction, microseconds.", ""]
     d = p.to_dict()
@@ -204,17 +283,26 @@ def write_platform_toml(p: Platform, path: Path, comments: dict[str, str]) -> Pa
             if isinstance(v, list):  # [[width, efficiency], ...]
                 val = "[" + ", ".join(f"[{w}, {e:.4g}]" for w, e in v) + "]"
             else:
-                val = str(v) if isinstance(v, int) else f"{v:.6g}"
-                if "." not in val and "e" not in val and not isinstance(v, int):
-                    val += ".0"
+                val = _toml_value(v)
             lines.append(f"{key} = {val}" + (f"  # {note}" if note else ""))
+    for section in ("gemm_table", "grouped_table", "attention_table", "roofline"):
+        if section not in d:
+            continue
+        lines.append("")
+        if comments.get(section):
+            lines.append(f"# {comments[section]}")
+        lines.append(f"[{section}]")
+        for key, v in d[section].items():
+            lines.append(f"{key} = {_toml_value(v, 4 if key == 'efficiency' else 6)}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def measure_platform(out: Path, n_procs: int = 2, quick: bool = False) -> Path:
-    """Run the micro-benchmarks (about 60 s; a few seconds with `quick`) and write `out`."""
+def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
+                     verbose: bool = True) -> Path:
+    """Run the micro-benchmarks (a few minutes; well under one with `quick`) and write `out`;
+    `verbose` reports progress on stderr."""
     from comm import run_local
 
     if n_procs < 2:
@@ -222,16 +310,30 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False) -> Path:
     cores = os.cpu_count() or 1
     threads = max(1, cores // n_procs)
     reps = 3 if quick else 7
-    per_rank = run_local(_compute_worker, n_procs, threads, quick, reps, timeout_s=600.0)
+    q = 1 if quick else 0
+    per_rank = run_local(_compute_worker, n_procs, threads, quick, reps, verbose,
+                         timeout_s=1200.0)
 
     def med(key: str) -> float:
         return statistics.median(r[key] for r in per_rank)
 
-    # Each shape's rate is the median over ranks, so one lucky process does not set the peak.
-    rates = [statistics.median(r["rates"][i] for r in per_rank) for i in range(per_rank[0]["shapes"])]
-    peak = max(rates)
-    by_width = tuple((w, min(1.0, statistics.median(r["widths"][i] for r in per_rank) / peak))
-                     for i, w in enumerate(WIDTHS))
+    def meds(key: str) -> list[float]:
+        # Each shape's rate is the median over ranks, so one lucky process does not set it.
+        return [statistics.median(r[key][i] for r in per_rank) for i in range(len(per_rank[0][key]))]
+
+    rates, grid = meds("rates"), meds("grid")
+    peak = max(rates + grid)
+    by_width = tuple((w, min(1.0, e / peak)) for w, e in zip(WIDTHS, meds("widths"), strict=True))
+    gemm_table = Grid("gemm_table", ("m", "n", "k"),
+                      tuple(tuple(float(v) for v in GEMM_GRID[a][q]) for a in "mnk"),
+                      tuple(min(1.0, e / peak) for e in grid))
+    grouped_table = Grid("grouped_table", ("rows_per_expert",),
+                         (tuple(float(r) for r in GROUPED_ROWS[q]),),
+                         tuple(min(1.0, e / peak) for e in meds("grouped_rows")))
+    # Rates were computed against the full s x s count; the causal kernel does half of it.
+    attention_table = Grid("attention_table", ("seq", "head_dim"),
+                           (tuple(map(float, ATTN_SEQ[q])), tuple(map(float, ATTN_HEAD_DIM[q]))),
+                           tuple(min(1.0, e / 2 / peak) for e in meds("attn_grid")))
     grouped, attn, copy, overhead = med("grouped"), med("attn"), med("copy"), med("overhead")
     sizes = [2**12, 2**16, 2**20] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22]
     res = run_local(_comm_worker, n_procs, sizes, reps)[0]
@@ -250,12 +352,13 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False) -> Path:
         grouped_gemm_efficiency=min(1.0, grouped / peak),
         attention_efficiency=min(1.0, attn / peak), hbm_bandwidth=copy, usable_fraction=0.9,
         layer_overhead=overhead, gemm_width_efficiency=by_width,
+        gemm_table=gemm_table, grouped_table=grouped_table, attention_table=attention_table,
         intra_node_latency=a2a_lat, network_latency=p2p_lat,
     )
     notes = {
-        "peak_tflops": f"best fp32 GEMM of {len(rates)} shapes, {threads} threads, "
-                       f"all {n_procs} processes at once",
-        "gemm_efficiency": "median GEMM / best",
+        "peak_tflops": f"best fp32 GEMM of {len(rates) + len(grid)} shapes, {threads} "
+                       f"threads, all {n_procs} processes at once",
+        "gemm_efficiency": f"median of {len(rates)} GEMM shapes / best",
         "grouped_gemm_efficiency": "model.GroupedExperts fwd+bwd, 8 experts, uneven counts",
         "attention_efficiency": "sdpa fwd+bwd, causal, no causal discount in FLOPs",
         "gemm_width_efficiency": "[2048, w] x [w, w] rate / peak, by inner width w",
@@ -266,5 +369,10 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False) -> Path:
         "intra_node_latency_us": "all_to_all_single fit intercept",
         "nic_bandwidth_gbs": "gloo send/recv fit (one node: loopback)",
         "network_latency_us": "send/recv fit intercept",
+        "gemm_table": "measured: fp32 [m, k] x [k, n] rate / peak on the grid m x n x k",
+        "grouped_table": f"measured: model.GroupedExperts fwd+bwd, {GROUPED_SHAPE[0]} experts "
+                         f"x r rows each, D={GROUPED_SHAPE[1]}, F={GROUPED_SHAPE[2]}; rate / peak",
+        "attention_table": "measured: sdpa causal fwd+bwd, 1 x 4 heads; causal FLOPs "
+                           "(half the s x s products) / time / peak",
     }
     return write_platform_toml(p, out, notes)

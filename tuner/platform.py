@@ -5,6 +5,22 @@ A `Platform` is plain data read from `configs/platforms/<name>.toml`. Files use 
 (FLOP/s, bytes, bytes/s, seconds) so the analytic model never converts. Values that are not
 published are documented in each file as assumed parameters; `python -m tuner measure` writes
 `local.toml` with every value measured on this machine.
+
+Compute by shape. Beside the single efficiencies a file may carry, each its own section:
+    [gemm_table]       dense GEMM [m, k] x [k, n] efficiency on a grid: m, n, k ascending
+                       lists, efficiency[i][j][l] for (m[i], n[j], k[l])
+    [grouped_table]    the grouped expert GEMM by rows per expert: rows_per_expert ascending,
+                       efficiency[i]; fine-grained experts with few rows each run far below a
+                       large GEMM
+    [attention_table]  the causal flash-attention kernel, fwd + bwd, by seq and head_dim,
+                       efficiency[i][j] against the causal (unmasked-half) FLOPs
+    [roofline]         the stated alternative to a GEMM table where no measurement is
+                       published: eff = min(max_efficiency, AI / (peak / hbm_bandwidth)),
+                       AI = 2 m n k / (bytes_per_element x (m k + k n + m n)) (each operand
+                       read once, the product written once); grouped: per expert with
+                       m = rows_per_expert, capped at grouped_max_efficiency
+Tables are interpolated linearly in log(axis) on every axis and clamped at the ends. Precedence
+per op: table, then roofline, then the single efficiency (the behaviour before tables).
 """
 
 from __future__ import annotations
@@ -16,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Platform", "PLATFORM_DIR", "load_platform", "platform_names"]
+__all__ = ["Grid", "Platform", "PLATFORM_DIR", "load_platform", "platform_names"]
 
 PLATFORM_DIR = Path(__file__).resolve().parents[1] / "configs" / "platforms"
 
@@ -47,6 +63,109 @@ _FRACTIONS = {
 
 
 @dataclass(frozen=True)
+class Grid:
+    """Efficiencies on a rectangular grid: `axes[d]` ascending positive values of dimension d,
+    `values` row-major (the last axis fastest), each in (0, 1]. `at(*point)` interpolates
+    linearly in log(axis) on every axis (multilinear), clamped to the grid's ends."""
+
+    name: str
+    axis_names: tuple[str, ...]
+    axes: tuple[tuple[float, ...], ...]
+    values: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.axis_names) != len(self.axes):
+            raise ValueError(f"{self.name}: {len(self.axes)} axes for names {self.axis_names}")
+        for an, ax in zip(self.axis_names, self.axes, strict=True):
+            if not ax or any(v <= 0 for v in ax) or list(ax) != sorted(set(ax)):
+                raise ValueError(f"{self.name}.{an}={list(ax)} must be a non-empty list of "
+                                 f"ascending distinct values > 0")
+        size = math.prod(len(ax) for ax in self.axes)
+        if len(self.values) != size:
+            raise ValueError(f"{self.name}.efficiency has {len(self.values)} values, expected "
+                             f"{' x '.join(str(len(a)) for a in self.axes)} = {size} (one per "
+                             f"point of {' x '.join(self.axis_names)})")
+        bad = [v for v in self.values if not 0.0 < v <= 1.0]
+        if bad:
+            raise ValueError(f"{self.name}.efficiency has {bad[:4]}; every value must be in (0, 1]")
+
+    @classmethod
+    def from_nested(cls, name: str, axis_names: tuple[str, ...], axes: list[list[float]],
+                    nested: Any) -> Grid:
+        """Build from nested lists (efficiency[i][j]...), checking the nesting's shape."""
+        flat: list[float] = []
+
+        def walk(x: Any, depth: int, where: str) -> None:
+            want = len(axes[depth])
+            if not isinstance(x, list) or len(x) != want:
+                got = f"{len(x)} entries" if isinstance(x, list) else repr(x)
+                raise ValueError(f"{name}.efficiency{where} has {got}, expected a list of "
+                                 f"{want} (one per {axis_names[depth]})")
+            for i, y in enumerate(x):
+                if depth + 1 < len(axes):
+                    walk(y, depth + 1, f"{where}[{i}]")
+                else:
+                    if not isinstance(y, int | float) or isinstance(y, bool):
+                        raise ValueError(f"{name}.efficiency{where}[{i}]={y!r} is not a number")
+                    flat.append(float(y))
+
+        walk(nested, 0, "")
+        return cls(name, axis_names, tuple(tuple(float(v) for v in a) for a in axes), tuple(flat))
+
+    def nested(self) -> Any:
+        """`values` as nested lists, the inverse of `from_nested`."""
+        def build(depth: int, offset: int) -> Any:
+            stride = math.prod(len(a) for a in self.axes[depth + 1:])
+            if depth == len(self.axes) - 1:
+                return list(self.values[offset:offset + len(self.axes[depth])])
+            return [build(depth + 1, offset + i * stride) for i in range(len(self.axes[depth]))]
+        return build(0, 0)
+
+    def at(self, *point: float) -> float:
+        """The efficiency at `point` (one coordinate per axis, each > 0)."""
+        if len(point) != len(self.axes):
+            raise ValueError(f"{self.name}: {len(point)} coordinates for axes {self.axis_names}")
+        # per axis: (lower index, weight of the upper neighbour) after clamping
+        brackets: list[tuple[int, float]] = []
+        for an, ax, x in zip(self.axis_names, self.axes, point, strict=True):
+            if not x > 0:
+                raise ValueError(f"{self.name}: {an}={x} must be > 0")
+            if x <= ax[0] or len(ax) == 1:
+                brackets.append((0, 0.0))
+            elif x >= ax[-1]:
+                brackets.append((len(ax) - 2, 1.0))
+            else:
+                i = next(j for j in range(len(ax) - 1) if x <= ax[j + 1])
+                f = (math.log(x) - math.log(ax[i])) / (math.log(ax[i + 1]) - math.log(ax[i]))
+                brackets.append((i, f))
+        strides = [math.prod(len(a) for a in self.axes[d + 1:]) for d in range(len(self.axes))]
+        out = 0.0
+        for corner in range(2 ** len(self.axes)):
+            w, idx = 1.0, 0
+            for d, (i, f) in enumerate(brackets):
+                up = (corner >> d) & 1
+                if up and len(self.axes[d]) == 1:
+                    w = 0.0
+                    break
+                w *= f if up else 1.0 - f
+                idx += (i + up) * strides[d]
+            if w:
+                out += w * self.values[idx]
+        return out
+
+
+# section -> (axis names, Platform field)
+_TABLES: dict[str, tuple[tuple[str, ...], str]] = {
+    "gemm_table": (("m", "n", "k"), "gemm_table"),
+    "grouped_table": (("rows_per_expert",), "grouped_table"),
+    "attention_table": (("seq", "head_dim"), "attention_table"),
+}
+_ROOFLINE_KEYS = {"max_efficiency": "roofline_max_efficiency",
+                  "grouped_max_efficiency": "roofline_grouped_max_efficiency",
+                  "bytes_per_element": "roofline_bytes_per_element"}
+
+
+@dataclass(frozen=True)
 class Platform:
     """One machine type. Bandwidths are per direction; `intra_node_bandwidth` is the effective
     per-device injection rate of a uniform all-to-all inside one node, `nic_bandwidth` the
@@ -71,6 +190,13 @@ class Platform:
     # products, w ascending. Narrow GEMMs run far below peak on a CPU (width 128: ~0.3 of the
     # best shape), which one efficiency cannot say. Empty (GPU platforms): gemm_efficiency.
     gemm_width_efficiency: tuple[tuple[int, float], ...] = ()
+    # Compute by shape (module docstring): measured or cited tables, or a stated roofline.
+    gemm_table: Grid | None = None
+    grouped_table: Grid | None = None
+    attention_table: Grid | None = None
+    roofline_max_efficiency: float = 0.0  # 0: no roofline
+    roofline_grouped_max_efficiency: float = 0.0  # 0: roofline_max_efficiency
+    roofline_bytes_per_element: float = 2.0  # bf16 operands
     hbm_bandwidth: float = 1e12
     usable_fraction: float = 0.9
     nodes_per_domain: int = 1
@@ -86,6 +212,10 @@ class Platform:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name in ("gemm_table", "grouped_table", "attention_table"):
+                if v is not None and not isinstance(v, Grid):
+                    raise ValueError(f"platform {self.name!r}: {f.name} must be a Grid, got {v!r}")
+                continue
             if f.name in _INT_FIELDS and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"platform {self.name!r}: {f.name}={v!r} must be an int >= 1")
             if f.name == "gemm_width_efficiency":
@@ -102,6 +232,16 @@ class Platform:
                     "hbm_bandwidth"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"platform {self.name!r}: {key}={getattr(self, key)} must be > 0")
+        for key in ("roofline_max_efficiency", "roofline_grouped_max_efficiency"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"platform {self.name!r}: {key}={getattr(self, key)} must be "
+                                 f"in (0, 1] (0 = no roofline)")
+        if self.roofline_bytes_per_element <= 0:
+            raise ValueError(f"platform {self.name!r}: roofline_bytes_per_element="
+                             f"{self.roofline_bytes_per_element} must be > 0")
+        if self.roofline_grouped_max_efficiency and not self.roofline_max_efficiency:
+            raise ValueError(f"platform {self.name!r}: roofline grouped_max_efficiency="
+                             f"{self.roofline_grouped_max_efficiency} needs max_efficiency > 0")
         if self.launcher not in ("slurm", "torchrun"):
             raise ValueError(f"platform {self.name!r}: launcher={self.launcher!r}; valid: slurm, torchrun")
 
@@ -122,15 +262,33 @@ class Platform:
     def matmul_eff(self, m: float, n: float, k: float) -> float:
         """Efficiency (achieved / `peak_flops`) of one dense GEMM [m, k] x [k, n].
 
-        Without a per-shape table this is `gemm_eff(min(n, k))`: the width table (or the
-        single `gemm_efficiency`), as the estimate priced every dense GEMM before shapes."""
+        `gemm_table` interpolated at (m, n, k); else the roofline; else `gemm_eff(min(n, k))`:
+        the width table (or the single `gemm_efficiency`), as the estimate priced every
+        dense GEMM before shapes."""
+        _check_dims("matmul_eff", m=m, n=n, k=k)
+        if self.gemm_table is not None:
+            return self.gemm_table.at(m, n, k)
+        if self.roofline_max_efficiency:
+            return self._roofline(m, n, k, self.roofline_max_efficiency)
         return self.gemm_eff(min(n, k))
+
+    def _roofline(self, m: float, n: float, k: float, cap: float) -> float:
+        ai = 2.0 * m * n * k / (self.roofline_bytes_per_element * (m * k + k * n + m * n))
+        return min(cap, ai * self.hbm_bandwidth / self.peak_flops)
 
     def grouped_eff(self, rows_per_expert: float, n: float, k: float) -> float:
         """Efficiency of the grouped expert GEMM: every expert multiplies its
         `rows_per_expert` routed rows [rows, k] by its own [k, n] weight.
 
-        Without a rows-per-expert table this is the single `grouped_gemm_efficiency`."""
+        `grouped_table` interpolated at `rows_per_expert` (measured at one (n, k), which the
+        file states); else the roofline of one expert's GEMM, whose weight is read once for
+        few rows; else the single `grouped_gemm_efficiency`."""
+        _check_dims("grouped_eff", rows_per_expert=rows_per_expert, n=n, k=k)
+        if self.grouped_table is not None:
+            return self.grouped_table.at(rows_per_expert)
+        if self.roofline_max_efficiency:
+            cap = self.roofline_grouped_max_efficiency or self.roofline_max_efficiency
+            return self._roofline(rows_per_expert, n, k, cap)
         return self.grouped_gemm_efficiency
 
     def attention_eff(self, seq: int, head_dim: int, causal: bool) -> float:
@@ -141,8 +299,14 @@ class Platform:
         convention, `ModelConfig.flops_per_token`). The two answers differ by exactly 2x, so
         the time FLOPs / (peak x efficiency) is the same under either count.
 
-        Without a table: `attention_efficiency`, which is stated against the full count (as
-        `tuner measure` measures it), halved for causal=True."""
+        `attention_table` (stated against the causal count) interpolated at (seq, head_dim),
+        doubled for causal=False. Without a table: `attention_efficiency`, which is stated
+        against the full count (as `tuner measure` measured it before tables), halved for
+        causal=True."""
+        _check_dims("attention_eff", seq=seq, head_dim=head_dim)
+        if self.attention_table is not None:
+            e = self.attention_table.at(seq, head_dim)
+            return e if causal else 2.0 * e
         return self.attention_efficiency / 2 if causal else self.attention_efficiency
 
     @property
@@ -177,6 +341,22 @@ class Platform:
         if "gemm_width_efficiency" in data.get("compute", {}):
             kw["gemm_width_efficiency"] = tuple(
                 (int(w), float(e)) for w, e in data["compute"]["gemm_width_efficiency"])
+        for section, (axis_names, fname) in _TABLES.items():
+            known.add(section)
+            if section in data:
+                kw[fname] = _grid_from(section, axis_names, data[section], source)
+        known.add("roofline")
+        body = data.get("roofline", {})
+        bad_rl = sorted(set(body) - set(_ROOFLINE_KEYS))
+        if bad_rl:
+            raise ValueError(f"{source}: unknown keys {bad_rl} in [roofline]; valid: "
+                             f"{sorted(_ROOFLINE_KEYS)}")
+        for key, fname in _ROOFLINE_KEYS.items():
+            if key in body:
+                kw[fname] = float(body[key])
+        if body and "max_efficiency" not in body:
+            raise ValueError(f"{source}: [roofline] lacks max_efficiency (the efficiency of a "
+                             f"GEMM above the ridge point)")
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{source}: unknown platform keys {unknown}; valid: {sorted(known)}")
@@ -202,7 +382,50 @@ class Platform:
             out.setdefault(section, {})[key] = v if fname in _INT_FIELDS else round(v / scale, 9)
         if self.gemm_width_efficiency:
             out["compute"]["gemm_width_efficiency"] = [list(p) for p in self.gemm_width_efficiency]
+        for section, (axis_names, fname) in _TABLES.items():
+            g: Grid | None = getattr(self, fname)
+            if g is not None:
+                out[section] = {an: [_num(v) for v in ax]
+                                for an, ax in zip(axis_names, g.axes, strict=True)}
+                out[section]["efficiency"] = g.nested()
+        if self.roofline_max_efficiency:
+            out["roofline"] = {key: getattr(self, fname) for key, fname in _ROOFLINE_KEYS.items()
+                               if getattr(self, fname)}
         return out
+
+
+def _num(v: float) -> int | float:
+    """Axis values back as ints where they are whole (shapes), else floats."""
+    return int(v) if float(v).is_integer() else v
+
+
+def _check_dims(op: str, **dims: float) -> None:
+    bad = {k: v for k, v in dims.items() if not v > 0}
+    if bad:
+        raise ValueError(f"{op}: {', '.join(f'{k}={v}' for k, v in bad.items())} must be > 0")
+
+
+def _grid_from(section: str, axis_names: tuple[str, ...], body: Any, source: str) -> Grid:
+    """The [section] of a platform file as a Grid, with errors that name file and key."""
+    if not isinstance(body, dict):
+        raise ValueError(f"{source}: [{section}] must be a table with keys "
+                         f"{list(axis_names) + ['efficiency']}")
+    valid = set(axis_names) | {"efficiency"}
+    bad = sorted(set(body) - valid)
+    missing = sorted(valid - set(body))
+    if bad or missing:
+        raise ValueError(f"{source}: [{section}] has unknown keys {bad} / lacks {missing}; "
+                         f"valid: {sorted(valid)}")
+    axes = []
+    for an in axis_names:
+        ax = body[an]
+        if not isinstance(ax, list) or not all(isinstance(v, int | float) for v in ax):
+            raise ValueError(f"{source}: [{section}] {an}={ax!r} must be a list of numbers")
+        axes.append([float(v) for v in ax])
+    try:
+        return Grid.from_nested(section, axis_names, axes, body["efficiency"])
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 def platform_names(directory: Path = PLATFORM_DIR) -> list[str]:
