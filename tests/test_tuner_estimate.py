@@ -266,7 +266,7 @@ def test_zero_sync_is_reduce_scatter_plus_all_gather_by_hand():
 
 
 @pytest.mark.parametrize("bad,message", [
-    (dict(zero=3), "zero=3: the ZeRO level must be 0 .*, 1 .* or 2"),
+    (dict(zero=4), r"zero=4: the ZeRO level must be one of 0 \(replicated state\), 1 .*, 2 .*"),
     (dict(zero=-1), "zero=-1: the ZeRO level must be"),
     (dict(zero=True), "zero=True: the ZeRO level must be"),
     (dict(zero="1"), "zero='1': the ZeRO level must be"),

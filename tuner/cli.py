@@ -1,9 +1,15 @@
-"""Command line of the tuner: `python -m tuner plan | reproduce-paper | measure`.
+"""Command line of the tuner: `python -m tuner plan | estimate | reproduce-paper | measure`.
 
     python -m tuner plan --model deepseek-v3|HF_CHECKPOINT_DIR --platform frontier --gpus 1024 --seq 4096 \\
         --global-batch 4096 [--trials 300] [--seed 0] [--storage study.db] [--out runs/plans]
         [--alltoall-model closed-form|netsim] [--zero 0,1,2] [--zero-sharding per-parameter|flat]
         [--redundant R] [--measure K [--measure-steps 8]]
+    python -m tuner estimate --model M --platform P --gpus N --seq S --global-batch B [--mbs 1]
+        [--pp 1] [--vpp 1] [--tp 1] [--cp 1] [--ep 1] [--etp 1] [--zero 0|1|2|3]
+        [--recompute none|selective|full] [--dispatch flat|halo|dedup|auto]
+        [--a2a-overlap none|layer|fb] [--precision bf16|fp8]
+        [--precision-policy trainer|published|megatron] [--schedule S] [--ep-placement P]
+        [--redundant R] [--json]
     python -m tuner reproduce-paper [--out benchmarks/results/reproduce_paper.md]
     python -m tuner measure [--out configs/platforms/local.toml] [--procs 4]
 
@@ -27,6 +33,16 @@ measured best. It needs a platform measured here (`--platform local`) and at mos
 On a gloo (CPU) platform the model is the CPU trainer's: fp32 state and activations, and the
 activations our eager model really saves (`Assumptions(activation_set="trainer")`), with 4
 memory passes over them for the unfused elementwise work (`activation_traffic_passes`).
+
+`estimate` prices one layout without searching (`tuner.single`). Degrees fold as Megatron-Core
+does (`tuner.layout.fold_degrees`): gpus = pp x tp x cp x dp = pp x etp x ep x edp, the EP
+groups formed from the DP x TP x CP ranks of a stage, so ep x etp must divide tp x cp x dp;
+dp and edp are derived, M = global batch / (dp x mbs). `--precision-policy` says what the
+training state and collectives cost per element: "trainer" (default: what train.py holds and
+sends on that platform), "published" (the paper's 16 B per parameter) or "megatron"
+(Megatron-Core's bf16 parameters, fp32 main gradients and distributed optimizer). `--json`
+prints one JSON object as the last stdout line (`tuner.single.summary`). A layout train.py
+cannot run yet is priced and reported with `runnable: false` and what is missing.
 
 User mistakes (unknown model or platform, a GPU count the mesh cannot use, a model that does
 not fit) print one `error:` line saying what would work and exit with status 2.
@@ -57,7 +73,7 @@ def _hf_model_path(model: str) -> str:
 
 def _zero_levels(text: str) -> tuple[int, ...]:
     """`--zero 0,1,2` -> (0, 1, 2); anything else is refused naming the bad value."""
-    from tuner.layout import check_zero_levels
+    from tuner.layout import ZERO_LEVELS, check_zero_levels
 
     levels = []
     for part in text.split(","):
@@ -65,7 +81,8 @@ def _zero_levels(text: str) -> tuple[int, ...]:
             levels.append(int(part.strip()))
         except ValueError:
             raise ValueError(f"--zero {text!r}: {part.strip()!r} is not a ZeRO level; valid: "
-                             f"0, 1, 2, comma-separated (e.g. --zero 0,1,2)") from None
+                             f"{', '.join(map(str, ZERO_LEVELS))}, comma-separated (e.g. --zero "
+                             f"0,1,2)") from None
     return check_zero_levels(levels, what="--zero")
 
 
@@ -186,6 +203,43 @@ def _measure_top(args: argparse.Namespace, cfg, platform, out) -> None:  # noqa:
     print("plan file re-written for the measured best")
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    import json
+
+    from model import ModelConfig, presets
+    from tuner.counts import trainer_act_supported
+    from tuner.layout import Assumptions, precision_policy
+    from tuner.platform import load_platform
+    from tuner.single import EstimateRequest, format_report, plan_of, summary
+
+    req = EstimateRequest(
+        gpus=args.gpus, seq=args.seq, global_batch=args.global_batch, mbs=args.mbs, pp=args.pp,
+        tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp, vpp=args.vpp, zero=args.zero,
+        recompute=args.recompute, dispatch=args.dispatch, a2a_overlap=args.a2a_overlap,
+        precision=args.precision, schedule=args.schedule, ep_placement=args.ep_placement,
+        redundant=args.redundant)
+    plan = plan_of(req)  # every degree and choice checked before the model is read
+    hf_path = _hf_model_path(args.model)
+    cfg = ModelConfig.from_hf_config(hf_path) if hf_path else presets.get(args.model)
+    platform = load_platform(args.platform)
+    cpu = platform.backend == "gloo"
+    trainer_set = cpu and trainer_act_supported(cfg)
+    asm = Assumptions(alltoall_model=args.alltoall_model,
+                      activation_set="trainer" if trainer_set else "published",
+                      activation_traffic_passes=4.0 if cpu else 0.0,
+                      zero_sharding=args.zero_sharding, fp8_peak_factor=args.fp8_peak_factor)
+    from tuner.estimate import estimate
+
+    e = estimate(cfg, plan, platform, precision_policy(args.precision_policy, platform.backend),
+                 asm)
+    s = summary(cfg, platform, e, args.precision_policy)
+    if args.json:
+        print(json.dumps(s))
+    else:
+        print(format_report(s))
+    return 0
+
+
 def _reproduce(args: argparse.Namespace) -> int:
     from tuner.paper import reproduce_paper
 
@@ -237,6 +291,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="run the top K plans for real on this machine and re-rank by measured time")
     p.add_argument("--measure-steps", type=int, default=8, help="training steps per measured run")
     p.set_defaults(func=_plan)
+    _estimate_parser(sub)
     r = sub.add_parser("reproduce-paper", help="published Table IV and results beside ours")
     r.add_argument("--out", default="benchmarks/results/reproduce_paper.md")
     r.add_argument("--trials", type=int, default=300)
@@ -250,6 +305,64 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--quick", action="store_true", help="fewer shapes and repeats (tests)")
     m.set_defaults(func=_measure)
     return ap
+
+
+def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparsers type
+    from tuner.layout import (
+        A2A_OVERLAP,
+        ALLTOALL_ALGORITHMS,
+        CHECKPOINTING,
+        EP_PLACEMENTS,
+        PRECISION_POLICIES,
+        PRECISIONS,
+        SCHEDULES,
+        ZERO_LEVELS,
+    )
+
+    e = sub.add_parser(
+        "estimate", help="price one layout (no search): step time, memory, MFU, runnable",
+        description="Price one layout. Parallel folding: gpus = pp x tp x cp x dp = pp x etp "
+                    "x ep x edp (EP groups formed from the DP x TP x CP ranks of a stage; ep x "
+                    "etp must divide tp x cp x dp); dp and edp are derived.")
+    e.add_argument("--model", required=True, help="preset name or Hugging Face checkpoint folder")
+    e.add_argument("--platform", required=True, help="configs/platforms/<name>.toml or a path")
+    e.add_argument("--gpus", type=int, required=True)
+    e.add_argument("--seq", type=int, default=4096)
+    e.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    e.add_argument("--mbs", type=int, default=1,
+                   help="sequences per micro-batch per data-parallel rank (M = B / (dp x mbs))")
+    for name, what in (("pp", "pipeline ranks"), ("vpp", "virtual stages per pipeline rank"),
+                       ("tp", "tensor parallel (with sequence parallel)"),
+                       ("cp", "context parallel"), ("ep", "expert parallel"),
+                       ("etp", "expert tensor parallel")):
+        e.add_argument(f"--{name}", type=int, default=1, help=f"{what} (default 1)")
+    e.add_argument("--zero", type=int, default=0, choices=ZERO_LEVELS,
+                   help="0 replicated state, 1 optimizer state sharded, 2 + gradients, "
+                        "3 + parameters (gathered per layer)")
+    e.add_argument("--recompute", default="none", choices=CHECKPOINTING,
+                   help="activation recompute (the trainer's checkpointing modes)")
+    e.add_argument("--dispatch", default="flat", choices=ALLTOALL_ALGORITHMS,
+                   help="MoE all-to-all: flat, halo, dedup (one copy per remote node), auto")
+    e.add_argument("--a2a-overlap", default="none", choices=A2A_OVERLAP,
+                   help="all-to-all hidden behind compute: none, inside the MoE layer, across "
+                        "micro-batches")
+    e.add_argument("--precision", default="bf16", choices=PRECISIONS, help="GEMM precision")
+    e.add_argument("--precision-policy", default="trainer", choices=PRECISION_POLICIES,
+                   help="bytes of training state and collectives: what train.py holds "
+                        "(default), the paper's 16 B/param, or Megatron-Core's")
+    e.add_argument("--schedule", default="", choices=("",) + tuple(SCHEDULES),
+                   help="pipeline schedule (default 1f1b, interleaved-1f1b with --vpp > 1)")
+    e.add_argument("--ep-placement", default="local", choices=EP_PLACEMENTS)
+    e.add_argument("--redundant", type=int, default=0, metavar="R",
+                   help="redundant expert slots per EP rank and MoE layer")
+    e.add_argument("--zero-sharding", default="per-parameter", choices=("per-parameter", "flat"),
+                   help="ZeRO-1/2 split: whole parameters per owner (train.py's) or flat shards")
+    e.add_argument("--alltoall-model", default="closed-form", choices=("closed-form", "netsim"))
+    e.add_argument("--fp8-peak-factor", type=float, default=None,
+                   help="FP8 / bf16 GEMM peak for a platform file without an FP8 rate")
+    e.add_argument("--json", action="store_true",
+                   help="print one JSON object as the last line (tuner.single.summary)")
+    e.set_defaults(func=_estimate)
 
 
 def main(argv: list[str] | None = None) -> int:

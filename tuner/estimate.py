@@ -228,11 +228,12 @@ def _check(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions) -> None:
             f"redundant={plan.redundant} exceeds the {E - E // plan.ep} experts of {cfg.name} an "
             f"EP rank does not hold (E={E}, ep={plan.ep}): a redundant slot holds a replica of "
             f"one of them; valid: 0..{E - E // plan.ep}")
-    if asm.attention == "sharded" and plan.global_batch % (plan.dp * plan.ep * plan.microbatches):
+    if asm.attention == "sharded" and plan.global_batch % (plan.attn_dp * plan.microbatches):
         raise ValueError(
-            f"global_batch={plan.global_batch} is not divisible by dp={plan.dp} x ep={plan.ep} x "
-            f"microbatches={plan.microbatches}: each EP rank needs whole sequences"
-        )
+            f"global_batch={plan.global_batch} is not divisible by dp={plan.attn_dp} x "
+            f"microbatches={plan.microbatches} (dp = edp={plan.dp} x ep={plan.ep} x "
+            f"etp={plan.etp} / (tp={plan.tp} x cp={plan.cp})): each data-parallel rank needs "
+            f"whole sequences")
 
 
 def _rank_chunks(cfg: ModelConfig, plan: ParallelPlan) -> list[list[list[int]]]:

@@ -27,7 +27,9 @@ from typing import Any
 
 from model import CHECKPOINTING  # the modes model/checkpointing.py implements and train.py runs
 from trainer.layout import (  # vocabularies of the one layout model, declared there once
+    A2A_OVERLAP,
     EP_PLACEMENTS,
+    PRECISIONS,
     SCHEDULES,
     TRAINER_ALLTOALL,
     TRAINER_ZERO_LEVELS,
@@ -38,6 +40,9 @@ __all__ = [
     "Assumptions",
     "DEFAULT_ASSUMPTIONS",
     "FP32_TRAINER_PRECISION",
+    "GPU_TRAINER_PRECISION",
+    "MEGATRON_PRECISION",
+    "PRECISION_POLICIES",
     "PUBLISHED_PRECISION",
     "CHECKPOINTING",
     "EP_PLACEMENTS",
@@ -46,6 +51,11 @@ __all__ = [
     "SCHEDULES",
     "ZERO_LEVELS",
     "check_zero_levels",
+    "fold_degrees",
+    "not_runnable",
+    "trainer_layout",
+    "plan_stage_layers",
+    "precision_policy",
 ]
 
 # What the planner prices so far (issue 33 item 3 widens both to trainer.layout's full
@@ -58,40 +68,137 @@ ZERO2_GRAD_SYNC = ("last", "each")
 ZERO_SHARDING = ("flat", "per-parameter")
 
 
+_ZERO_MEANING = {0: "replicated state", 1: "optimizer state sharded",
+                 2: "optimizer state and gradients sharded",
+                 3: "parameters sharded too, gathered per layer"}
+
+
 def check_zero_levels(levels: object, what: str = "zero") -> tuple[int, ...]:
     """`levels` (one ZeRO level or several) as a tuple, or a ValueError naming the bad value."""
     seq = levels if isinstance(levels, (tuple, list)) else (levels,)
+    valid = ", ".join(f"{z} ({_ZERO_MEANING.get(z, '')})" for z in ZERO_LEVELS)
     if not seq:
-        raise ValueError(f"{what}: no ZeRO level given; valid: 0, 1, 2")
+        raise ValueError(f"{what}: no ZeRO level given; valid: {valid}")
     for z in seq:
         if isinstance(z, bool) or z not in ZERO_LEVELS:
-            raise ValueError(f"{what}={z!r}: the ZeRO level must be 0 (replicated state), 1 "
-                             f"(optimizer state sharded) or 2 (optimizer state and gradients "
-                             f"sharded)")
+            raise ValueError(f"{what}={z!r}: the ZeRO level must be one of {valid}")
     return tuple(seq)
+
+
+def fold_degrees(gpus: int, pp: int, tp: int = 1, cp: int = 1, ep: int = 1,
+                 etp: int = 1) -> tuple[int, int]:
+    """(dp, edp): the data-parallel degrees of the dense and the expert side of a layout.
+
+    Parallel folding (Megatron-Core's MoE layout): the gpus / pp ranks of a pipeline stage
+    are arranged twice over the same ranks,
+        dense side   tp x cp x dp     (attention, norms, dense FFN, shared experts, head)
+        expert side  etp x ep x edp   (routed experts)
+    so gpus = pp x tp x cp x dp = pp x etp x ep x edp: EP groups are formed from the DP x TP x
+    CP ranks of a stage, and ep x etp must divide tp x cp x dp. With tp = cp = etp = 1 this is
+    the trainer's PP x DP x EP mesh: edp is its --parallel.dp and dp = edp x ep its stage
+    group. `ParallelPlan.dp` is edp."""
+    for name, v in (("gpus", gpus), ("pp", pp), ("tp", tp), ("cp", cp), ("ep", ep),
+                    ("etp", etp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an int >= 1")
+    if gpus % pp:
+        raise ValueError(f"pp={pp} does not divide {gpus} GPUs; valid pp: "
+                         f"{[d for d in range(1, gpus + 1) if gpus % d == 0]}")
+    stage = gpus // pp
+    valid = [d for d in range(1, stage + 1) if stage % d == 0]
+    if stage % (tp * cp):
+        raise ValueError(f"tp={tp} x cp={cp} = {tp * cp} does not divide the {stage} ranks of a "
+                         f"pipeline stage ({gpus} GPUs / pp={pp}); tp x cp must be one of {valid}")
+    if stage % (ep * etp):
+        raise ValueError(f"ep={ep} x etp={etp} = {ep * etp} does not divide the {stage} ranks of "
+                         f"a pipeline stage ({gpus} GPUs / pp={pp} = tp x cp x dp); ep x etp must "
+                         f"be one of {valid}")
+    return stage // (tp * cp), stage // (ep * etp)
 
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """Bytes per parameter of each training-state part, and bytes per activation element."""
+    """Bytes per parameter of each training-state part, bytes per saved activation element,
+    and bytes per element of every collective, as a trainer allocates and sends them.
+
+    `grad_comm_bytes`: gradient all-reduce / reduce-scatter / reduce (and ZeRO-3's per-layer
+    reduce-scatter); `param_comm_bytes`: the weight broadcast / all-gather after the step (and
+    ZeRO-3's per-layer gather); `dispatch_bytes` / `combine_bytes`: the rows the MoE
+    all-to-all sends forward (their gradients go back at the same width);
+    `p2p_bytes`: a pipeline activation and its gradient; TP, CP and ETP collectives move
+    activations at `activation_bytes`. 0 = the matching state width (grad, weight) or the
+    activation width."""
 
     weight_bytes: int = 2
     grad_bytes: int = 2
     master_bytes: int = 4  # fp32 master weights (0 when training in fp32 without a copy)
     optimizer_bytes: int = 8  # Adam: two fp32 moments
     activation_bytes: int = 2
+    grad_comm_bytes: int = 0
+    param_comm_bytes: int = 0
+    dispatch_bytes: int = 0
+    combine_bytes: int = 0
+    p2p_bytes: int = 0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for f in ("grad_comm_bytes", "param_comm_bytes", "dispatch_bytes", "combine_bytes",
+                  "p2p_bytes"):
+            v = getattr(self, f)
+            if v == 0:
+                base = {"grad_comm_bytes": self.grad_bytes,
+                        "param_comm_bytes": self.weight_bytes}.get(f, self.activation_bytes)
+                object.__setattr__(self, f, base)
 
     @property
     def state_bytes(self) -> int:
         return self.weight_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
 
 
-PUBLISHED_PRECISION = PrecisionPolicy()
+# The published default (docs/reference.md 1.1, Piper's memory model): 16 B per parameter,
+# bf16 weight and gradient, fp32 master copy and two Adam moments; bf16 everywhere on the wire.
+PUBLISHED_PRECISION = PrecisionPolicy(name="published")
 # What train.py holds on CPU (`--train.dtype=auto` -> fp32, torch.optim.AdamW): fp32 weights
 # and gradients, no separate master copy, two fp32 moments (exp_avg, exp_avg_sq; the step
-# counter is a 0-dim tensor, 4 bytes per parameter tensor, below 0.01 %), fp32 activations.
+# counter is a 0-dim tensor, 4 bytes per parameter tensor, below 0.01 %), fp32 activations,
+# and every collective in fp32.
 FP32_TRAINER_PRECISION = PrecisionPolicy(weight_bytes=4, grad_bytes=4, master_bytes=0,
-                                         optimizer_bytes=8, activation_bytes=4)
+                                         optimizer_bytes=8, activation_bytes=4, name="trainer")
+# What train.py holds and sends on GPUs (`--train.dtype=auto|bf16`: bf16 autocast over fp32
+# parameters, trainer/loop.py): fp32 weights and gradients, no master copy, two fp32 moments;
+# gradients reduced and weights broadcast in fp32 (trainer/grad_sync.py buckets by parameter
+# dtype); the MoE dispatch sends the fp32 residual stream's normed rows (model/norm.py returns
+# its input dtype, the router runs on them; autocast does not reach the dispatch) and the
+# combine the experts' bf16 outputs (model/moe.py casts to the autocast dtype after the
+# dispatch); pipeline hops carry the fp32 residual stream. Saved activations counted at 2 B
+# (autocast's GEMM inputs; the fp32 norm inputs are a part this count does not split out).
+GPU_TRAINER_PRECISION = PrecisionPolicy(weight_bytes=4, grad_bytes=4, master_bytes=0,
+                                        optimizer_bytes=8, activation_bytes=2,
+                                        grad_comm_bytes=4, param_comm_bytes=4, dispatch_bytes=4,
+                                        combine_bytes=2, p2p_bytes=4, name="trainer")
+# Megatron-Core with --bf16 and its distributed optimizer (docs.nvidia.com/megatron-core,
+# developer guide, "Distributed Optimizer": "bf16 parameters, fp32 gradients: 18 bytes per
+# parameter, 6 + 12/d distributed"; "we always use fp32 main parameters for optimizer
+# steps"): bf16 weights (2), fp32 main gradients (4, reduce-scattered in fp32), fp32 main
+# parameters (4) and two moments (8) sharded over DP (our ZeRO-1), updated bf16 weights
+# all-gathered (2); activations, all-to-all and pipeline hops in bf16.
+MEGATRON_PRECISION = PrecisionPolicy(weight_bytes=2, grad_bytes=4, master_bytes=4,
+                                     optimizer_bytes=8, activation_bytes=2, grad_comm_bytes=4,
+                                     param_comm_bytes=2, name="megatron")
+PRECISION_POLICIES = ("trainer", "published", "megatron")
+
+
+def precision_policy(name: str, backend: str = "nccl") -> PrecisionPolicy:
+    """The named policy: "trainer" (what train.py runs on this backend: fp32 on gloo/CPU,
+    bf16 autocast over fp32 state on GPUs), "published" (16 B per parameter, the paper's
+    model) or "megatron" (Megatron-Core's bf16 + distributed optimizer)."""
+    if name == "trainer":
+        return FP32_TRAINER_PRECISION if backend == "gloo" else GPU_TRAINER_PRECISION
+    if name == "published":
+        return PUBLISHED_PRECISION
+    if name == "megatron":
+        return MEGATRON_PRECISION
+    raise ValueError(f"precision policy {name!r}; valid: {', '.join(PRECISION_POLICIES)}")
 
 
 @dataclass(frozen=True)
@@ -146,6 +253,16 @@ class Assumptions:
     alltoall_model: "closed-form" (`tuner.comms.alltoall_time`, instant) or "netsim" (the
         flow-level `comm.netsim`, ~10-300 ms per distinct exchange, cached; it also sees the
         Frontier Infinity Fabric layout, where small in-node groups beat the 8-GCD average).
+    a2a_chunks: with `ParallelPlan.a2a_overlap = "layer"`, the chunks c a MoE layer's rows
+        are split into (issue 26: chunk i+1's dispatch, chunk i's expert GEMMs and chunk
+        i-1's combine in flight together). 0 (default): the c of 1, 2, 4, 8 that the model
+        prices fastest, as `--comm.a2a_chunks=auto` would choose it.
+    zero3_prefetch: ZeRO-3 layers gathered ahead of the one computing (FSDP's default
+        prefetches one): the memory of 1 + this many gathered layers is held.
+    fp8_peak_factor: FP8 GEMM peak / bf16 peak, used for `precision="fp8"` on a platform
+        whose file states no FP8 rate. None (default): such a platform refuses fp8. The
+        dense FP8 peak of H100/H200 SXM is 2x their bf16 peak (NVIDIA's H100 datasheet:
+        1979 vs 989 TFLOPS dense), so 2.0 is the stated parameter for them.
     """
 
     flash_attention: bool = True
@@ -162,8 +279,17 @@ class Assumptions:
     zero2_grad_sync: str = "last"
     zero_sharding: str = "flat"
     replicas_per_expert: int = 2
+    a2a_chunks: int = 0
+    zero3_prefetch: int = 1
+    fp8_peak_factor: float | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.a2a_chunks, bool) or self.a2a_chunks < 0:
+            raise ValueError(f"a2a_chunks={self.a2a_chunks!r} must be an int >= 1, or 0 (auto)")
+        if self.zero3_prefetch < 0:
+            raise ValueError(f"zero3_prefetch={self.zero3_prefetch} must be >= 0 layers")
+        if self.fp8_peak_factor is not None and not self.fp8_peak_factor > 0:
+            raise ValueError(f"fp8_peak_factor={self.fp8_peak_factor} must be > 0 (or None)")
         for f in ("alltoall_overlap", "p2p_overlap", "dp_overlap"):
             v = getattr(self, f)
             if not 0.0 <= v <= 1.0:
@@ -213,6 +339,11 @@ class ParallelPlan:
     ep_placement: str = "local"
     zero: int = 0
     redundant: int = 0  # extra expert slots per MoE layer on every EP rank (r)
+    tp: int = 1  # tensor parallel (with sequence parallel) of attention and dense weights
+    cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention)
+    etp: int = 1  # expert tensor parallel: each expert's F dimension split over etp ranks
+    a2a_overlap: str = "none"  # none | layer | fb (A2A_OVERLAP)
+    precision: str = "bf16"  # GEMM precision: bf16 | fp8 (PRECISIONS)
 
     def __post_init__(self) -> None:
         check_zero_levels(self.zero)
@@ -223,14 +354,21 @@ class ParallelPlan:
         if r and self.ep == 1:
             raise ValueError(f"redundant={r} needs ep > 1: with one EP rank every expert is "
                              f"already on it; valid with ep=1: 0")
-        for f in ("pp", "ep", "dp", "microbatches", "global_batch", "seq_len", "n_virtual"):
+        for f in ("pp", "ep", "dp", "microbatches", "global_batch", "seq_len", "n_virtual",
+                  "tp", "cp", "etp"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f}={v!r} must be an int >= 1")
         for f, valid in (("schedule", SCHEDULES), ("alltoall", ALLTOALL_ALGORITHMS),
-                         ("checkpointing", CHECKPOINTING), ("ep_placement", EP_PLACEMENTS)):
+                         ("checkpointing", CHECKPOINTING), ("ep_placement", EP_PLACEMENTS),
+                         ("a2a_overlap", A2A_OVERLAP), ("precision", PRECISIONS)):
             if getattr(self, f) not in valid:
                 raise ValueError(f"{f}={getattr(self, f)!r}; valid: {', '.join(valid)}")
+        if self.stage_size % (self.tp * self.cp):
+            raise ValueError(
+                f"tp={self.tp} x cp={self.cp} does not divide the {self.stage_size} ranks of a "
+                f"stage (edp={self.dp} x ep={self.ep} x etp={self.etp}): parallel folding puts "
+                f"both sides of a stage on the same ranks (fold_degrees)")
         if self.schedule == "interleaved-1f1b":
             if self.n_virtual < 2:
                 raise ValueError(f"interleaved-1f1b needs n_virtual >= 2, got {self.n_virtual}")
@@ -248,15 +386,29 @@ class ParallelPlan:
             )
 
     @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage: EDP x EP x ETP on the expert side, = DP x TP x CP on
+        the dense side (parallel folding, `fold_degrees`)."""
+        return self.dp * self.ep * self.etp
+
+    @property
+    def attn_dp(self) -> int:
+        """Data-parallel degree of the dense side (attention, norms, dense FFN): the stage's
+        ranks / (TP x CP). With tp = cp = etp = 1 this is DP x EP, the trainer's stage group."""
+        return self.stage_size // (self.tp * self.cp)
+
+    @property
     def n_gpus(self) -> int:
-        return self.pp * self.dp * self.ep
+        return self.pp * self.stage_size
 
     def replica_groups(self, attention: str = "sharded") -> tuple[int, int]:
         """Ranks holding a copy of (a non-expert parameter, an expert parameter): the groups
         ZeRO shards over and gradients are reduced over. Non-expert parameters are replicated
-        over DP x EP of a stage when EP ranks see different tokens ("sharded" attention, as
-        trained), over DP when they compute the same ("replicated"); experts over DP."""
-        return (self.dp * self.ep if attention == "sharded" else self.dp), self.dp
+        over the stage's ranks with the same TP index (DP x CP of the dense side; DP x EP of
+        the trainer when tp = cp = etp = 1) when EP ranks see different tokens ("sharded"
+        attention, as trained), over DP when they compute the same ("replicated"); experts over
+        the expert data-parallel group (`dp`)."""
+        return (self.attn_dp * self.cp if attention == "sharded" else self.dp), self.dp
 
     @property
     def group_sequences(self) -> float:
@@ -264,17 +416,50 @@ class ParallelPlan:
         return self.global_batch / (self.dp * self.microbatches)
 
     def attention_tokens(self, attention: str = "sharded") -> float:
-        """Tokens each rank runs attention (and other replicated layers) on per micro-batch."""
-        per_group = self.group_sequences * self.seq_len
-        return per_group / self.ep if attention == "sharded" else per_group
+        """Tokens whose dense-side work (attention, norms, dense FFN) one rank does per
+        micro-batch. "sharded": b s / (M x stage ranks): DP and CP split the tokens, TP (with
+        sequence parallel) splits the work of the TP group's tokens tp ways, which costs one
+        rank what 1/tp of those tokens would. "replicated" (published, tp = cp = etp = 1):
+        every EP rank runs attention on its EP group's tokens."""
+        if attention == "sharded":
+            return self.global_batch * self.seq_len / (self.microbatches * self.stage_size)
+        return self.group_sequences * self.seq_len
 
     @property
     def expert_tokens(self) -> float:
-        """Tokens whose routed copies land on one rank per micro-batch (balanced), before x k."""
-        return self.group_sequences * self.seq_len / self.ep
+        """Tokens one rank routes per micro-batch (balanced routing: also the tokens whose k
+        routed copies land on it, before x k): b s / (M x stage ranks)."""
+        return self.global_batch * self.seq_len / (self.microbatches * self.stage_size)
 
     def replace(self, **changes: Any) -> ParallelPlan:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def plan_stage_layers(n_layers: int, plan: ParallelPlan) -> list[list[int]]:
+    """Layers of each pipeline stage s = 0..pp*v-1 (stage s on rank s % pp): the trainer's
+    split (`trainer.layout.stage_layers`), the one the estimate prices."""
+    from trainer.layout import stage_layers
+
+    return stage_layers(n_layers, plan.pp, plan.n_virtual)
+
+
+def trainer_layout(plan: ParallelPlan):  # noqa: ANN201 - trainer.layout.Layout
+    """The plan's rank layout in the one layout model (`trainer.layout.Layout`: the same
+    parallel folding, `ParallelPlan.dp` its expert-side dp)."""
+    from trainer.layout import Layout
+
+    return Layout(plan.n_gpus, pp=plan.pp, dp=plan.dp, ep=plan.ep, tp=plan.tp, cp=plan.cp,
+                  etp=plan.etp, vpp=plan.n_virtual, placement=plan.ep_placement)
+
+
+def not_runnable(plan: ParallelPlan) -> list[str]:
+    """What train.py lacks to run `plan` ([] when it runs it): `trainer.layout`'s
+    `not_runnable_because` of the plan's layout and choices."""
+    from trainer.layout import not_runnable_because
+
+    return not_runnable_because(trainer_layout(plan), zero=plan.zero, alltoall=plan.alltoall,
+                                a2a_overlap=plan.a2a_overlap, recompute=plan.checkpointing,
+                                precision=plan.precision)
