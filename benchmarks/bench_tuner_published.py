@@ -46,6 +46,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -363,6 +364,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--runs", type=Path, default=DATA, help="published runs (TOML)")
     ap.add_argument("--only", default="", help="run ids starting with this prefix")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per estimate")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="estimates run at once (each is one Python process; default 1)")
     ap.add_argument("--estimate-args", default="",
                     help="extra flags for every `tuner estimate` call (one string)")
     add_output_args(ap, "tuner_published")
@@ -380,12 +383,13 @@ def main(argv: list[str] | None = None) -> None:
                          "estimate command (issue 33 item 6)")
     extra = [x for flag, val in OPTIONAL_FLAGS if flag in help_text for x in (flag, val)]
     extra += args.estimate_args.split()
-    rows = []
-    for r in runs:
-        rows.append(evaluate(r, extra, args.timeout))
-        e = rows[-1]["error"]
-        print(f"{r['id']}: {rows[-1]['status']}" + ("" if e is None else f", {100 * e:+.1f} %"),
-              flush=True)
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs {args.jobs} must be >= 1")
+    with ThreadPoolExecutor(args.jobs) as pool:  # threads only wait on the subprocesses
+        rows = list(pool.map(lambda r: evaluate(r, extra, args.timeout), runs))
+    for row in rows:
+        e = row["error"]
+        print(f"{row['id']}: {row['status']}" + ("" if e is None else f", {100 * e:+.1f} %"))
     s = summarise(rows)
     out = output_dir(args)
     with open(out / "tuner_published.jsonl", "a") as fh:
