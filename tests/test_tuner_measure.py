@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from tuner import load_platform
-from tuner.measure import fit_latency_bandwidth, measure_platform, write_platform_toml
+from tuner.measure import (
+    GEMM_GRID,
+    compute_fields,
+    fit_latency_bandwidth,
+    measure_platform,
+    write_platform_toml,
+)
 
 
 def test_fit_recovers_latency_and_bandwidth():
@@ -29,6 +35,32 @@ def test_written_file_loads_back(tmp_path):
     assert (q.gpus_per_node, q.launcher) == (p.gpus_per_node, p.launcher)
 
 
+def _rank(scale: float) -> dict:
+    """A `_compute_worker` result of the quick grid with every rate x `scale` (FLOP/s)."""
+    return {"rates": [10.0 * scale, 20.0 * scale], "widths": [5.0 * scale] * 5,
+            "grid": [float(i + 1) * scale for i in range(8)],  # 1..8, last axis (k) fastest
+            "grouped": 4.0 * scale, "grouped_rows": [2.0 * scale, 16.0 * scale],
+            "attn": 6.0 * scale, "attn_grid": [8.0 * scale, 50.0 * scale],
+            "copy": 1e9 * scale, "overhead": 1e-3 * scale}
+
+
+def test_compute_fields_medians_and_tables_by_hand():
+    # three ranks at 0.5x, 1x, 3x: the median rank (1x) sets every rate
+    f = compute_fields([_rank(0.5), _rank(1.0), _rank(3.0)], quick=True)
+    assert f["peak_flops"] == 20.0  # best dense rate: shape 2 (20) beats the grid's best (8)
+    assert f["gemm_efficiency"] == 15.0 / 20.0  # median of the 2 shapes / peak
+    assert f["grouped_gemm_efficiency"] == 4.0 / 20.0
+    g = f["gemm_table"]
+    assert g.axes == tuple(tuple(float(v) for v in GEMM_GRID[a][1]) for a in "mnk")
+    assert g.values == tuple((i + 1) / 20.0 for i in range(8))
+    # grid point (m[1], n[0], k[1]) is index 1*4 + 0*2 + 1 = 5 -> rate 6
+    assert g.at(g.axes[0][1], g.axes[1][0], g.axes[2][1]) == pytest.approx(6.0 / 20.0)
+    assert f["grouped_table"].values == (2.0 / 20.0, 16.0 / 20.0)
+    # attention: rates against the full count, stored against the causal half
+    assert f["attention_table"].values == (8.0 / 2 / 20.0, 1.0)  # 50 / 2 / 20 clamped at 1
+    assert f["hbm_bandwidth"] == 1e9 and f["layer_overhead"] == 1e-3
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_quick_measurement_on_this_machine(tmp_path):
@@ -37,3 +69,8 @@ def test_quick_measurement_on_this_machine(tmp_path):
     assert p.backend == "gloo" and p.gpus_per_node == 2
     assert 1e8 < p.peak_flops < 1e14  # a CPU process: between 0.1 GFLOP/s and 100 TFLOP/s
     assert 0 < p.gemm_efficiency <= 1 and 0 < p.intra_node_bandwidth < 1e12
+    assert p.gemm_table is not None and len(p.gemm_table.values) == 8
+    assert p.grouped_table is not None and p.attention_table is not None
+    # 8 rows per expert: each expert's [8, 128] x [128, 256] GEMMs are dominated by per-call
+    # costs, so they run below 128 rows per expert (16x more work per call)
+    assert p.grouped_eff(8, 256, 128) < p.grouped_eff(128, 256, 128)

@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,8 @@ import torch.nn.functional as F
 
 from tuner.platform import Grid, Platform
 
-__all__ = ["measure_platform", "fit_latency_bandwidth", "write_platform_toml", "p2p_one_way_s"]
+__all__ = ["compute_fields", "measure_platform", "fit_latency_bandwidth", "write_platform_toml",
+           "p2p_one_way_s"]
 
 
 def fit_latency_bandwidth(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
@@ -299,6 +301,46 @@ def write_platform_toml(p: Platform, path: Path, comments: dict[str, str]) -> Pa
     return path
 
 
+def compute_fields(per_rank: list[dict], quick: bool) -> dict[str, Any]:
+    """The compute fields of the platform (Platform keyword arguments) from every rank's
+    `_compute_worker` result: each rate the median over ranks (one lucky process does not set
+    it), the peak the best dense rate, every efficiency rate / peak clamped at 1."""
+    q = 1 if quick else 0
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in per_rank)
+
+    def meds(key: str) -> list[float]:
+        return [statistics.median(r[key][i] for r in per_rank) for i in range(len(per_rank[0][key]))]
+
+    def eff(rate: float) -> float:
+        return min(1.0, rate / peak)
+
+    rates, grid = meds("rates"), meds("grid")
+    peak = max(rates + grid)
+    return {
+        "peak_flops": peak,
+        "gemm_efficiency": eff(statistics.median(rates)),
+        "grouped_gemm_efficiency": eff(med("grouped")),
+        "attention_efficiency": eff(med("attn")),
+        "hbm_bandwidth": med("copy"),
+        "layer_overhead": med("overhead"),
+        "gemm_width_efficiency": tuple((w, eff(e)) for w, e in zip(WIDTHS, meds("widths"),
+                                                                    strict=True)),
+        "gemm_table": Grid("gemm_table", ("m", "n", "k"),
+                           tuple(tuple(float(v) for v in GEMM_GRID[a][q]) for a in "mnk"),
+                           tuple(eff(e) for e in grid)),
+        "grouped_table": Grid("grouped_table", ("rows_per_expert",),
+                              (tuple(float(r) for r in GROUPED_ROWS[q]),),
+                              tuple(eff(e) for e in meds("grouped_rows"))),
+        # The attention rates count the full s x s products; the causal kernel does half.
+        "attention_table": Grid("attention_table", ("seq", "head_dim"),
+                                (tuple(map(float, ATTN_SEQ[q])),
+                                 tuple(map(float, ATTN_HEAD_DIM[q]))),
+                                tuple(eff(e / 2) for e in meds("attn_grid"))),
+    }
+
+
 def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                      verbose: bool = True) -> Path:
     """Run the micro-benchmarks (a few minutes; well under one with `quick`) and write `out`;
@@ -310,31 +352,10 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     cores = os.cpu_count() or 1
     threads = max(1, cores // n_procs)
     reps = 3 if quick else 7
-    q = 1 if quick else 0
     per_rank = run_local(_compute_worker, n_procs, threads, quick, reps, verbose,
                          timeout_s=1200.0)
 
-    def med(key: str) -> float:
-        return statistics.median(r[key] for r in per_rank)
-
-    def meds(key: str) -> list[float]:
-        # Each shape's rate is the median over ranks, so one lucky process does not set it.
-        return [statistics.median(r[key][i] for r in per_rank) for i in range(len(per_rank[0][key]))]
-
-    rates, grid = meds("rates"), meds("grid")
-    peak = max(rates + grid)
-    by_width = tuple((w, min(1.0, e / peak)) for w, e in zip(WIDTHS, meds("widths"), strict=True))
-    gemm_table = Grid("gemm_table", ("m", "n", "k"),
-                      tuple(tuple(float(v) for v in GEMM_GRID[a][q]) for a in "mnk"),
-                      tuple(min(1.0, e / peak) for e in grid))
-    grouped_table = Grid("grouped_table", ("rows_per_expert",),
-                         (tuple(float(r) for r in GROUPED_ROWS[q]),),
-                         tuple(min(1.0, e / peak) for e in meds("grouped_rows")))
-    # Rates were computed against the full s x s count; the causal kernel does half of it.
-    attention_table = Grid("attention_table", ("seq", "head_dim"),
-                           (tuple(map(float, ATTN_SEQ[q])), tuple(map(float, ATTN_HEAD_DIM[q]))),
-                           tuple(min(1.0, e / 2 / peak) for e in meds("attn_grid")))
-    grouped, attn, copy, overhead = med("grouped"), med("attn"), med("copy"), med("overhead")
+    fields = compute_fields(per_rank, quick)
     sizes = [2**12, 2**16, 2**20] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22]
     res = run_local(_comm_worker, n_procs, sizes, reps)[0]
     a2a_lat, a2a_bw_total = fit_latency_bandwidth(sizes, res["a2a"])
@@ -346,19 +367,15 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     p = Platform(
         name="local", description=f"this machine: {n_procs} processes x {threads} threads, gloo",
         device=f"CPU process ({threads} threads)", backend="gloo", launcher="torchrun",
-        peak_flops=peak, hbm_bytes=ram / n_procs, gpus_per_node=n_procs,
+        hbm_bytes=ram / n_procs, gpus_per_node=n_procs,
         nic_bandwidth=p2p_bw, nics_per_node=n_procs, intra_node_bandwidth=a2a_bw,
-        gemm_efficiency=min(1.0, statistics.median(rates) / peak),
-        grouped_gemm_efficiency=min(1.0, grouped / peak),
-        attention_efficiency=min(1.0, attn / peak), hbm_bandwidth=copy, usable_fraction=0.9,
-        layer_overhead=overhead, gemm_width_efficiency=by_width,
-        gemm_table=gemm_table, grouped_table=grouped_table, attention_table=attention_table,
-        intra_node_latency=a2a_lat, network_latency=p2p_lat,
+        usable_fraction=0.9, intra_node_latency=a2a_lat, network_latency=p2p_lat, **fields,
     )
+    n_rates, n_grid = len(per_rank[0]["rates"]), len(per_rank[0]["grid"])
     notes = {
-        "peak_tflops": f"best fp32 GEMM of {len(rates) + len(grid)} shapes, {threads} "
+        "peak_tflops": f"best fp32 GEMM of {n_rates + n_grid} shapes, {threads} "
                        f"threads, all {n_procs} processes at once",
-        "gemm_efficiency": f"median of {len(rates)} GEMM shapes / best",
+        "gemm_efficiency": f"median of {n_rates} GEMM shapes / best",
         "grouped_gemm_efficiency": "model.GroupedExperts fwd+bwd, 8 experts, uneven counts",
         "attention_efficiency": "sdpa fwd+bwd, causal, no causal discount in FLOPs",
         "gemm_width_efficiency": "[2048, w] x [w, w] rate / peak, by inner width w",
