@@ -66,7 +66,7 @@ class GQAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        D, H, G, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, int(cfg.head_dim)
+        D, H, G, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.qk_head_dim  # GQA: = head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = H, G, hd
         self.wq = nn.Linear(D, H * hd, bias=cfg.attn_qkv_bias)
         self.wk = nn.Linear(D, G * hd, bias=cfg.attn_qkv_bias)
@@ -82,7 +82,7 @@ class GQAttention(nn.Module):
         q = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim)
         k = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
         v = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         cos, sin = self.rope(S, q.dtype, None if doc is None else doc.positions)
@@ -107,6 +107,10 @@ class MLAttention(nn.Module):
         self.interleave = cfg.rope_interleave
         qk = cfg.qk_head_dim
         b = cfg.attn_qkv_bias
+        self.wq: nn.Linear | None  # full-rank queries, or
+        self.wq_a: nn.Linear | None  # low-rank: wq_b(q_norm(wq_a(x)))
+        self.q_norm: RMSNorm | None
+        self.wq_b: nn.Linear | None
         if cfg.q_lora_rank is None:
             self.wq = nn.Linear(D, H * qk, bias=False)
             self.wq_a = self.q_norm = self.wq_b = None
@@ -125,7 +129,11 @@ class MLAttention(nn.Module):
     def forward(self, x_BSD: torch.Tensor, doc: DocLayout | None = None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         H = self.n_heads
-        q = self.wq(x_BSD) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+        if self.wq is not None:
+            q = self.wq(x_BSD)
+        else:
+            assert self.wq_a is not None and self.q_norm is not None and self.wq_b is not None
+            q = self.wq_b(self.q_norm(self.wq_a(x_BSD)))
         q = q.view(B, S, H, self.nope + self.rope_dim).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         c_kv, k_rope = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], dim=-1)

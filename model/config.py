@@ -122,7 +122,7 @@ class ModelConfig:
                     f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}; "
                     f"valid n_kv_heads: {_divisors(self.n_heads)}"
                 )
-            if self.rope_scaling == "none" and self.head_dim % 2:
+            if self.rope_scaling == "none" and self._head_dim % 2:
                 raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         else:
             for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -203,15 +203,23 @@ class ModelConfig:
         """Per-head width of q and k (MLA: nope + rope parts)."""
         if self.attention == "mla":
             return self.qk_nope_head_dim + self.qk_rope_head_dim
-        return int(self.head_dim)
+        return self._head_dim
 
     @property
     def attn_v_head_dim(self) -> int:
-        return self.v_head_dim if self.attention == "mla" else int(self.head_dim)
+        return self.v_head_dim if self.attention == "mla" else self._head_dim
+
+    @property
+    def _head_dim(self) -> int:
+        """head_dim as __post_init__ fills it in (d_model // n_heads where it was None)."""
+        if self.head_dim is None:
+            raise ValueError("head_dim is None: set it, or let ModelConfig's __post_init__ "
+                             "derive it from d_model // n_heads")
+        return int(self.head_dim)
 
     # ------------------------------------------------------------------ counting
     def attention_params(self) -> int:
-        D, H, hd = self.d_model, self.n_heads, int(self.head_dim)
+        D, H, hd = self.d_model, self.n_heads, self._head_dim
         if self.attention == "gqa":
             G = self.n_kv_heads
             n = D * H * hd + 2 * D * G * hd + H * hd * D
@@ -279,7 +287,7 @@ class ModelConfig:
             matmul += self.vocab_size * D  # the tied table is still the lm_head matmul
         norms = D + self.n_layers * 2 * D
         if self.qk_norm:
-            norms += self.n_layers * 2 * int(self.head_dim)
+            norms += self.n_layers * 2 * self._head_dim
         if self.attention == "mla":
             norms += self.n_layers * (self.kv_lora_rank + (self.q_lora_rank or 0))
         matmul -= norms + self.n_layers * self._bias_params()
@@ -289,7 +297,7 @@ class ModelConfig:
         return float(6 * matmul + attn)
 
     def _bias_params(self) -> int:
-        H, hd, D = self.n_heads, int(self.head_dim), self.d_model
+        H, hd, D = self.n_heads, self._head_dim, self.d_model
         n = D if self.attn_out_bias else 0
         if self.attn_qkv_bias:
             if self.attention == "gqa":
@@ -327,7 +335,7 @@ class ModelConfig:
                 path = path / "config.json"
             if not path.is_file():
                 raise ValueError(f"HF config path {str(path)!r} does not exist")
-            cfg = json.loads(path.read_text())
+            return cls(**hf_config_fields(json.loads(path.read_text())))
         return cls(**hf_config_fields(cfg))
 
 

@@ -36,6 +36,8 @@ from torch import nn
 
 from .config import ModelConfig
 from .hf import SUPPORTED_MODEL_TYPES, config_from_hf
+from .moe import MoELayer
+from .transformer import MoETransformer
 
 __all__ = ["HFCheckpoint", "HFCheckpointError", "ExpertKeys", "hf_names", "load_hf_weights",
            "EXPORT_TYPES", "ARCHITECTURES"]
@@ -374,14 +376,14 @@ def _held_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, ckpt: HFCheckpoint) -> dict[str, int]:
+def load_hf_weights(model: MoETransformer, ckpt: HFCheckpoint) -> dict[str, int]:
     """Fill every tensor this process holds from `ckpt` (validated before with
     `ckpt.validate(model.cfg)`); experts land in the local slots their placement says.
     Returns {"tensors": reads, "bytes": bytes read}."""
     cfg = model.cfg
     names = hf_names(cfg, ckpt.model_type)
     layers = {f"layers.{i}.ffn": blk.ffn for i, blk in enumerate(model.layers)
-              if getattr(blk, "is_moe", False)}
+              if isinstance(blk.ffn, MoELayer)}  # other stages' layers: ffn None
     n0 = len(ckpt.reads)
     for ours, t in _held_tensors(model):
         src = names.get(ours)

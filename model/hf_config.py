@@ -29,8 +29,8 @@ SUPPORTED_MODEL_TYPES = (
 def _rope(d: dict[str, Any]) -> dict[str, Any]:
     """RoPE fields from either the classic (rope_theta + rope_scaling) or the transformers 5
     (rope_parameters) layout."""
-    params = dict(d.get("rope_parameters") or {})
-    scaling = dict(d.get("rope_scaling") or {})
+    params: dict[str, Any] = dict(d.get("rope_parameters") or {})
+    scaling: dict[str, Any] = dict(d.get("rope_scaling") or {})
     if not scaling and params.get("rope_type", "default") != "default":
         scaling = params
     theta = d.get("rope_theta", params.get("rope_theta", 10000.0))

@@ -79,11 +79,11 @@ def convert_hf_state_dict(
             raise ValueError(f"layer {i} {proj}: expected experts 0..{E - 1}, got {sorted(by_e)}")
         # HF [F, D] (gate/up) or [D, F] (down) per expert -> ours [E, in, out]
         out[f"layers.{i}.ffn.experts.{_MLP[proj]}"] = torch.stack([by_e[e].t() for e in range(E)])
-    for i in (f"layers.{j}.ffn" for j in cfg.moe_layer_ids):
-        if f"{i}.expert2slot" not in out:
-            out[f"{i}.expert2slot"] = torch.arange(cfg.n_routed_experts)
-        if f"{i}.router.e_score_correction_bias" not in out:
-            out[f"{i}.router.e_score_correction_bias"] = torch.zeros(cfg.n_routed_experts)
+    for ffn in (f"layers.{j}.ffn" for j in cfg.moe_layer_ids):
+        if f"{ffn}.expert2slot" not in out:
+            out[f"{ffn}.expert2slot"] = torch.arange(cfg.n_routed_experts)
+        if f"{ffn}.router.e_score_correction_bias" not in out:
+            out[f"{ffn}.router.e_score_correction_bias"] = torch.zeros(cfg.n_routed_experts)
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["embed.weight"]
     return out

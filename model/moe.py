@@ -17,6 +17,7 @@ K top-k, M rows after dispatch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -125,6 +126,11 @@ class MoELayer(nn.Module):
     tokens only) and `last_aux_loss` (0-dim, differentiable; see `model.router`).
     """
 
+    # buffers (register_buffer in __init__), declared for the type checker
+    expert2slot: torch.Tensor  # [E] logical expert -> its first slot
+    rep_slots: torch.Tensor  # [E, max replicas]
+    n_rep: torch.Tensor  # [E]
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         E = cfg.n_routed_experts
@@ -168,7 +174,7 @@ class MoELayer(nn.Module):
         self.set_slots(self.initial_slots)
 
     @torch.no_grad()
-    def set_slots(self, slot2expert) -> None:
+    def set_slots(self, slot2expert: Sequence[int] | torch.Tensor) -> None:
         """Install a slot map (length n_slots; every expert at least once): the replica tables
         and `expert2slot` (each expert's first slot, which checkpoints save)."""
         E, dev = self.num_experts, self.expert2slot.device

@@ -55,7 +55,7 @@ def rope_frequencies(cfg: ModelConfig, dim: int) -> tuple[torch.Tensor, float]:
         return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
 
     low = max(math.floor(corr_dim(cfg.rope_beta_fast)), 0)
-    high = min(math.ceil(corr_dim(cfg.rope_beta_slow)), dim - 1)
+    high: float = min(math.ceil(corr_dim(cfg.rope_beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
@@ -76,6 +76,8 @@ def softmax_scale(cfg: ModelConfig) -> float:
 
 class RotaryEmbedding(nn.Module):
     """Produces cos/sin tables [S, d] for positions 0..S-1 (recomputed per call: cheap)."""
+
+    inv_freq: torch.Tensor  # [d / 2] buffer (non-persistent)
 
     def __init__(self, cfg: ModelConfig, dim: int) -> None:
         super().__init__()

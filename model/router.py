@@ -36,6 +36,8 @@ from .config import ModelConfig
 class Router(nn.Module):
     """Linear router weight [E, D] plus the aux-free balancing bias buffer [E]."""
 
+    e_score_correction_bias: torch.Tensor  # [E] fp32 buffer
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         E = cfg.n_routed_experts

@@ -113,7 +113,7 @@ class MoETransformer(nn.Module):
                 if module is self.lm_head and tied:
                     continue
                 _normal(module.weight, std, seed, f"{mname}.weight")
-                if getattr(module, "bias", None) is not None:
+                if isinstance(module, nn.Linear) and module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, MoELayer):
                 module.reset_state()
