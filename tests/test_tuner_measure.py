@@ -38,7 +38,8 @@ def test_written_file_loads_back(tmp_path):
 def _rank(scale: float) -> dict:
     """A `_compute_worker` result of the quick grid with every rate x `scale` (FLOP/s)."""
     return {"rates": [10.0 * scale, 20.0 * scale], "widths": [5.0 * scale] * 5,
-            "grid": [float(i + 1) * scale for i in range(8)],  # 1..8, last axis (k) fastest
+            # 1..7 and 25 (a grid shape beating the reference shapes), last axis (k) fastest
+            "grid": [float(i + 1) * scale for i in range(7)] + [25.0 * scale],
             "grouped": 4.0 * scale, "grouped_rows": [2.0 * scale, 16.0 * scale],
             "attn": 6.0 * scale, "attn_grid": [8.0 * scale, 50.0 * scale],
             "copy": 1e9 * scale, "overhead": 1e-3 * scale}
@@ -47,12 +48,12 @@ def _rank(scale: float) -> dict:
 def test_compute_fields_medians_and_tables_by_hand():
     # three ranks at 0.5x, 1x, 3x: the median rank (1x) sets every rate
     f = compute_fields([_rank(0.5), _rank(1.0), _rank(3.0)], quick=True)
-    assert f["peak_flops"] == 20.0  # best dense rate: shape 2 (20) beats the grid's best (8)
+    assert f["peak_flops"] == 20.0  # best reference shape; the grid does not set it
     assert f["gemm_efficiency"] == 15.0 / 20.0  # median of the 2 shapes / peak
     assert f["grouped_gemm_efficiency"] == 4.0 / 20.0
     g = f["gemm_table"]
     assert g.axes == tuple(tuple(float(v) for v in GEMM_GRID[a][1]) for a in "mnk")
-    assert g.values == tuple((i + 1) / 20.0 for i in range(8))
+    assert g.values == tuple((i + 1) / 20.0 for i in range(7)) + (1.0,)  # 25 / 20 clamped
     # grid point (m[1], n[0], k[1]) is index 1*4 + 0*2 + 1 = 5 -> rate 6
     assert g.at(g.axes[0][1], g.axes[1][0], g.axes[2][1]) == pytest.approx(6.0 / 20.0)
     assert f["grouped_table"].values == (2.0 / 20.0, 16.0 / 20.0)
