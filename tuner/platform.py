@@ -354,9 +354,10 @@ class Platform:
         for key, fname in _ROOFLINE_KEYS.items():
             if key in body:
                 kw[fname] = float(body[key])
-        if body and "max_efficiency" not in body:
-            raise ValueError(f"{source}: [roofline] lacks max_efficiency (the efficiency of a "
-                             f"GEMM above the ridge point)")
+        if body and not body.get("max_efficiency"):
+            raise ValueError(f"{source}: [roofline] needs max_efficiency in (0, 1] (the "
+                             f"efficiency of a GEMM above the ridge point), got "
+                             f"{body.get('max_efficiency')!r}")
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{source}: unknown platform keys {unknown}; valid: {sorted(known)}")
