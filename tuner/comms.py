@@ -1,4 +1,5 @@
-"""Communication costs for the planner: all-to-all (flat, HALO), pipeline P2P, ring all-reduce.
+"""Communication costs for the planner: all-to-all (flat, HALO, dedup, auto), pipeline P2P,
+ring all-reduce.
 
 All-to-all times come from the one all-to-all model, `comm.a2a_model` (the one `auto` decides
 with at run time): this module only supplies its inputs, the link rates of a platform file
@@ -17,6 +18,23 @@ Placement of a group on the machine is decided by its rank stride in the mesh:
 A group of `size` members `stride` ranks apart, with G devices per node, has
 `min(size, max(1, G // stride))` members per node (ranks of a node are consecutive).
 
+Deduplicated dispatch ("dedup", DeepEP-style; issue 26): a token routed to several experts on
+one remote node crosses the network to that node once, to the rail-aligned relay that fans it
+out inside the node (HALO's phase III), and on the way back the node's outputs for that
+token are summed on the node so one row returns. Its phases are HALO's with the off-node bytes
+of phase II scaled by the share of (token, remote node) pairs that are distinct:
+
+    distinct remote nodes per token / routed copies sent off-node
+        = (n - 1) (1 - P(a node gets none of the k)) / (k (n - 1) / n)
+    P(none of the k) = C(E - E/n, k) / C(E, k)     (k distinct experts of E, E/n per node)
+                     -> (1 - 1/n)^k                 (E >> k: independent picks)
+    expected distinct nodes of a token = n (1 - P(none))   (`expected_distinct_nodes`)
+
+for uniform routing over n nodes (tests/test_tuner_comms.py checks both forms against a
+Monte Carlo count). "auto" is the cheapest of the algorithms the trainer's `--comm.alltoall
+auto` chooses among (`comm.alltoall.ALGORITHMS` but auto itself: flat and HALO today; dedup
+joins when comm runs it).
+
 The model assumes the group's traffic meets no congestion beyond its own NIC share (every
 device of a node exchanging alike): true inside one locality domain (one switch), which the
 planner enforces for EP groups. Published lower bound (docs/reference.md 1.2):
@@ -25,6 +43,7 @@ planner enforces for EP groups. Published lower bound (docs/reference.md 1.2):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -33,7 +52,7 @@ from comm.a2a_model import Rates, uniform_load, uniform_time
 from tuner.platform import Platform
 
 __all__ = ["GroupPlacement", "placement", "alltoall_time", "netsim_alltoall_time", "p2p_time",
-           "allreduce_time", "rates"]
+           "allreduce_time", "rates", "expected_distinct_nodes", "dedup_factor", "auto_choices"]
 
 
 @dataclass(frozen=True)
@@ -84,15 +103,57 @@ def rates(platform: Platform, vendor_efficiency: float = 1.0) -> Rates:
                  flat_overlap=platform.backend != "gloo")
 
 
+def expected_distinct_nodes(n: int, k: int, n_experts: int = 0) -> float:
+    """Expected number of distinct nodes among a token's k experts, routing uniform over n
+    nodes holding E / n experts each (module docstring): exact for k distinct experts of
+    `n_experts` = E, the independent-pick limit n (1 - (1 - 1/n)^k) for E = 0."""
+    if n < 1 or k < 1:
+        raise ValueError(f"n={n} nodes and k={k} experts per token must be >= 1")
+    if n_experts:
+        if n_experts % n or k > n_experts:
+            raise ValueError(f"E={n_experts} experts over n={n} nodes with top-k={k}: need E "
+                             f"divisible by n and k <= E")
+        none = math.comb(n_experts - n_experts // n, k) / math.comb(n_experts, k)
+    else:
+        none = (1.0 - 1.0 / n) ** k
+    return n * (1.0 - none)
+
+
+def dedup_factor(n: int, k: int, n_experts: int = 0) -> float:
+    """Off-node bytes of a deduplicated dispatch / a flat one's, for one token routed to k
+    experts over n nodes: distinct remote nodes (n - 1) (1 - P(none)) over the k (n - 1) / n
+    copies sent off-node. 1 for k = 1 or n = 1."""
+    if n == 1:
+        return 1.0
+    distinct_remote = expected_distinct_nodes(n, k, n_experts) * (n - 1) / n
+    return distinct_remote / (k * (n - 1) / n)
+
+
+def auto_choices() -> tuple[str, ...]:
+    """The algorithms `--comm.alltoall auto` picks among at run time (comm.alltoall)."""
+    from comm.alltoall import ALGORITHMS
+
+    return tuple(a for a in ALGORITHMS if a != "auto")
+
+
 def alltoall_time(nbytes: float, group: GroupPlacement, algorithm: str, platform: Platform,
-                  vendor_efficiency: float = 1.0) -> float:
+                  vendor_efficiency: float = 1.0, top_k: int = 1, n_experts: int = 0) -> float:
     """Seconds for one all-to-all where each rank's send buffer holds `nbytes` spread evenly
     over the `group.size` ranks (the own share stays local): `comm.a2a_model` on the loads
-    of that exchange, every device of a node exchanging alike."""
+    of that exchange, every device of a node exchanging alike. "dedup" needs the routing
+    (`top_k` routed copies of each token among `n_experts`) to know how many copies share a
+    node; "auto" is the cheapest of `auto_choices()`."""
     if group.size == 1 or nbytes <= 0:
         return 0.0
+    if algorithm == "auto":
+        return min(alltoall_time(nbytes, group, a, platform, vendor_efficiency, top_k, n_experts)
+                   for a in auto_choices())
     load = uniform_load(nbytes, group.size, group.per_node,
                         platform.gpus_per_node / platform.nics_per_node)
+    if algorithm == "dedup":
+        f = dedup_factor(group.nodes, top_k, n_experts if n_experts % group.nodes == 0 else 0)
+        load = dataclasses.replace(load, nic_bytes=load.nic_bytes * f)
+        algorithm = "halo"
     return uniform_time(load, algorithm, rates(platform, vendor_efficiency))
 
 

@@ -68,6 +68,8 @@ from tuner.comms import (
     GroupPlacement,
     allreduce_time,
     alltoall_time,
+    auto_choices,
+    dedup_factor,
     netsim_alltoall_time,
     p2p_time,
     placement,
@@ -85,7 +87,25 @@ from tuner.platform import Platform
 __all__ = ["Estimate", "StageMemory", "estimate", "stage_memory", "schedule_stats",
            "step_time_lower_bound", "reduce_scatter_time", "all_gather_time"]
 
-_GEMM_PARTS = ("attention", "router")  # FFN parts are timed separately (layer_fwd)
+_TP_PARTS = ("attention", "shared_experts", "dense_ffn")  # split over TP (norms, router not)
+
+
+def _tp_divisor(part: str, plan: ParallelPlan) -> int:
+    """How many ranks share one copy of `part`'s parameters: TP for the dense-side weights,
+    ETP for the routed experts, 1 for norms and router."""
+    if part in _TP_PARTS:
+        return plan.tp
+    return plan.etp if part in ("experts", "redundant_experts") else 1
+
+
+def _layer_weights(lc: LayerCounts, plan: ParallelPlan, cfg: ModelConfig) -> tuple[float, float]:
+    """(non-expert, expert) parameters of one layer that one rank holds unsharded: what
+    ZeRO-3 gathers for it (the expert ones incl. the redundant slots)."""
+    rep = sum(n / _tp_divisor(p, plan) for p, n in lc.params.items() if p != "experts")
+    exp = lc.params.get("experts", 0) / plan.etp
+    if lc.is_moe and plan.redundant:
+        exp += plan.redundant * cfg.expert_params() / plan.etp
+    return rep, exp
 
 
 @dataclass(frozen=True)
@@ -143,6 +163,7 @@ class Estimate:
     usable_hbm: float
     notes: tuple[str, ...] = ()
     dp_collectives: dict[str, float] = field(default_factory=dict)  # dp_sync by collective
+    alltoall_hidden: float = 0.0  # all-to-all seconds the overlap hid (not in step_time)
 
     @property
     def zero_saved(self) -> float:
@@ -274,14 +295,14 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
         layers = [i for c in chunks for i in c]
         for i in layers:
             for p, n in kinds[cfg.is_moe_layer(i)].params.items():
-                params[p] = params.get(p, 0) + n
+                params[p] = params.get(p, 0) + n / _tp_divisor(p, plan)
             if plan.redundant and cfg.is_moe_layer(i):
                 params["redundant_experts"] = (params.get("redundant_experts", 0)
-                                               + plan.redundant * cfg.expert_params())
+                                               + plan.redundant * cfg.expert_params() / plan.etp)
         if r == 0:
-            params["embedding"] = emb
+            params["embedding"] = emb / plan.tp  # vocab-parallel under TP
         if r == plan.pp - 1:
-            params["head"] = head
+            params["head"] = head / plan.tp
         # Activations: the largest chunk times the micro-batches alive at the peak.
         act: dict[str, float] = {}
         best = -1.0
@@ -291,6 +312,10 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                 lc = kinds[cfg.is_moe_layer(i)]
                 for p, v in _layer_act(lc, plan.checkpointing, t_attn, t_exp, D, aset).items():
                     per[p] = per.get(p, 0.0) + v * pb.activation_bytes
+                if plan.etp > 1 and lc.is_moe and plan.checkpointing != "full":
+                    # ETP gathers each routed row to the etp ranks of its expert: the D-wide
+                    # input row is held etp times, the F-wide intermediates are split
+                    per["experts"] += (plan.etp - 1) * cfg.top_k * D * t_exp * pb.activation_bytes
                 if aset == "trainer" and plan.checkpointing != "full":
                     # rotary cos/sin tables [s, hd], saved once per layer and micro-batch
                     per["rope"] = per.get("rope", 0.0) + 2 * plan.seq_len * cfg.head_dim * pb.activation_bytes
@@ -313,27 +338,41 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
             act["logits"] = t_attn * cfg.vocab_size * (pb.activation_bytes + 4)
         has_moe = any(cfg.is_moe_layer(i) for i in layers)
         buffers = 0.0
-        if has_moe and plan.ep > 1:
-            buffers += 2 * cfg.top_k * t_exp * D * pb.activation_bytes
+        if has_moe and plan.ep > 1:  # all-to-all send and receive rows (gathered under ETP)
+            buffers += cfg.top_k * t_exp * D * plan.etp * (pb.dispatch_bytes + pb.combine_bytes)
         if plan.pp > 1:
-            buffers += 2 * t_attn * D * pb.activation_bytes
-        if plan.dp * plan.ep > 1:
+            buffers += 2 * t_attn * D * pb.p2p_bytes
+        if plan.tp > 1:  # the sequence-parallel all-gather's output, one region at a time
+            buffers += t_attn * plan.tp * D * pb.activation_bytes
+        if plan.cp > 1:  # ring attention: the K/V block in flight and the one computing
+            buffers += 2 * t_attn * _kv_width(cfg) * pb.activation_bytes
+        g_rep, g_exp = plan.replica_groups(assumptions.attention)
+        if g_rep > 1 or g_exp > 1:
             buffers += assumptions.grad_bucket_bytes
         n = sum(params.values())
         shares = _shares(cfg, plan, assumptions, tuple(layers), r == 0, r == plan.pp - 1)
         held = {p: _held_params(p, v, plan, assumptions, shares) for p, v in params.items()}
+        weights = sum(h[0] for h in held.values()) * pb.weight_bytes
         grads = sum(h[1] for h in held.values()) * pb.grad_bytes
+        if plan.zero == 3:
+            # one layer gathered and computing, `zero3_prefetch` more arriving; its gradient
+            # whole until its reduce-scatter
+            big = max(sum(_layer_weights(kinds[cfg.is_moe_layer(i)], plan, cfg)) for i in layers)
+            held["zero3_gathered"] = ((1 + assumptions.zero3_prefetch) * big, big, 0.0, 0.0)
+            weights += (1 + assumptions.zero3_prefetch) * big * pb.weight_bytes
+            grads += big * pb.grad_bytes
         optim = sum(h[2] for h in held.values()) * (pb.master_bytes + pb.optimizer_bytes)
         full_go = n * (pb.grad_bytes + pb.master_bytes + pb.optimizer_bytes)
         out.append(StageMemory(
-            rank=r, layers=tuple(layers), params=int(n), weights=n * pb.weight_bytes,
+            rank=r, layers=tuple(layers), params=int(n), weights=weights,
             grads=grads, optimizer=optim, activations=sum(act.values()), buffers=buffers,
             state_by_part={p: w * pb.weight_bytes + g * pb.grad_bytes
                            + o * (pb.master_bytes + pb.optimizer_bytes)
                            for p, (w, g, o, _) in held.items()},
             act_by_part=act, params_by_part=dict(params), zero=plan.zero,
             update_bytes=sum(h[3] for h in held.values()) * pb.state_bytes,
-            zero_saved=full_go - grads - optim, redundant=plan.redundant,
+            zero_saved=full_go + n * pb.weight_bytes - weights - grads - optim,
+            redundant=plan.redundant,
             moe_layers=sum(1 for i in layers if cfg.is_moe_layer(i)),
         ))
     return out
@@ -347,6 +386,8 @@ def _held_params(part: str, n: float, plan: ParallelPlan, asm: Assumptions,
     shard = n * (shares[1] if part in _EXPERT_PARTS else shares[0])
     if plan.zero == 0:
         return n, n, n, n
+    if plan.zero == 3:
+        return shard, shard, shard, shard
     grads_sharded = plan.zero == 2 and (plan.microbatches == 1 or asm.zero2_grad_sync == "each")
     return n, shard if grads_sharded else n, shard, shard
 
@@ -406,7 +447,7 @@ def _shares(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions, layers: tupl
             first: bool, last: bool) -> tuple[float, float]:
     """Largest fraction of a stage's (non-expert, expert) state one rank owns under ZeRO."""
     g_rep, g_exp = plan.replica_groups(asm.attention)
-    if plan.zero == 0 or asm.zero_sharding == "flat":
+    if plan.zero in (0, 3) or asm.zero_sharding == "flat":  # ZeRO-3: FSDP's flat shards
         return 1.0 / g_rep, 1.0 / g_exp
     _model_tensors(cfg)
     E = cfg.n_routed_experts
@@ -432,11 +473,13 @@ def _dp_sync(sm: StageMemory, plan: ParallelPlan, groups: dict[str, GroupPlaceme
     """Seconds of each gradient-sync collective of one pipeline rank (module docstring)."""
     exp = sum(sm.params_by_part.get(p, 0.0) for p in _EXPERT_PARTS)
     rep = sum(sm.params_by_part.values()) - exp
-    gb, wb = precision.grad_bytes, precision.weight_bytes
+    gb, wb = precision.grad_comm_bytes, precision.param_comm_bytes
     pairs = ((rep, groups["rep"]), (exp, groups["dp"]))
     out = {}
     if plan.redundant:
         out["replica_sum"] = _replica_sum_time(sm, plan, groups["ep"], platform, gb, asm)
+    if plan.zero == 3:  # reduce-scattered per layer and micro-batch (`_layer_collectives`)
+        return out
     return {**_dp_collectives(plan, pairs, platform, gb, wb, asm), **out}
 
 
@@ -470,16 +513,67 @@ def _dp_collectives(plan: ParallelPlan, pairs: tuple, platform: Platform, gb: in
     return {"reduce_scatter": rs, "all_gather": ag}
 
 
-def _layer_fwd(lc: LayerCounts, t_attn: float, t_exp: float, pf: Platform,
-               width: float) -> tuple[float, float]:
-    """(forward seconds, of which FFN seconds) of one layer for one micro-batch; dense GEMMs
-    at the platform's efficiency for inner width `width` (the model width D)."""
-    gemm = pf.peak_flops * pf.gemm_eff(width)
-    t = sum(lc.fwd_flops.get(p, 0.0) for p in _GEMM_PARTS) * t_attn / gemm
-    t += lc.fwd_flops["attn_core"] * t_attn / (pf.peak_flops * pf.attention_efficiency)
-    ffn = lc.fwd_flops.get("experts", 0.0) * t_exp / (pf.peak_flops * pf.grouped_gemm_efficiency)
-    ffn += (lc.fwd_flops.get("shared_experts", 0.0) + lc.fwd_flops.get("dense_ffn", 0.0)) * t_attn / gemm
-    return t + ffn, ffn
+def _gemm_peak(pf: Platform, plan: ParallelPlan, asm: Assumptions) -> float:
+    """FLOP/s peak of the transformer-block GEMMs at the plan's GEMM precision: the bf16
+    `peak_flops`, or for fp8 the platform's `fp8_peak_flops` when its file states one, else
+    `Assumptions.fp8_peak_factor` x the bf16 peak; without either fp8 is refused."""
+    if plan.precision == "bf16":
+        return pf.peak_flops
+    rate = float(getattr(pf, "fp8_peak_flops", 0.0) or 0.0)
+    if rate > 0:
+        return rate
+    if asm.fp8_peak_factor:
+        return pf.peak_flops * asm.fp8_peak_factor
+    raise ValueError(
+        f"precision='fp8': platform {pf.name!r} states no FP8 GEMM rate; give one "
+        f"(Assumptions.fp8_peak_factor, `--fp8-peak-factor`, e.g. 2.0 for H100/H200: dense "
+        f"FP8 1979 vs bf16 989 TFLOPS) or use precision='bf16'")
+
+
+def _layer_parts(lc: LayerCounts, t_attn: float, t_exp: float, pf: Platform, cfg: ModelConfig,
+                 plan: ParallelPlan, asm: Assumptions) -> dict[str, float]:
+    """Forward seconds of one layer for one micro-batch on one rank, by part: "gemm" (the
+    attention projections), "attn_core" (scores and values), "router", "experts" (the grouped
+    GEMMs), "dense" (shared experts and dense FFN). TP with sequence parallel runs the TP
+    group's t_attn x tp tokens through 1/tp of every dense weight (width D / tp), ETP each
+    expert's rows through 1/etp of its F; FP8 runs the projections and FFNs at its peak
+    (scores, values and router stay bf16)."""
+    D, tp = cfg.d_model, plan.tp
+    peak, fast = pf.peak_flops, _gemm_peak(pf, plan, asm)
+    gemm_eff = pf.matmul_eff(t_attn * tp, D / tp, D)
+    out = {"gemm": lc.fwd_flops.get("attention", 0.0) * t_attn / (fast * gemm_eff),
+           "router": lc.fwd_flops.get("router", 0.0) * t_attn / (peak * gemm_eff),
+           "attn_core": lc.fwd_flops["attn_core"] * t_attn / (
+               peak * pf.attention_eff(plan.seq_len, int(cfg.qk_head_dim), False))}
+    E = max(cfg.n_routed_experts, 1)
+    rows = cfg.top_k * t_exp * plan.etp * plan.ep / E  # rows each local expert multiplies
+    grouped = pf.grouped_eff(rows, cfg.moe_ffn_dim / plan.etp, D)
+    out["experts"] = lc.fwd_flops.get("experts", 0.0) * t_exp / (fast * grouped)
+    out["dense"] = (lc.fwd_flops.get("shared_experts", 0.0)
+                    + lc.fwd_flops.get("dense_ffn", 0.0)) * t_attn / (fast * gemm_eff)
+    return out
+
+
+def _layer_fwd(lc: LayerCounts, t_attn: float, t_exp: float, pf: Platform, cfg: ModelConfig,
+               plan: ParallelPlan, asm: Assumptions) -> tuple[float, float]:
+    """(forward seconds, of which FFN seconds) of one layer for one micro-batch."""
+    parts = _layer_parts(lc, t_attn, t_exp, pf, cfg, plan, asm)
+    return sum(parts.values()), parts["experts"] + parts["dense"]
+
+
+def _head_fwd(cfg: ModelConfig, plan: ParallelPlan, pf: Platform, t_attn: float) -> float:
+    """Forward seconds of the lm_head for one micro-batch (vocab-parallel under TP), bf16."""
+    D, V = cfg.d_model, cfg.vocab_size
+    eff = pf.matmul_eff(t_attn * plan.tp, V / plan.tp, D)
+    return 2.0 * V * D * t_attn / (pf.peak_flops * eff)
+
+
+def _recompute(plan: ParallelPlan, fwd: float, ffn: float) -> float:
+    """Backward-time recompute of one layer: all of its forward ("full") or the FFN's gate
+    and up projections, not the down projection ("selective")."""
+    if plan.checkpointing == "full":
+        return fwd
+    return ffn * 2 / 3 if plan.checkpointing == "selective" else 0.0
 
 
 def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
@@ -490,11 +584,12 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
 
     Kept from the step time: each rank's compute (same formula), its all-to-all bytes at the
     fastest rate the closed form allows (intra-node share at the intra-node rate, off-node
-    share at the NIC rate, whichever takes longer; no latency: both `flat` and `halo` take at
-    least that), the pipeline bubble, and the optimizer. Dropped (all >= 0): latencies, P2P,
-    DP sync, the algorithm's extra phases. Valid for the closed-form all-to-all model only;
-    the planner uses it to skip full evaluations of points that cannot beat its incumbent.
-    `stages`: `stage_memory(...)` of the same arguments when the caller has it already."""
+    share, x the dedup factor for dedup and auto, at the NIC rate, whichever takes longer; no
+    latency: flat, halo and dedup take at least that; 0 when overlapped), the pipeline bubble,
+    and the optimizer. Dropped (all >= 0): latencies, P2P, DP sync, TP/CP/ETP/ZeRO-3
+    collectives, the algorithm's extra phases. Valid for the closed-form all-to-all model
+    only; the planner uses it to skip full evaluations of points that cannot beat its
+    incumbent. `stages`: `stage_memory(...)` of the same arguments when the caller has it."""
     cfg_, asm, pf = cfg, assumptions, platform
     if asm.alltoall_model != "closed-form":
         raise ValueError("step_time_lower_bound holds for alltoall_model='closed-form' only")
@@ -503,11 +598,16 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
     t_exp = plan.expert_tokens * asm.routing_imbalance
     bubble, _ = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
     g = _groups(plan, pf.gpus_per_node, asm.attention)[0]["ep"]
-    share = cfg_.top_k * t_exp * cfg_.d_model * precision.activation_bytes / g.size
+    rows = cfg_.top_k * t_exp * cfg_.d_model / g.size
+    share = rows * (precision.dispatch_bytes + precision.combine_bytes)  # one pass
+    f = 1.0
+    if plan.alltoall in ("dedup", "auto") and g.nodes > 1:
+        f = dedup_factor(g.nodes, cfg_.top_k)  # the independent-pick bound is the smaller
     a2a_lb = 0.0 if g.size == 1 else max(share * g.local_peers / pf.intra_node_bandwidth,
-                                         share * g.remote_peers / pf.nic_bandwidth_per_gpu)
-    a2a_lb *= (6 if plan.checkpointing == "full" else 4) * (1 - asm.alltoall_overlap)
-    gemm = pf.peak_flops * pf.gemm_eff(min(cfg_.d_model, cfg_.vocab_size))  # lm_head
+                                         f * share * g.remote_peers / pf.nic_bandwidth_per_gpu)
+    a2a_lb *= (3 if plan.checkpointing == "full" else 2) * (1 - asm.alltoall_overlap)
+    if plan.a2a_overlap != "none":
+        a2a_lb = 0.0
     busiest = 0.0
     for r, chunks in enumerate(_rank_chunks(cfg_, plan)):
         busy = 0.0
@@ -515,13 +615,12 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
             fwd = rec = 0.0
             for i in c:
                 lc = kinds[cfg_.is_moe_layer(i)]
-                f, ffn = _layer_fwd(lc, t_attn, t_exp, pf, cfg_.d_model)
-                fwd += f
-                rec += f if plan.checkpointing == "full" else \
-                    ffn * 2 / 3 if plan.checkpointing == "selective" else 0.0
+                fl, ffn = _layer_fwd(lc, t_attn, t_exp, pf, cfg_, plan, asm)
+                fwd += fl
+                rec += _recompute(plan, fl, ffn)
                 busy += a2a_lb if lc.is_moe else 0.0
             if s_local * plan.pp + r == plan.pp * plan.n_virtual - 1:
-                fwd += 2.0 * cfg_.vocab_size * cfg_.d_model * t_attn / gemm
+                fwd += _head_fwd(cfg_, plan, pf, t_attn)
             busy += 3 * fwd + rec + len(c) * pf.layer_overhead
         busiest = max(busiest, busy * plan.microbatches)
     upd = max(st.update_bytes for st in stages or stage_memory(cfg_, plan, pf, precision, asm))
@@ -529,106 +628,220 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
 
 
 def _groups(plan: ParallelPlan, gpn: int, attention: str) -> tuple[dict[str, GroupPlacement], bool]:
-    """The EP group, the group replicated grads are reduced over ("rep"), the expert-grad DP
-    group, and whether some pipeline hop crosses nodes."""
-    pp, dp, ep = plan.pp, plan.dp, plan.ep
-    rep_size = dp * ep if attention == "sharded" else dp
+    """Where each group sits (`tuner.comms.placement`, by rank stride; the order of
+    `trainer.layout`: the expert side (pp, edp, ep, etp) and the dense side (pp, dp, cp, tp)
+    over the same consecutive ranks, the last dimension fastest): the EP group, "rep" (the
+    ranks replicated non-expert gradients are reduced over), "dp" (expert gradients), "tp",
+    "cp", "etp"; and whether some pipeline hop crosses nodes. With tp = cp = etp = 1 these
+    are the trainer's PP x DP x EP groups."""
+    pp, dp, ep, etp, tp, cp = plan.pp, plan.dp, plan.ep, plan.etp, plan.tp, plan.cp
+    rep_size = plan.attn_dp * cp if attention == "sharded" else dp
+    stage = plan.stage_size
+    g = {"tp": placement(tp, 1, gpn), "cp": placement(cp, tp, gpn),
+         "etp": placement(etp, 1, gpn)}
     if plan.ep_placement == "local":
-        g = {"ep": placement(ep, 1, gpn), "dp": placement(dp, ep, gpn),
-             "rep": placement(rep_size, 1 if attention == "sharded" else ep, gpn)}
+        g |= {"ep": placement(ep, etp, gpn), "dp": placement(dp, ep * etp, gpn),
+              "rep": placement(rep_size, tp if attention == "sharded" else ep, gpn)}
     else:
-        stage_per_node = min(dp, gpn) if pp > 1 else min(dp * ep, gpn)
-        g = {"ep": placement(ep, pp * dp, gpn), "dp": placement(dp, 1, gpn),
-             "rep": GroupPlacement(rep_size, min(rep_size, stage_per_node))}
+        stage_per_node = min(dp * etp, gpn) if pp > 1 else min(stage, gpn)
+        per_rep = max(1, stage_per_node // tp)
+        g |= {"ep": placement(ep, pp * dp * etp, gpn), "dp": placement(dp, etp, gpn),
+              "rep": GroupPlacement(rep_size, min(rep_size, per_rep))}
     # A pipeline whose stages do not all fit in one node crosses nodes somewhere.
-    span = pp * (dp * ep if plan.ep_placement == "local" else dp)
+    span = pp * (stage if plan.ep_placement == "local" else dp * etp)
     return g, span > gpn
+
+
+def _kv_width(cfg: ModelConfig) -> int:
+    """Elements per token of the K and V that ring attention passes between CP ranks."""
+    if cfg.attention == "gqa":
+        return 2 * cfg.n_kv_heads * int(cfg.head_dim)
+    return cfg.n_heads * (int(cfg.qk_head_dim) + int(cfg.attn_v_head_dim))
+
+
+def _a2a_one(nbytes: float, groups: dict[str, GroupPlacement], plan: ParallelPlan,
+             cfg: ModelConfig, pf: Platform, asm: Assumptions) -> float:
+    """One all-to-all of `nbytes` per rank in the EP group, by the plan's algorithm."""
+    g = groups["ep"]
+    if asm.alltoall_model == "netsim" and plan.alltoall in ("flat", "halo", "auto"):
+        algs = auto_choices() if plan.alltoall == "auto" else (plan.alltoall,)
+        return min(netsim_alltoall_time(nbytes, g, a, pf)
+                   / (asm.vendor_alltoall_efficiency if a == "flat" else 1.0) for a in algs)
+    return alltoall_time(nbytes, g, plan.alltoall, pf, asm.vendor_alltoall_efficiency,
+                         cfg.top_k, cfg.n_routed_experts)
+
+
+def _a2a_exposed(plan: ParallelPlan, parts: dict[str, float], rec: float, ab: tuple[float, float],
+                 a2a: functools.partial, chunks: int = 0) -> tuple[float, float]:
+    """(exposed, total) all-to-all seconds of one MoE layer for one micro-batch.
+
+    ab: (dispatch, combine) bytes per rank of one pass. A pass (forward; backward: the
+    gradients; the recompute of "full") moves both once: A = t(dispatch) + t(combine).
+        none   every pass exposed: (2 + full) A
+        layer  c chunks (issue 26: chunk i+1's dispatch, chunk i's expert GEMMs, chunk i-1's
+               combine in flight together; shared experts and the dense branch run during the
+               dispatch): A_c = c (t(dispatch / c) + t(combine / c)) (each chunk pays the
+               latencies again) against X = dense + experts (c - 1) / c of that pass's
+               compute (x2 in the backward); exposed = max(0, A_c - X) per pass; c is
+               `Assumptions.a2a_chunks` or the best of 1, 2, 4, 8
+        fb     across micro-batches (combined 1F1B, DualPipe): in the steady state one
+               micro-batch's forward runs beside another's backward, their exchanges hidden
+               behind both computes: max(0, (2 + full) A - (3 f + rec)) per layer; the
+               warm-up and cool-down micro-batches (max(1, pp - 1) of M) stay exposed."""
+    full = plan.checkpointing == "full"
+    d, c_ = ab
+    A = a2a(d) + a2a(c_)
+    n_pass = 3 if full else 2
+    total = n_pass * A
+    if plan.a2a_overlap == "none":
+        return total, total
+    f = sum(parts.values())
+    if plan.a2a_overlap == "layer":
+        def exposed(c: int) -> float:
+            Ac = c * (a2a(d / c) + a2a(c_ / c))
+            X = parts["dense"] + parts["experts"] * (c - 1) / c
+            return max(0.0, Ac - X) * (n_pass - 1) + max(0.0, Ac - 2 * X)
+
+        return min(exposed(c) for c in ((chunks,) if chunks else (1, 2, 4, 8))), total
+    m = plan.microbatches
+    paired = max(0, m - max(1, plan.pp - 1)) / m
+    return paired * max(0.0, total - (3 * f + rec)) + (1 - paired) * total, total
+
+
+def _layer_collectives(lc: LayerCounts, parts: dict[str, float], rec: float, t_attn: float,
+                       t_exp: float, cfg: ModelConfig, plan: ParallelPlan, pf: Platform,
+                       pb: PrecisionPolicy, groups: dict[str, GroupPlacement],
+                       w_bytes: tuple[float, float]) -> dict[str, float]:
+    """Exposed seconds of one layer's TP, CP, ETP and ZeRO-3 collectives for one micro-batch
+    (module docstring, "Step time"); `w_bytes`: the layer's (non-expert, expert) weight
+    elements one rank holds unsharded."""
+    D, ab, full = cfg.d_model, pb.activation_bytes, plan.checkpointing == "full"
+    n_pass = 3 if full else 2  # forward, backward (+ the recomputed forward)
+    out = {"tp": 0.0, "cp": 0.0, "etp": 0.0, "zero3": 0.0}
+    if plan.tp > 1:
+        regions = 1 + (1 if lc.fwd_flops.get("dense_ffn") or lc.fwd_flops.get("shared_experts")
+                       else 0)
+        one = all_gather_time(t_attn * plan.tp * D * ab, groups["tp"], pf)
+        out["tp"] = regions * 2 * n_pass * one  # all-gather + reduce-scatter per pass
+    if plan.cp > 1:
+        g = groups["cp"]
+        step = p2p_time(t_attn * _kv_width(cfg) * ab, g.nodes > 1, pf)
+        ring = (plan.cp - 1) * step
+        core = parts["attn_core"]
+        out["cp"] = (max(0.0, ring - core) * (n_pass - 1)  # forward (+ recompute)
+                     + max(0.0, 2 * ring - 2 * core))  # backward: K/V again and their grads
+    if plan.etp > 1 and lc.is_moe:
+        rows = cfg.top_k * t_exp * plan.etp * D
+        one = (all_gather_time(rows * pb.dispatch_bytes, groups["etp"], pf)
+               + all_gather_time(rows * pb.combine_bytes, groups["etp"], pf))
+        out["etp"] = n_pass * one
+    if plan.zero == 3:
+        rep, exp = w_bytes
+        ag = (all_gather_time(rep * pb.param_comm_bytes, groups["rep"], pf)
+              + all_gather_time(exp * pb.param_comm_bytes, groups["dp"], pf))
+        rs = (reduce_scatter_time(rep * pb.grad_comm_bytes, groups["rep"], pf)
+              + reduce_scatter_time(exp * pb.grad_comm_bytes, groups["dp"], pf))
+        f = sum(parts.values())
+        # prefetched: each gather hides behind the previous layer's compute
+        out["zero3"] = max(0.0, ag - f) + max(0.0, ag + rs - 2 * f - rec)
+    return out
 
 
 def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platform,
              precision: PrecisionPolicy = PUBLISHED_PRECISION,
              assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> Estimate:
     """Memory, step time and MFU of `parallel_cfg` for `model_cfg` on `platform`."""
-    cfg, plan, pf, asm = model_cfg, parallel_cfg, platform, assumptions
+    cfg, plan, pf, asm, pb = model_cfg, parallel_cfg, platform, assumptions, precision
     stages = stage_memory(cfg, plan, pf, precision, asm)
-    D, ab = cfg.d_model, precision.activation_bytes
+    D = cfg.d_model
     kinds = _kind_counts(cfg, plan.ep, plan.seq_len, asm.flash_attention)
     t_attn = plan.attention_tokens(asm.attention)
     t_exp = plan.expert_tokens * asm.routing_imbalance
     bubble, _ = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
     groups, pp_inter = _groups(plan, pf.gpus_per_node, asm.attention)
-    gemm = pf.peak_flops * pf.gemm_eff(min(D, cfg.vocab_size))  # lm_head
-    a2a_bytes = cfg.top_k * t_exp * D * ab
-    if asm.alltoall_model == "netsim":
-        a2a_one = netsim_alltoall_time(a2a_bytes, groups["ep"], plan.alltoall, pf)
-        a2a_one /= asm.vendor_alltoall_efficiency if plan.alltoall == "flat" else 1.0
-    else:
-        a2a_one = alltoall_time(a2a_bytes, groups["ep"], plan.alltoall, pf,
-                                asm.vendor_alltoall_efficiency)
-    a2a_one *= 1 - asm.alltoall_overlap
-    n_a2a = 6 if plan.checkpointing == "full" else 4
-    hop = p2p_time(t_attn * D * ab, pp_inter, pf) if plan.pp > 1 else 0.0
+    _gemm_peak(pf, plan, asm)  # an fp8 plan on a platform without an fp8 rate: refused here
+    rows = cfg.top_k * t_exp * D
+    ab_a2a = (rows * pb.dispatch_bytes, rows * pb.combine_bytes)
+    a2a = functools.partial(_a2a_one, groups=groups, plan=plan, cfg=cfg, pf=pf, asm=asm)
+    hop = p2p_time(t_attn * D * pb.p2p_bytes, pp_inter, pf) if plan.pp > 1 else 0.0
+    w_layer = {moe: _layer_weights(kinds[moe], plan, cfg) for moe in kinds}
 
-    def layer_fwd(lc: LayerCounts) -> tuple[float, float]:
-        return _layer_fwd(lc, t_attn, t_exp, pf, D)
-
+    keys = ("compute", "alltoall", "p2p", "tp", "cp", "etp", "zero3")
     per_rank = []
+    hidden = 0.0
     for r, chunks in enumerate(_rank_chunks(cfg, plan)):
-        comp = a2a = p2p = 0.0
+        acc = dict.fromkeys(keys, 0.0)
+        a2a_total = 0.0
         for s_local, c in enumerate(chunks):
             fwd = rec = 0.0
             for i in c:
                 lc = kinds[cfg.is_moe_layer(i)]
-                f, ffn = layer_fwd(lc)
+                parts = _layer_parts(lc, t_attn, t_exp, pf, cfg, plan, asm)
+                f = sum(parts.values())
+                rc = _recompute(plan, f, parts["experts"] + parts["dense"])
                 fwd += f
-                if plan.checkpointing == "full":
-                    rec += f
-                elif plan.checkpointing == "selective":
-                    rec += ffn * 2 / 3  # gate and up projections, not the down projection
+                rec += rc
                 if lc.is_moe:
-                    a2a += n_a2a * a2a_one
+                    exp_, tot = _a2a_exposed(plan, parts, rc, ab_a2a, a2a, asm.a2a_chunks)
+                    acc["alltoall"] += exp_ * (1 - asm.alltoall_overlap)
+                    a2a_total += tot
+                for k, v in _layer_collectives(lc, parts, rc, t_attn, t_exp, cfg, plan, pf, pb,
+                                               groups, w_layer[lc.is_moe]).items():
+                    acc[k] += v
             stage = s_local * plan.pp + r
             if stage == plan.pp * plan.n_virtual - 1:
-                fwd += 2.0 * cfg.vocab_size * D * t_attn / gemm
-            comp += 3 * fwd + rec + len(c) * pf.layer_overhead
+                fwd += _head_fwd(cfg, plan, pf, t_attn)
+            acc["compute"] += 3 * fwd + rec + len(c) * pf.layer_overhead
             if asm.activation_traffic_passes:
                 act = sum(sum(_layer_act(kinds[cfg.is_moe_layer(i)], plan.checkpointing, t_attn,
                                          t_exp, D, asm.activation_set).values()) for i in c)
-                comp += asm.activation_traffic_passes * act * ab / pf.hbm_bandwidth
-            p2p += 2 * hop * (1 - asm.p2p_overlap)
-        per_rank.append((comp * plan.microbatches, a2a * plan.microbatches, p2p * plan.microbatches))
-    busiest = max(range(plan.pp), key=lambda r: sum(per_rank[r]))
-    busy = sum(per_rank[busiest])
+                acc["compute"] += asm.activation_traffic_passes * act * pb.activation_bytes \
+                    / pf.hbm_bandwidth
+            acc["p2p"] += 2 * hop * (1 - asm.p2p_overlap)
+        per_rank.append({k: v * plan.microbatches for k, v in acc.items()})
+        hidden = max(hidden, (a2a_total - acc["alltoall"]) * plan.microbatches)
+    busiest = max(range(plan.pp), key=lambda r: sum(per_rank[r].values()))
+    busy = sum(per_rank[busiest].values())
     pipe = busy / (1.0 - bubble)
 
     dp_sync, dp_parts = -1.0, {}
     for sm in stages:
-        parts = {k: v * (1 - asm.dp_overlap)
-                 for k, v in _dp_sync(sm, plan, groups, pf, precision, asm).items()}
-        if sum(parts.values()) > dp_sync:
-            dp_sync, dp_parts = sum(parts.values()), parts
+        parts_ = {k: v * (1 - asm.dp_overlap)
+                  for k, v in _dp_sync(sm, plan, groups, pf, precision, asm).items()}
+        if sum(parts_.values()) > dp_sync:
+            dp_sync, dp_parts = sum(parts_.values()), parts_
     optim = max(2 * sm.update_bytes for sm in stages) / pf.hbm_bandwidth
     step = pipe + dp_sync + optim
-    time = {"compute": per_rank[busiest][0], "alltoall": per_rank[busiest][1],
-            "p2p": per_rank[busiest][2], "bubble": pipe - busy, "dp_sync": dp_sync,
-            "optimizer": optim}
+    used = {"tp": plan.tp > 1, "cp": plan.cp > 1, "etp": plan.etp > 1, "zero3": plan.zero == 3}
+    time = {**{k: v for k, v in per_rank[busiest].items() if used.get(k, True)},
+            "bubble": pipe - busy, "dp_sync": dp_sync, "optimizer": optim}
     flops = cfg.flops_per_token(plan.seq_len) * plan.global_batch * plan.seq_len
     tflops = flops / (step * plan.n_gpus)
     notes = (
         f"attention {asm.attention} over EP; flash attention {asm.flash_attention}",
-        f"overlap: all-to-all {asm.alltoall_overlap:.0%}, P2P {asm.p2p_overlap:.0%}, "
-        f"DP {asm.dp_overlap:.0%}; routing imbalance {asm.routing_imbalance}",
+        f"overlap: all-to-all {plan.a2a_overlap} (+ {asm.alltoall_overlap:.0%} of what is left), "
+        f"P2P {asm.p2p_overlap:.0%}, DP {asm.dp_overlap:.0%}; routing imbalance "
+        f"{asm.routing_imbalance}",
         "bubble from the unit-cost schedule scaled to the slowest rank",
         _zero_note(plan, asm),
-    ) + ((f"redundant expert slots: {plan.redundant} per MoE layer on each EP rank (weights, "
-          f"gradients, optimizer state as the experts'); their gradients summed over the replicas "
-          f"by one all-to-all per MoE layer in the EP group of {plan.ep}, each rank sending "
-          f"{plan.redundant} x {asm.replicas_per_expert} rows",) if plan.redundant else ())
+        f"precision: {pb.name or 'custom'} state ({pb.weight_bytes} B weights, {pb.grad_bytes} B "
+        f"grads, {pb.master_bytes} B master, {pb.optimizer_bytes} B moments per parameter); "
+        f"wire: grads {pb.grad_comm_bytes} B, weights {pb.param_comm_bytes} B, dispatch "
+        f"{pb.dispatch_bytes} B, combine {pb.combine_bytes} B, pipeline {pb.p2p_bytes} B per "
+        f"element; {plan.precision} GEMMs",
+    ) + ((f"parallel folding: dense side tp={plan.tp} x cp={plan.cp} x dp={plan.attn_dp}, "
+          f"expert side etp={plan.etp} x ep={plan.ep} x edp={plan.dp}; TP with sequence "
+          f"parallel",) if plan.tp * plan.cp * plan.etp > 1 else ()) \
+        + ((f"redundant expert slots: {plan.redundant} per MoE layer on each EP rank (weights, "
+            f"gradients, optimizer state as the experts'); their gradients summed over the "
+            f"replicas by one all-to-all per MoE layer in the EP group of {plan.ep}, each rank "
+            f"sending {plan.redundant} x {asm.replicas_per_expert} rows",)
+           if plan.redundant else ())
     return Estimate(
         model=cfg.name, platform=pf.name, plan=plan, stages=tuple(stages), time=time,
         step_time=step, model_flops=flops, tflops_per_gpu=tflops / 1e12,
         mfu=tflops / pf.peak_flops, usable_hbm=pf.usable_hbm, notes=notes,
-        dp_collectives=dp_parts,
+        dp_collectives=dp_parts, alltoall_hidden=hidden,
     )
 
 

@@ -28,11 +28,11 @@ from typing import Any
 from model import CHECKPOINTING  # the modes model/checkpointing.py implements and train.py runs
 from trainer.layout import (  # vocabularies of the one layout model, declared there once
     A2A_OVERLAP,
+    ALLTOALL_ALGORITHMS,
     EP_PLACEMENTS,
     PRECISIONS,
     SCHEDULES,
-    TRAINER_ALLTOALL,
-    TRAINER_ZERO_LEVELS,
+    ZERO_LEVELS,
 )
 
 __all__ = [
@@ -58,12 +58,9 @@ __all__ = [
     "precision_policy",
 ]
 
-# What the planner prices so far (issue 33 item 3 widens both to trainer.layout's full
-# ALLTOALL_ALGORITHMS and ZERO_LEVELS): the trainer's all-to-alls but "auto" (which picks flat
-# or HALO at run time; the search compares the two itself) and the trainer's ZeRO levels.
-ALLTOALL_ALGORITHMS = tuple(a for a in TRAINER_ALLTOALL if a != "auto")
+# The planner prices every all-to-all (flat, halo, dedup, auto) and ZeRO level (0-3) of the
+# layout model; `not_runnable` says which of them train.py runs.
 ATTENTION_MODES = ("sharded", "replicated")
-ZERO_LEVELS = TRAINER_ZERO_LEVELS  # trainer --parallel.zero: replicated, ZeRO-1, ZeRO-2
 ZERO2_GRAD_SYNC = ("last", "each")
 ZERO_SHARDING = ("flat", "per-parameter")
 
