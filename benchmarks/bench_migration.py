@@ -100,11 +100,14 @@ def main(argv: list[str] | None = None) -> None:
     events = {n: [r for r in rows if r.get("event") == "migration"] for n, rows in runs.items()}
     firsts = [min((e["step"] for e in ev), default=args.steps) for n, ev in events.items()
               if RUNS[n][1]]
-    first = max(firsts, default=args.steps)
+    first = max(firsts, default=0)  # no migrating run: every step from step 2 is measured
     lo = first + 2  # skip the migration step and the one after, in every run
     table = []
     for name, rows in runs.items():
         steps = [r for r in rows if "loss" in r and r["step"] >= lo]
+        if not steps:
+            sys.exit(f"{name}: no step after step {lo - 1} (the first migrations end at step "
+                     f"{first}) to measure; raise --steps={args.steps}")
         early = [r for r in rows if "loss" in r and 2 <= r["step"] <= first]
         ev = events[name]
         table.append({
