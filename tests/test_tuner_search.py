@@ -8,6 +8,7 @@ import pytest
 
 from model import presets
 from tuner import load_platform
+from tuner.layout import ZERO_LEVELS
 from tuner.search import Evaluator, exhaustive, optuna_search
 from tuner.space import SearchSpace, check_gpu_count
 
@@ -17,9 +18,9 @@ def small():
     """Mixtral-8x7B on 64 Frontier GCDs, a reduced space of 2304 points (768 layouts x ZeRO
     0/1/2; exhaustive: 2234 model calls)."""
     cfg, pf = presets.get("mixtral-8x7b"), load_platform("frontier")
-    sp = SearchSpace.default(cfg, pf, 64, 512, 4096, mbs=(1, 2))
+    sp = SearchSpace.default(cfg, pf, 64, 512, 4096, mbs=(1, 2), zero=(0, 1, 2))
     ch = dict(sp.choices, pp=(2, 4, 8, 16), schedule=("1f1b", "zb-h1", "interleaved-1f1b:2"),
-              checkpointing=("none", "full"))
+              checkpointing=("none", "full"), alltoall=("flat", "halo"))
     return cfg, pf, dataclasses.replace(sp, choices=ch)
 
 
@@ -69,7 +70,7 @@ def test_search_includes_zero_and_never_shards_a_single_copy():
     rank; the space rejects it, so neither exhaustive nor TPE ranks such a point."""
     cfg, pf = presets.get("tiny"), load_platform("local")
     sp = SearchSpace.default(cfg, pf, 4, 16, 256, mbs=(1, 4))
-    assert sp.choices["zero"] == (0, 1, 2)
+    assert sp.choices["zero"] == ZERO_LEVELS  # every level the planner prices
     pt = {"pp": 4, "ep": 1, "mbs": 1, "schedule": "1f1b", "alltoall": "flat",
           "checkpointing": "none", "placement": "local", "zero": 1}
     assert sp.reject(pt) == ("zero=1 needs a replica group of > 1 rank; dp=1 x ep=1 holds one "
@@ -78,7 +79,7 @@ def test_search_includes_zero_and_never_shards_a_single_copy():
     assert sp.reject(dict(pt, pp=2, ep=2)) is None  # dp=1, but EP ranks share non-expert state
     ref = exhaustive(Evaluator(sp, cfg, pf))
     zeros = {c.point["zero"] for c in ref.ranked}
-    assert zeros == {0, 1, 2}
+    assert zeros == set(ZERO_LEVELS)
     single = [c for c in ref.ranked if c.estimate.plan.dp * c.estimate.plan.ep == 1]
     assert single and all(c.point["zero"] == 0 for c in single)
     got = optuna_search(Evaluator(sp, cfg, pf), n_trials=40, seed=0)
@@ -113,7 +114,8 @@ def test_redundant_is_fixed_and_limits_ep():
     pt = {"pp": 8, "ep": 8, "mbs": 1, "schedule": "1f1b", "alltoall": "flat",
           "checkpointing": "full", "placement": "local", "zero": 1}
     assert sp.to_plan(pt).redundant == 6
-    assert "redundant=6 needs ep > 1 and at most E - E/ep = 4 (ep=2)" in sp.reject(dict(pt, ep=2))
+    assert "redundant=6 exceeds the 4 experts an EP rank does not hold (E=8, ep=2)" in \
+        sp.reject(dict(pt, ep=2))
     c = Evaluator(sp, cfg, pf)(pt)
     slots = 4 * 6 * cfg.expert_params() * 16
     assert c.rejected.startswith("peak memory")

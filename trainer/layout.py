@@ -70,11 +70,12 @@ from model.checkpointing import CHECKPOINTING
 from pipeline.schedule import schedule_names
 
 __all__ = [
-    "A2A_OVERLAP", "ALLTOALL_ALGORITHMS", "DENSE_DIMS", "DIMS", "EP_PLACEMENTS", "EXPERT_DIMS", "GROUP_KINDS", "PRECISIONS",
-    "RECOMPUTE", "SCHEDULES", "TRAINER_A2A_OVERLAP", "TRAINER_ALLTOALL", "TRAINER_PRECISIONS",
-    "TRAINER_ZERO_LEVELS", "ZERO_LEVELS", "Coords", "Layout", "LayoutError", "check",
-    "check_choice", "divisors", "layout_problems", "layer_split_spec", "not_runnable_because",
-    "rank_chunks", "stage_bounds", "stage_counts", "stage_layers", "stage_rank",
+    "A2A_OVERLAP", "ALLTOALL_ALGORITHMS", "DENSE_DIMS", "DIMS", "EP_PLACEMENTS", "EXPERT_DIMS",
+    "GROUP_KINDS", "PRECISIONS", "RECOMPUTE", "SCHEDULES", "TRAINER_A2A_OVERLAP",
+    "TRAINER_ALLTOALL", "TRAINER_PRECISIONS", "TRAINER_ZERO_LEVELS", "ZERO_LEVELS", "Coords",
+    "Layout", "LayoutError", "check", "check_choice", "check_redundant", "divisors",
+    "layout_problems", "layer_split_spec", "not_runnable_because", "rank_chunks",
+    "stage_bounds", "stage_counts", "stage_layers", "stage_rank",
 ]
 
 # ---- vocabularies (declared once; trainer config checks and the planner import these) -------
@@ -380,6 +381,22 @@ def layer_split_spec(stages: list[list[int]]) -> str:
 
 # ---- feasibility -----------------------------------------------------------------------------
 
+def check_redundant(r: int, n_experts: int, ep: int, what: str = "redundant") -> None:
+    """r redundant expert slots per EP rank (`--balance.redundant`): each holds an expert the
+    rank does not hold yet (so r <= E - E / ep), and only where there are ranks to spread
+    load over (ep > 1)."""
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+        raise LayoutError(f"{what}={r!r} must be an int >= 0 (redundant expert slots per EP "
+                          f"rank)")
+    if r and ep == 1:
+        raise LayoutError(f"{what}={r} needs expert parallelism (parallel.ep > 1): with one EP "
+                          f"rank a replica would sit beside its own expert")
+    top = n_experts - n_experts // ep
+    if r > top:
+        raise LayoutError(f"{what}={r} exceeds the {top} experts an EP rank does not hold "
+                          f"(E={n_experts}, ep={ep}); valid: 0..{top}")
+
+
 def layout_problems(layout: Layout, n_layers: int, n_experts: int, *, schedule: str | None = None,
                     microbatches: int | None = None, global_batch: int | None = None,
                     layer_split: str = "", n_heads: int | None = None,
@@ -432,10 +449,10 @@ def layout_problems(layout: Layout, n_layers: int, n_experts: int, *, schedule: 
         out.append(f"cp={L.cp} needs seq_len divisible by 2 x cp = {2 * L.cp} (causal load "
                    f"balance); seq_len={seq_len}")
     if redundant:
-        top = E - E // L.ep if E else 0
-        if L.ep == 1 or redundant < 0 or redundant > top:
-            out.append(f"redundant={redundant} needs ep > 1 and at most E - E/ep = {top} "
-                       f"(ep={L.ep})")
+        try:
+            check_redundant(redundant, E, L.ep)
+        except LayoutError as e:
+            out.append(str(e))
     return out
 
 

@@ -41,9 +41,11 @@ class Mesh:
 
     @staticmethod
     def plan(world_size: int, rank: int, pp: int, ep: int, dp: int = 0,
-             placement: str = "local") -> Mesh:
-        """Validate the degrees against the world size (no process groups are created)."""
-        return Mesh(Layout.infer(world_size, pp=pp, ep=ep, dp=dp, placement=placement), rank)
+             placement: str = "local", vpp: int = 1) -> Mesh:
+        """Validate the degrees against the world size (no process groups are created);
+        `vpp`: virtual pipeline stages per rank (--parallel.n_virtual)."""
+        return Mesh(Layout.infer(world_size, pp=pp, ep=ep, dp=dp, vpp=vpp, placement=placement),
+                    rank)
 
     @property
     def world_size(self) -> int:

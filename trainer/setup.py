@@ -20,9 +20,9 @@ import torch
 from .checkpoint import CheckpointError, check_same_model, find_latest, read_meta
 from .config import ConfigError, RunConfig
 from .data import Corpus, load_corpus
-from .mesh import Mesh, MeshError, valid_divisors
+from .layout import RECOMPUTE, TRAINER_ALLTOALL, check, check_choice, check_redundant, divisors
+from .mesh import Mesh
 from .metrics import check_observability
-from .pipe import split_layers
 from .profiling import parse_profile_steps
 from .zero import check_zero
 
@@ -82,24 +82,26 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
         except ValueError as e:
             raise ConfigError(f"--model.hf_path: {e}") from None
     par = cfg.parallel
-    mesh = Mesh.plan(world_size, rank, pp=par.pp, ep=par.ep, dp=par.dp, placement=par.ep_placement)
+    _check_virtual(par)
+    mesh = Mesh.plan(world_size, rank, pp=par.pp, ep=par.ep, dp=par.dp, placement=par.ep_placement,
+                     vpp=par.n_virtual)
+    E = mcfg.n_routed_experts
+    if mesh.pp > 1 and mcfg.tie_embeddings:
+        raise ConfigError("tie_embeddings=True with pp > 1 is not supported (the embedding and the "
+                          "head would live on different stages); use pp=1 or untied embeddings")
+    # the layout's own rules (trainer.layout, the planner's too): ep | experts, the stage split
+    check(mesh.layout, mcfg.n_layers, E, layer_split=par.layer_split)
     if mesh.pp > 1:
-        _check_pipeline(cfg, mcfg, mesh)
-    else:  # the schedule is unused with pp=1, but a wrong value is still a mistake worth naming
-        _check_schedule(cfg.parallel, 1)
-        split_layers(mcfg.n_layers, cfg.parallel.n_virtual, cfg.parallel.layer_split)
+        _check_microbatches(cfg, mesh)
+    # with pp=1 the schedule is unused, but a wrong value is still a mistake worth naming
+    _check_schedule(par, mesh.pp)
     if par.grad_overlap not in ("auto", "true", "false"):
         raise ConfigError(f"parallel.grad_overlap={par.grad_overlap!r}; valid: auto, true, false")
     zero_note = check_zero(cfg, mesh)  # a replica group of one rank: ZeRO has no effect there
     if zero_note and rank == 0:
         print(f"note: {zero_note}", file=sys.stderr, flush=True)
-    E = mcfg.n_routed_experts
-    if E % mesh.ep:
-        raise MeshError(f"ep={mesh.ep} does not divide {E} experts of model {model_name(cfg)!r}; "
-                        f"valid ep: {valid_divisors(E)}")
     _check_redundant(cfg.balance.redundant, E, mesh.ep)
-    if cfg.comm.alltoall not in ("flat", "halo", "auto"):
-        raise ConfigError(f"comm.alltoall={cfg.comm.alltoall!r}; valid: flat, halo, auto")
+    check_choice("comm.alltoall", cfg.comm.alltoall, TRAINER_ALLTOALL)
     if cfg.comm.topology:
         from comm import Topology
 
@@ -111,17 +113,14 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
             raise ConfigError(f"comm.topology={cfg.comm.topology!r} describes {topo.world_size} "
                               f"ranks but the run has {world_size}")
     t = cfg.train
-    from model import CHECKPOINTING
-
-    if t.checkpointing not in CHECKPOINTING:
-        raise ConfigError(f"train.checkpointing={t.checkpointing!r}; valid: {', '.join(CHECKPOINTING)}")
+    check_choice("train.checkpointing", t.checkpointing, RECOMPUTE)
     if t.seq_len < 1 or t.seq_len > mcfg.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} is outside what the model supports: "
                           f"1..{mcfg.max_seq_len} (model max_seq_len)")
     if t.global_batch < 1 or t.global_batch % mesh.n_data_shards:
         raise ConfigError(f"train.global_batch={t.global_batch} must be a positive multiple of the "
                           f"{mesh.n_data_shards} data shards (dp={mesh.dp} x ep={mesh.ep})")
-    if mesh.pp == 1:  # gradient accumulation (with pp > 1 _check_pipeline checked it)
+    if mesh.pp == 1:  # gradient accumulation (pipeline micro-batches were checked above)
         _check_microbatches(cfg, mesh)
     if t.steps < 1:
         raise ConfigError(f"train.steps={t.steps} must be >= 1")
@@ -153,13 +152,13 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     if cfg.balance.enabled:
         from balance import METHODS, MigrationPolicy
 
-        b = cfg.balance
-        if b.method != "default" and b.method not in METHODS:
-            raise ConfigError(f"balance.method={b.method!r}; valid: default, {', '.join(METHODS)}")
-        MigrationPolicy(threshold=b.threshold, window=b.window, cooldown=b.cooldown,
-                        max_swaps=b.max_swaps)  # raises ValueError naming a bad value
-        if b.force_every < 0:
-            raise ConfigError(f"balance.force_every={b.force_every} must be >= 0")
+        bal = cfg.balance
+        if bal.method != "default" and bal.method not in METHODS:
+            raise ConfigError(f"balance.method={bal.method!r}; valid: default, {', '.join(METHODS)}")
+        MigrationPolicy(threshold=bal.threshold, window=bal.window, cooldown=bal.cooldown,
+                        max_swaps=bal.max_swaps)  # raises ValueError naming a bad value
+        if bal.force_every < 0:
+            raise ConfigError(f"balance.force_every={bal.force_every} must be >= 0")
     if t.nan_policy not in ("skip", "stop"):
         raise ConfigError(f"train.nan_policy={t.nan_policy!r}; valid: skip, stop")
     if t.timeout_s <= 0:
@@ -206,16 +205,11 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
 
 
 def _check_redundant(r: int, E: int, ep: int) -> None:
-    """balance.redundant: r extra slots per EP rank, each holding an expert the rank does not
-    hold yet (so r <= E - E / ep), and only where there are ranks to spread load over."""
-    if r < 0:
-        raise ConfigError(f"balance.redundant={r} must be >= 0 (redundant expert slots per EP rank)")
-    if r and ep == 1:
-        raise ConfigError(f"balance.redundant={r} needs expert parallelism (parallel.ep > 1): with "
-                          f"one EP rank a replica would sit beside its own expert")
-    if r > E - E // ep:
-        raise ConfigError(f"balance.redundant={r} exceeds the {E - E // ep} experts an EP rank "
-                          f"does not hold (E={E}, ep={ep}); valid: 0..{E - E // ep}")
+    """balance.redundant: `trainer.layout.check_redundant`'s rule, named by its flag."""
+    try:
+        check_redundant(r, E, ep, "balance.redundant")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def model_name(cfg: RunConfig) -> str:
@@ -230,17 +224,6 @@ def build_schedule(par, pp: int):
     return pipeline.build(par.schedule, pp, par.microbatches, **kw)
 
 
-def _check_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh) -> None:
-    par = cfg.parallel
-    if mcfg.tie_embeddings:
-        raise ConfigError("tie_embeddings=True with pp > 1 is not supported (the embedding and the "
-                          "head would live on different stages); use pp=1 or untied embeddings")
-    _check_virtual(par)
-    split_layers(mcfg.n_layers, mesh.pp * par.n_virtual, par.layer_split)
-    _check_microbatches(cfg, mesh)
-    _check_schedule(par, mesh.pp)
-
-
 def _check_microbatches(cfg: RunConfig, mesh: Mesh) -> None:
     """Micro-batches split each data shard's sequences: pipeline micro-batches with pp > 1,
     gradient accumulation with pp = 1."""
@@ -250,7 +233,7 @@ def _check_microbatches(cfg: RunConfig, mesh: Mesh) -> None:
         raise ConfigError(
             f"parallel.microbatches={par.microbatches} must divide the {per_shard} sequences each "
             f"data shard gets per step (train.global_batch={cfg.train.global_batch} / "
-            f"{mesh.n_data_shards} shards); valid: {valid_divisors(per_shard)}")
+            f"{mesh.n_data_shards} shards); valid: {divisors(per_shard)}")
 
 
 def _check_virtual(par) -> None:

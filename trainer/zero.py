@@ -29,10 +29,9 @@ import torch
 from torch import nn
 
 from .config import ConfigError
+from .layout import TRAINER_ZERO_LEVELS as ZERO_LEVELS  # the levels the trainer runs
 
 __all__ = ["ZERO_LEVELS", "ZeroOptimizer", "assign_owners", "build_optimizer", "check_zero"]
-
-ZERO_LEVELS = (0, 1, 2)
 
 
 def check_zero(cfg, mesh) -> str | None:

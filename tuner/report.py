@@ -1,7 +1,9 @@
 """What the planner hands back: a ranked table, a plot, a plan file and its launch lines.
 
 The plan file is TOML that `train.py --plan FILE` applies like a config file: the run config
-lives under `[run.<section>]` (model; parallel, incl. `ep_placement` and `zero`; comm; train,
+lives under `[run.<section>]` (model; parallel, incl. `ep_placement`, `zero` and, with more
+than one stage, `layer_split`: the planned layers per stage, so the run cuts the stages the
+estimate priced; comm; train,
 incl. `checkpointing`; balance, `redundant`, only when the plan has redundant expert slots),
 so every choice of the plan is run as planned; `[plan]` records the request
 and the prediction (and, after `--measure`, the measurement), so that a run can be compared
@@ -13,6 +15,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from trainer.layout import layer_split_spec, rank_chunks, stage_layers
 from tuner.estimate import Estimate
 from tuner.layout import ParallelPlan
 from tuner.platform import Platform
@@ -86,13 +89,17 @@ def _toml_value(v: object) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def run_sections(p: ParallelPlan) -> dict[str, dict]:
+def run_sections(p: ParallelPlan, n_layers: int | None = None) -> dict[str, dict]:
     """The trainer config sections (`train.py` `--section.field`) that run plan `p`: what a
-    plan file's [run.*] holds and what `tuner.launch.train_args` passes."""
+    plan file's [run.*] holds and what `tuner.launch.train_args` passes. With `n_layers` and
+    more than one pipeline stage, `parallel.layer_split` states the stage split
+    (`trainer.layout.stage_layers`, the one both sides use)."""
+    split = {"layer_split": layer_split_spec(stage_layers(n_layers, p.pp, p.n_virtual))} \
+        if n_layers is not None and p.pp * p.n_virtual > 1 else {}
     return {
         "parallel": {"pp": p.pp, "ep": p.ep, "dp": p.dp, "schedule": p.schedule,
                      "microbatches": p.microbatches, "n_virtual": p.n_virtual,
-                     "ep_placement": p.ep_placement, "zero": p.zero},
+                     "ep_placement": p.ep_placement, "zero": p.zero, **split},
         "comm": {"alltoall": p.alltoall},
         "train": {"global_batch": p.global_batch, "seq_len": p.seq_len,
                   "checkpointing": p.checkpointing},
@@ -104,6 +111,10 @@ def plan_toml(e: Estimate, model_name: str, request: dict[str, object], hf_path:
     """The plan file for estimate `e` (see the module docstring); with `hf_path` the run starts
     from that Hugging Face checkpoint instead of the preset `model_name`."""
     p = e.plan
+    n_layers = sum(len(s.layers) for s in e.stages)
+    # the layers each pipeline rank was priced with are those of the split the file states
+    priced = [list(s.layers) for s in e.stages]
+    assert priced == [sum(c, []) for c in rank_chunks(n_layers, p.pp, p.n_virtual)], priced
     sections: dict[str, dict[str, object]] = {
         "plan": {
             **request,
@@ -117,7 +128,7 @@ def plan_toml(e: Estimate, model_name: str, request: dict[str, object], hf_path:
             **{f"predicted_{k}_s": round(v, 4) for k, v in e.time.items()},
         },
         "run.model": {"hf_path": hf_path} if hf_path else {"preset": model_name},
-        **{f"run.{name}": body for name, body in run_sections(p).items()},
+        **{f"run.{name}": body for name, body in run_sections(p, n_layers).items()},
     }
     out = ["# Written by `python -m tuner plan`; run with: train.py --plan <this file>",
            "# [plan] is the request and the prediction; [run.*] is applied like a config file."]

@@ -33,6 +33,7 @@ from typing import Any
 
 from model import ModelConfig
 from trainer.layout import Layout, LayoutError, divisors, layout_problems
+from trainer.layout import check_redundant as layout_check_redundant
 from tuner.layout import (
     ALLTOALL_ALGORITHMS,
     CHECKPOINTING,
@@ -51,7 +52,11 @@ SCHEDULE_CHOICES = ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b:2", "interleaved
 
 def _hosts(r: int, n_experts: int, ep: int) -> bool:
     """Whether an EP group of `ep` ranks can host r redundant slots per rank."""
-    return r == 0 or (ep > 1 and r <= n_experts - n_experts // ep)
+    try:
+        layout_check_redundant(r, n_experts, ep)
+    except LayoutError:
+        return False
+    return True
 
 
 def check_redundant(r: object, cfg: ModelConfig, eps: tuple[int, ...]) -> None:
@@ -116,7 +121,8 @@ class SearchSpace:
             "ep": tuple(d for d in eps if _hosts(redundant, cfg.n_routed_experts, d)),
             "mbs": tuple(mbs),
             "schedule": SCHEDULE_CHOICES,
-            "alltoall": ALLTOALL_ALGORITHMS,
+            # "auto" is not a point of its own: it runs flat or HALO, which the search compares
+            "alltoall": tuple(a for a in ALLTOALL_ALGORITHMS if a != "auto"),
             "checkpointing": CHECKPOINTING,
             "placement": EP_PLACEMENTS,
             "zero": zero,
