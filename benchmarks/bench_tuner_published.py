@@ -28,6 +28,8 @@ Runs without a preset or without a platform file are listed as skipped with the 
 
     .venv/bin/python benchmarks/bench_tuner_published.py              # all runs
     .venv/bin/python benchmarks/bench_tuner_published.py --only zoo-  # ids starting with zoo-
+    .venv/bin/python benchmarks/bench_tuner_published.py --fp8-peak-factor 2.0  # FP8 runs on a
+        platform file without an FP8 rate: FP8 / bf16 dense peak assumed 2 (an assumption, listed)
     .venv/bin/python benchmarks/bench_tuner_published.py --record     # the tracked record
 
 Results: tuner_published.jsonl (one row per run, appended, with commit and time) and
@@ -283,8 +285,10 @@ def _megatron_check(run: dict[str, Any], meas: dict[str, Any]) -> float | None:
     return f * meas["tokens"] / 1e12 / meas["tflops"]
 
 
-def evaluate(run: dict[str, Any], extra: list[str], timeout: float) -> dict[str, Any]:
-    """One result row: the run, its flags, the prediction and the comparison."""
+def evaluate(run: dict[str, Any], extra: list[str], timeout: float,
+             fp8_peak_factor: float | None = None) -> dict[str, Any]:
+    """One result row: the run, its flags, the prediction and the comparison.
+    `fp8_peak_factor`: passed as `--fp8-peak-factor` to FP8 runs (an assumption, listed)."""
     meas = measured(run)
     row: dict[str, Any] = {
         "bench": "tuner_published", "sha": git_sha(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -300,6 +304,9 @@ def evaluate(run: dict[str, Any], extra: list[str], timeout: float) -> dict[str,
         row["status"] = f"skipped: {why}"
         return row
     flags, row["assumed"] = estimate_flags(run)
+    if fp8_peak_factor is not None and _flag_value(flags, "--precision") == "fp8":
+        flags += ["--fp8-peak-factor", str(fp8_peak_factor)]
+        row["assumed"].append(f"fp8_peak_factor={fp8_peak_factor} (--fp8-peak-factor)")
     flags += extra
     row["flags"] = flags
     try:
@@ -321,6 +328,10 @@ def evaluate(run: dict[str, Any], extra: list[str], timeout: float) -> dict[str,
     row["metric"], row["pred_value"], row["meas_value"] = cmp_
     row["error"] = cmp_[1] / cmp_[2] - 1
     return row
+
+
+def _flag_value(flags: list[str], name: str) -> str | None:
+    return flags[flags.index(name) + 1] if name in flags else None
 
 
 def _fmt(v: Any, spec: str = ".4g") -> str:
@@ -366,6 +377,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per estimate")
     ap.add_argument("--jobs", type=int, default=1,
                     help="estimates run at once (each is one Python process; default 1)")
+    ap.add_argument("--fp8-peak-factor", type=float, default=None,
+                    help="FP8 / bf16 GEMM peak passed to FP8 runs, for platform files without an "
+                         "FP8 rate (an assumption, listed per row; none by default)")
     ap.add_argument("--estimate-args", default="",
                     help="extra flags for every `tuner estimate` call (one string)")
     add_output_args(ap, "tuner_published")
@@ -386,7 +400,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.jobs < 1:
         raise SystemExit(f"--jobs {args.jobs} must be >= 1")
     with ThreadPoolExecutor(args.jobs) as pool:  # threads only wait on the subprocesses
-        rows = list(pool.map(lambda r: evaluate(r, extra, args.timeout), runs))
+        rows = list(pool.map(lambda r: evaluate(r, extra, args.timeout, args.fp8_peak_factor),
+                             runs))
     for row in rows:
         e = row["error"]
         print(f"{row['id']}: {row['status']}" + ("" if e is None else f", {100 * e:+.1f} %"))
