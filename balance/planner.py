@@ -198,10 +198,10 @@ def greedy_repack(load: Any, placement: Any, n_ranks: int) -> list[int]:
     np.add.at(overlap, (group, p), 1)
     group2rank = np.full(n_ranks, -1)
     for _ in range(n_ranks):
-        g, r = np.unravel_index(int(np.argmax(overlap)), overlap.shape)
-        group2rank[g] = r
-        overlap[g, :] = -1
-        overlap[:, r] = -1
+        gi, ri = np.unravel_index(int(np.argmax(overlap)), overlap.shape)
+        group2rank[gi] = ri
+        overlap[gi, :] = -1
+        overlap[:, ri] = -1
     return group2rank[group].tolist()
 
 

@@ -173,9 +173,9 @@ def _local_search(w: np.ndarray, m: np.ndarray, n_ranks: int, S: int, iters: int
             if not ok.any():
                 continue
             new_max = np.where(ok, np.maximum(loads[h] - d, loads[r] + d), np.inf)
-            i, j = np.unravel_index(int(np.argmin(new_max)), new_max.shape)
-            if new_max[i, j] < loads[h] - 1e-12 and (best is None or new_max[i, j] < best[0]):
-                best = (float(new_max[i, j]), r, int(i), int(j))
+            ih, jr = np.unravel_index(int(np.argmin(new_max)), new_max.shape)
+            if new_max[ih, jr] < loads[h] - 1e-12 and (best is None or new_max[ih, jr] < best[0]):
+                best = (float(new_max[ih, jr]), r, int(ih), int(jr))
         if best is None:
             break
         _, r, i, j = best

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -258,6 +258,7 @@ class PipelineRuntime:
     def _forward(self, a: Action, inputs: Sequence[Any] | None, targets: Sequence[Any] | None) -> None:
         s, m = a.stage, a.microbatch
         if s == 0:
+            assert inputs is not None, "step() checks that stage 0's rank has its inputs"
             x = inputs[m]
             if isinstance(x, torch.Tensor):
                 x = x.to(self.device)
@@ -272,6 +273,7 @@ class PipelineRuntime:
                 self._aux[(s, m)] = aux.detach()  # read after the step: no host sync here
                 extra.append(aux * self._scale)
         if s == self.n_stages - 1:
+            assert targets is not None, "step() checks that the last stage's rank has targets"
             loss = self.loss_fn(y, targets[m])
             self._losses[m] = loss.detach()
             outs = [loss * self._scale + sum(extra)] if extra else [loss * self._scale]
@@ -283,10 +285,11 @@ class PipelineRuntime:
     def _backward(self, a: Action) -> None:
         s, m = a.stage, a.microbatch
         x, outs = self._stash[(s, m)]
+        grads: list[torch.Tensor | None]
         if s < self.n_stages - 1:
-            grads = [self._take(a)] + [torch.ones_like(o) for o in outs[1:]]
+            grads = [self._take(a), *(torch.ones_like(o) for o in outs[1:])]
         else:
-            grads = [None]
+            grads = [None]  # the scalar loss seeds itself
         x_needs = isinstance(x, torch.Tensor) and x.requires_grad
         if s in self.split:
             params = list(self.stages[s].parameters())
@@ -379,7 +382,7 @@ class PipelineRuntime:
         """All ranks' spans of the last step (a collective over the PP group)."""
         out: list[list[Span] | None] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(out, self.spans, group=self.group)
-        return [s for spans in out for s in spans]
+        return [s for spans in cast(list[list[Span]], out) for s in spans]  # all filled in
 
 
 class _Timer:

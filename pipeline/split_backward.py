@@ -19,6 +19,7 @@ tensor sizes (a few hundred nodes per transformer stage).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +32,10 @@ __all__ = ["WeightWork", "backward_input", "backward_weight"]
 class WeightWork:
     """What W needs: (roots, grads, params) triples, or the whole outputs (fallback)."""
 
-    roots: list[tuple[list[GradientEdge | torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]
+    # (cut-node edges with their recorded gradients, or an output off the x path with its
+    # seed: None for a scalar loss), and the parameters W asks for
+    roots: list[tuple[list[GradientEdge] | list[torch.Tensor], list[torch.Tensor | None],
+                      list[torch.Tensor]]]
     plain: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
     keep: list[torch.Tensor] = field(default_factory=list)  # holds the graph alive until W
 
@@ -65,7 +69,7 @@ def backward_input(
     outputs: list[torch.Tensor],
     grads: list[torch.Tensor | None],
     x: torch.Tensor,
-    params: list[torch.Tensor],
+    params: Sequence[torch.Tensor],
 ) -> tuple[torch.Tensor | None, WeightWork]:
     """B: the gradient of `outputs` (seeded with `grads`) wrt `x`, plus what W needs."""
     params = [p for p in params if p.requires_grad]
@@ -113,7 +117,7 @@ def backward_input(
     return dx, work
 
 
-def backward_weight(work: WeightWork, params: list[torch.Tensor]) -> None:
+def backward_weight(work: WeightWork, params: Sequence[torch.Tensor]) -> None:
     """W: accumulate the parameter gradients into `.grad` (like `Tensor.backward`)."""
     if work.plain is not None:
         outs, grads = work.plain
