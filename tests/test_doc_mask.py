@@ -1,5 +1,5 @@
 """Document masking: a window holding several documents (separated by EOS) gives each
-document's tokens exactly the logits the model computes for that document alone (reference:
+document's tokens the logits the model computes for that document alone (atol 2e-5; reference:
 one forward per document), for GQA (RoPE on q/k) and MLA (decoupled RoPE, yarn); and the
 trainer's --data.doc_mask runs end to end on a tokenized .bin."""
 
