@@ -185,3 +185,25 @@ def test_gpu_platforms_price_by_shape():
             assert p.attention_eff(512, 128, True) < p.attention_eff(8192, 128, True) <= 1.0
         # the same attention time under either FLOP count
         assert p.attention_eff(4096, 128, False) == pytest.approx(2 * p.attention_eff(4096, 128, True))
+
+
+def test_grid_matches_separable_numpy_interpolation():
+    """Grid.at (corner weights) against numpy.interp applied one axis at a time in log space
+    (an independent route to the same multilinear interpolation, clamped the same way)."""
+    import numpy as np
+
+    from tuner.platform import Grid
+
+    rng = np.random.default_rng(0)
+    axes = [np.sort(rng.choice(np.arange(1, 5000), n, replace=False)).astype(float)
+            for n in (4, 3, 5)]
+    vals = rng.uniform(0.05, 1.0, size=[len(a) for a in axes])
+    g = Grid.from_nested("gemm_table", ("m", "n", "k"), [list(a) for a in axes], vals.tolist())
+    for _ in range(200):
+        pt = [float(np.exp(rng.uniform(np.log(0.5 * a[0]), np.log(2 * a[-1])))) for a in axes]
+        v = vals
+        for d in reversed(range(3)):  # interpolate the last axis first
+            la, x = np.log(axes[d]), np.log(pt[d])
+            v = np.apply_along_axis(lambda row, la=la, x=x: np.interp(x, la, row), d, v)
+        # float sums in another order: agree to rounding
+        assert g.at(*pt) == pytest.approx(float(v), rel=1e-12, abs=1e-15)
