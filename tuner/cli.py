@@ -116,12 +116,12 @@ def _plan(args: argparse.Namespace) -> int:
     req = PlanRequest(args.model, args.platform, args.gpus, args.seq, args.global_batch,
                       args.trials, args.seed, storage, zero, args.redundant)
     from tuner.counts import trainer_act_supported
-    from tuner.layout import FP32_TRAINER_PRECISION, PUBLISHED_PRECISION, Assumptions
+    from tuner.layout import Assumptions, precision_policy
 
     cpu = platform.backend == "gloo"
     trainer_set = cpu and trainer_act_supported(cfg)
     out = run_plan(cfg, platform, req, Path(args.out),
-                   precision=FP32_TRAINER_PRECISION if cpu else PUBLISHED_PRECISION,
+                   precision=precision_policy(args.precision_policy, platform.backend),
                    assumptions=Assumptions(alltoall_model=args.alltoall_model,
                                            activation_set="trainer" if trainer_set else "published",
                                            activation_traffic_passes=4.0 if cpu else 0.0,
@@ -134,7 +134,12 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"times are seconds per step on the busiest rank; usable HBM "
           f"{platform.usable_hbm / 1e9:.1f} GB per GPU\n")
     print(format_table(r.ranked, args.top))
-    best = r.best.estimate
+    if r.best is not r.best_runnable and r.best is not None and r.best.estimate is not None:
+        o = r.best.estimate
+        print(f"\nbest overall (not runnable: {'; '.join(r.best.not_runnable)}): "
+              f"{o.step_time:.3g} s per step, MFU {100 * o.mfu:.1f} %; the plan file holds "
+              f"the best layout train.py runs")
+    best = r.best_runnable.estimate
     print(f"\nbest: MFU {100 * best.mfu:.1f} %, {best.tflops_per_gpu:.1f} TFLOPS/GPU, "
           f"{best.tokens_per_s:,.0f} tokens/s, peak memory {best.peak_memory / 1e9:.1f} GB")
     print(f"  {zero_summary(best)}")
@@ -179,7 +184,7 @@ def _measure_top(args: argparse.Namespace, cfg, platform, out) -> None:  # noqa:
     from tuner.report import plan_toml
 
     r = out.result
-    got = measure_top(r.ranked, args.model, args.measure, Path(args.out) / "measured",
+    got = measure_top([c for c in r.ranked if c.runnable], args.model, args.measure, Path(args.out) / "measured",
                       steps=args.measure_steps, study=r.study)
     print(f"\nmeasured on this machine ({args.measure_steps} steps each, median after warm-up), "
           f"best measured first:")
@@ -262,6 +267,8 @@ def _measure(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from tuner.layout import PRECISION_POLICIES
+
     ap = argparse.ArgumentParser(prog="python -m tuner", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("plan", help="rank layouts for a model on a platform; write a plan file")
@@ -284,6 +291,9 @@ def _parser() -> argparse.ArgumentParser:
                         "optimizer state, 2 also sharded gradients (default 0,1,2)")
     p.add_argument("--zero-sharding", default="per-parameter", choices=("per-parameter", "flat"),
                    help="ZeRO's split: whole parameters per owner (train.py's) or even flat shards")
+    p.add_argument("--precision-policy", default="trainer", choices=PRECISION_POLICIES,
+                   help="bytes of training state and collectives: what train.py holds "
+                        "(default), the paper's 16 B/param, or Megatron-Core's")
     p.add_argument("--redundant", type=int, default=0, metavar="R",
                    help="redundant expert slots per EP rank and MoE layer (the trainer's "
                         "--balance.redundant; fixed, not searched; default 0)")

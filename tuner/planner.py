@@ -22,6 +22,7 @@ from tuner.layout import (
     Assumptions,
     PrecisionPolicy,
     check_zero_levels,
+    precision_policy,
 )
 from tuner.platform import Platform
 from tuner.search import Evaluator, SearchResult, optuna_search
@@ -166,15 +167,26 @@ def _explain_redundant(cfg: ModelConfig, platform: Platform, req: PlanRequest,
             f"ZeRO-{q['zero']}, {_gb(fit[0])})")
 
 
+def _point(pt: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in pt.items())
+
+
 def _gb(nbytes: float) -> str:
     """Bytes as GB with three significant digits (planning spans MB-sized toys to TB)."""
     return f"{nbytes / 1e9:.3g} GB"
 
 
 def run_plan(cfg: ModelConfig, platform: Platform, req: PlanRequest, out_dir: Path | None,
-             precision: PrecisionPolicy = PUBLISHED_PRECISION,
+             precision: PrecisionPolicy | None = None,
              assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> PlanOutput:
-    """Search the layouts of `req`; write plan, sbatch script and plot under `out_dir`."""
+    """Search the layouts of `req`; write plan, sbatch script and plot under `out_dir`.
+
+    `precision`: None (default) = what train.py holds and sends on the platform's backend
+    (`tuner.layout.precision_policy("trainer", backend)`). The plan file is the fastest
+    layout train.py runs (`SearchResult.best_runnable`); a faster one it cannot run yet stays
+    in the ranking (`SearchResult.best`), and the command line reports both."""
+    if precision is None:
+        precision = precision_policy("trainer", platform.backend)
     from tuner.report import launch_lines, plan_toml, plot_frontier, sbatch_script
 
     try:
@@ -204,12 +216,18 @@ def run_plan(cfg: ModelConfig, platform: Platform, req: PlanRequest, out_dir: Pa
                            enqueue=[lean[1]])
     if result.best is None:
         raise PlanError(_explain_no_fit(cfg, platform, req, precision, assumptions))
+    if result.best_runnable is None:
+        b = result.best
+        raise PlanError(
+            f"no layout train.py runs fits among the {len(result.ranked)} feasible ones found; "
+            f"the best ({_point(b.point)}: {b.step_time:.3g} s per step) needs what the trainer "
+            f"lacks: {'; '.join(b.not_runnable)}")
     out = PlanOutput(result, space)
     if out_dir is None:
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{cfg.name}-{platform.name}-{req.n_gpus}"
-    best = result.best.estimate
+    best = result.best_runnable.estimate  # never a layout train.py cannot run
     assert best is not None
     request = {"model": cfg.name, "platform": platform.name, "gpus": req.n_gpus,
                "seq_len": req.seq_len, "global_batch": req.global_batch, "trials": result.trials}

@@ -13,8 +13,10 @@ bound, `trials` all proposals including rejected and repeated ones.
 Pruning (`Evaluator(prune=True)`, branch and bound): once a feasible point has been
 evaluated, a new memory-feasible point first gets `tuner.estimate.step_time_lower_bound`
 (compute, all-to-all bandwidth term, bubble and optimizer; no latencies, P2P or DP sync);
-when that bound is already >= the best step time found, the point cannot win and its full
-evaluation is skipped. The ranking is unchanged at its top: a pruned point is slower than
+when that bound is already >= the best step time found among layouts train.py runs, the point
+cannot win and its full evaluation is skipped (a layout train.py cannot run yet is evaluated
+and ranked all the same, `Candidate.not_runnable` saying what is missing; `SearchResult.best`
+is the fastest overall, `best_runnable` the one to launch). The ranking is unchanged at its top: a pruned point is slower than
 the incumbent. Only for the closed-form all-to-all model, where the bound is proven.
 """
 
@@ -29,7 +31,7 @@ import optuna
 
 from model import ModelConfig
 from tuner.estimate import Estimate, estimate, stage_memory, step_time_lower_bound
-from tuner.layout import PUBLISHED_PRECISION, Assumptions, PrecisionPolicy
+from tuner.layout import PUBLISHED_PRECISION, Assumptions, PrecisionPolicy, not_runnable
 from tuner.platform import Platform
 from tuner.space import Point, SearchSpace
 
@@ -45,10 +47,15 @@ class Candidate:
     peak_memory: float | None = None
     estimate: Estimate | None = None
     lower_bound: float | None = None  # step-time lower bound, when the point was pruned
+    not_runnable: list[str] = field(default_factory=list)  # what train.py lacks to run it
 
     @property
     def step_time(self) -> float:
         return self.estimate.step_time if self.estimate else math.inf
+
+    @property
+    def runnable(self) -> bool:
+        return not self.not_runnable
 
 
 @dataclass
@@ -64,7 +71,7 @@ class Evaluator:
     memory_checks: int = 0
     prune: bool = False
     bound_checks: int = 0
-    incumbent: float = math.inf  # best full step time evaluated so far
+    incumbent: float = math.inf  # best full step time of a runnable layout evaluated so far
     cache: dict[tuple, Candidate] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -103,7 +110,9 @@ class Evaluator:
                         return c
                 c.estimate = estimate(self.cfg, plan, self.platform, self.precision, self.assumptions)
                 self.evaluations += 1
-                self.incumbent = min(self.incumbent, c.estimate.step_time)
+                c.not_runnable = not_runnable(plan)
+                if c.runnable:  # pruning against the runnable best keeps it and the overall one
+                    self.incumbent = min(self.incumbent, c.estimate.step_time)
         self.cache[key] = c
         return c
 
@@ -123,7 +132,13 @@ class SearchResult:
 
     @property
     def best(self) -> Candidate | None:
+        """The fastest feasible layout, whether train.py runs it or not."""
         return self.ranked[0] if self.ranked else None
+
+    @property
+    def best_runnable(self) -> Candidate | None:
+        """The fastest feasible layout train.py runs: the plan to launch."""
+        return next((c for c in self.ranked if c.runnable), None)
 
 
 def _result(ev: Evaluator, cands: list[Candidate], trials: int, name: str = "") -> SearchResult:
@@ -247,6 +262,7 @@ def optuna_search(ev: Evaluator, n_trials: int, seed: int = 0, storage: str | No
         trial.set_user_attr("prediction", {
             "peak_memory_gb": e.peak_memory / 1e9, "mfu": e.mfu,
             "tflops_per_gpu": e.tflops_per_gpu, **{f"{k}_s": float(v) for k, v in e.time.items()},
+            **({"not_runnable_because": c.not_runnable} if c.not_runnable else {}),
         })
         return e.step_time
 
