@@ -18,8 +18,10 @@ from torch import nn
 from trainer.config import parse_args
 from trainer.layout import (
     ALLTOALL_ALGORITHMS,
+    EP_PLACEMENTS,
     GROUP_KINDS,
     RECOMPUTE,
+    SCHEDULES,
     ZERO_LEVELS,
     Layout,
     LayoutError,
@@ -290,6 +292,20 @@ def test_not_runnable_says_what_is_missing():
         not_runnable_because(Layout(1), recompute="some")
     assert RECOMPUTE == ("none", "selective", "full") and 3 in ZERO_LEVELS
     assert "dedup" in ALLTOALL_ALGORITHMS
+
+
+def test_the_planner_searches_the_vocabularies():
+    """The search space's choices are words of the layout model's vocabularies."""
+    from model import presets
+    from tuner import load_platform
+    from tuner.space import SearchSpace
+
+    sp = SearchSpace.default(presets.get("tiny"), load_platform("local"), 4, 16, 64)
+    assert {c.partition(":")[0] for c in sp.choices["schedule"]} == set(SCHEDULES)
+    assert set(sp.choices["alltoall"]) <= set(ALLTOALL_ALGORITHMS)
+    assert set(sp.choices["zero"]) <= set(ZERO_LEVELS)
+    assert set(sp.choices["checkpointing"]) == set(RECOMPUTE)
+    assert set(sp.choices["placement"]) == set(EP_PLACEMENTS)
 
 
 # ---- plan files carry the split -----------------------------------------------------------------

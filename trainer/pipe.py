@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,14 +61,14 @@ class Stage(nn.Module):
     difference from one process is one bf16 rounding per boundary. The last stage's logits
     are fp32 for the loss."""
 
-    def __init__(self, model: nn.Module, lo: int, hi: int, first: bool, last: bool,
+    def __init__(self, model: Any, lo: int, hi: int, first: bool, last: bool,
                  autocast: bool = False) -> None:
         super().__init__()
         self.lo, self.hi, self.first, self.last, self.autocast = lo, hi, first, last, autocast
-        self.embed = model.embed if first else None
+        self.embed: nn.Module | None = model.embed if first else None
         self.blocks = nn.ModuleList(model.layers[i] for i in range(lo, hi))
-        self.norm = model.norm if last else None
-        self.lm_head = model.lm_head if last else None
+        self.norm: nn.Module | None = model.norm if last else None
+        self.lm_head: nn.Module | None = model.lm_head if last else None
         # --data.doc_mask: the DocLayout of each coming forward, in micro-batch order (every
         # schedule runs a stage's forwards in micro-batch order; the trainer fills it per step)
         self.docs: collections.deque = collections.deque()
@@ -77,25 +78,27 @@ class Stage(nn.Module):
         """dtype of the activations and gradients this stage exchanges with its neighbours."""
         return torch.bfloat16 if self.autocast else torch.float32
 
-    def moe_layers(self) -> list[nn.Module]:
+    def moe_layers(self) -> list[Any]:
+        """The stage's `model.MoELayer`s, in layer order."""
         return [b.ffn for b in self.blocks if getattr(b, "is_moe", False)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = torch.autocast(x.device.type, dtype=torch.bfloat16) if self.autocast \
             else contextlib.nullcontext()
         with ctx:
-            h = self.embed(x) if self.first else x.float()
+            h = self.embed(x) if self.embed is not None else x.float()  # embed iff first
             doc = self.docs.popleft() if self.docs else None
             for b in self.blocks:
                 h = b(h, doc)
-            if self.last:
+            if self.lm_head is not None and self.norm is not None:  # the last stage
                 return self.lm_head(self.norm(h)).float()
             return h.to(self.boundary_dtype)
 
 
-def build_stages(model: nn.Module, pp: int, pp_idx: int, n_virtual: int, bounds: list[int],
+def build_stages(model: Any, pp: int, pp_idx: int, n_virtual: int, bounds: list[int],
                  autocast: bool = False) -> dict[int, Stage]:
-    """Keep this rank's stages; strip every other layer and the unused embedding / head."""
+    """Keep this rank's stages; strip every other layer and the unused embedding / head.
+    `model`: a `MoETransformer` (or any module with its `layers`, `embed`, `norm`, `lm_head`)."""
     S = pp * n_virtual
     mine = [s for s in range(S) if stage_rank(s, pp) == pp_idx]
     stages = {s: Stage(model, bounds[s], bounds[s + 1], s == 0, s == S - 1, autocast) for s in mine}
@@ -120,7 +123,10 @@ def moe_aux(stage: int, module: Stage, output: torch.Tensor) -> torch.Tensor | N
     layers = module.moe_layers()
     if not layers:
         return None
-    return sum(layer.last_aux_loss for layer in layers)
+    total = layers[0].last_aux_loss  # summed in layer order, as sum() did
+    for layer in layers[1:]:
+        total = total + layer.last_aux_loss
+    return total
 
 
 @torch.no_grad()
@@ -139,5 +145,6 @@ def pp_eval_forward(stages: dict[int, Stage], pp: int, n_stages: int, pp_ranks: 
             if s < n_stages - 1 and stage_rank(s + 1, pp) != r:
                 dist.send(x.contiguous(), dst=pp_ranks[stage_rank(s + 1, pp)])
     if n_stages - 1 in stages:
+        assert x is not None and targets is not None, "the last stage has the targets"
         return float(ce_loss(x, targets))
     return None

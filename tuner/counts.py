@@ -54,12 +54,18 @@ __all__ = [
 PARTS = ("attention", "norms", "router", "shared_experts", "dense_ffn", "experts")
 
 
+def _head_dim(cfg: ModelConfig) -> int:
+    """GQA head width (ModelConfig.__post_init__ fills it in from d_model // n_heads)."""
+    assert cfg.head_dim is not None, cfg
+    return int(cfg.head_dim)
+
+
 def attention_matmul_params(cfg: ModelConfig) -> int:
     """Weights of the attention projections (no biases, no latent/qk norms): what multiplies
     activations, hence what costs 2 FLOPs per token in the forward."""
     D, H = cfg.d_model, cfg.n_heads
     if cfg.attention == "gqa":
-        hd, G = int(cfg.head_dim), cfg.n_kv_heads
+        hd, G = _head_dim(cfg), cfg.n_kv_heads
         return D * H * hd + 2 * D * G * hd + H * hd * D
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     q = D * H * qk if cfg.q_lora_rank is None else D * cfg.q_lora_rank + cfg.q_lora_rank * H * qk
@@ -71,7 +77,7 @@ def attention_matmul_params(cfg: ModelConfig) -> int:
 def _attention_act_elems(cfg: ModelConfig, seq_len: int, store_scores: bool) -> float:
     D, H = cfg.d_model, cfg.n_heads
     if cfg.attention == "gqa":
-        hd, G = int(cfg.head_dim), cfg.n_kv_heads
+        hd, G = _head_dim(cfg), cfg.n_kv_heads
         widths = H * hd + 2 * G * hd + H * hd
     else:
         qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -122,7 +128,7 @@ def trainer_act_supported(cfg: ModelConfig) -> bool:
 def _trainer_act(cfg: ModelConfig, moe: bool) -> dict[str, float]:
     """Elements per token of one layer that the eager fp32 trainer saves (module docstring);
     only for `trainer_act_supported` configs."""
-    D, H, G, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, int(cfg.head_dim)
+    D, H, G, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, _head_dim(cfg)
     out = {"attention": float(3 * D + 1 + 2 * H * hd + 2 * G * hd + H)}
     if moe:
         E, k, F = cfg.n_routed_experts, cfg.top_k, cfg.moe_ffn_dim
