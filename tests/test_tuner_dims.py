@@ -13,8 +13,9 @@ import pytest
 from model import ModelConfig, presets
 from tuner import Assumptions, ParallelPlan, Platform, estimate, stage_memory
 from tuner.comms import alltoall_time, dedup_factor, expected_distinct_nodes, placement
+from tuner.costs import layer_parts as _layer_parts
 from tuner.counts import layer_counts
-from tuner.estimate import _layer_parts, step_time_lower_bound
+from tuner.estimate import step_time_lower_bound
 from tuner.layout import MEGATRON_PRECISION, PUBLISHED_PRECISION, fold_degrees
 
 PF = Platform(

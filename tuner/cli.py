@@ -53,6 +53,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from tuner.search import Candidate
 
 __all__ = ["main"]
 
@@ -139,6 +143,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"\nbest overall (not runnable: {'; '.join(r.best.not_runnable)}): "
               f"{o.step_time:.3g} s per step, MFU {100 * o.mfu:.1f} %; the plan file holds "
               f"the best layout train.py runs")
+    assert r.best_runnable is not None and r.best_runnable.estimate is not None  # run_plan's
     best = r.best_runnable.estimate
     print(f"\nbest: MFU {100 * best.mfu:.1f} %, {best.tflops_per_gpu:.1f} TFLOPS/GPU, "
           f"{best.tokens_per_s:,.0f} tokens/s, peak memory {best.peak_memory / 1e9:.1f} GB")
@@ -190,7 +195,9 @@ def _measure_top(args: argparse.Namespace, cfg, platform, out) -> None:  # noqa:
           f"best measured first:")
     print(f"{'#':>2} {'pred #':>6} {'pp':>2} {'ep':>2} {'dp':>2} {'M':>2} {'z':>1} {'schedule':>18} "
           f"{'step pred s':>11} {'measured s':>10} {'error':>7} {'mem pred MB':>11} {'measured MB':>11}")
-    for i, (c, m) in enumerate(got):
+    for i, (cand, m) in enumerate(got):
+        c = cast("Candidate", cand)
+        assert c.estimate is not None  # measure_top runs evaluated candidates only
         e, p = c.estimate, c.estimate.plan
         sched = p.schedule + (f":{p.n_virtual}" if p.n_virtual > 1 else "")
         mem = max(s.state for s in e.stages) + max(s.activations for s in e.stages)
@@ -199,7 +206,8 @@ def _measure_top(args: argparse.Namespace, cfg, platform, out) -> None:  # noqa:
               f"{sched:>18} {e.step_time:>11.3f} {m.step_time_s:>10.3f} "
               f"{100 * (e.step_time / m.step_time_s - 1):>+6.1f}% {mem / 1e6:>11.1f} "
               f"{m.memory_bytes / 1e6:>11.1f}")
-    best, m = got[0]
+    best, m = cast("Candidate", got[0][0]), got[0][1]
+    assert best.estimate is not None
     request = {"model": cfg.name, "platform": platform.name, "gpus": args.gpus,
                "seq_len": args.seq, "global_batch": args.global_batch, "trials": r.trials,
                "measured_step_time_s": round(m.step_time_s, 4),

@@ -13,7 +13,13 @@ Memory of pipeline rank r (bytes):
                    ZeRO-2  also gradients / group, when they are held sharded while
                            micro-batches are in flight: M = 1, or a reduce-scatter after every
                            micro-batch (`Assumptions.zero2_grad_sync`)
-                 weights stay whole on every rank (ZeRO-3 is not modelled).
+                   ZeRO-3  weights too, as flat shards (FSDP's), plus the gathered weights
+                           of the largest layer held by this rank once computing and
+                           `Assumptions.zero3_prefetch` more times arriving, and that layer's
+                           whole gradient until its reduce-scatter
+                 TP (with sequence parallel) splits the dense-side weights (attention,
+                 shared experts, dense FFN, embedding, lm_head) tp ways, ETP the routed
+                 experts etp ways; norms and router stay whole.
                  Redundant expert slots (`ParallelPlan.redundant` = r, the trainer's
                  `--balance.redundant`): every EP rank holds r more expert slots per MoE layer
                  (part "redundant_experts": r x one expert's parameters per MoE layer), each
@@ -22,7 +28,12 @@ Memory of pipeline rank r (bytes):
     activations  peak_inflight(schedule)[r] x the largest per-micro-batch activation of one of
                  its chunks (see `tuner.counts`), + one layer's working set when recomputing,
                  + the last stage's logits (bf16 and fp32 for the loss) for one micro-batch
-    buffers      all-to-all send/receive rows, P2P send/receive, one DDP gradient bucket
+                 With TP + SP and CP the tokens of a micro-batch are split over the whole
+                 stage (b s / (M x stage ranks) per rank), so every activation is per rank
+                 what those tokens keep; ETP holds each routed D-wide row etp times.
+    buffers      all-to-all send/receive rows (x etp), P2P send/receive, the sequence-parallel
+                 all-gather output (TP), the ring attention K/V blocks (CP), one gradient
+                 bucket
 Under the published assumptions (MHA, no embeddings/norms/router/shared/dense, 16 B/param,
 1F1B, attention replicated over EP, scores stored) the state + activations of stage i equal
 docs/reference.md 1.1's M(i); tests/test_tuner_estimate.py checks it.
@@ -53,6 +64,29 @@ Step time (seconds), for the busiest rank:
                   activations are freed: not added to the peak
     + optimizer update (memory bound: 2 x the state bytes of the parameters this rank
       updates / HBM; with ZeRO only its shard)
+    + the other dimensions, per layer and micro-batch (`layer_collectives`), on the links
+      of their groups (`groups`: TP innermost, then CP, as trainer.layout places them):
+        TP + SP   per TP region (attention; the dense branch: shared experts or dense FFN)
+                  an all-gather and a reduce-scatter of the TP group's rows (t tp D) per pass
+                  (forward, backward, recompute), exposed
+        CP        ring attention: cp - 1 steps of the rank's K/V (t x K/V width) per forward,
+                  twice that in the backward (K/V and their gradients); exposed beyond the
+                  attention core of the same pass
+        ETP       per MoE pass an all-gather of the routed rows to the etp ranks of each
+                  expert and a reduce-scatter of its outputs
+        ZeRO-3    per layer an all-gather of its weights in the forward and the backward and
+                  a reduce-scatter of its gradients (every micro-batch: gradients stay
+                  sharded), prefetched: exposed beyond the layer's compute of that pass; no
+                  step-end sync
+      and the all-to-all by `ParallelPlan.alltoall` (flat, halo, dedup: one copy per
+      remote node, auto: the cheapest the trainer's auto picks among; `tuner.comms`) and
+      `a2a_overlap` (none; layer: chunked, hidden behind the shared/dense branch and the
+      other chunks' expert GEMMs; fb: a forward and a backward micro-batch hide each other's
+      exchange in the pipeline's steady state; `a2a_exposed`)
+    FP8 GEMMs (`precision="fp8"`): projections and FFNs at the FP8 peak (`gemm_peak`);
+    the attention core, router and lm_head stay bf16; MFU stays against the bf16 peak.
+Bytes on the wire per element come from the precision policy (`PrecisionPolicy`:
+grad_comm_bytes, param_comm_bytes, dispatch_bytes, combine_bytes, p2p_bytes).
 MFU = model.flops_per_token(s) x tokens per step / (step time x GPUs x peak).
 """
 
@@ -68,11 +102,22 @@ from tuner.comms import (
     GroupPlacement,
     allreduce_time,
     alltoall_time,
-    auto_choices,
     dedup_factor,
-    netsim_alltoall_time,
     p2p_time,
-    placement,
+)
+from tuner.costs import (
+    a2a_exposed,
+    a2a_one,
+    all_gather_time,
+    gemm_peak,
+    head_fwd,
+    kv_width,
+    layer_collectives,
+    layer_fwd,
+    layer_parts,
+    place_groups,
+    recompute_time,
+    reduce_scatter_time,
 )
 from tuner.counts import LayerCounts, chunk_layers, head_params, layer_counts
 from tuner.layout import (
@@ -83,6 +128,8 @@ from tuner.layout import (
     PrecisionPolicy,
 )
 from tuner.platform import Platform
+
+_groups = place_groups  # the groups priced (tuner.costs); tests/test_layout.py reads them
 
 __all__ = ["Estimate", "StageMemory", "estimate", "stage_memory", "schedule_stats",
            "step_time_lower_bound", "reduce_scatter_time", "all_gather_time"]
@@ -294,8 +341,8 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
         params: dict[str, float] = {}
         layers = [i for c in chunks for i in c]
         for i in layers:
-            for p, n in kinds[cfg.is_moe_layer(i)].params.items():
-                params[p] = params.get(p, 0) + n / _tp_divisor(p, plan)
+            for p, k in kinds[cfg.is_moe_layer(i)].params.items():
+                params[p] = params.get(p, 0) + k / _tp_divisor(p, plan)
             if plan.redundant and cfg.is_moe_layer(i):
                 params["redundant_experts"] = (params.get("redundant_experts", 0)
                                                + plan.redundant * cfg.expert_params() / plan.etp)
@@ -318,7 +365,8 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                     per["experts"] += (plan.etp - 1) * cfg.top_k * D * t_exp * pb.activation_bytes
                 if aset == "trainer" and plan.checkpointing != "full":
                     # rotary cos/sin tables [s, hd], saved once per layer and micro-batch
-                    per["rope"] = per.get("rope", 0.0) + 2 * plan.seq_len * cfg.head_dim * pb.activation_bytes
+                    per["rope"] = (per.get("rope", 0.0)
+                                   + 2 * plan.seq_len * cfg.qk_head_dim * pb.activation_bytes)
             if sum(per.values()) > best:
                 best, act = sum(per.values()), per
         act = {p: v * inflight[r] for p, v in act.items()}
@@ -345,7 +393,7 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
         if plan.tp > 1:  # the sequence-parallel all-gather's output, one region at a time
             buffers += t_attn * plan.tp * D * pb.activation_bytes
         if plan.cp > 1:  # ring attention: the K/V block in flight and the one computing
-            buffers += 2 * t_attn * _kv_width(cfg) * pb.activation_bytes
+            buffers += 2 * t_attn * kv_width(cfg) * pb.activation_bytes
         g_rep, g_exp = plan.replica_groups(assumptions.attention)
         if g_rep > 1 or g_exp > 1:
             buffers += assumptions.grad_bucket_bytes
@@ -436,7 +484,8 @@ def _per_parameter_shares(key: str, layers: tuple[int, ...], first: bool, last: 
     """`slots`: the share of a layer's E experts one EP rank holds, (E / EP + r) / E: its
     expert tensors (w1, w2, w3 of `GroupedExperts`) have that many rows."""
     where = {str(i) for i in layers} | ({"first"} if first else set()) | ({"last"} if last else set())
-    rep, exp = [], []
+    rep: list[float] = []
+    exp: list[float] = []
     for w, is_exp, n in _TENSORS[key]:
         if w in where:
             (exp if is_exp else rep).append(n * slots if is_exp else n)
@@ -455,19 +504,6 @@ def _shares(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions, layers: tupl
     return _per_parameter_shares(repr(cfg), layers, first, last, slots, g_rep, g_exp)
 
 
-def reduce_scatter_time(nbytes: float, group: GroupPlacement, platform: Platform) -> float:
-    """Ring reduce-scatter of `nbytes` per rank (each ends with its reduced 1/n): the first
-    half of the ring all-reduce (`tuner.comms.allreduce_time`), (n-1)/n of the data over the
-    slowest link and n-1 latency steps."""
-    return allreduce_time(nbytes, group, platform) / 2
-
-
-def all_gather_time(nbytes: float, group: GroupPlacement, platform: Platform) -> float:
-    """Ring all-gather that leaves `nbytes` on every rank from shards of 1/n: the second half
-    of the ring all-reduce."""
-    return allreduce_time(nbytes, group, platform) / 2
-
-
 def _dp_sync(sm: StageMemory, plan: ParallelPlan, groups: dict[str, GroupPlacement],
              platform: Platform, precision: PrecisionPolicy, asm: Assumptions) -> dict[str, float]:
     """Seconds of each gradient-sync collective of one pipeline rank (module docstring)."""
@@ -478,7 +514,7 @@ def _dp_sync(sm: StageMemory, plan: ParallelPlan, groups: dict[str, GroupPlaceme
     out = {}
     if plan.redundant:
         out["replica_sum"] = _replica_sum_time(sm, plan, groups["ep"], platform, gb, asm)
-    if plan.zero == 3:  # reduce-scattered per layer and micro-batch (`_layer_collectives`)
+    if plan.zero == 3:  # reduce-scattered per layer and micro-batch (`layer_collectives`)
         return out
     return {**_dp_collectives(plan, pairs, platform, gb, wb, asm), **out}
 
@@ -513,69 +549,6 @@ def _dp_collectives(plan: ParallelPlan, pairs: tuple, platform: Platform, gb: in
     return {"reduce_scatter": rs, "all_gather": ag}
 
 
-def _gemm_peak(pf: Platform, plan: ParallelPlan, asm: Assumptions) -> float:
-    """FLOP/s peak of the transformer-block GEMMs at the plan's GEMM precision: the bf16
-    `peak_flops`, or for fp8 the platform's `fp8_peak_flops` when its file states one, else
-    `Assumptions.fp8_peak_factor` x the bf16 peak; without either fp8 is refused."""
-    if plan.precision == "bf16":
-        return pf.peak_flops
-    rate = float(getattr(pf, "fp8_peak_flops", 0.0) or 0.0)
-    if rate > 0:
-        return rate
-    if asm.fp8_peak_factor:
-        return pf.peak_flops * asm.fp8_peak_factor
-    raise ValueError(
-        f"precision='fp8': platform {pf.name!r} states no FP8 GEMM rate; give one "
-        f"(Assumptions.fp8_peak_factor, `--fp8-peak-factor`, e.g. 2.0 for H100/H200: dense "
-        f"FP8 1979 vs bf16 989 TFLOPS) or use precision='bf16'")
-
-
-def _layer_parts(lc: LayerCounts, t_attn: float, t_exp: float, pf: Platform, cfg: ModelConfig,
-                 plan: ParallelPlan, asm: Assumptions) -> dict[str, float]:
-    """Forward seconds of one layer for one micro-batch on one rank, by part: "gemm" (the
-    attention projections), "attn_core" (scores and values), "router", "experts" (the grouped
-    GEMMs), "dense" (shared experts and dense FFN). TP with sequence parallel runs the TP
-    group's t_attn x tp tokens through 1/tp of every dense weight (width D / tp), ETP each
-    expert's rows through 1/etp of its F; FP8 runs the projections and FFNs at its peak
-    (scores, values and router stay bf16)."""
-    D, tp = cfg.d_model, plan.tp
-    peak, fast = pf.peak_flops, _gemm_peak(pf, plan, asm)
-    gemm_eff = pf.matmul_eff(t_attn * tp, D / tp, D)
-    out = {"gemm": lc.fwd_flops.get("attention", 0.0) * t_attn / (fast * gemm_eff),
-           "router": lc.fwd_flops.get("router", 0.0) * t_attn / (peak * gemm_eff),
-           "attn_core": lc.fwd_flops["attn_core"] * t_attn / (
-               peak * pf.attention_eff(plan.seq_len, int(cfg.qk_head_dim), False))}
-    E = max(cfg.n_routed_experts, 1)
-    rows = cfg.top_k * t_exp * plan.etp * plan.ep / E  # rows each local expert multiplies
-    grouped = pf.grouped_eff(rows, cfg.moe_ffn_dim / plan.etp, D)
-    out["experts"] = lc.fwd_flops.get("experts", 0.0) * t_exp / (fast * grouped)
-    out["dense"] = (lc.fwd_flops.get("shared_experts", 0.0)
-                    + lc.fwd_flops.get("dense_ffn", 0.0)) * t_attn / (fast * gemm_eff)
-    return out
-
-
-def _layer_fwd(lc: LayerCounts, t_attn: float, t_exp: float, pf: Platform, cfg: ModelConfig,
-               plan: ParallelPlan, asm: Assumptions) -> tuple[float, float]:
-    """(forward seconds, of which FFN seconds) of one layer for one micro-batch."""
-    parts = _layer_parts(lc, t_attn, t_exp, pf, cfg, plan, asm)
-    return sum(parts.values()), parts["experts"] + parts["dense"]
-
-
-def _head_fwd(cfg: ModelConfig, plan: ParallelPlan, pf: Platform, t_attn: float) -> float:
-    """Forward seconds of the lm_head for one micro-batch (vocab-parallel under TP), bf16."""
-    D, V = cfg.d_model, cfg.vocab_size
-    eff = pf.matmul_eff(t_attn * plan.tp, V / plan.tp, D)
-    return 2.0 * V * D * t_attn / (pf.peak_flops * eff)
-
-
-def _recompute(plan: ParallelPlan, fwd: float, ffn: float) -> float:
-    """Backward-time recompute of one layer: all of its forward ("full") or the FFN's gate
-    and up projections, not the down projection ("selective")."""
-    if plan.checkpointing == "full":
-        return fwd
-    return ffn * 2 / 3 if plan.checkpointing == "selective" else 0.0
-
-
 def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                           precision: PrecisionPolicy = PUBLISHED_PRECISION,
                           assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
@@ -597,7 +570,7 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
     t_attn = plan.attention_tokens(asm.attention)
     t_exp = plan.expert_tokens * asm.routing_imbalance
     bubble, _ = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
-    g = _groups(plan, pf.gpus_per_node, asm.attention)[0]["ep"]
+    g = place_groups(plan, pf.gpus_per_node, asm.attention)[0]["ep"]
     rows = cfg_.top_k * t_exp * cfg_.d_model / g.size
     share = rows * (precision.dispatch_bytes + precision.combine_bytes)  # one pass
     f = 1.0
@@ -615,136 +588,16 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
             fwd = rec = 0.0
             for i in c:
                 lc = kinds[cfg_.is_moe_layer(i)]
-                fl, ffn = _layer_fwd(lc, t_attn, t_exp, pf, cfg_, plan, asm)
+                fl, ffn = layer_fwd(lc, t_attn, t_exp, pf, cfg_, plan, asm)
                 fwd += fl
-                rec += _recompute(plan, fl, ffn)
+                rec += recompute_time(plan, fl, ffn)
                 busy += a2a_lb if lc.is_moe else 0.0
             if s_local * plan.pp + r == plan.pp * plan.n_virtual - 1:
-                fwd += _head_fwd(cfg_, plan, pf, t_attn)
+                fwd += head_fwd(cfg_, plan, pf, t_attn)
             busy += 3 * fwd + rec + len(c) * pf.layer_overhead
         busiest = max(busiest, busy * plan.microbatches)
     upd = max(st.update_bytes for st in stages or stage_memory(cfg_, plan, pf, precision, asm))
     return busiest / (1.0 - bubble) + 2 * upd / pf.hbm_bandwidth
-
-
-def _groups(plan: ParallelPlan, gpn: int, attention: str) -> tuple[dict[str, GroupPlacement], bool]:
-    """Where each group sits (`tuner.comms.placement`, by rank stride; the order of
-    `trainer.layout`: the expert side (pp, edp, ep, etp) and the dense side (pp, dp, cp, tp)
-    over the same consecutive ranks, the last dimension fastest): the EP group, "rep" (the
-    ranks replicated non-expert gradients are reduced over), "dp" (expert gradients), "tp",
-    "cp", "etp"; and whether some pipeline hop crosses nodes. With tp = cp = etp = 1 these
-    are the trainer's PP x DP x EP groups."""
-    pp, dp, ep, etp, tp, cp = plan.pp, plan.dp, plan.ep, plan.etp, plan.tp, plan.cp
-    rep_size = plan.attn_dp * cp if attention == "sharded" else dp
-    stage = plan.stage_size
-    g = {"tp": placement(tp, 1, gpn), "cp": placement(cp, tp, gpn),
-         "etp": placement(etp, 1, gpn)}
-    if plan.ep_placement == "local":
-        g |= {"ep": placement(ep, etp, gpn), "dp": placement(dp, ep * etp, gpn),
-              "rep": placement(rep_size, tp if attention == "sharded" else ep, gpn)}
-    else:
-        stage_per_node = min(dp * etp, gpn) if pp > 1 else min(stage, gpn)
-        per_rep = max(1, stage_per_node // tp)
-        g |= {"ep": placement(ep, pp * dp * etp, gpn), "dp": placement(dp, etp, gpn),
-              "rep": GroupPlacement(rep_size, min(rep_size, per_rep))}
-    # A pipeline whose stages do not all fit in one node crosses nodes somewhere.
-    span = pp * (stage if plan.ep_placement == "local" else dp * etp)
-    return g, span > gpn
-
-
-def _kv_width(cfg: ModelConfig) -> int:
-    """Elements per token of the K and V that ring attention passes between CP ranks."""
-    if cfg.attention == "gqa":
-        return 2 * cfg.n_kv_heads * int(cfg.head_dim)
-    return cfg.n_heads * (int(cfg.qk_head_dim) + int(cfg.attn_v_head_dim))
-
-
-def _a2a_one(nbytes: float, groups: dict[str, GroupPlacement], plan: ParallelPlan,
-             cfg: ModelConfig, pf: Platform, asm: Assumptions) -> float:
-    """One all-to-all of `nbytes` per rank in the EP group, by the plan's algorithm."""
-    g = groups["ep"]
-    if asm.alltoall_model == "netsim" and plan.alltoall in ("flat", "halo", "auto"):
-        algs = auto_choices() if plan.alltoall == "auto" else (plan.alltoall,)
-        return min(netsim_alltoall_time(nbytes, g, a, pf)
-                   / (asm.vendor_alltoall_efficiency if a == "flat" else 1.0) for a in algs)
-    return alltoall_time(nbytes, g, plan.alltoall, pf, asm.vendor_alltoall_efficiency,
-                         cfg.top_k, cfg.n_routed_experts)
-
-
-def _a2a_exposed(plan: ParallelPlan, parts: dict[str, float], rec: float, ab: tuple[float, float],
-                 a2a: functools.partial, chunks: int = 0) -> tuple[float, float]:
-    """(exposed, total) all-to-all seconds of one MoE layer for one micro-batch.
-
-    ab: (dispatch, combine) bytes per rank of one pass. A pass (forward; backward: the
-    gradients; the recompute of "full") moves both once: A = t(dispatch) + t(combine).
-        none   every pass exposed: (2 + full) A
-        layer  c chunks (issue 26: chunk i+1's dispatch, chunk i's expert GEMMs, chunk i-1's
-               combine in flight together; shared experts and the dense branch run during the
-               dispatch): A_c = c (t(dispatch / c) + t(combine / c)) (each chunk pays the
-               latencies again) against X = dense + experts (c - 1) / c of that pass's
-               compute (x2 in the backward); exposed = max(0, A_c - X) per pass; c is
-               `Assumptions.a2a_chunks` or the best of 1, 2, 4, 8
-        fb     across micro-batches (combined 1F1B, DualPipe): in the steady state one
-               micro-batch's forward runs beside another's backward, their exchanges hidden
-               behind both computes: max(0, (2 + full) A - (3 f + rec)) per layer; the
-               warm-up and cool-down micro-batches (max(1, pp - 1) of M) stay exposed."""
-    full = plan.checkpointing == "full"
-    d, c_ = ab
-    A = a2a(d) + a2a(c_)
-    n_pass = 3 if full else 2
-    total = n_pass * A
-    if plan.a2a_overlap == "none":
-        return total, total
-    f = sum(parts.values())
-    if plan.a2a_overlap == "layer":
-        def exposed(c: int) -> float:
-            Ac = c * (a2a(d / c) + a2a(c_ / c))
-            X = parts["dense"] + parts["experts"] * (c - 1) / c
-            return max(0.0, Ac - X) * (n_pass - 1) + max(0.0, Ac - 2 * X)
-
-        return min(exposed(c) for c in ((chunks,) if chunks else (1, 2, 4, 8))), total
-    m = plan.microbatches
-    paired = max(0, m - max(1, plan.pp - 1)) / m
-    return paired * max(0.0, total - (3 * f + rec)) + (1 - paired) * total, total
-
-
-def _layer_collectives(lc: LayerCounts, parts: dict[str, float], rec: float, t_attn: float,
-                       t_exp: float, cfg: ModelConfig, plan: ParallelPlan, pf: Platform,
-                       pb: PrecisionPolicy, groups: dict[str, GroupPlacement],
-                       w_bytes: tuple[float, float]) -> dict[str, float]:
-    """Exposed seconds of one layer's TP, CP, ETP and ZeRO-3 collectives for one micro-batch
-    (module docstring, "Step time"); `w_bytes`: the layer's (non-expert, expert) weight
-    elements one rank holds unsharded."""
-    D, ab, full = cfg.d_model, pb.activation_bytes, plan.checkpointing == "full"
-    n_pass = 3 if full else 2  # forward, backward (+ the recomputed forward)
-    out = {"tp": 0.0, "cp": 0.0, "etp": 0.0, "zero3": 0.0}
-    if plan.tp > 1:
-        regions = 1 + (1 if lc.fwd_flops.get("dense_ffn") or lc.fwd_flops.get("shared_experts")
-                       else 0)
-        one = all_gather_time(t_attn * plan.tp * D * ab, groups["tp"], pf)
-        out["tp"] = regions * 2 * n_pass * one  # all-gather + reduce-scatter per pass
-    if plan.cp > 1:
-        g = groups["cp"]
-        step = p2p_time(t_attn * _kv_width(cfg) * ab, g.nodes > 1, pf)
-        ring = (plan.cp - 1) * step
-        core = parts["attn_core"]
-        out["cp"] = (max(0.0, ring - core) * (n_pass - 1)  # forward (+ recompute)
-                     + max(0.0, 2 * ring - 2 * core))  # backward: K/V again and their grads
-    if plan.etp > 1 and lc.is_moe:
-        rows = cfg.top_k * t_exp * plan.etp * D
-        one = (all_gather_time(rows * pb.dispatch_bytes, groups["etp"], pf)
-               + all_gather_time(rows * pb.combine_bytes, groups["etp"], pf))
-        out["etp"] = n_pass * one
-    if plan.zero == 3:
-        rep, exp = w_bytes
-        ag = (all_gather_time(rep * pb.param_comm_bytes, groups["rep"], pf)
-              + all_gather_time(exp * pb.param_comm_bytes, groups["dp"], pf))
-        rs = (reduce_scatter_time(rep * pb.grad_comm_bytes, groups["rep"], pf)
-              + reduce_scatter_time(exp * pb.grad_comm_bytes, groups["dp"], pf))
-        f = sum(parts.values())
-        # prefetched: each gather hides behind the previous layer's compute
-        out["zero3"] = max(0.0, ag - f) + max(0.0, ag + rs - 2 * f - rec)
-    return out
 
 
 def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platform,
@@ -758,11 +611,11 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     t_attn = plan.attention_tokens(asm.attention)
     t_exp = plan.expert_tokens * asm.routing_imbalance
     bubble, _ = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
-    groups, pp_inter = _groups(plan, pf.gpus_per_node, asm.attention)
-    _gemm_peak(pf, plan, asm)  # an fp8 plan on a platform without an fp8 rate: refused here
+    groups, pp_inter = place_groups(plan, pf.gpus_per_node, asm.attention)
+    gemm_peak(pf, plan, asm)  # an fp8 plan on a platform without an fp8 rate: refused here
     rows = cfg.top_k * t_exp * D
     ab_a2a = (rows * pb.dispatch_bytes, rows * pb.combine_bytes)
-    a2a = functools.partial(_a2a_one, groups=groups, plan=plan, cfg=cfg, pf=pf, asm=asm)
+    a2a = functools.partial(a2a_one, groups=groups, plan=plan, cfg=cfg, pf=pf, asm=asm)
     hop = p2p_time(t_attn * D * pb.p2p_bytes, pp_inter, pf) if plan.pp > 1 else 0.0
     w_layer = {moe: _layer_weights(kinds[moe], plan, cfg) for moe in kinds}
 
@@ -776,21 +629,21 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
             fwd = rec = 0.0
             for i in c:
                 lc = kinds[cfg.is_moe_layer(i)]
-                parts = _layer_parts(lc, t_attn, t_exp, pf, cfg, plan, asm)
+                parts = layer_parts(lc, t_attn, t_exp, pf, cfg, plan, asm)
                 f = sum(parts.values())
-                rc = _recompute(plan, f, parts["experts"] + parts["dense"])
+                rc = recompute_time(plan, f, parts["experts"] + parts["dense"])
                 fwd += f
                 rec += rc
                 if lc.is_moe:
-                    exp_, tot = _a2a_exposed(plan, parts, rc, ab_a2a, a2a, asm.a2a_chunks)
+                    exp_, tot = a2a_exposed(plan, parts, rc, ab_a2a, a2a, asm.a2a_chunks)
                     acc["alltoall"] += exp_ * (1 - asm.alltoall_overlap)
                     a2a_total += tot
-                for k, v in _layer_collectives(lc, parts, rc, t_attn, t_exp, cfg, plan, pf, pb,
+                for k, v in layer_collectives(lc, parts, rc, t_attn, t_exp, cfg, plan, pf, pb,
                                                groups, w_layer[lc.is_moe]).items():
                     acc[k] += v
             stage = s_local * plan.pp + r
             if stage == plan.pp * plan.n_virtual - 1:
-                fwd += _head_fwd(cfg, plan, pf, t_attn)
+                fwd += head_fwd(cfg, plan, pf, t_attn)
             acc["compute"] += 3 * fwd + rec + len(c) * pf.layer_overhead
             if asm.activation_traffic_passes:
                 act = sum(sum(_layer_act(kinds[cfg.is_moe_layer(i)], plan.checkpointing, t_attn,

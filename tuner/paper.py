@@ -163,9 +163,9 @@ def reproduce_paper(trials: int = 300, seed: int = 0, platform: str = "frontier"
         e = _plan(cfg, pf, n, trials, seed)
         got_tf.append(e.tflops_per_gpu if e else float("nan"))
         lay = _layout(e) if e else "no feasible layout"
-        got = f"{e.tflops_per_gpu:.1f} ({100 * e.mfu:.1f} %)" if e else "-"
+        shown = f"{e.tflops_per_gpu:.1f} ({100 * e.mfu:.1f} %)" if e else "-"
         out.append(f"| {E} | {n} | {cfg.num_params() / 1e9:.0f}B (published {params_b}B) | {pub} | "
-                   f"{lay} | {got} |")
+                   f"{lay} | {shown} |")
     out += ["", f"Weak-scaling efficiency 64 -> 1024 GCDs: published {WEAK[2][3] / WEAK[0][3]:.0%}, "
             f"predicted {got_tf[2] / got_tf[0]:.0%}.",
             "", "Gaps: heads, vocabulary and batch are assumptions; the published two-matrix experts "

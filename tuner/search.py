@@ -243,6 +243,7 @@ def optuna_search(ev: Evaluator, n_trials: int, seed: int = 0, storage: str | No
         cands.append(c)
         if c.estimate is None:
             if c.lower_bound is not None:  # feasible but pruned: no better than the incumbent
+                assert c.peak_memory is not None  # pruned points passed the memory check
                 trial.set_constraint("memory", c.peak_memory / ev.platform.usable_hbm - 1)
                 trial.set_user_attr("prediction", {"pruned": c.rejected,
                                                    "step_time_lower_bound_s": c.lower_bound})

@@ -86,7 +86,7 @@ def plan_of(req: EstimateRequest) -> ParallelPlan:
 def _megatron(cfg: ModelConfig, e: Estimate, pf: Platform) -> dict[str, float]:
     """Megatron-Core's model TFLOP/s per GPU and MFU, when tuner.flops provides the formula."""
     try:
-        from tuner.flops import megatron_flops_per_token  # type: ignore[import-not-found]
+        from tuner.flops import megatron_flops_per_token
     except ImportError:
         return {}
     p = e.plan

@@ -1,0 +1,225 @@
+"""Per-layer time terms of the analytic model: compute by part, and the collectives of TP,
+CP, ETP, ZeRO-3 and the MoE all-to-all with its overlap (`tuner.estimate`'s docstring says
+how they add up to a step). Pure functions over the model config, the plan and the platform.
+
+Legend: t tokens one rank holds per micro-batch (b s / (M x stage ranks)), D model width,
+F expert width, E routed experts, k top-k, c all-to-all chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from model import ModelConfig
+from tuner.comms import (
+    GroupPlacement,
+    allreduce_time,
+    alltoall_time,
+    auto_choices,
+    netsim_alltoall_time,
+    p2p_time,
+    placement,
+)
+from tuner.counts import LayerCounts
+from tuner.layout import Assumptions, ParallelPlan, PrecisionPolicy
+from tuner.platform import Platform
+
+__all__ = ["a2a_exposed", "a2a_one", "all_gather_time", "gemm_peak", "head_fwd", "place_groups",
+           "kv_width", "layer_collectives", "layer_fwd", "layer_parts", "recompute_time",
+           "reduce_scatter_time"]
+
+
+def reduce_scatter_time(nbytes: float, group: GroupPlacement, platform: Platform) -> float:
+    """Ring reduce-scatter of `nbytes` per rank (each ends with its reduced 1/n): the first
+    half of the ring all-reduce (`tuner.comms.allreduce_time`), (n-1)/n of the data over the
+    slowest link and n-1 latency steps."""
+    return allreduce_time(nbytes, group, platform) / 2
+
+
+def all_gather_time(nbytes: float, group: GroupPlacement, platform: Platform) -> float:
+    """Ring all-gather that leaves `nbytes` on every rank from shards of 1/n: the second half
+    of the ring all-reduce."""
+    return allreduce_time(nbytes, group, platform) / 2
+
+
+def gemm_peak(pf: Platform, plan: ParallelPlan, asm: Assumptions) -> float:
+    """FLOP/s peak of the transformer-block GEMMs at the plan's GEMM precision: the bf16
+    `peak_flops`, or for fp8 the platform's `fp8_peak_flops` when its file states one, else
+    `Assumptions.fp8_peak_factor` x the bf16 peak; without either fp8 is refused."""
+    if plan.precision == "bf16":
+        return pf.peak_flops
+    rate = float(getattr(pf, "fp8_peak_flops", 0.0) or 0.0)
+    if rate > 0:
+        return rate
+    if asm.fp8_peak_factor:
+        return pf.peak_flops * asm.fp8_peak_factor
+    raise ValueError(
+        f"precision='fp8': platform {pf.name!r} states no FP8 GEMM rate; give one "
+        f"(Assumptions.fp8_peak_factor, `--fp8-peak-factor`, e.g. 2.0 for H100/H200: dense "
+        f"FP8 1979 vs bf16 989 TFLOPS) or use precision='bf16'")
+
+
+def layer_parts(lc: LayerCounts, t_attn: float, t_exp: float, pf: Platform, cfg: ModelConfig,
+                 plan: ParallelPlan, asm: Assumptions) -> dict[str, float]:
+    """Forward seconds of one layer for one micro-batch on one rank, by part: "gemm" (the
+    attention projections), "attn_core" (scores and values), "router", "experts" (the grouped
+    GEMMs), "dense" (shared experts and dense FFN). TP with sequence parallel runs the TP
+    group's t_attn x tp tokens through 1/tp of every dense weight (width D / tp), ETP each
+    expert's rows through 1/etp of its F; FP8 runs the projections and FFNs at its peak
+    (scores, values and router stay bf16)."""
+    D, tp = cfg.d_model, plan.tp
+    peak, fast = pf.peak_flops, gemm_peak(pf, plan, asm)
+    gemm_eff = pf.matmul_eff(t_attn * tp, D / tp, D)
+    out = {"gemm": lc.fwd_flops.get("attention", 0.0) * t_attn / (fast * gemm_eff),
+           "router": lc.fwd_flops.get("router", 0.0) * t_attn / (peak * gemm_eff),
+           "attn_core": lc.fwd_flops["attn_core"] * t_attn / (
+               peak * pf.attention_eff(plan.seq_len, int(cfg.qk_head_dim), False))}
+    E = max(cfg.n_routed_experts, 1)
+    rows = cfg.top_k * t_exp * plan.etp * plan.ep / E  # rows each local expert multiplies
+    grouped = pf.grouped_eff(rows, cfg.moe_ffn_dim / plan.etp, D)
+    out["experts"] = lc.fwd_flops.get("experts", 0.0) * t_exp / (fast * grouped)
+    out["dense"] = (lc.fwd_flops.get("shared_experts", 0.0)
+                    + lc.fwd_flops.get("dense_ffn", 0.0)) * t_attn / (fast * gemm_eff)
+    return out
+
+
+def layer_fwd(lc: LayerCounts, t_attn: float, t_exp: float, pf: Platform, cfg: ModelConfig,
+               plan: ParallelPlan, asm: Assumptions) -> tuple[float, float]:
+    """(forward seconds, of which FFN seconds) of one layer for one micro-batch."""
+    parts = layer_parts(lc, t_attn, t_exp, pf, cfg, plan, asm)
+    return sum(parts.values()), parts["experts"] + parts["dense"]
+
+
+def head_fwd(cfg: ModelConfig, plan: ParallelPlan, pf: Platform, t_attn: float) -> float:
+    """Forward seconds of the lm_head for one micro-batch (vocab-parallel under TP), bf16."""
+    D, V = cfg.d_model, cfg.vocab_size
+    eff = pf.matmul_eff(t_attn * plan.tp, V / plan.tp, D)
+    return 2.0 * V * D * t_attn / (pf.peak_flops * eff)
+
+
+def recompute_time(plan: ParallelPlan, fwd: float, ffn: float) -> float:
+    """Backward-time recompute of one layer: all of its forward ("full") or the FFN's gate
+    and up projections, not the down projection ("selective")."""
+    if plan.checkpointing == "full":
+        return fwd
+    return ffn * 2 / 3 if plan.checkpointing == "selective" else 0.0
+
+
+def place_groups(plan: ParallelPlan, gpn: int, attention: str) -> tuple[dict[str, GroupPlacement], bool]:
+    """Where each group sits (`tuner.comms.placement`, by rank stride; the order of
+    `trainer.layout`: the expert side (pp, edp, ep, etp) and the dense side (pp, dp, cp, tp)
+    over the same consecutive ranks, the last dimension fastest): the EP group, "rep" (the
+    ranks replicated non-expert gradients are reduced over), "dp" (expert gradients), "tp",
+    "cp", "etp"; and whether some pipeline hop crosses nodes. With tp = cp = etp = 1 these
+    are the trainer's PP x DP x EP groups."""
+    pp, dp, ep, etp, tp, cp = plan.pp, plan.dp, plan.ep, plan.etp, plan.tp, plan.cp
+    rep_size = plan.attn_dp * cp if attention == "sharded" else dp
+    stage = plan.stage_size
+    g = {"tp": placement(tp, 1, gpn), "cp": placement(cp, tp, gpn),
+         "etp": placement(etp, 1, gpn)}
+    if plan.ep_placement == "local":
+        g |= {"ep": placement(ep, etp, gpn), "dp": placement(dp, ep * etp, gpn),
+              "rep": placement(rep_size, tp if attention == "sharded" else ep, gpn)}
+    else:
+        stage_per_node = min(dp * etp, gpn) if pp > 1 else min(stage, gpn)
+        per_rep = max(1, stage_per_node // tp)
+        g |= {"ep": placement(ep, pp * dp * etp, gpn), "dp": placement(dp, etp, gpn),
+              "rep": GroupPlacement(rep_size, min(rep_size, per_rep))}
+    # A pipeline whose stages do not all fit in one node crosses nodes somewhere.
+    span = pp * (stage if plan.ep_placement == "local" else dp * etp)
+    return g, span > gpn
+
+
+def kv_width(cfg: ModelConfig) -> int:
+    """Elements per token of the K and V that ring attention passes between CP ranks."""
+    if cfg.attention == "gqa":
+        return 2 * cfg.n_kv_heads * cfg.qk_head_dim
+    return cfg.n_heads * (cfg.qk_head_dim + cfg.attn_v_head_dim)
+
+
+def a2a_one(nbytes: float, groups: dict[str, GroupPlacement], plan: ParallelPlan,
+             cfg: ModelConfig, pf: Platform, asm: Assumptions) -> float:
+    """One all-to-all of `nbytes` per rank in the EP group, by the plan's algorithm."""
+    g = groups["ep"]
+    if asm.alltoall_model == "netsim" and plan.alltoall in ("flat", "halo", "auto"):
+        algs = auto_choices() if plan.alltoall == "auto" else (plan.alltoall,)
+        return min(netsim_alltoall_time(nbytes, g, a, pf)
+                   / (asm.vendor_alltoall_efficiency if a == "flat" else 1.0) for a in algs)
+    return alltoall_time(nbytes, g, plan.alltoall, pf, asm.vendor_alltoall_efficiency,
+                         cfg.top_k, cfg.n_routed_experts)
+
+
+def a2a_exposed(plan: ParallelPlan, parts: dict[str, float], rec: float, ab: tuple[float, float],
+                 a2a: functools.partial, chunks: int = 0) -> tuple[float, float]:
+    """(exposed, total) all-to-all seconds of one MoE layer for one micro-batch.
+
+    ab: (dispatch, combine) bytes per rank of one pass. A pass (forward; backward: the
+    gradients; the recompute of "full") moves both once: A = t(dispatch) + t(combine).
+        none   every pass exposed: (2 + full) A
+        layer  c chunks (issue 26: chunk i+1's dispatch, chunk i's expert GEMMs, chunk i-1's
+               combine in flight together; shared experts and the dense branch run during the
+               dispatch): A_c = c (t(dispatch / c) + t(combine / c)) (each chunk pays the
+               latencies again) against X = dense + experts (c - 1) / c of that pass's
+               compute (x2 in the backward); exposed = max(0, A_c - X) per pass; c is
+               `Assumptions.a2a_chunks` or the best of 1, 2, 4, 8
+        fb     across micro-batches (combined 1F1B, DualPipe): in the steady state one
+               micro-batch's forward runs beside another's backward, their exchanges hidden
+               behind both computes: max(0, (2 + full) A - (3 f + rec)) per layer; the
+               warm-up and cool-down micro-batches (max(1, pp - 1) of M) stay exposed."""
+    full = plan.checkpointing == "full"
+    d, c_ = ab
+    A = a2a(d) + a2a(c_)
+    n_pass = 3 if full else 2
+    total = n_pass * A
+    if plan.a2a_overlap == "none":
+        return total, total
+    f = sum(parts.values())
+    if plan.a2a_overlap == "layer":
+        def exposed(c: int) -> float:
+            Ac = c * (a2a(d / c) + a2a(c_ / c))
+            X = parts["dense"] + parts["experts"] * (c - 1) / c
+            return max(0.0, Ac - X) * (n_pass - 1) + max(0.0, Ac - 2 * X)
+
+        return min(exposed(c) for c in ((chunks,) if chunks else (1, 2, 4, 8))), total
+    m = plan.microbatches
+    paired = max(0, m - max(1, plan.pp - 1)) / m
+    return paired * max(0.0, total - (3 * f + rec)) + (1 - paired) * total, total
+
+
+def layer_collectives(lc: LayerCounts, parts: dict[str, float], rec: float, t_attn: float,
+                       t_exp: float, cfg: ModelConfig, plan: ParallelPlan, pf: Platform,
+                       pb: PrecisionPolicy, groups: dict[str, GroupPlacement],
+                       w_bytes: tuple[float, float]) -> dict[str, float]:
+    """Exposed seconds of one layer's TP, CP, ETP and ZeRO-3 collectives for one micro-batch
+    (module docstring, "Step time"); `w_bytes`: the layer's (non-expert, expert) weight
+    elements one rank holds unsharded."""
+    D, ab, full = cfg.d_model, pb.activation_bytes, plan.checkpointing == "full"
+    n_pass = 3 if full else 2  # forward, backward (+ the recomputed forward)
+    out = {"tp": 0.0, "cp": 0.0, "etp": 0.0, "zero3": 0.0}
+    if plan.tp > 1:
+        regions = 1 + (1 if lc.fwd_flops.get("dense_ffn") or lc.fwd_flops.get("shared_experts")
+                       else 0)
+        one = all_gather_time(t_attn * plan.tp * D * ab, groups["tp"], pf)
+        out["tp"] = regions * 2 * n_pass * one  # all-gather + reduce-scatter per pass
+    if plan.cp > 1:
+        g = groups["cp"]
+        step = p2p_time(t_attn * kv_width(cfg) * ab, g.nodes > 1, pf)
+        ring = (plan.cp - 1) * step
+        core = parts["attn_core"]
+        out["cp"] = (max(0.0, ring - core) * (n_pass - 1)  # forward (+ recompute)
+                     + max(0.0, 2 * ring - 2 * core))  # backward: K/V again and their grads
+    if plan.etp > 1 and lc.is_moe:
+        rows = cfg.top_k * t_exp * plan.etp * D
+        one = (all_gather_time(rows * pb.dispatch_bytes, groups["etp"], pf)
+               + all_gather_time(rows * pb.combine_bytes, groups["etp"], pf))
+        out["etp"] = n_pass * one
+    if plan.zero == 3:
+        rep, exp = w_bytes
+        ag = (all_gather_time(rep * pb.param_comm_bytes, groups["rep"], pf)
+              + all_gather_time(exp * pb.param_comm_bytes, groups["dp"], pf))
+        rs = (reduce_scatter_time(rep * pb.grad_comm_bytes, groups["rep"], pf)
+              + reduce_scatter_time(exp * pb.grad_comm_bytes, groups["dp"], pf))
+        f = sum(parts.values())
+        # prefetched: each gather hides behind the previous layer's compute
+        out["zero3"] = max(0.0, ag - f) + max(0.0, ag + rs - 2 * f - rec)
+    return out
