@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -86,10 +86,11 @@ from pipeline.split_backward import WeightWork, backward_input, backward_weight
 
 __all__ = ["PipelineRuntime"]
 
-AuxFn = Callable[[int, nn.Module, torch.Tensor], "torch.Tensor | None"]
+StageT = TypeVar("StageT", bound=nn.Module)  # the stage modules' class (aux_fn receives them)
+AuxFn = Callable[[int, StageT, torch.Tensor], "torch.Tensor | None"]
 
 
-class PipelineRuntime:
+class PipelineRuntime(Generic[StageT]):
     """Runs `schedule` on this rank's stages.
 
     schedule   `{pp_rank: [Action | None]}`, e.g. from `pipeline.build`; validated here.
@@ -108,14 +109,14 @@ class PipelineRuntime:
     def __init__(
         self,
         schedule: Schedule,
-        stages: Mapping[int, nn.Module],
+        stages: Mapping[int, StageT],
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
         act_shape: Sequence[int] | Mapping[int, Sequence[int]],
         *,
         dtype: torch.dtype | None = None,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
-        aux_fn: AuxFn | None = None,
+        aux_fn: AuxFn[StageT] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         validate(schedule)

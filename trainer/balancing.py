@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
+
+from model import MoELayer
 
 from .config import BalanceConfig
 
@@ -32,7 +33,7 @@ __all__ = ["Balancer"]
 
 
 class Balancer:
-    def __init__(self, cfg: BalanceConfig, layers: dict[str, nn.Module], ep: int, ep_group,
+    def __init__(self, cfg: BalanceConfig, layers: dict[str, MoELayer], ep: int, ep_group,
                  optim: torch.optim.Optimizer) -> None:
         from balance import MigrationPolicy, Monitor
 
@@ -87,7 +88,7 @@ class Balancer:
 
         maps, R = self._slot_maps(), self.ep
         S = maps[0].size // R if maps else 0
-        out = {}
+        out: dict[int, tuple[np.ndarray, dict[str, float]]] = {}
         if self.cfg.force_every:
             if step % self.cfg.force_every:
                 return {}

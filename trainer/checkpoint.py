@@ -35,6 +35,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from model import MoELayer, MoETransformer
+
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "list_complete",
            "named_moe_layers"]
 
@@ -50,13 +52,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def named_moe_layers(model: nn.Module) -> dict[str, nn.Module]:
+def named_moe_layers(model: MoETransformer) -> dict[str, MoELayer]:
     """{qualified module name: MoE layer} of the layers this rank holds."""
     ids = {id(m) for m in model.moe_layers()}
-    return {name: m for name, m in model.named_modules() if id(m) in ids}
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, MoELayer) and id(m) in ids}
 
 
-def _expert_rows(model: nn.Module) -> dict[str, list[tuple[int, int]]]:
+def _expert_rows(model: MoETransformer) -> dict[str, list[tuple[int, int]]]:
     """For each expert param name: [(local row, logical expert)] held by this rank."""
     out: dict[str, list[tuple[int, int]]] = {}
     for lname, layer in named_moe_layers(model).items():
@@ -69,7 +72,7 @@ def _expert_rows(model: nn.Module) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
-def _slot_offset(layer: nn.Module, E: int, El: int) -> int:
+def _slot_offset(layer: MoELayer, E: int, El: int) -> int:
     disp = layer.dispatcher
     if El == E:
         return 0
@@ -77,7 +80,8 @@ def _slot_offset(layer: nn.Module, E: int, El: int) -> int:
     return dist.get_rank(group) * El
 
 
-def _state(model: nn.Module, optim: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+def _state(model: MoETransformer, optim: torch.optim.Optimizer | None
+           ) -> dict[str, torch.Tensor]:
     rows = _expert_rows(model)
     sd: dict[str, torch.Tensor] = {}
     params = dict(model.named_parameters())
@@ -121,7 +125,8 @@ def find_latest(ckpt_root: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save_checkpoint(root: str | Path, step: int, model: nn.Module, optim: torch.optim.Optimizer,
+def save_checkpoint(root: str | Path, step: int, model: MoETransformer,
+                    optim: torch.optim.Optimizer,
                     meta: dict[str, Any], keep: int = 2, layer_state: dict[str, Any] | None = None,
                     _before_commit=None) -> Path:
     """Collective: every rank calls it. Returns the committed checkpoint folder.
@@ -218,7 +223,7 @@ def check_same_model(path: Path, meta: dict[str, Any], expect: dict[str, Any]) -
                           + ", ".join(parts[:8]))
 
 
-def _restore_placement(path: Path, name: str, layer: nn.Module, saved: Any,
+def _restore_placement(path: Path, name: str, layer: MoELayer, saved: Any,
                        saved_ep: int) -> None:
     """The layer's saved placement where it fits this run; weights load by logical expert, so a
     run with another number of redundant slots keeps its own initial map instead."""
@@ -243,7 +248,7 @@ def _restore_placement(path: Path, name: str, layer: nn.Module, saved: Any,
         layer.expert2slot.copy_(torch.tensor(saved, dtype=torch.int64))
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optim: torch.optim.Optimizer,
+def load_checkpoint(path: str | Path, model: MoETransformer, optim: torch.optim.Optimizer,
                     expect_model: dict[str, Any] | None = None) -> dict[str, Any]:
     """Collective. Restores placement, weights and optimizer state in place; returns meta."""
     path = Path(path)
@@ -269,10 +274,10 @@ def load_checkpoint(path: str | Path, model: nn.Module, optim: torch.optim.Optim
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(sd, checkpoint_id=str(path))
-    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        raise CheckpointError(f"checkpoint {str(path)!r} could not be read ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); it is corrupt or from "
-                              f"another model") from None
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException: BaseException
+        raise CheckpointError(f"checkpoint {str(path)!r} could not be read ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}); it is corrupt or "
+                              f"from another model") from None
     rows = _expert_rows(model)
     params = dict(model.named_parameters())
     for name, p in params.items():

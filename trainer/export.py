@@ -88,7 +88,8 @@ def pick_model_type(cfg, meta: dict[str, Any], asked: str | None) -> str:
 
     src = (meta.get("hf") or {}).get("model_type")
     if src is None:  # a preset run: its family (presets.HF_MODEL_TYPE), when it has one
-        src = HF_MODEL_TYPE.get(((meta.get("run") or {}).get("model") or {}).get("preset"))
+        preset = ((meta.get("run") or {}).get("model") or {}).get("preset")
+        src = HF_MODEL_TYPE.get(preset) if isinstance(preset, str) else None
     if asked is None and src == "kimi_k2":
         asked = "deepseek_v3"  # Kimi-K2 uses the DeepSeek-V3 format, which transformers loads
     candidates = [asked] if asked else ([src] if src in EXPORT_TYPES else list(EXPORT_TYPES))

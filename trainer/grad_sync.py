@@ -187,6 +187,7 @@ class GradSync:
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
+            assert b.buf is not None, "every bucket was launched (by a hook or above)"
             if b.owner is None or b.owner == self.group_rank[b.kind]:
                 b.buf.mul_(self.scale)
             b.buf, b.work = None, None
@@ -219,10 +220,17 @@ class GradSync:
         self._allreduce(self.expert, self.mesh.dp_group, self.scale)
 
     # -- after the reduction ------------------------------------------------------------------
+    @staticmethod
+    def _grad(p: nn.Parameter) -> torch.Tensor:
+        if p.grad is None:  # finish() / sync() give every reduced parameter one
+            raise RuntimeError(f"a parameter of shape {tuple(p.shape)} has no gradient after "
+                               "the reduction")
+        return p.grad
+
     def _sq(self, p: nn.Parameter) -> torch.Tensor:
         """Squared norm of p's gradient; expert slots of replicated experts weigh 1 / replicas
         (`row_weights`, set per step with redundant slots), so each expert counts once."""
-        g = p.grad.double()
+        g = self._grad(p).double()
         w = self.row_weights.get(p)
         if w is None:
             return g.pow(2).sum()
@@ -242,7 +250,7 @@ class GradSync:
                 dist.all_reduce(sq, group=self.mesh.stage_group)
             total = sq
         else:
-            dense_sq = sum((p.grad.double().pow(2).sum() for p in self.dense),
+            dense_sq = sum((self._grad(p).double().pow(2).sum() for p in self.dense),
                            torch.zeros((), dtype=torch.float64))
             expert_sq = sum((self._sq(p) for p in self.expert),
                             torch.zeros((), dtype=torch.float64))
@@ -268,6 +276,7 @@ class GradSync:
             group = self.groups[b.kind]
             if group is None:
                 continue
+            assert b.owner is not None, "broadcast buckets have one owner each (by_owner)"
             mine = b.owner == self.group_rank[b.kind]
             single = len(b.params) == 1 and b.params[0].is_contiguous()
             if single:

@@ -22,6 +22,7 @@ import torch
 
 from .balancing import Balancer
 from .build import (
+    Pipeline,
     build_grad_sync,
     build_model,
     build_optimizer,
@@ -107,11 +108,16 @@ class Trainer:
         forwards, one per micro-batch (every rank holds the whole batch's tokens)."""
         if self.cfg.data.doc_mask:
             layouts = [doc_layout(self, mb) for mb in microbatches]
-            for stage in self.pipe.stages.values():
+            for stage in self._pipeline().stages.values():
                 stage.docs.extend(layouts)
 
+    def _pipeline(self) -> Pipeline:
+        if self.pipe is None:  # the step and eval call the two above only with pp > 1
+            raise RuntimeError("this run has no pipeline (pp = 1)")
+        return self.pipe
+
     def check_docs_used(self) -> None:
-        left = {s: len(st.docs) for s, st in self.pipe.stages.items() if st.docs}
+        left = {s: len(st.docs) for s, st in self._pipeline().stages.items() if st.docs}
         if left:
             raise RuntimeError(f"document layouts left unused after the step: {left} "
                                f"(a stage ran fewer forwards than micro-batches)")

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from model import MoETransformer
+
 from .mesh import Mesh, MeshError, valid_divisors
 
 __all__ = ["EPDispatcher", "parallelize", "is_expert_param"]
@@ -99,8 +101,8 @@ class EPDispatcher:
         return back
 
 
-def parallelize(model: nn.Module, mesh: Mesh, alltoall: str = "flat", topology=None,
-                cost_model=None, redundant: int = 0) -> nn.Module:
+def parallelize(model: MoETransformer, mesh: Mesh, alltoall: str = "flat", topology=None,
+                cost_model=None, redundant: int = 0) -> MoETransformer:
     """Shard the experts of every MoE layer over the mesh's EP group (in place); with
     `redundant` = r > 0 every EP rank hosts E / ep + r slots (trainer/replicas.py)."""
     if mesh.ep == 1:

@@ -45,7 +45,7 @@ class StepProfiler:
     def __init__(self, window: tuple[int, int] | None, out: Path, rank: int, device: torch.device):
         self.window, self.rank = window, rank
         self.path = out / "profile" / f"rank_{rank}.json"
-        self.prof = None
+        self.prof: torch.profiler.profile | None = None
         self.acts = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             self.acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -59,7 +59,8 @@ class StepProfiler:
 
     def after(self, step: int) -> Path | None:
         """Call after step `step`; returns the trace path when this step closed the window."""
-        if self.prof is None or step < self.window[1]:
+        # (a profile runs only inside a window: prof set means window set)
+        if self.prof is None or self.window is None or step < self.window[1]:
             return None
         self.prof.__exit__(None, None, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +70,7 @@ class StepProfiler:
 
     def close(self) -> None:
         """A run that stops inside the window (--train.stop_after) still writes its trace."""
-        if self.prof is not None:
+        if self.prof is not None and self.window is not None:
             self.after(self.window[1])
 
 

@@ -23,9 +23,13 @@ and load under any r: every slot reads its expert's row (trainer/checkpoint.py).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from model import MoELayer
 
 __all__ = ["initial_slot_map", "sum_replica_grads", "replica_row_weights", "replica_exchange"]
 
@@ -41,14 +45,20 @@ def initial_slot_map(E: int, ep: int, r: int) -> list[int]:
     return out
 
 
-def _local(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+class MoEHolder(Protocol):
+    """What these functions read of a model: its MoE layers (`MoETransformer`)."""
+
+    def moe_layers(self) -> list[MoELayer]: ...
+
+
+def _local(layer: MoELayer) -> tuple[torch.Tensor, torch.Tensor]:
     """(experts of this rank's slots [S], their replica counts [S]), on the host."""
     S, lo = layer.experts.w1.shape[0], layer.experts.first_slot
     experts = layer.slot_map()[lo:lo + S]
     return experts, layer.replica_counts()[experts]
 
 
-def replica_row_weights(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
+def replica_row_weights(model: MoEHolder) -> dict[nn.Parameter, torch.Tensor]:
     """{expert parameter: [S] weight 1 / replica count of each local slot's expert}, for the
     layers with replicas (a plain layer's slots all weigh 1 and are left out)."""
     out: dict[nn.Parameter, torch.Tensor] = {}
@@ -80,7 +90,7 @@ def replica_exchange(slot2expert: list[int], n_ranks: int, rank: int
 
 
 @torch.no_grad()
-def sum_replica_grads(model: nn.Module, group) -> None:
+def sum_replica_grads(model: MoEHolder, group: dist.ProcessGroup | None) -> None:
     """Sum each replicated expert's gradient over its replicas (collective over the EP group;
     every rank of the group calls it with the same slot maps).
 
@@ -94,15 +104,15 @@ def sum_replica_grads(model: nn.Module, group) -> None:
     for layer in model.moe_layers():
         if not layer.replicated:
             continue
-        params = [p for p in layer.experts.parameters() if p.grad is not None]
-        if not params:  # ZeRO-2: this dp index does not own them, on every rank of the group
+        grads = [p.grad for p in layer.experts.parameters() if p.grad is not None]
+        if not grads:  # ZeRO-2: this dp index does not own them, on every rank of the group
             continue
         m = layer.slot_map().tolist()
-        S, lo = params[0].shape[0], layer.experts.first_slot
+        S, lo = grads[0].shape[0], layer.experts.first_slot
         n_rep = layer.replica_counts().tolist()
         local = [j for j in range(S) if n_rep[m[lo + j]] > 1]  # this rank's replica slots
         pos = {j: i for i, j in enumerate(local)}
-        rows = torch.cat([p.grad[local].reshape(len(local), p[0].numel()) for p in params], 1)
+        rows = torch.cat([grad[local].reshape(len(local), grad[0].numel()) for grad in grads], 1)
         partial = {lo + j: rows[pos[j]] for j in local}  # own partials [row]
         if R > 1:  # (a rank holding no replica still takes part in the collective)
             send, recv = replica_exchange(m, R, me)
@@ -112,13 +122,13 @@ def sum_replica_grads(model: nn.Module, group) -> None:
                                    group=group)
             got = [g for q in range(R) for g in recv[q]]
             partial.update({g: back[i] for i, g in enumerate(got)})
-        total = {}
+        total: dict[int, torch.Tensor] = {}
         for g in sorted(partial):  # every holder adds in global slot order
             e = m[g]
             total[e] = partial[g].clone() if e not in total else total[e].add_(partial[g])
         for j in local:
             o = 0
-            for p in params:
-                n = p[0].numel()
-                p.grad[j].copy_(total[m[lo + j]][o:o + n].view_as(p.grad[j]))
+            for grad in grads:
+                n = grad[0].numel()
+                grad[j].copy_(total[m[lo + j]][o:o + n].view_as(grad[j]))
                 o += n

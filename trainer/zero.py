@@ -119,7 +119,6 @@ def build_optimizer(model: nn.Module, sync, lr: float, betas: tuple[float, float
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    kw = {"lr": lr, "betas": betas, "eps": eps, "foreach": False}
     if sync.zero == 0:
-        return torch.optim.AdamW(groups, **kw)
-    return ZeroOptimizer(groups, sync, **kw)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
+    return ZeroOptimizer(groups, sync, lr=lr, betas=betas, eps=eps, foreach=False)

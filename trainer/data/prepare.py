@@ -36,7 +36,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -360,8 +360,9 @@ def prepare(tokenizer: str | Path, inputs: list[str], out: str | Path, field: st
     return meta
 
 
-def _run(files: list[Path], init: tuple, workers: int, batch_bytes: int, total_bytes: int,
-         progress: bool, tok) -> Iterator[tuple[np.ndarray, int, int]]:
+def _run(files: list[Path], init: tuple[str, int, str, str], workers: int, batch_bytes: int,
+         total_bytes: int, progress: bool, tok
+         ) -> Generator[tuple[np.ndarray, int, int], None, None]:
     """Results of every task in task order, with a progress bar over input bytes; workers=1
     encodes in this process with the already loaded `tok`."""
     from tqdm import tqdm
