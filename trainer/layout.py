@@ -431,8 +431,10 @@ def layout_problems(layout: Layout, n_layers: int, n_experts: int, *, schedule: 
     if global_batch is not None:
         shards = L.n_data_shards
         if global_batch < 1 or global_batch % shards:
+            how = f"dp={L.dp} x ep={L.ep}" if L.tp == L.cp == L.etp == 1 else \
+                f"dp={L.dp} x ep={L.ep} x etp={L.etp} / (tp={L.tp} x cp={L.cp})"
             out.append(f"global_batch={global_batch} must be a positive multiple of the {shards} "
-                       f"data shards (dp={L.dp} x ep={L.ep})")
+                       f"data shards ({how})")
         elif microbatches is not None and microbatches >= 1 and (global_batch // shards) % microbatches:
             per = global_batch // shards
             out.append(f"microbatches={microbatches} must divide the {per} sequences each data "
