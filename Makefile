@@ -41,9 +41,9 @@ train: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
-# The edit loop: unit tests only (no torchrun/gloo processes, no Triton interpreter, no
-# network namespaces); under 2 minutes on 2 cores.
-FAST_MARKERS := not slow and not gpu and not multiproc and not interpreter and not netns
+# The edit loop: unit tests only (no torchrun/gloo processes, no end-to-end train.py or CLI
+# runs, no Triton interpreter, no network namespaces); under 2 minutes on 2 cores.
+FAST_MARKERS := not slow and not gpu and not multiproc and not integration and not interpreter and not netns
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "$(FAST_MARKERS)" $(ARGS)
 

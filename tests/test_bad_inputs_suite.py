@@ -252,12 +252,14 @@ def trained(tmp_path_factory, text_file) -> Path:
     return out
 
 
+@pytest.mark.integration
 def test_checkpoint_of_another_model(trained, text_file):
     _expect(lambda: _prepare([*SMALL, "--model.d_model=48", f"--data={text_file}",
                               f"--train.out_dir={trained}", "--resume"]),
             "belongs to another model: fields differ: d_model (checkpoint 32, run 48)")
 
 
+@pytest.mark.integration
 def test_truncated_checkpoint_shard(trained, tmp_path, text_file):
     import torch
 

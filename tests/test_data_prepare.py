@@ -139,6 +139,7 @@ def test_vocab_over_65536_is_uint32(big_tok, tmp_path):
     assert all(s in str(e.value) for s in ("70001", "vocab_size 65536", str(out)))
 
 
+@pytest.mark.integration
 def test_cli(bpe_dir, text_dir, tmp_path, capsys):
     out = tmp_path / "cli.bin"
     cmd = [sys.executable, "-W", "error::RuntimeWarning", "-m", "trainer.data", "prepare",

@@ -128,6 +128,7 @@ def test_doc_mask_needs_eos(tmp_path) -> None:
                 1, 0)
 
 
+@pytest.mark.integration
 def test_trainer_doc_mask_runs_on_a_tokenized_bin(tmp_path) -> None:
     """One process, one step on a .bin whose sidecar names the EOS (written here directly)."""
     import numpy as np

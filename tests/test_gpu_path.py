@@ -239,14 +239,24 @@ def test_pp2_bf16_matches_one_process_bf16() -> None:
 
 
 def test_planner_p2p_bytes_are_the_boundary_dtype() -> None:
-    """tuner.estimate prices a P2P hop and its buffers at the precision policy's activation
-    bytes: bf16 under the published (GPU) policy, fp32 for the CPU trainer: what crosses."""
-    from tuner.layout import FP32_TRAINER_PRECISION, PUBLISHED_PRECISION
+    """The planner prices a pipeline hop at the bytes the trainer's stages send: bf16 under
+    autocast (GPUs; trainer/pipe.py's Stage.boundary_dtype), fp32 on CPU; and the hop time
+    it adds to a PP=2 step scales with those bytes."""
+    from trainer.pipe import build_stages, split_layers
+    from tuner import ParallelPlan, estimate, load_platform
+    from tuner.layout import precision_policy
 
-    text = (ROOT / "tuner" / "estimate.py").read_text()
-    assert re.search(r"hop = p2p_time\(t_attn \* D \* ab,", text)
-    assert PUBLISHED_PRECISION.activation_bytes == torch.bfloat16.itemsize
-    assert FP32_TRAINER_PRECISION.activation_bytes == torch.float32.itemsize
+    for backend, autocast in (("nccl", True), ("gloo", False)):
+        stage = build_stages(_model(), 2, 0, 1, split_layers(4, 2), autocast=autocast)[0]
+        pb = precision_policy("trainer", backend)
+        assert pb.p2p_bytes == stage.boundary_dtype.itemsize, (backend, pb.p2p_bytes)
+    from model import presets
+    cfg = presets.get("tiny")
+    plan = ParallelPlan(pp=2, ep=1, dp=1, microbatches=4, global_batch=16, seq_len=256)
+    pf = load_platform("dgx-h100")
+    p2p = {b: estimate(cfg, plan, pf, precision_policy("trainer", b)).time["p2p"]
+           for b in ("nccl", "gloo")}
+    assert p2p["nccl"] < p2p["gloo"], p2p
 
 
 # -- item: the GPU check scripts ---------------------------------------------------------------
@@ -261,6 +271,7 @@ def test_gpu_scripts_parse(script: str) -> None:
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_gpu_scripts_exit_2_without_a_gpu(tmp_path: Path, script: str) -> None:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PY=sys.executable)

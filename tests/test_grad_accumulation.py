@@ -41,6 +41,7 @@ def _same(one: dict[int, dict], acc: dict[int, dict]) -> None:
     assert one[1]["grad_norm"] > 1.0  # clipping was active
 
 
+@pytest.mark.integration
 def test_accumulation_equals_one_pass(tmp_path, data):
     one = _rows(tmp_path, "m1", 1, ["--parallel.ep=1"], data)
     acc = _rows(tmp_path, "m4", 1, ["--parallel.ep=1", "--parallel.microbatches=4"], data)

@@ -358,6 +358,7 @@ def test_fewer_layers_skip_the_rest_with_a_warning(tmp_path, data_bin, capsys) -
     assert "checkpoint layers [2, 3] are skipped" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_bad_exports(tmp_path, data_bin) -> None:
     run = tmp_path / "run"
     r = run_train(["--data", data_bin, f"--train.out_dir={run}", "--train.steps=1",

@@ -41,6 +41,7 @@ def _step(m: MoETransformer, mode: str) -> tuple[float, list[torch.Tensor], int]
     return float((ce + aux).detach()), [p.grad.clone() for p in m.parameters()], held
 
 
+@pytest.mark.integration
 def test_modes_same_loss_and_gradients_less_memory():
     m = _model()
     loss0, grads0, held0 = _step(m, "none")
@@ -61,6 +62,7 @@ def test_modes_same_loss_and_gradients_less_memory():
     assert held["full"] < held["selective"] < held["none"]
 
 
+@pytest.mark.integration
 def test_full_keeps_only_block_inputs():
     m = _model()
     set_checkpointing(m, "full")

@@ -35,6 +35,7 @@ def test_cli_emulator_rows_match_nic_bound(tmp_path, capsys):
     assert "flat time / HALO time" in capsys.readouterr().out
 
 
+@pytest.mark.integration
 def test_module_entry_point_runs():
     proc = subprocess.run([sys.executable, "-m", "comm.netsim", "--topology", "frontier",
                            "--nodes", "2", "--bytes", "64K", "--no-lump"],

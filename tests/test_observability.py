@@ -180,6 +180,7 @@ def test_report_on_a_folder_without_a_run(tmp_path, capsys):
     assert "nope/metrics.jsonl does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_tensorboard_false_writes_nothing(reference):
     assert not (reference / "tensorboard").exists()
     assert "layers" in _rows(reference)[0]

@@ -93,6 +93,7 @@ def test_bad_checkpoint(kind, tmp_path, text_file):
     assert needle in str(e.value), str(e.value)
 
 
+@pytest.mark.integration
 def test_train_py_reports_and_exits(tmp_path, text_file):
     """End to end: train.py prints one `error:` line on rank 0 and exits 2, nothing trained."""
     out = tmp_path / "run"

@@ -41,6 +41,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 def test_kill_during_save_keeps_previous(tmp_path):
     root, flag = tmp_path / "ck", tmp_path / "flag"
     env = dict(os.environ, OMP_NUM_THREADS="1")

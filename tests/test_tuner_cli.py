@@ -12,6 +12,7 @@ from trainer.config import parse_args
 from tuner.cli import main
 
 
+@pytest.mark.integration
 def test_plan_writes_a_plan_train_py_accepts(tmp_path, capsys):
     rc = main(["plan", "--model", "mixtral-8x7b", "--platform", "frontier", "--gpus", "64",
                "--global-batch", "512", "--trials", "10", "--out", str(tmp_path),

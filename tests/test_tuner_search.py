@@ -56,6 +56,7 @@ def test_tpe_within_5_percent_of_exhaustive_in_a_quarter(small):
     assert got.best.estimate.fits and got.best.estimate.step_time == got.best.step_time
 
 
+@pytest.mark.integration
 def test_sqlite_study_resumes(small, tmp_path):
     cfg, pf, sp = small
     url = f"sqlite:///{tmp_path / 'study.db'}"
@@ -65,6 +66,7 @@ def test_sqlite_study_resumes(small, tmp_path):
     assert again.best.step_time <= first.best.step_time
 
 
+@pytest.mark.integration
 def test_search_includes_zero_and_never_shards_a_single_copy():
     """Tiny on 4 CPU processes: PP 4 leaves DP x EP = 1, where ZeRO would shard over one
     rank; the space rejects it, so neither exhaustive nor TPE ranks such a point."""

@@ -41,6 +41,7 @@ def test_trainer_activation_set_by_hand():
 
 @pytest.mark.parametrize("batch,seq,ckpt", [(2, 64, "none"), (3, 128, "none"),
                                             (2, 64, "selective"), (2, 64, "full")])
+@pytest.mark.integration
 def test_trainer_memory_matches_a_real_step(batch, seq, ckpt):
     """One process, fp32, AdamW: predicted state equals the held bytes up to AdamW's 0-dim
     step counters; predicted activations equal the saved bytes within 0.1 % (left out: the
@@ -93,6 +94,7 @@ def test_lower_bound_never_exceeds_the_estimate():
                               assumptions=Assumptions(alltoall_model="netsim"))
 
 
+@pytest.mark.integration
 def test_branch_and_bound_keeps_the_optimum_with_fewer_evaluations():
     cfg, pf = presets.get("mixtral-8x7b"), load_platform("frontier")
     sp = SearchSpace.default(cfg, pf, 64, 512, 4096, mbs=(1, 2))

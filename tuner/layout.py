@@ -167,12 +167,13 @@ FP32_TRAINER_PRECISION = PrecisionPolicy(weight_bytes=4, grad_bytes=4, master_by
 # dtype); the MoE dispatch sends the fp32 residual stream's normed rows (model/norm.py returns
 # its input dtype, the router runs on them; autocast does not reach the dispatch) and the
 # combine the experts' bf16 outputs (model/moe.py casts to the autocast dtype after the
-# dispatch); pipeline hops carry the fp32 residual stream. Saved activations counted at 2 B
+# dispatch); pipeline hops carry bf16 (trainer/pipe.py's Stage.boundary_dtype under autocast
+# casts what crosses a stage boundary, and its gradient, to bf16). Saved activations at 2 B
 # (autocast's GEMM inputs; the fp32 norm inputs are a part this count does not split out).
 GPU_TRAINER_PRECISION = PrecisionPolicy(weight_bytes=4, grad_bytes=4, master_bytes=0,
                                         optimizer_bytes=8, activation_bytes=2,
                                         grad_comm_bytes=4, param_comm_bytes=4, dispatch_bytes=4,
-                                        combine_bytes=2, p2p_bytes=4, name="trainer")
+                                        combine_bytes=2, p2p_bytes=2, name="trainer")
 # Megatron-Core with --bf16 and its distributed optimizer (docs.nvidia.com/megatron-core,
 # developer guide, "Distributed Optimizer": "bf16 parameters, fp32 gradients: 18 bytes per
 # parameter, 6 + 12/d distributed"; "we always use fp32 main parameters for optimizer
