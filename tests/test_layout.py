@@ -207,51 +207,64 @@ def test_real_model_is_cut_like_the_layer_list():
 
 # ---- groups: planner = trainer ------------------------------------------------------------------
 
-def _planner_groups(pp: int, dp: int, ep: int, placement: str, gpn: int):
-    from tuner.estimate import _groups
-    from tuner.layout import ParallelPlan
+def _planner_groups(pp: int, dp: int, ep: int, placement: str, gpn: int, tp: int = 1,
+                    cp: int = 1, etp: int = 1):
+    """The groups the estimate prices (tuner.costs.place_groups) and the plan's Layout."""
+    from tuner.costs import place_groups
+    from tuner.layout import ParallelPlan, trainer_layout
 
-    plan = ParallelPlan(pp=pp, ep=ep, dp=dp, microbatches=1, global_batch=dp * ep, seq_len=8,
-                        ep_placement=placement)
-    return _groups(plan, gpn, "sharded")
+    S = dp * ep * etp
+    plan = ParallelPlan(pp=pp, ep=ep, dp=dp, microbatches=1, global_batch=4 * S, seq_len=64,
+                        ep_placement=placement, tp=tp, cp=cp, etp=etp)
+    lay = trainer_layout(plan)
+    assert lay == Layout(pp * S, pp=pp, dp=dp, ep=ep, tp=tp, cp=cp, etp=etp, placement=placement)
+    return place_groups(plan, gpn, "sharded"), lay
 
 
-def _power_of_two_layouts(n: int):
+def _power_of_two_layouts(n: int, folded: bool = False):
     rng = random.Random(SEED)
     for _ in range(n):
-        yield (rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4, 8]),
-               rng.choice([1, 2, 4, 8, 16]), rng.choice(["local", "spread"]),
-               rng.choice([4, 8]))
+        pp, dp, ep = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4, 16])
+        etp = rng.choice([1, 2]) if folded else 1
+        S = dp * ep * etp
+        tp = rng.choice([t for t in (1, 2, 4, 8) if S % t == 0]) if folded else 1
+        cp = rng.choice([c for c in (1, 2) if (S // tp) % c == 0]) if folded else 1
+        yield pp, dp, ep, rng.choice(["local", "spread"]), rng.choice([4, 8]), tp, cp, etp
+
+
+def _same(g, lay: Layout, mine: str, theirs: str, gpn: int) -> None:
+    per_node, nodes = lay.node_span(theirs, gpn)
+    assert (g[mine].size, g[mine].per_node, g[mine].nodes) == \
+        (len(lay.group(theirs, 0)), per_node, nodes), (mine, lay, gpn)
 
 
 def test_planner_groups_equal_the_trainers():
-    """Several hundred power-of-two layouts: the EP and expert-DP groups the planner prices
-    (size, members per node, nodes spanned: tuner.comms.placement of the estimate) are the
-    trainer's groups, and so is the stage group of the local placement; a pipeline hop crosses
-    nodes in the planner exactly when some trainer pp group spans nodes."""
-    for pp, dp, ep, placement, gpn in _power_of_two_layouts(400):
-        lay = Layout(pp * dp * ep, pp=pp, dp=dp, ep=ep, placement=placement)
-        g, crosses = _planner_groups(pp, dp, ep, placement, gpn)
-        kinds = {"ep": "ep", "dp": "dp", **({"rep": "stage"} if placement == "local" else {})}
-        for mine, theirs in kinds.items():
-            per_node, nodes = lay.node_span(theirs, gpn)
-            assert (g[mine].size, g[mine].per_node, g[mine].nodes) == \
-                (len(lay.group(theirs, 0)), per_node, nodes), (mine, lay, gpn)
-        if pp > 1:
-            assert crosses == (lay.node_span("pp", gpn)[1] > 1), (lay, gpn)
+    """300 power-of-two layouts: the groups the planner prices (size, members per
+    node, nodes spanned: tuner.comms.placement in tuner.costs) are the layout's groups (the
+    trainer's, where it runs them): EP and expert DP for both placements, every group (TP, CP,
+    ETP and the stage group too, folded layouts included) for the local one; a pipeline hop
+    crosses nodes in the planner exactly when some pp group spans nodes."""
+    kinds = {"ep": "ep", "dp": "dp", "rep": "stage", "tp": "tp", "cp": "cp", "etp": "etp"}
+    for folded in (False, True):
+        for pp, dp, ep, placement, gpn, tp, cp, etp in _power_of_two_layouts(150, folded):
+            (g, crosses), lay = _planner_groups(pp, dp, ep, placement, gpn, tp, cp, etp)
+            for mine, theirs in kinds.items():
+                if placement == "local" or mine in ("ep", "dp", "etp"):
+                    _same(g, lay, mine, theirs, gpn)
+            if pp > 1:
+                assert crosses == (lay.node_span("pp", gpn)[1] > 1), (lay, gpn)
 
 
-@pytest.mark.xfail(strict=True, reason="tuner.estimate._groups prices the spread stage group "
-                   "with min(dp, gpus per node) members per node; the trainer's has the dp-rank "
-                   "blocks of several EP indices on one node (e.g. pp 2, dp 1, ep 2 on 4 GPUs: "
-                   "ranks 0 and 2, one node, not two). Fix: Layout.node_span('stage', gpn).")
+@pytest.mark.xfail(strict=True, reason="tuner.costs.place_groups prices the spread stage group "
+                   "with min(dp x etp, gpus per node) members per node; the layout's has the "
+                   "dp-rank blocks of several EP indices on one node when pp x dp x etp < gpus "
+                   "per node (pp 4, dp 1, ep 2 on 8 GPUs: ranks 0 and 4, one node, not two). "
+                   "Fix: Layout.node_span('stage', gpn).")
 def test_planner_spread_stage_group_equals_the_trainers():
-    for pp, dp, ep, placement, gpn in _power_of_two_layouts(400):
-        if placement != "spread":
-            continue
-        lay = Layout(pp * dp * ep, pp=pp, dp=dp, ep=ep, placement=placement)
-        rep = _planner_groups(pp, dp, ep, placement, gpn)[0]["rep"]
-        assert (rep.per_node, rep.nodes) == lay.node_span("stage", gpn), (lay, gpn)
+    for pp, dp, ep, placement, gpn, *_ in _power_of_two_layouts(400):
+        if placement == "spread":
+            (g, _), lay = _planner_groups(pp, dp, ep, placement, gpn)
+            _same(g, lay, "rep", "stage", gpn)
 
 
 # ---- feasibility --------------------------------------------------------------------------------
