@@ -3,7 +3,8 @@
     python -m tuner plan --model deepseek-v3|HF_CHECKPOINT_DIR --platform frontier --gpus 1024 --seq 4096 \\
         --global-batch 4096 [--trials 300] [--seed 0] [--storage study.db] [--out runs/plans]
         [--alltoall-model closed-form|netsim] [--zero 0,1,2] [--zero-sharding per-parameter|flat]
-        [--redundant R] [--measure K [--measure-steps 8]]
+        [--redundant R] [--precision-policy trainer|published|megatron]
+        [--measure K [--measure-steps 8]]
     python -m tuner estimate --model M --platform P --gpus N --seq S --global-batch B [--mbs 1]
         [--pp 1] [--vpp 1] [--tp 1] [--cp 1] [--ep 1] [--etp 1] [--zero 0|1|2|3]
         [--recompute none|selective|full] [--dispatch flat|halo|dedup|auto]
@@ -30,9 +31,14 @@ host R are searched; the report prints the memory they take and the plan file ca
 processes, gloo), stores each measurement beside its prediction in the study (user attribute
 `measured/<i>`), prints both, re-ranks by measured step time and writes the plan file of the
 measured best. It needs a platform measured here (`--platform local`) and at most 4 GPUs.
-On a gloo (CPU) platform the model is the CPU trainer's: fp32 state and activations, and the
-activations our eager model really saves (`Assumptions(activation_set="trainer")`), with 4
-memory passes over them for the unfused elementwise work (`activation_traffic_passes`).
+`--precision-policy` (plan and estimate; default "trainer") prices the training state and
+collectives as train.py holds and sends them on the platform's backend: on gloo (CPU) fp32
+state and activations, with the activations our eager model really saves
+(`Assumptions(activation_set="trainer")`) and 4 memory passes over them for the unfused
+elementwise work (`activation_traffic_passes`); on GPUs fp32 state under bf16 autocast.
+"published" is the paper's 16 B per parameter, "megatron" Megatron-Core's distributed
+optimizer. The plan file is the fastest layout train.py runs; a faster one it cannot run yet
+(e.g. a dedup all-to-all or ZeRO-3, when searched) is printed as "best overall".
 
 `estimate` prices one layout without searching (`tuner.single`). Degrees fold as Megatron-Core
 does (`tuner.layout.fold_degrees`): gpus = pp x tp x cp x dp = pp x etp x ep x edp, the EP
