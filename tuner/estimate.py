@@ -682,7 +682,9 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
         f"wire: grads {pb.grad_comm_bytes} B, weights {pb.param_comm_bytes} B, dispatch "
         f"{pb.dispatch_bytes} B, combine {pb.combine_bytes} B, pipeline {pb.p2p_bytes} B per "
         f"element; {plan.precision} GEMMs",
-    ) + ((f"parallel folding: dense side tp={plan.tp} x cp={plan.cp} x dp={plan.attn_dp}, "
+    ) + (("all-to-all dedup: closed form (comm.netsim has no dedup exchange)",)
+         if asm.alltoall_model == "netsim" and plan.alltoall == "dedup" else ()) \
+        + ((f"parallel folding: dense side tp={plan.tp} x cp={plan.cp} x dp={plan.attn_dp}, "
           f"expert side etp={plan.etp} x ep={plan.ep} x edp={plan.dp}; TP with sequence "
           f"parallel",) if plan.tp * plan.cp * plan.etp > 1 else ()) \
         + ((f"redundant expert slots: {plan.redundant} per MoE layer on each EP rank (weights, "
