@@ -76,11 +76,11 @@ class _Poster:
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
+        self.gloo = dist.get_backend(group) == dist.Backend.GLOO  # raises before init
         pg = dist.group.WORLD if group is None else group
         if pg is None:  # torch types WORLD as optional: None before init_process_group
             raise RuntimeError("HALO needs torch.distributed initialised (init_process_group)")
         self.pg: dist.ProcessGroup = pg
-        self.gloo = dist.get_backend(group) == dist.Backend.GLOO
         self.ranks = None if self.gloo or group is None or group is dist.group.WORLD \
             else dist.get_process_group_ranks(group)
 
