@@ -78,6 +78,10 @@ def test_fold_degrees():
      r"--vpp 2 needs --schedule interleaved-1f1b \(got '1f1b'\)"),
     (["--gpus", "64", "--mbs", "0"], r"--mbs 0 must be an int >= 1"),
     (["--gpus", "64", "--platform", "summit"], r"unknown platform 'summit'; valid:"),
+    (["--gpus", "64", "--tp", "16"], r"tp=16 does not divide mixtral-8x7b's n_kv_heads=8; "
+                                     r"valid tp: \[1, 2, 4, 8\]"),
+    (["--gpus", "64", "--cp", "4", "--seq", "100"],
+     r"cp=4 needs seq_len divisible by 2 x cp = 8"),
 ])
 def test_bad_flags_are_named(capsys, argv, message):
     base = {"--model": "mixtral-8x7b", "--platform": "dgx-h100", "--global-batch": "64"}

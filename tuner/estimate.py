@@ -290,6 +290,32 @@ def _check(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions) -> None:
         raise ValueError(f"ep={plan.ep} does not divide {E} experts of {cfg.name}; valid: "
                          f"{[d for d in range(1, E + 1) if E % d == 0]}")
     if not E and plan.ep != 1:
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_split_dims(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions) -> None:
+    """What TP, CP and ETP split must divide evenly (named errors, before any pricing)."""
+    heads = [("n_heads", cfg.n_heads)] + ([("n_kv_heads", cfg.n_kv_heads)]
+                                          if cfg.attention == "gqa" else [])
+    for name, h in heads:
+        if plan.tp > 1 and h % plan.tp:
+            raise ValueError(f"tp={plan.tp} does not divide {cfg.name}'s {name}={h}; valid tp: "
+                             f"{_divisors(h)}")
+    if plan.cp > 1 and plan.seq_len % (2 * plan.cp):
+        raise ValueError(f"cp={plan.cp} needs seq_len divisible by 2 x cp = {2 * plan.cp} "
+                         f"(causal load balance: each rank takes chunks i and 2 cp - 1 - i); "
+                         f"seq_len={plan.seq_len}")
+    if plan.etp > 1 and cfg.n_routed_experts and cfg.moe_ffn_dim % plan.etp:
+        raise ValueError(f"etp={plan.etp} does not divide {cfg.name}'s expert width "
+                         f"moe_ffn_dim={cfg.moe_ffn_dim}; valid etp: {_divisors(cfg.moe_ffn_dim)}")
+    if plan.etp > 1 and not cfg.n_routed_experts:
+        raise ValueError(f"etp={plan.etp} needs routed experts; {cfg.name} has none: use etp=1")
+    if asm.attention == "replicated" and plan.tp * plan.cp * plan.etp > 1:
+        raise ValueError("attention='replicated' (the published model) is defined for tp = cp = "
+                         f"etp = 1; got tp={plan.tp}, cp={plan.cp}, etp={plan.etp}")
+
+
         raise ValueError(f"{cfg.name} has no routed experts; ep={plan.ep} must be 1")
     if plan.redundant > E - E // plan.ep:
         raise ValueError(
@@ -297,6 +323,7 @@ def _check(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions) -> None:
             f"EP rank does not hold (E={E}, ep={plan.ep}): a redundant slot holds a replica of "
             f"one of them; valid: 0..{E - E // plan.ep}")
     if asm.attention == "sharded" and plan.global_batch % (plan.attn_dp * plan.microbatches):
+    _check_split_dims(cfg, plan, asm)
         raise ValueError(
             f"global_batch={plan.global_batch} is not divisible by dp={plan.attn_dp} x "
             f"microbatches={plan.microbatches} (dp = edp={plan.dp} x ep={plan.ep} x "

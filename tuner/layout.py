@@ -377,10 +377,14 @@ class ParallelPlan:
                 )
         elif self.n_virtual != 1:
             raise ValueError(f"n_virtual={self.n_virtual} only applies to interleaved-1f1b; use 1")
-        if self.global_batch % (self.dp * self.microbatches):
+        # whole sequences per micro-batch: of each EP group (the trainer's mesh), or with TP,
+        # CP or ETP of each dense-side data-parallel rank (`tuner.estimate` checks the latter
+        # for every plan with sharded attention)
+        dp = self.dp if self.tp == self.cp == self.etp == 1 else self.attn_dp
+        if self.global_batch % (dp * self.microbatches):
             raise ValueError(
-                f"global_batch={self.global_batch} is not divisible by dp={self.dp} x "
-                f"microbatches={self.microbatches} = {self.dp * self.microbatches}"
+                f"global_batch={self.global_batch} is not divisible by dp={dp} x "
+                f"microbatches={self.microbatches} = {dp * self.microbatches}"
             )
 
     @property
