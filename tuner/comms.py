@@ -52,7 +52,8 @@ from comm.a2a_model import Rates, uniform_load, uniform_time
 from tuner.platform import Platform
 
 __all__ = ["GroupPlacement", "placement", "alltoall_time", "netsim_alltoall_time", "p2p_time",
-           "allreduce_time", "rates", "expected_distinct_nodes", "dedup_factor", "auto_choices"]
+           "allreduce_time", "reduce_time", "broadcast_time", "measured_collective_time",
+           "rates", "expected_distinct_nodes", "dedup_factor", "auto_choices"]
 
 
 @dataclass(frozen=True)
@@ -194,12 +195,49 @@ def p2p_time(nbytes: float, inter_node: bool, platform: Platform) -> float:
     return nbytes / platform.intra_node_bandwidth + platform.intra_node_latency
 
 
+def measured_collective_time(kind: str, nbytes: float, group: GroupPlacement,
+                             platform: Platform) -> float | None:
+    """Seconds of the `kind` collective ("all_reduce", "reduce", "broadcast") of `nbytes` per
+    rank from the platform's measured fit for a group of this size inside one node
+    (`Platform.collective_fit`: latency + bytes / bandwidth, what `tuner measure` fitted to
+    gloo's own collective), or None where the platform has no such fit."""
+    if group.remote_peers:
+        return None
+    fit = platform.collective_fit(kind, group.size)
+    if fit is None:
+        return None
+    latency, bandwidth = fit
+    return latency + nbytes / bandwidth
+
+
+def reduce_time(nbytes: float, group: GroupPlacement, platform: Platform) -> float:
+    """Reduce of `nbytes` per rank to one owner: the measured fit where the platform has one,
+    else a reduce-scatter's time (half of `allreduce_time`: its fit, or the ring)."""
+    if group.size == 1 or nbytes <= 0:
+        return 0.0
+    t = measured_collective_time("reduce", nbytes, group, platform)
+    return t if t is not None else allreduce_time(nbytes, group, platform) / 2
+
+
+def broadcast_time(nbytes: float, group: GroupPlacement, platform: Platform) -> float:
+    """Broadcast of `nbytes` from one owner to the group: the measured fit where the platform
+    has one, else an all-gather's time (half of `allreduce_time`: its fit, or the ring)."""
+    if group.size == 1 or nbytes <= 0:
+        return 0.0
+    t = measured_collective_time("broadcast", nbytes, group, platform)
+    return t if t is not None else allreduce_time(nbytes, group, platform) / 2
+
+
 def allreduce_time(nbytes: float, group: GroupPlacement, platform: Platform) -> float:
-    """Ring all-reduce of `nbytes` per rank: 2 (n-1)/n of the data crosses each rank's
-    slowest link, with 2 (n-1) latency steps."""
+    """All-reduce of `nbytes` per rank: the platform's measured fit for this group size where
+    it has one (`measured_collective_time`), else a ring: 2 (n-1)/n of the data crosses each
+    rank's slowest link, with 2 (n-1) latency steps."""
     n = group.size
     if n == 1 or nbytes <= 0:
         return 0.0
+    t = measured_collective_time("all_reduce", nbytes, group, platform)
+    if t is not None:
+        return t
     if group.remote_peers:
         bw, lat = platform.nic_bandwidth_per_gpu, platform.network_latency
     else:

@@ -39,7 +39,9 @@ Under the published assumptions (MHA, no embeddings/norms/router/shared/dense, 1
 docs/reference.md 1.1's M(i); tests/test_tuner_estimate.py checks it.
 
 Step time (seconds), for the busiest rank:
-    per micro-batch and chunk: forward + 2 x forward (backward) [+ recompute] compute at the
+    per micro-batch and chunk (for zb-h1 on the stages after the first all of it x (1 + the
+    platform's measured split_backward_extra): B then W cost more than one plain backward):
+    forward + 2 x forward (backward) [+ recompute] compute at the
     platform's GEMM / grouped-GEMM / attention efficiency, + the platform's fixed per-layer
     overhead (measured on CPU, 0 on GPUs), + `Assumptions.activation_traffic_passes` passes
     over the chunk's saved activations at the memory bandwidth (0 by default); 4 all-to-alls per MoE layer (6 with
@@ -63,7 +65,9 @@ Step time (seconds), for the busiest rank:
                   c - 1 others). Its buffers are allocated after the backward, when the
                   activations are freed: not added to the peak
     + optimizer update (memory bound: 2 x the state bytes of the parameters this rank
-      updates / HBM; with ZeRO only its shard)
+      updates / HBM, or those bytes / the platform's measured optimizer_bandwidth; with ZeRO
+      only its shard). Collectives with a measured fit on the platform ([collectives]: gloo's
+      all-reduce, reduce, broadcast by group size) are priced with it (`tuner.comms`)
     + the other dimensions, per layer and micro-batch (`layer_collectives`), on the links
       of their groups (`groups`: TP innermost, then CP, as trainer.layout places them):
         TP + SP   per TP region (attention; the dense branch: shared experts or dense FFN)
@@ -102,8 +106,10 @@ from tuner.comms import (
     GroupPlacement,
     allreduce_time,
     alltoall_time,
+    broadcast_time,
     dedup_factor,
     p2p_time,
+    reduce_time,
 )
 from tuner.costs import (
     a2a_exposed,
@@ -569,10 +575,14 @@ def _dp_collectives(plan: ParallelPlan, pairs: tuple, platform: Platform, gb: in
     rs = n_rs * sum(reduce_scatter_time(n * gb, g, platform) for n, g in pairs)
     ag = sum(all_gather_time(n * wb, g, platform) for n, g in pairs)
     if asm.zero_sharding == "per-parameter":
+        # owners' whole tensors: the backend's reduce and broadcast (measured fits where the
+        # platform has them, `tuner.comms`; else the ring halves above)
+        bc = sum(broadcast_time(n * wb, g, platform) for n, g in pairs)
         if plan.zero == 1:
             return {"all_reduce": sum(allreduce_time(n * gb, g, platform) for n, g in pairs),
-                    "broadcast": ag}
-        return {"reduce": rs, "broadcast": ag}
+                    "broadcast": bc}
+        return {"reduce": n_rs * sum(reduce_time(n * gb, g, platform) for n, g in pairs),
+                "broadcast": bc}
     return {"reduce_scatter": rs, "all_gather": ag}
 
 
@@ -624,7 +634,7 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
             busy += 3 * fwd + rec + len(c) * pf.layer_overhead
         busiest = max(busiest, busy * plan.microbatches)
     upd = max(st.update_bytes for st in stages or stage_memory(cfg_, plan, pf, precision, asm))
-    return busiest / (1.0 - bubble) + 2 * upd / pf.hbm_bandwidth
+    return busiest / (1.0 - bubble) + pf.optimizer_time(upd)
 
 
 def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platform,
@@ -671,7 +681,13 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
             stage = s_local * plan.pp + r
             if stage == plan.pp * plan.n_virtual - 1:
                 fwd += head_fwd(cfg, plan, pf, t_attn)
-            acc["compute"] += 3 * fwd + rec + len(c) * pf.layer_overhead
+            chunk = 3 * fwd + rec + len(c) * pf.layer_overhead
+            if plan.schedule == "zb-h1" and stage > 0:
+                # the split backward (B, then W) runs slower than a plain one by the
+                # platform's measured fraction (0 unless measured); the first stage, fed token
+                # ids, has no input gradient and runs its backward plain
+                chunk *= 1.0 + pf.split_backward_extra
+            acc["compute"] += chunk
             if asm.activation_traffic_passes:
                 act = sum(sum(_layer_act(kinds[cfg.is_moe_layer(i)], plan.checkpointing, t_attn,
                                          t_exp, D, asm.activation_set).values()) for i in c)
@@ -690,7 +706,7 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
                   for k, v in _dp_sync(sm, plan, groups, pf, precision, asm).items()}
         if sum(parts_.values()) > dp_sync:
             dp_sync, dp_parts = sum(parts_.values()), parts_
-    optim = max(2 * sm.update_bytes for sm in stages) / pf.hbm_bandwidth
+    optim = max(pf.optimizer_time(sm.update_bytes) for sm in stages)  # measured or 2 x / HBM
     step = pipe + dp_sync + optim
     used = {"tp": plan.tp > 1, "cp": plan.cp > 1, "etp": plan.etp > 1, "zero3": plan.zero == 3}
     time = {**{k: v for k, v in per_rank[busiest].items() if used.get(k, True)},

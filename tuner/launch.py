@@ -60,9 +60,10 @@ class Measured:
 
 def check_runnable(plan: ParallelPlan, model: str, max_procs: int = MAX_LOCAL_PROCS) -> None:
     """Refuse, before any work, a plan this machine cannot run as CPU processes."""
-    from model import presets
+    from model import ModelConfig, presets
 
-    cfg = presets.get(model)
+    # `model`: a preset name, or a Hugging Face checkpoint folder (its config.json)
+    cfg = ModelConfig.from_hf_config(model) if Path(model).is_dir() else presets.get(model)
     if plan.n_gpus > max_procs:
         raise ValueError(
             f"plan pp={plan.pp} x dp={plan.dp} x ep={plan.ep} needs {plan.n_gpus} processes; this "
@@ -74,8 +75,9 @@ def check_runnable(plan: ParallelPlan, model: str, max_procs: int = MAX_LOCAL_PR
 
 def train_args(plan: ParallelPlan, model: str, out_dir: Path, steps: int, data: Path | None,
                threads: int = 0) -> list[str]:
-    """train.py options that run `plan` for `steps` steps with the memory report on."""
-    args = [f"--model.preset={model}"]
+    """train.py options that run `plan` for `steps` steps with the memory report on; `model`
+    is a preset name or a Hugging Face checkpoint folder."""
+    args = [f"--model.hf_path={model}" if Path(model).is_dir() else f"--model.preset={model}"]
     args += [f"--{name}.{k}={v}" for name, body in run_sections(plan).items()
              for k, v in body.items()]
     args += [f"--train.steps={steps}", "--train.eval_every=0", "--train.eval_batches=1",

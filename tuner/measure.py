@@ -23,6 +23,18 @@ as the median of repeats after a warm-up:
                   processes -> bandwidth and per-message latency by a least-squares fit
                   t = latency + bytes / bandwidth
     P2P           send/recv ping-pong between ranks 0 and 1, fitted the same way
+    collectives   all_reduce, reduce (to rank 0 of the group) and broadcast (from it) over
+                  COLL_SIZES (the trainer's gradient buckets and ZeRO's per-owner buckets
+                  span 0.1-25 MB) on all `n_procs` processes, and with n_procs >= 4 also on
+                  concurrent disjoint pairs (a DP group of 2 beside another), each fitted
+                  t = latency + bytes / bandwidth -> [collectives] (the model prices these
+                  collectives with them instead of ring formulas over the all-to-all rate)
+    split backward  one tiny-preset decoder layer at 1024 tokens, forward + zero-bubble split
+                  backward (pipeline/split_backward.py: B, then W) against forward + plain
+                  backward -> split_backward_extra (the fraction it adds)
+    optimizer     the trainer's AdamW step (foreach=False, fp32) over the tiny preset's
+                  parameters, in all processes at once -> optimizer_bandwidth (state bytes
+                  updated per second: 16 per parameter, weights + gradients + 2 moments)
 Everything runs on one node, so the network (NIC) entries repeat the intra-node fit.
 """
 
@@ -220,9 +232,54 @@ def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, thre
     copy = _copy_bandwidth((32 if quick else 256) * 2**20, reps)
     dist.barrier(group)
     overhead = _layer_overhead(reps)
+    dist.barrier(group)
+    optimizer = _optimizer_rate(reps)
+    dist.barrier(group)
+    split_extra = _split_backward_extra(reps)
     return {"rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
             "overhead": overhead, "widths": widths, "grid": grid, "grouped_rows": grouped_rows,
-            "attn_grid": attn_grid}
+            "attn_grid": attn_grid, "optimizer": optimizer, "split_extra": split_extra}
+
+
+def _split_backward_extra(repeats: int, tokens: int = 1024) -> float:
+    """(forward + split backward) / (forward + plain backward) - 1 for one decoder layer of
+    the tiny preset at `tokens` tokens (the zero-bubble schedule's B then W, as its stages run
+    them), clamped at 0."""
+    from model import presets
+    from model.transformer import Block
+    from pipeline.split_backward import backward_input, backward_weight
+
+    cfg = presets.get("tiny")
+    block = Block(cfg, 1)
+    params = list(block.parameters())
+    x = torch.randn(1, tokens, cfg.d_model, requires_grad=True)
+
+    def plain() -> None:
+        block(x).sum().backward()
+
+    def split() -> None:
+        out = block(x).sum()
+        _, work = backward_input([out], [None], x, params)
+        backward_weight(work, params)
+
+    t_plain = _median_time(plain, repeats, warmup=2)
+    t_split = _median_time(split, repeats, warmup=2)
+    return max(0.0, t_split / t_plain - 1.0)
+
+
+def _optimizer_rate(repeats: int) -> float:
+    """State bytes per second of the trainer's optimizer step (trainer/zero.py's
+    torch.optim.AdamW(foreach=False) on fp32 parameters, here the tiny preset's 43 tensors,
+    3.4 M parameters): 16 bytes per parameter (weight, gradient, two moments) / step time. The
+    per-tensor Python cost is the tiny model's share of it (an assumption for other shapes)."""
+    from model import MoETransformer, presets
+
+    params = [p for p in MoETransformer(presets.get("tiny")).parameters()]
+    for q in params:
+        q.grad = torch.randn_like(q)
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=False)
+    n = sum(q.numel() for q in params)
+    return 16 * n / _median_time(opt.step, repeats, warmup=2)
 
 
 def p2p_one_way_s(rank: int, buf: torch.Tensor, repeats: int) -> float:
@@ -240,9 +297,36 @@ def p2p_one_way_s(rank: int, buf: torch.Tensor, repeats: int) -> float:
     return _median_time(ping, repeats, min_s=0.0) / 2
 
 
-def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: list[int], repeats: int) -> dict:
-    """Median seconds of all_to_all_single and of a 0 <-> 1 ping-pong per message size."""
-    out: dict[str, list[float]] = {"a2a": [], "p2p": []}
+COLL_SIZES = ((2**16, 2**18, 2**20, 2**22, 2**24), (2**18, 2**20, 2**22))  # (full, quick)
+
+
+def _collective_times(rank: int, group: dist.ProcessGroup | None, root: int, sizes: Sequence[int],
+                      repeats: int) -> dict[str, list[float]]:
+    """Median seconds of all_reduce, reduce to and broadcast from global rank `root` on
+    `group` (every member calls; concurrent groups run at once) per size in bytes."""
+    out: dict[str, list[float]] = {"all_reduce": [], "reduce": [], "broadcast": []}
+    for nb in sizes:
+        x = torch.ones(max(1, nb // 4))
+        calls = {"all_reduce": lambda x=x: dist.all_reduce(x, group=group),
+                 "reduce": lambda x=x: dist.reduce(x, root, group=group),
+                 "broadcast": lambda x=x: dist.broadcast(x, root, group=group)}
+        for kind, fn in calls.items():
+            dist.barrier()
+            out[kind].append(_median_time(fn, repeats, min_s=0.0))
+    return out
+
+
+def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: list[int], repeats: int,
+                 coll_sizes: Sequence[int] = ()) -> dict:
+    """Median seconds of all_to_all_single and of a 0 <-> 1 ping-pong per message size, and of
+    the collectives (`_collective_times`) on all ranks and on concurrent pairs."""
+    out: dict[str, Any] = {"a2a": [], "p2p": []}
+    if coll_sizes:
+        out["coll"] = {world: _collective_times(rank, group, 0, coll_sizes, repeats)}
+        if world >= 4 and world % 2 == 0:  # every rank in a pair: same barrier count
+            pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+            out["coll"][2] = _collective_times(rank, pairs[rank // 2], rank - rank % 2,
+                                               coll_sizes, repeats)
     for nb in sizes:
         n = max(world, nb // 4 // world * world)
         x, y = torch.ones(n), torch.empty(n)
@@ -286,6 +370,14 @@ def write_platform_toml(p: Platform, path: Path, comments: dict[str, str]) -> Pa
             else:
                 val = _toml_value(v)
             lines.append(f"{key} = {val}" + (f"  # {note}" if note else ""))
+    if "collectives" in d:
+        lines.append("")
+        if comments.get("collectives"):
+            lines.append(f"# {comments['collectives']}")
+        lines.append("[collectives]")
+        for key, fits in d["collectives"].items():
+            lines.append(f"{key} = [" + ", ".join(f"[{n}, {lat:.6g}, {bw:.6g}]"
+                                                  for n, lat, bw in fits) + "]")
     for section in ("gemm_table", "grouped_table", "attention_table", "roofline"):
         if section not in d:
             continue
@@ -359,7 +451,20 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
 
     fields = compute_fields(per_rank, quick)
     sizes = [2**12, 2**16, 2**20] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22]
-    res = run_local(_comm_worker, n_procs, sizes, reps)[0]
+    coll_sizes = COLL_SIZES[1 if quick else 0]
+    per_rank_comm = run_local(_comm_worker, n_procs, sizes, reps, coll_sizes)
+    res = per_rank_comm[0]
+    # each fit from the median over ranks of the per-size times (the slowest rank sets a
+    # collective's end, but one lucky or unlucky rank does not set the fit)
+    collectives = []
+    for n in sorted(res["coll"]):
+        for kind in ("all_reduce", "reduce", "broadcast"):
+            ts = [statistics.median(r["coll"][n][kind][i] for r in per_rank_comm if n in r["coll"])
+                  for i in range(len(coll_sizes))]
+            lat, bw = fit_latency_bandwidth(coll_sizes, ts)
+            collectives.append((kind, n, lat, bw))
+    fields["optimizer_bandwidth"] = statistics.median(r["optimizer"] for r in per_rank)
+    fields["split_backward_extra"] = statistics.median(r["split_extra"] for r in per_rank)
     a2a_lat, a2a_bw_total = fit_latency_bandwidth(sizes, res["a2a"])
     p2p_lat, p2p_bw = fit_latency_bandwidth(sizes, res["p2p"])
     # An all-to-all of B bytes per rank moves B (n-1)/n off each rank: report per-rank
@@ -371,7 +476,8 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         device=f"CPU process ({threads} threads)", backend="gloo", launcher="torchrun",
         hbm_bytes=ram / n_procs, gpus_per_node=n_procs,
         nic_bandwidth=p2p_bw, nics_per_node=n_procs, intra_node_bandwidth=a2a_bw,
-        usable_fraction=0.9, intra_node_latency=a2a_lat, network_latency=p2p_lat, **fields,
+        usable_fraction=0.9, intra_node_latency=a2a_lat, network_latency=p2p_lat,
+        collectives=tuple(collectives), **fields,
     )
     n_rates = len(per_rank[0]["rates"])
     notes = {
@@ -384,6 +490,13 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         "layer_overhead_us": "MoE layer fwd+bwd at 4 tokens, width 32 (per-op dispatch)",
         "hbm_gb": "physical RAM / processes",
         "hbm_bandwidth_gbs": "tensor copy, read + write",
+        "split_backward_extra": "zero-bubble split backward's extra time / plain fwd+bwd, "
+                                "tiny layer, 1024 tokens",
+        "optimizer_bandwidth_gbs": "AdamW(foreach=False) step, 16 B/param / s, tiny preset",
+        "collectives": f"measured: gloo collectives over groups of n of the {n_procs} "
+                       f"processes (concurrent pairs below {n_procs}), t = latency + bytes per "
+                       f"rank / bandwidth fitted over {coll_sizes[0] >> 10} KB - "
+                       f"{coll_sizes[-1] >> 20} MB; [n, latency_us, bandwidth_gbs]",
         "intra_node_bandwidth_gbs": f"gloo all_to_all_single fit, {n_procs} processes",
         "intra_node_latency_us": "all_to_all_single fit intercept",
         "nic_bandwidth_gbs": "gloo send/recv fit (one node: loopback)",

@@ -21,6 +21,16 @@ Compute by shape. Beside the single efficiencies a file may carry, each its own 
                        m = rows_per_expert, capped at grouped_max_efficiency
 Tables are interpolated linearly in log(axis) on every axis and clamped at the ends. Precedence
 per op: table, then roofline, then the single efficiency (the behaviour before tables).
+
+Measured collectives (`tuner measure` on CPU; absent on the GPU platforms). A section
+    [collectives]      all_reduce / reduce / broadcast = [[group size, latency_us,
+                       bandwidth_gbs], ...]: t = latency + bytes per rank / bandwidth, fitted
+                       to the backend's own collective over groups of that size inside one
+                       node (concurrent disjoint groups when smaller than the node)
+prices those collectives directly (`tuner.comms`); a kind or group size it lacks falls back
+to the ring formulas over the link rates. `[memory] optimizer_bandwidth_gbs`: state bytes
+(weights, gradients, moments) the trainer's optimizer step updates per second, measured; 0 or
+absent: the step is memory bound, 2 x the state bytes / hbm_bandwidth (`optimizer_time`).
 """
 
 from __future__ import annotations
@@ -43,9 +53,11 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("compute", "grouped_gemm_efficiency", "grouped_gemm_efficiency", 1.0),
     ("compute", "attention_efficiency", "attention_efficiency", 1.0),
     ("compute", "layer_overhead_us", "layer_overhead", 1e-6),
+    ("compute", "split_backward_extra", "split_backward_extra", 1.0),
     ("memory", "hbm_gb", "hbm_bytes", 1e9),
     ("memory", "hbm_bandwidth_gbs", "hbm_bandwidth", 1e9),
     ("memory", "usable_fraction", "usable_fraction", 1.0),
+    ("memory", "optimizer_bandwidth_gbs", "optimizer_bandwidth", 1e9),
     ("node", "gpus_per_node", "gpus_per_node", 1),
     ("node", "nodes_per_domain", "nodes_per_domain", 1),
     ("node", "nodes_per_group", "nodes_per_group", 1),
@@ -160,6 +172,7 @@ _TABLES: dict[str, tuple[tuple[str, ...], str]] = {
     "grouped_table": (("rows_per_expert",), "grouped_table"),
     "attention_table": (("seq", "head_dim"), "attention_table"),
 }
+COLLECTIVE_KINDS = ("all_reduce", "reduce", "broadcast")  # [collectives] keys
 _ROOFLINE_KEYS = {"max_efficiency": "roofline_max_efficiency",
                   "grouped_max_efficiency": "roofline_grouped_max_efficiency",
                   "bytes_per_element": "roofline_bytes_per_element"}
@@ -186,6 +199,10 @@ class Platform:
     # CPU (`tuner measure`); 0 on the GPU platforms, whose layers are large enough that launch
     # overheads hide behind the kernels (an assumption, not measured).
     layer_overhead: float = 0.0
+    # Measured on CPU (`tuner measure`): extra time of the zero-bubble split backward (B, then
+    # W from the recorded cut nodes: pipeline/split_backward.py) over a plain forward +
+    # backward of one decoder layer, as a fraction of the plain time; 0 where not measured
+    split_backward_extra: float = 0.0
     # Measured GEMM efficiency by width: ((w, efficiency), ...) for [2048, w] x [w, w]
     # products, w ascending. Narrow GEMMs run far below peak on a CPU (width 128: ~0.3 of the
     # best shape), which one efficiency cannot say. Empty (GPU platforms): gemm_efficiency.
@@ -199,6 +216,10 @@ class Platform:
     roofline_bytes_per_element: float = 2.0  # bf16 operands
     hbm_bandwidth: float = 1e12
     usable_fraction: float = 0.9
+    # Measured (module docstring): ((kind, group size, latency s, bandwidth B/s), ...) and the
+    # optimizer step's state bytes per second (0: memory bound)
+    collectives: tuple[tuple[str, int, float, float], ...] = ()
+    optimizer_bandwidth: float = 0.0
     nodes_per_domain: int = 1
     nodes_per_group: int = 1
     intra_node_latency: float = 5e-6
@@ -212,6 +233,14 @@ class Platform:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "collectives":
+                for c in v:
+                    if (len(c) != 4 or c[0] not in COLLECTIVE_KINDS or not isinstance(c[1], int)
+                            or c[1] < 2 or not c[2] >= 0 or not c[3] > 0):
+                        raise ValueError(f"platform {self.name!r}: collective {c!r} must be "
+                                         f"(kind in {COLLECTIVE_KINDS}, group size >= 2, "
+                                         f"latency >= 0 s, bandwidth > 0 B/s)")
+                continue
             if f.name in ("gemm_table", "grouped_table", "attention_table"):
                 if v is not None and not isinstance(v, Grid):
                     raise ValueError(f"platform {self.name!r}: {f.name} must be a Grid, got {v!r}")
@@ -226,6 +255,12 @@ class Platform:
                 continue
             if f.name in _FRACTIONS and not 0.0 < v <= 1.0:
                 raise ValueError(f"platform {self.name!r}: {f.name}={v} must be in (0, 1]")
+        if self.split_backward_extra < 0:
+            raise ValueError(f"platform {self.name!r}: split_backward_extra="
+                             f"{self.split_backward_extra} must be >= 0")
+        if self.optimizer_bandwidth < 0:
+            raise ValueError(f"platform {self.name!r}: optimizer_bandwidth="
+                             f"{self.optimizer_bandwidth} must be >= 0 (0 = memory bound)")
         if self.layer_overhead < 0:
             raise ValueError(f"platform {self.name!r}: layer_overhead={self.layer_overhead} must be >= 0")
         for key in ("peak_flops", "hbm_bytes", "nic_bandwidth", "intra_node_bandwidth",
@@ -309,6 +344,22 @@ class Platform:
             return e if causal else 2.0 * e
         return self.attention_efficiency / 2 if causal else self.attention_efficiency
 
+    def collective_fit(self, kind: str, group_size: int) -> tuple[float, float] | None:
+        """(latency s, bandwidth B/s) of the measured `kind` collective over `group_size`
+        ranks of one node, or None where the file has none (module docstring)."""
+        for k, n, lat, bw in self.collectives:
+            if k == kind and n == group_size:
+                return lat, bw
+        return None
+
+    def optimizer_time(self, state_bytes: float) -> float:
+        """Seconds of the optimizer step over `state_bytes` of state (weights, gradients,
+        moments of the parameters one rank updates): the measured `optimizer_bandwidth`, else
+        memory bound (each byte read and written once at `hbm_bandwidth`)."""
+        if self.optimizer_bandwidth:
+            return state_bytes / self.optimizer_bandwidth
+        return 2 * state_bytes / self.hbm_bandwidth
+
     @property
     def usable_hbm(self) -> float:
         """Bytes a training process may plan to use on one device."""
@@ -345,6 +396,9 @@ class Platform:
             known.add(section)
             if section in data:
                 kw[fname] = _grid_from(section, axis_names, data[section], source)
+        known.add("collectives")
+        if "collectives" in data:
+            kw["collectives"] = _collectives_from(data["collectives"], source)
         known.add("roofline")
         body = data.get("roofline", {})
         bad_rl = sorted(set(body) - set(_ROOFLINE_KEYS))
@@ -389,10 +443,30 @@ class Platform:
                 out[section] = {an: [_num(v) for v in ax]
                                 for an, ax in zip(axis_names, g.axes, strict=True)}
                 out[section]["efficiency"] = g.nested()
+        if self.collectives:
+            out["collectives"] = {
+                k: [[n, round(lat * 1e6, 3), round(bw / 1e9, 6)]
+                    for kk, n, lat, bw in self.collectives if kk == k]
+                for k in COLLECTIVE_KINDS if any(c[0] == k for c in self.collectives)}
         if self.roofline_max_efficiency:
             out["roofline"] = {key: getattr(self, fname) for key, fname in _ROOFLINE_KEYS.items()
                                if getattr(self, fname)}
         return out
+
+
+def _collectives_from(body: Any, source: str) -> tuple[tuple[str, int, float, float], ...]:
+    """[collectives] of a platform file: kind = [[group size, latency_us, bandwidth_gbs], ...]."""
+    if not isinstance(body, dict) or sorted(set(body) - set(COLLECTIVE_KINDS)):
+        raise ValueError(f"{source}: [collectives] keys must be among {list(COLLECTIVE_KINDS)}")
+    out = []
+    for kind, fits in body.items():
+        for f in fits if isinstance(fits, list) else [fits]:
+            if not (isinstance(f, list) and len(f) == 3
+                    and all(isinstance(x, int | float) for x in f)):
+                raise ValueError(f"{source}: [collectives] {kind} entry {f!r} must be "
+                                 f"[group size, latency_us, bandwidth_gbs]")
+            out.append((kind, int(f[0]), float(f[1]) * 1e-6, float(f[2]) * 1e9))
+    return tuple(out)
 
 
 def _num(v: float) -> int | float:

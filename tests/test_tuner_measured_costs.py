@@ -1,0 +1,109 @@
+"""Measured collectives and optimizer rate on a platform (`[collectives]`,
+`optimizer_bandwidth_gbs`): the file round trip, the named errors, and the model pricing with
+them, each against the fit's own formula worked by hand (latency + bytes / bandwidth) or, where
+the platform has no fit, against the ring formulas it had before."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from model import presets
+from tuner import Assumptions, ParallelPlan, estimate, load_platform
+from tuner.comms import allreduce_time, broadcast_time, placement, reduce_time
+from tuner.layout import FP32_TRAINER_PRECISION
+from tuner.measure import write_platform_toml
+from tuner.platform import Platform
+
+FITS = (("all_reduce", 2, 400e-6, 0.8e9), ("reduce", 2, 300e-6, 0.5e9),
+        ("broadcast", 2, 200e-6, 1.5e9), ("all_reduce", 4, 900e-6, 0.6e9))
+
+
+def _local(**kw) -> Platform:
+    kw = {"gpus_per_node": 4, "nics_per_node": 4, **kw}
+    return dataclasses.replace(load_platform("frontier"), name="local", backend="gloo", **kw)
+
+
+def test_collectives_and_optimizer_rate_round_trip(tmp_path) -> None:
+    p = _local(collectives=FITS, optimizer_bandwidth=2.5e9)
+    back = load_platform(write_platform_toml(p, tmp_path / "m.toml", {"collectives": "test"}))
+    assert back.optimizer_bandwidth == pytest.approx(2.5e9)
+    for (k, n, lat, bw), (k2, n2, lat2, bw2) in zip(p.collectives, sorted(
+            back.collectives, key=lambda c: [f[:2] for f in FITS].index(c[:2])), strict=True):
+        # the file keeps microseconds to 3 decimals and GB/s to 6 digits
+        assert (k, n) == (k2, n2) and lat2 == pytest.approx(lat, rel=1e-6)
+        assert bw2 == pytest.approx(bw, rel=1e-6)
+    assert Platform.from_dict(load_platform("frontier").to_dict()).collectives == ()
+
+
+def test_bad_collectives_are_named() -> None:
+    d = _local().to_dict()
+    with pytest.raises(ValueError, match=r"\[collectives\] keys"):
+        Platform.from_dict({**d, "collectives": {"allgather": [[2, 1.0, 1.0]]}})
+    with pytest.raises(ValueError, match="group size, latency_us, bandwidth_gbs"):
+        Platform.from_dict({**d, "collectives": {"reduce": [[2, 1.0]]}})
+    with pytest.raises(ValueError, match="group size >= 2"):
+        _local(collectives=(("reduce", 1, 1e-4, 1e9),))
+    with pytest.raises(ValueError, match="optimizer_bandwidth"):
+        _local(optimizer_bandwidth=-1.0)
+
+
+def test_collective_times_use_the_fit_else_the_ring() -> None:
+    p, nb = _local(collectives=FITS), 13.7e6
+    g2, g4 = placement(2, 1, 4), placement(4, 1, 4)
+    assert allreduce_time(nb, g2, p) == pytest.approx(400e-6 + nb / 0.8e9, rel=1e-12)
+    assert reduce_time(nb, g2, p) == pytest.approx(300e-6 + nb / 0.5e9, rel=1e-12)
+    assert broadcast_time(nb, g2, p) == pytest.approx(200e-6 + nb / 1.5e9, rel=1e-12)
+    assert allreduce_time(nb, g4, p) == pytest.approx(900e-6 + nb / 0.6e9, rel=1e-12)
+    # no reduce / broadcast fit at 4: half the all-reduce (here its fit)
+    assert reduce_time(nb, g4, p) == pytest.approx((900e-6 + nb / 0.6e9) / 2, rel=1e-12)
+    assert broadcast_time(nb, g4, p) == pytest.approx((900e-6 + nb / 0.6e9) / 2, rel=1e-12)
+    # no fits at all: the ring over the link rates, as before
+    bare = _local()
+    ring4 = 2 * 3 / 4 * nb / bare.intra_node_bandwidth + 2 * 3 * bare.intra_node_latency
+    assert allreduce_time(nb, g4, bare) == pytest.approx(ring4, rel=1e-12)
+    assert reduce_time(nb, g4, bare) == pytest.approx(ring4 / 2, rel=1e-12)
+    assert broadcast_time(nb, g4, bare) == pytest.approx(ring4 / 2, rel=1e-12)
+
+
+def test_optimizer_time_measured_else_memory_bound() -> None:
+    assert _local(optimizer_bandwidth=2e9).optimizer_time(54.6e6) == pytest.approx(54.6e6 / 2e9)
+    bare = _local()
+    assert bare.optimizer_time(54.6e6) == pytest.approx(2 * 54.6e6 / bare.hbm_bandwidth)
+
+
+def test_estimate_prices_zero2_with_the_fits() -> None:
+    """ZeRO-2 at DP = 2 with the trainer's per-parameter owners: the gradients reduced to
+    owners and the weights broadcast from them, over the non-expert (DP x EP = 2) and expert
+    (DP = 2) groups, each one fit of the platform; the optimizer at the measured rate."""
+    cfg = presets.get("tiny")
+    p = _local(collectives=FITS, optimizer_bandwidth=2e9, gpus_per_node=2, nics_per_node=2)
+    plan = ParallelPlan(pp=1, ep=1, dp=2, microbatches=1, global_batch=8, seq_len=128, zero=2)
+    asm = Assumptions(activation_set="trainer", zero_sharding="per-parameter")
+    e = estimate(cfg, plan, p, FP32_TRAINER_PRECISION, asm)
+    st = e.stages[0]
+    exp = sum(v for k, v in st.params_by_part.items() if k in ("experts", "redundant_experts"))
+    rep = sum(st.params_by_part.values()) - exp
+    by_hand_reduce = sum(300e-6 + 4 * n / 0.5e9 for n in (rep, exp))
+    by_hand_bcast = sum(200e-6 + 4 * n / 1.5e9 for n in (rep, exp))
+    assert e.dp_collectives["reduce"] == pytest.approx(by_hand_reduce, rel=1e-9)
+    assert e.dp_collectives["broadcast"] == pytest.approx(by_hand_bcast, rel=1e-9)
+    assert e.time["optimizer"] == pytest.approx(st.update_bytes / 2e9, rel=1e-12)
+
+
+def test_zero_bubble_split_backward_extra() -> None:
+    """zb-h1's stages after the first pay the measured split-backward fraction on their whole
+    per-chunk compute; the first stage (token ids, no input gradient) and 1F1B do not."""
+    cfg = presets.get("tiny")
+    plan = ParallelPlan(pp=2, ep=1, dp=1, microbatches=4, global_batch=16, seq_len=256,
+                        schedule="zb-h1")
+    base, slow = _local(gpus_per_node=2, nics_per_node=2), _local(
+        gpus_per_node=2, nics_per_node=2, split_backward_extra=0.5)
+    e0, e1 = (estimate(cfg, plan, p, FP32_TRAINER_PRECISION) for p in (base, slow))
+    assert e1.time["compute"] == pytest.approx(1.5 * e0.time["compute"], rel=1e-12)
+    f0, f1 = (estimate(cfg, plan.replace(schedule="1f1b"), p, FP32_TRAINER_PRECISION)
+              for p in (base, slow))
+    assert f1.step_time == f0.step_time  # same ops in the same order: exact
+    with pytest.raises(ValueError, match="split_backward_extra"):
+        _local(split_backward_extra=-0.1)
