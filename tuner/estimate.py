@@ -290,12 +290,6 @@ def _kind_counts(cfg: ModelConfig, ep: int, seq: int, flash: bool) -> dict[bool,
     return out
 
 
-def _check(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions) -> None:
-    E = cfg.n_routed_experts
-    if E and E % plan.ep:
-        raise ValueError(f"ep={plan.ep} does not divide {E} experts of {cfg.name}; valid: "
-                         f"{[d for d in range(1, E + 1) if E % d == 0]}")
-    if not E and plan.ep != 1:
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -322,14 +316,20 @@ def _check_split_dims(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions) ->
                          f"etp = 1; got tp={plan.tp}, cp={plan.cp}, etp={plan.etp}")
 
 
+def _check(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions) -> None:
+    E = cfg.n_routed_experts
+    if E and E % plan.ep:
+        raise ValueError(f"ep={plan.ep} does not divide {E} experts of {cfg.name}; valid: "
+                         f"{[d for d in range(1, E + 1) if E % d == 0]}")
+    if not E and plan.ep != 1:
         raise ValueError(f"{cfg.name} has no routed experts; ep={plan.ep} must be 1")
+    _check_split_dims(cfg, plan, asm)
     if plan.redundant > E - E // plan.ep:
         raise ValueError(
             f"redundant={plan.redundant} exceeds the {E - E // plan.ep} experts of {cfg.name} an "
             f"EP rank does not hold (E={E}, ep={plan.ep}): a redundant slot holds a replica of "
             f"one of them; valid: 0..{E - E // plan.ep}")
     if asm.attention == "sharded" and plan.global_batch % (plan.attn_dp * plan.microbatches):
-    _check_split_dims(cfg, plan, asm)
         raise ValueError(
             f"global_batch={plan.global_batch} is not divisible by dp={plan.attn_dp} x "
             f"microbatches={plan.microbatches} (dp = edp={plan.dp} x ep={plan.ep} x "
