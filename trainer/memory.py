@@ -56,7 +56,7 @@ class SavedTensorMeter:
         self._refs: dict[int, int] = {}  # storage ptr -> saved tensors referencing it
         self.live = 0
         self.peak = 0
-        self._ctx = None
+        self._ctx: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def reset_peak(self) -> None:
         self.peak = self.live
@@ -90,11 +90,14 @@ class SavedTensorMeter:
         return x.t if isinstance(x, _Held) else x
 
     def __enter__(self) -> SavedTensorMeter:
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._ctx.__enter__()
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        ctx.__enter__()
+        self._ctx = ctx
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._ctx is None:
+            raise RuntimeError("SavedTensorMeter.__exit__ without __enter__")
         self._ctx.__exit__(*exc)
         self._ctx = None
 
