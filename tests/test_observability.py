@@ -127,9 +127,17 @@ def test_layer_metrics_of_both_stages_match_one_process(run, reference):
             c = np.asarray(counts, dtype=np.float64)
             assert c.sum() == 8 * 32 * 2  # global batch x seq_len x top_k token copies
             want = _stats(c)
+            # The 4-process run computes router logits in GEMMs of other shapes, so a near-tie
+            # top-k choice may flip on some CPU: allow up to 2 flipped token copies (each moves
+            # one count by -1 and another by +1, ||delta||_2 <= 2): max/mean moves <= 2/mean,
+            # cv <= 2/(sqrt(E) mean), empty experts <= 2. A stage reporting another stage's
+            # layer, or a wrong statistic, is far outside these (here they match exactly).
+            m, n_e = c.mean(), len(c)
+            tol = {"load_max_over_mean": 2 / m, "load_cv": 2 / (math.sqrt(n_e) * m),
+                   "empty_experts": 2.0}
             for k, v in want.items():
                 tb = dict(sc[f"moe/layer_{i:02d}/{k}"])[step]
-                assert tb == pytest.approx(v, rel=1e-5, abs=1e-6), (step, i, k, tb, v)
+                assert tb == pytest.approx(v, rel=1e-5, abs=tol[k] + 1e-6), (step, i, k, tb, v)
             # router entropy: same routing probabilities in one process (fp32 sums reordered)
             h_pp = pp_rows[step]["layers"][i]["router_entropy"]
             h_ref = ref_rows[step]["layers"][i]["router_entropy"]
