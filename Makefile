@@ -44,8 +44,9 @@ test: $(STAMP)
 # The edit loop: unit tests only (no torchrun/gloo processes, no end-to-end train.py or CLI
 # runs, no Triton interpreter, no network namespaces); under 2 minutes on 2 cores.
 FAST_MARKERS := not slow and not gpu and not multiproc and not integration and not interpreter and not netns
+FAST_WORKERS ?= 2
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "$(FAST_MARKERS)" $(ARGS)
+	$(PY) -m pytest -q -n $(FAST_WORKERS) -m "$(FAST_MARKERS)" $(ARGS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" $(ARGS)
