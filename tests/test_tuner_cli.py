@@ -204,3 +204,19 @@ def test_redundant_slots_state_matches_a_real_run(tmp_path):
     m = run_plan_locally(plan, "tiny", tmp_path / "run", steps=4, warmup=2)
     assert st.redundant_bytes > 0
     assert m.state_bytes == pytest.approx(st.state, rel=1e-4)
+
+
+def test_reproduce_paper_writes_under_runs_unless_recording():
+    """The benchmarks' convention (benchmarks/_common.py): by default `reproduce-paper` leaves
+    the tracked table alone; --record writes it; --out and --record exclude each other."""
+    from tuner.cli import _parser, reproduce_path
+
+    root = Path(__file__).resolve().parents[1]
+    p = _parser()
+    assert reproduce_path(p.parse_args(["reproduce-paper"])) == \
+        root / "runs" / "bench" / "reproduce_paper" / "reproduce_paper.md"
+    assert reproduce_path(p.parse_args(["reproduce-paper", "--record"])) == \
+        root / "benchmarks" / "results" / "reproduce_paper.md"
+    assert reproduce_path(p.parse_args(["reproduce-paper", "--out", "x.md"])) == Path("x.md")
+    with pytest.raises(SystemExit):
+        p.parse_args(["reproduce-paper", "--out", "x.md", "--record"])

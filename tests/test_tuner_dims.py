@@ -17,6 +17,7 @@ from tuner.costs import layer_parts as _layer_parts
 from tuner.counts import layer_counts
 from tuner.estimate import step_time_lower_bound
 from tuner.layout import MEGATRON_PRECISION, PUBLISHED_PRECISION, fold_degrees
+from tuner.platform import load_platform
 
 PF = Platform(
     name="toy", peak_flops=100e12, hbm_bytes=80e9, gpus_per_node=4, nic_bandwidth=10e9,
@@ -157,12 +158,20 @@ def test_overlap_modes():
     m1 = base.replace(microbatches=1)
     assert estimate(cfg, m1.replace(a2a_overlap="fb"), PF, PUBLISHED_PRECISION).time["alltoall"] \
         == estimate(cfg, m1, PF, PUBLISHED_PRECISION).time["alltoall"]
-    # a fast network: every paired exchange hides, 1/M of it stays exposed
+    # a fast network: every paired exchange hides, 1/M of it stays exposed, and of the
+    # paired ones the share of the device their kernels take (overlap_compute_share)
     fast = dataclasses.replace(PF, nic_bandwidth=1e15, intra_node_bandwidth=1e15,
                                network_latency=0.0, intra_node_latency=0.0)
     n_f = estimate(cfg, base, fast, PUBLISHED_PRECISION).time["alltoall"]
-    fb_f = estimate(cfg, base.replace(a2a_overlap="fb"), fast, PUBLISHED_PRECISION)
+    free = Assumptions(overlap_compute_share=0.0)
+    fb_f = estimate(cfg, base.replace(a2a_overlap="fb"), fast, PUBLISHED_PRECISION, free)
     assert fb_f.time["alltoall"] == pytest.approx(n_f / 4, rel=1e-9)
+    s = Assumptions().overlap_compute_share
+    assert s == pytest.approx(20 / 132)  # DeepSeek-V3 report: 20 of 132 SMs
+    fb_s = estimate(cfg, base.replace(a2a_overlap="fb"), fast, PUBLISHED_PRECISION)
+    assert fb_s.time["alltoall"] == pytest.approx(n_f * (1 / 4 + 3 / 4 * s), rel=1e-9)
+    with pytest.raises(ValueError, match="overlap_compute_share=1.0 must be in"):
+        Assumptions(overlap_compute_share=1.0)
 
 
 # -- FP8, precision policies ------------------------------------------------------------------------
@@ -179,6 +188,37 @@ def test_fp8_is_a_platform_rate():
     for k in ("gemm", "experts", "dense"):
         assert f8[k] == pytest.approx(b16[k] / 2, rel=1e-12)
     assert f8["attn_core"] == b16["attn_core"] and f8["router"] == b16["router"]
+
+
+def test_fp8_rate_from_the_platform_file():
+    """A platform's stated FP8 peak is the fp8 GEMM rate (dgx-h100: 1979 TFLOPS, the H100 SXM
+    datasheet); at a rate of 2 x the bf16 peak the GEMMs take half the time, as with
+    fp8_peak_factor = 2, and a negative rate is refused."""
+    h100 = load_platform("dgx-h100")
+    assert h100.fp8_peak_flops == 1979e12
+    pf8 = dataclasses.replace(PF, fp8_peak_flops=2 * PF.peak_flops)
+    cfg = _mha()
+    plan = ParallelPlan(pp=1, ep=2, dp=1, microbatches=1, global_batch=2, seq_len=16,
+                        precision="fp8")
+    lc = layer_counts(cfg, 0, 2, 16, True)
+    by_rate = _layer_parts(lc, 16.0, 16.0, pf8, cfg, plan, Assumptions())
+    by_factor = _layer_parts(lc, 16.0, 16.0, PF, cfg, plan, Assumptions(fp8_peak_factor=2.0))
+    assert by_rate == by_factor  # same ops on the same numbers
+    with pytest.raises(ValueError, match="fp8_peak_flops=-1.0 must be >= 0"):
+        dataclasses.replace(PF, fp8_peak_flops=-1.0)
+
+
+def test_cp_whole_sequences_use_the_dense_side_dp():
+    """Qwen3-235B at seq 64K on 256 GPUs, pp 8, tp 4, cp 4, ep 8 (the ModelZoo long-context
+    row): a stage's 32 ranks hold edp 4 x ep 8 experts and dp 2 x cp 4 x tp 4 dense, so 256
+    sequences make 128 micro-batches of one sequence per dense-side rank; the check once used
+    edp 4 (4 x 128 = 512 > 256) and refused it. 3 micro-batches would not divide."""
+    plan = ParallelPlan(pp=8, ep=8, dp=4, tp=4, cp=4, microbatches=128, global_batch=256,
+                        seq_len=65536, schedule="interleaved-1f1b", n_virtual=4)
+    assert plan.attn_dp == 2 and plan.attn_dp * plan.microbatches == plan.global_batch
+    with pytest.raises(ValueError, match=r"global_batch=256 is not divisible by dp=2 x "
+                                         r"microbatches=384"):
+        plan.replace(microbatches=384)
 
 
 def test_megatron_policy_is_the_distributed_optimizer_table():

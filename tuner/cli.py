@@ -11,7 +11,8 @@
         [--a2a-overlap none|layer|fb] [--precision bf16|fp8]
         [--precision-policy trainer|published|megatron] [--schedule S] [--ep-placement P]
         [--redundant R] [--json]
-    python -m tuner reproduce-paper [--out benchmarks/results/reproduce_paper.md]
+    python -m tuner reproduce-paper [--out FILE | --record]   (default: runs/bench/reproduce_paper/;
+        --record: the tracked benchmarks/results/reproduce_paper.md)
     python -m tuner measure [--out configs/platforms/local.toml] [--procs 4]
 
 `--zero` lists the ZeRO levels searched (default all: 0 replicated state, 1 optimizer state
@@ -65,6 +66,8 @@ if TYPE_CHECKING:
     from tuner.search import Candidate
 
 __all__ = ["main"]
+
+_ROOT = Path(__file__).resolve().parents[1]  # the checkout: tracked records and runs/
 
 
 def _hf_model_path(model: str) -> str:
@@ -259,11 +262,22 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def reproduce_path(args: argparse.Namespace) -> Path:
+    """Where `reproduce-paper` writes, by the benchmarks' convention (benchmarks/_common.py):
+    `--out`, the tracked benchmarks/results/reproduce_paper.md with `--record`, else
+    runs/bench/reproduce_paper/reproduce_paper.md (ignored by git)."""
+    if args.record:
+        return _ROOT / "benchmarks" / "results" / "reproduce_paper.md"
+    if args.out:
+        return Path(args.out)
+    return _ROOT / "runs" / "bench" / "reproduce_paper" / "reproduce_paper.md"
+
+
 def _reproduce(args: argparse.Namespace) -> int:
     from tuner.paper import reproduce_paper
 
+    path = reproduce_path(args)
     text = reproduce_paper(trials=args.trials, seed=args.seed)
-    path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     print(text)
@@ -317,7 +331,12 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_plan)
     _estimate_parser(sub)
     r = sub.add_parser("reproduce-paper", help="published Table IV and results beside ours")
-    r.add_argument("--out", default="benchmarks/results/reproduce_paper.md")
+    w = r.add_mutually_exclusive_group()
+    w.add_argument("--out", default=None,
+                   help="file to write (default runs/bench/reproduce_paper/reproduce_paper.md, "
+                        "ignored by git)")
+    w.add_argument("--record", action="store_true",
+                   help="write the tracked benchmarks/results/reproduce_paper.md instead")
     r.add_argument("--trials", type=int, default=300)
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(func=_reproduce)

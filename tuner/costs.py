@@ -48,9 +48,8 @@ def gemm_peak(pf: Platform, plan: ParallelPlan, asm: Assumptions) -> float:
     `Assumptions.fp8_peak_factor` x the bf16 peak; without either fp8 is refused."""
     if plan.precision == "bf16":
         return pf.peak_flops
-    rate = float(getattr(pf, "fp8_peak_flops", 0.0) or 0.0)
-    if rate > 0:
-        return rate
+    if pf.fp8_peak_flops > 0:
+        return pf.fp8_peak_flops
     if asm.fp8_peak_factor:
         return pf.peak_flops * asm.fp8_peak_factor
     raise ValueError(
@@ -105,6 +104,16 @@ def recompute_time(plan: ParallelPlan, fwd: float, ffn: float) -> float:
     return ffn * 2 / 3 if plan.checkpointing == "selective" else 0.0
 
 
+@functools.lru_cache(maxsize=4096)
+def _stage_per_node(n: int, pp: int, dp: int, ep: int, tp: int, cp: int, etp: int,
+                    gpn: int) -> int:
+    """Most members of one spread stage group on one node (`Layout.node_span`)."""
+    from trainer.layout import Layout
+
+    lay = Layout(n, pp=pp, dp=dp, ep=ep, tp=tp, cp=cp, etp=etp, placement="spread")
+    return lay.node_span("stage", gpn)[0]
+
+
 def place_groups(plan: ParallelPlan, gpn: int, attention: str) -> tuple[dict[str, GroupPlacement], bool]:
     """Where each group sits (`tuner.comms.placement`, by rank stride; the order of
     `trainer.layout`: the expert side (pp, edp, ep, etp) and the dense side (pp, dp, cp, tp)
@@ -121,8 +130,10 @@ def place_groups(plan: ParallelPlan, gpn: int, attention: str) -> tuple[dict[str
         g |= {"ep": placement(ep, etp, gpn), "dp": placement(dp, ep * etp, gpn),
               "rep": placement(rep_size, tp if attention == "sharded" else ep, gpn)}
     else:
-        stage_per_node = min(dp * etp, gpn) if pp > 1 else min(stage, gpn)
-        per_rep = max(1, stage_per_node // tp)
+        # the stage group's members per node, counted on the layout itself: with spread a
+        # node holds the dp x etp blocks of every EP index whose block falls on it (pp 4,
+        # dp 1, ep 2 on 8 GPUs: ranks 0 and 4 of stage 0 on one node)
+        per_rep = max(1, _stage_per_node(plan.n_gpus, pp, dp, ep, tp, cp, etp, gpn) // tp)
         g |= {"ep": placement(ep, pp * dp * etp, gpn), "dp": placement(dp, etp, gpn),
               "rep": GroupPlacement(rep_size, min(rep_size, per_rep))}
     # A pipeline whose stages do not all fit in one node crosses nodes somewhere.
@@ -150,7 +161,8 @@ def a2a_one(nbytes: float, groups: dict[str, GroupPlacement], plan: ParallelPlan
 
 
 def a2a_exposed(plan: ParallelPlan, parts: dict[str, float], rec: float, ab: tuple[float, float],
-                 a2a: functools.partial, chunks: int = 0) -> tuple[float, float]:
+                 a2a: functools.partial, chunks: int = 0,
+                 share: float = 0.0) -> tuple[float, float]:
     """(exposed, total) all-to-all seconds of one MoE layer for one micro-batch.
 
     ab: (dispatch, combine) bytes per rank of one pass. A pass (forward; backward: the
@@ -165,7 +177,9 @@ def a2a_exposed(plan: ParallelPlan, parts: dict[str, float], rec: float, ab: tup
         fb     across micro-batches (combined 1F1B, DualPipe): in the steady state one
                micro-batch's forward runs beside another's backward, their exchanges hidden
                behind both computes: max(0, (2 + full) A - (3 f + rec)) per layer; the
-               warm-up and cool-down micro-batches (max(1, pp - 1) of M) stay exposed."""
+               warm-up and cool-down micro-batches (max(1, pp - 1) of M) stay exposed.
+    An overlapped exchange never hides fully: its kernels take `share` of the device
+    (`Assumptions.overlap_compute_share`), so each max(0, A - X) above is max(A - X, share A)."""
     full = plan.checkpointing == "full"
     d, c_ = ab
     A = a2a(d) + a2a(c_)
@@ -178,12 +192,13 @@ def a2a_exposed(plan: ParallelPlan, parts: dict[str, float], rec: float, ab: tup
         def exposed(c: int) -> float:
             Ac = c * (a2a(d / c) + a2a(c_ / c))
             X = parts["dense"] + parts["experts"] * (c - 1) / c
-            return max(0.0, Ac - X) * (n_pass - 1) + max(0.0, Ac - 2 * X)
+            return (max(Ac - X, share * Ac) * (n_pass - 1)
+                    + max(Ac - 2 * X, share * Ac))
 
         return min(exposed(c) for c in ((chunks,) if chunks else (1, 2, 4, 8))), total
     m = plan.microbatches
     paired = max(0, m - max(1, plan.pp - 1)) / m
-    return paired * max(0.0, total - (3 * f + rec)) + (1 - paired) * total, total
+    return paired * max(total - (3 * f + rec), share * total) + (1 - paired) * total, total
 
 
 def layer_collectives(lc: LayerCounts, parts: dict[str, float], rec: float, t_attn: float,

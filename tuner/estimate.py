@@ -672,7 +672,8 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
                 fwd += f
                 rec += rc
                 if lc.is_moe:
-                    exp_, tot = a2a_exposed(plan, parts, rc, ab_a2a, a2a, asm.a2a_chunks)
+                    exp_, tot = a2a_exposed(plan, parts, rc, ab_a2a, a2a, asm.a2a_chunks,
+                                            asm.overlap_compute_share)
                     acc["alltoall"] += exp_ * (1 - asm.alltoall_overlap)
                     a2a_total += tot
                 for k, v in layer_collectives(lc, parts, rc, t_attn, t_exp, cfg, plan, pf, pb,

@@ -261,6 +261,12 @@ class Assumptions:
         whose file states no FP8 rate. None (default): such a platform refuses fp8. The
         dense FP8 peak of H100/H200 SXM is 2x their bf16 peak (NVIDIA's H100 datasheet:
         1979 vs 989 TFLOPS dense), so 2.0 is the stated parameter for them.
+    overlap_compute_share: share of the device's compute the all-to-all kernels take while
+        they run beside compute (`a2a_overlap` "layer" or "fb"): an overlapped exchange of A
+        seconds against compute X exposes max(A - X, share x A), the compute running on
+        what the communication kernels leave. Default 20 / 132: DeepSeek-V3's overlap
+        (DualPipe, its all-to-all kernels) holds 20 of the H800's 132 SMs for communication
+        (DeepSeek-V3 technical report, arXiv:2412.19437, section 3.2.2). 0: overlap is free.
     """
 
     flash_attention: bool = True
@@ -280,8 +286,12 @@ class Assumptions:
     a2a_chunks: int = 0
     zero3_prefetch: int = 1
     fp8_peak_factor: float | None = None
+    overlap_compute_share: float = 20 / 132
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.overlap_compute_share < 1.0:
+            raise ValueError(f"overlap_compute_share={self.overlap_compute_share} must be in "
+                             f"[0, 1)")
         if isinstance(self.a2a_chunks, bool) or self.a2a_chunks < 0:
             raise ValueError(f"a2a_chunks={self.a2a_chunks!r} must be an int >= 1, or 0 (auto)")
         if self.zero3_prefetch < 0:

@@ -49,6 +49,7 @@ PLATFORM_DIR = Path(__file__).resolve().parents[1] / "configs" / "platforms"
 # (toml section, toml key, dataclass field, factor to SI)
 _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("compute", "peak_tflops", "peak_flops", 1e12),
+    ("compute", "fp8_peak_tflops", "fp8_peak_flops", 1e12),
     ("compute", "gemm_efficiency", "gemm_efficiency", 1.0),
     ("compute", "grouped_gemm_efficiency", "grouped_gemm_efficiency", 1.0),
     ("compute", "attention_efficiency", "attention_efficiency", 1.0),
@@ -194,6 +195,9 @@ class Platform:
     gemm_efficiency: float = 0.6
     grouped_gemm_efficiency: float = 0.6
     attention_efficiency: float = 0.6
+    # Dense FP8 matrix peak per device, FLOP/s, the rate of FP8 GEMMs (`tuner.costs.gemm_peak`);
+    # 0: the file states none (fp8 then needs Assumptions.fp8_peak_factor)
+    fp8_peak_flops: float = 0.0
     # Fixed seconds per decoder layer per micro-batch (forward + backward) that do not scale
     # with FLOPs: framework dispatch of the ~200 small ops of an eager MoE layer. Measured on
     # CPU (`tuner measure`); 0 on the GPU platforms, whose layers are large enough that launch
@@ -258,6 +262,9 @@ class Platform:
         if self.split_backward_extra < 0:
             raise ValueError(f"platform {self.name!r}: split_backward_extra="
                              f"{self.split_backward_extra} must be >= 0")
+        if self.fp8_peak_flops < 0:
+            raise ValueError(f"platform {self.name!r}: fp8_peak_flops={self.fp8_peak_flops} "
+                             f"must be >= 0 (0 = no FP8 rate stated)")
         if self.optimizer_bandwidth < 0:
             raise ValueError(f"platform {self.name!r}: optimizer_bandwidth="
                              f"{self.optimizer_bandwidth} must be >= 0 (0 = memory bound)")
