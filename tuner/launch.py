@@ -22,9 +22,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tuner.layout import ParallelPlan
 from tuner.report import run_sections
+
+if TYPE_CHECKING:  # optuna is imported by tuner.search; only its type is needed here
+    import optuna
 
 __all__ = ["MAX_LOCAL_PROCS", "Measured", "LaunchError", "train_args", "run_plan_locally",
            "read_metrics", "check_runnable", "measure_top", "small_corpus"]
@@ -155,7 +159,7 @@ def run_plan_locally(plan: ParallelPlan, model: str, out_dir: Path, steps: int =
 
 
 def measure_top(ranked: list, model: str, k: int, out_dir: Path, steps: int = 8, warmup: int = 3,
-                study: object | None = None) -> list[tuple[object, Measured]]:
+                study: optuna.Study | None = None) -> list[tuple[object, Measured]]:
     """Run the best `k` candidates (`tuner.search.Candidate`, best first) for real; return
     (candidate, measurement) pairs re-ranked by measured step time. With an Optuna `study`, each
     measurement is stored beside its prediction as the study user attribute `measured/<i>`."""
