@@ -29,7 +29,8 @@ Runs without a preset or without a platform file are listed as skipped with the 
     .venv/bin/python benchmarks/bench_tuner_published.py              # all runs
     .venv/bin/python benchmarks/bench_tuner_published.py --only zoo-  # ids starting with zoo-
     .venv/bin/python benchmarks/bench_tuner_published.py --fp8-peak-factor 2.0  # FP8 runs on a
-        platform file without an FP8 rate: FP8 / bf16 dense peak assumed 2 (an assumption, listed)
+        platform file without an FP8 rate (`fp8_peak_tflops`; dgx-h100 states one): FP8 / bf16
+        dense peak assumed 2 (an assumption, listed)
     .venv/bin/python benchmarks/bench_tuner_published.py --record     # the tracked record
 
 Results: tuner_published.jsonl (one row per run, appended, with commit and time) and
