@@ -716,8 +716,10 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     tflops = flops / (step * plan.n_gpus)
     notes = (
         f"attention {asm.attention} over EP; flash attention {asm.flash_attention}",
-        f"overlap: all-to-all {plan.a2a_overlap} (+ {asm.alltoall_overlap:.0%} of what is left), "
-        f"P2P {asm.p2p_overlap:.0%}, DP {asm.dp_overlap:.0%}; routing imbalance "
+        f"overlap: all-to-all {plan.a2a_overlap} (+ {asm.alltoall_overlap:.0%} of what is left"
+        + (f"; its kernels take {asm.overlap_compute_share:.0%} of the device while overlapped"
+           if plan.a2a_overlap != "none" else "")
+        + f"), P2P {asm.p2p_overlap:.0%}, DP {asm.dp_overlap:.0%}; routing imbalance "
         f"{asm.routing_imbalance}",
         "bubble from the unit-cost schedule scaled to the slowest rank",
         _zero_note(plan, asm),
