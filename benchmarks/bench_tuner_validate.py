@@ -72,7 +72,16 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from _common import ROOT, add_output_args, cpu_name, git_sha, output_dir, previous, print_written
+from _common import (
+    ROOT,
+    RUNS,
+    add_output_args,
+    cpu_name,
+    git_sha,
+    output_dir,
+    previous,
+    print_written,
+)
 
 from model import ModelConfig, presets
 from tuner import Assumptions, ParallelPlan, estimate, load_platform
@@ -138,6 +147,8 @@ CONFIGS += [
 README = "README recipe (tiny Mixtral, planned)"
 README_REQUEST = {"gpus": 4, "seq": 128, "global_batch": 16}
 NAMES = [n for n, _ in CONFIGS] + [README]
+# the recipe's checkpoint, data and plan files: ignored by git, also with --record
+WORK = RUNS / "tuner_validate"
 
 
 @dataclass(frozen=True)
@@ -160,6 +171,7 @@ def _run(cmd: list[str], what: str) -> None:
 def recipe_files(out: Path) -> tuple[Path, Path]:
     """The tiny Mixtral folder and its tokenized data, made once in `out` (the README's first
     two commands)."""
+    out.mkdir(parents=True, exist_ok=True)
     hf, data = out / "tiny-hf", out / "tiny-hf-data.bin"
     if not (hf / "config.json").is_file():
         _run([sys.executable, "examples/make_tiny_hf.py", "--out", str(hf)], "make_tiny_hf")
@@ -379,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"--repredict: no measured row for {name!r} yet; skipped")
                 continue
             r = last[name]
-            cfg = ModelConfig.from_hf_config(str(recipe_files(out)[0])) if name == README \
+            cfg = ModelConfig.from_hf_config(str(recipe_files(WORK)[0])) if name == README \
                 else tiny
             m = Measured(r["meas_step_s"], r["meas_state_gb"] * 1e9, r["meas_act_gb"] * 1e9,
                          r["meas_act_max_gb"] * 1e9, r["meas_imbalance"], r["steps"] - r["warmup"])
@@ -391,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
             todo: list[tuple[str, ParallelPlan, ModelConfig, str, Path | None, dict]] = [
                 (n, p, tiny, "tiny", None, {}) for n, p in configs]
             if readme:
-                rec = readme_recipe(out, platforms[README_REQUEST["gpus"]])
+                rec = readme_recipe(WORK, platforms[README_REQUEST["gpus"]])
                 print(f"README recipe: planned {rec.plan} ({rec.plan_file})")
                 todo.append((README, rec.plan, ModelConfig.from_hf_config(str(rec.hf_dir)),
                              str(rec.hf_dir), rec.data, {"plan_file": rec.plan_file.read_text()}))
