@@ -243,8 +243,8 @@ def _check_virtual(par) -> None:
 
 
 def _check_schedule(par, pp: int) -> None:
-    """The schedule name and its numbers; with pp=1 too, where they are not used."""
-    _check_virtual(par)
+    """The schedule name and its numbers; with pp=1 too, where they are not used
+    (`parallel.n_virtual` is checked before the mesh is planned, `_check_virtual`)."""
     if par.microbatches < 1:
         raise ConfigError(f"parallel.microbatches={par.microbatches} must be >= 1")
     try:

@@ -33,6 +33,7 @@ from trainer.layout import (  # vocabularies of the one layout model, declared t
     PRECISIONS,
     SCHEDULES,
     ZERO_LEVELS,
+    Layout,
 )
 
 __all__ = [
@@ -110,7 +111,9 @@ def fold_degrees(gpus: int, pp: int, tp: int = 1, cp: int = 1, ep: int = 1,
         raise ValueError(f"ep={ep} x etp={etp} = {ep * etp} does not divide the {stage} ranks of "
                          f"a pipeline stage ({gpus} GPUs / pp={pp} = tp x cp x dp); ep x etp must "
                          f"be one of {valid}")
-    return stage // (tp * cp), stage // (ep * etp)
+    # The checks above name the planner's flags; the degrees themselves are the layout model's.
+    lay = Layout.infer(gpus, pp=pp, ep=ep, tp=tp, cp=cp, etp=etp)
+    return lay.attn_dp, lay.dp
 
 
 @dataclass(frozen=True)
