@@ -135,8 +135,6 @@ from tuner.layout import (
 )
 from tuner.platform import Platform
 
-_groups = place_groups  # the groups priced (tuner.costs); tests/test_layout.py reads them
-
 __all__ = ["Estimate", "StageMemory", "estimate", "stage_memory", "schedule_stats",
            "step_time_lower_bound", "reduce_scatter_time", "all_gather_time"]
 
