@@ -38,13 +38,23 @@ $(STAMP): $(PY) pyproject.toml
 train: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) train.py --config configs/tiny.toml $(ARGS)
 
-test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
-
 # The edit loop: unit tests only (no torchrun/gloo processes, no end-to-end train.py or CLI
 # runs, no Triton interpreter, no network namespaces); under 2 minutes on 2 cores.
 FAST_MARKERS := not slow and not gpu and not multiproc and not integration and not interpreter and not netns
+HEAVY_MARKERS := not slow and not gpu and (multiproc or integration or interpreter or netns)
 FAST_WORKERS ?= 2
+
+# The default tier. Without ARGS: the unit tests on FAST_WORKERS pytest workers, then the
+# tests that start processes of their own one at a time (their torchrun groups fill the cores);
+# both phases run, and the target fails if either did. With ARGS: one plain pytest run.
+test: $(STAMP)
+ifeq ($(strip $(ARGS)),)
+	@$(PY) -m pytest -q -n $(FAST_WORKERS) -m "$(FAST_MARKERS)"; a=$$?; \
+	  $(PY) -m pytest -q -m "$(HEAVY_MARKERS)"; b=$$?; \
+	  if [ $$a -ne 0 ] || [ $$b -ne 0 ]; then echo "make test: unit tests exit $$a, process tests exit $$b" >&2; exit 1; fi
+else
+	$(PY) -m pytest -q $(ARGS)
+endif
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(FAST_WORKERS) -m "$(FAST_MARKERS)" $(ARGS)
 

@@ -23,11 +23,17 @@ pytestmark = [pytest.mark.netns, pytest.mark.multiproc]
 
 
 @pytest.mark.skipif(not netns_works(), reason="needs root, iproute2 and tc (ip netns)")
-def test_halo_equals_flat_on_emulated_cluster(tmp_path):
+@pytest.mark.parametrize("algos", [
+    # default tier: discovery from the namespaces + auto's calibration across nodes (~45 s a run
+    # on 2 cores); HALO on a declared topology trains equal to flat in test_trainer_distributed
+    ("flat", "auto"),
+    pytest.param(("flat", "halo"), marks=pytest.mark.slow),
+], ids=["auto", "halo"])
+def test_halo_equals_flat_on_emulated_cluster(tmp_path, algos):
     data = tmp_path / "d.txt"
     data.write_bytes(b"".join(p.read_bytes() for p in sorted((ROOT / "trainer").glob("*.py"))))
     losses = {}
-    for algo in ("flat", "halo", "auto"):
+    for algo in algos:
         out = tmp_path / algo
         cmd = [sys.executable, "-m", "comm.emulate", "--nodes", "2", "--gpus-per-node", "2",
                "--nic-mbit", "1000", "--timeout-s", "400", "--", "train.py", "--config",
@@ -55,5 +61,5 @@ def test_halo_equals_flat_on_emulated_cluster(tmp_path):
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         losses[algo] = [x["loss"] for x in rows if "loss" in x]
     assert len(losses["flat"]) == 4
-    assert losses["halo"] == pytest.approx(losses["flat"], rel=1e-6)
-    assert losses["auto"] == pytest.approx(losses["flat"], rel=1e-6)
+    for algo in algos[1:]:
+        assert losses[algo] == pytest.approx(losses["flat"], rel=1e-6), algo
