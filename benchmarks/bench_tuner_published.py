@@ -19,8 +19,8 @@ type at several layouts, from one source) whether the predicted order equals the
 
 Flags per run: `--vpp` = the run's VP, `--zero` 3 with FSDP, 1 with Megatron's distributed
 optimizer, 0 without either; `--dispatch` flat for NCCL all-to-all, dedup for DeepEP / HybridEP;
-`--recompute` selective for any module list; `--precision` fp8 for FP8 / MXFP8 GEMMs. Where the
-source leaves a field unknown the run's `assumed` value is used, else this script's default
+`--recompute` moe where the module list has Megatron's `moe`, selective for any other list;
+`--precision` fp8 for FP8 / MXFP8 GEMMs. Where the source leaves a field unknown the run's `assumed` value is used, else this script's default
 (DEFAULTS); each row lists the fields it assumed. Where this checkout's estimate CLI offers them,
 `--precision-policy megatron --zero-sharding flat` are added (Megatron-Core's state bytes and its
 flat distributed-optimizer shards: every source here is Megatron-Core or FSDP2).
@@ -111,8 +111,11 @@ def estimate_flags(run: dict[str, Any]) -> tuple[list[str], list[str]]:
     zero = 3 if fsdp != 0 else (1 if f("distributed_optimizer") is True else 0)
     recompute = str(f("recompute"))
     if recompute.startswith("selective"):
-        recompute = "selective"
-    if recompute not in ("none", "selective", "full"):
+        # Megatron-Core's `moe` module (the whole MoE layer, re-run with its all-to-all) is
+        # priced as such; any other module list as our selective (the FFN's gate and up)
+        modules = recompute.partition(":")[2].split(",")
+        recompute = "moe" if "moe" in modules else "selective"
+    if recompute not in ("none", "selective", "moe", "full"):
         raise ValueError(f"run {run['id']}: recompute={recompute!r}; valid: none, "
                          "selective:<modules>, full")
     flags = ["--model", run["model"], "--platform", run["platform"]]

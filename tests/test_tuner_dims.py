@@ -234,6 +234,36 @@ def test_megatron_policy_is_the_distributed_optimizer_table():
     assert z0.state / z0.params == 18
 
 
+def test_moe_recompute_reruns_the_moe_module_and_its_all_to_all():
+    """Megatron's `moe` recompute module on a 2-layer model whose first layer is dense and
+    whose second has routed + shared experts, ep=2 on 2 GPUs of one node: the backward re-runs
+    the MoE layer's router, experts and shared experts (not its attention, not the dense
+    layer), its dispatch + combine a third time, and the MoE layer keeps only its D-wide
+    input of what `none` keeps for those parts. Not runnable in the trainer, named."""
+    cfg = dataclasses.replace(_mha(), first_k_dense=1, dense_ffn_dim=48, n_shared_experts=1,
+                              shared_ffn_dim=32)
+    kw = dict(pp=1, ep=2, dp=1, microbatches=2, global_batch=4, seq_len=16)
+    none_, moe = (ParallelPlan(**kw, checkpointing=c) for c in ("none", "moe"))
+    e0, e1 = estimate(cfg, none_, PF), estimate(cfg, moe, PF)
+    lc = layer_counts(cfg, 1, ep=2, seq_len=16, flash_attention=True)
+    t = none_.attention_tokens("sharded")
+    parts = _layer_parts(lc, t, none_.expert_tokens, PF, cfg, none_, Assumptions())
+    moe_fwd = parts["router"] + parts["experts"] + parts["dense"]
+    assert e1.time["compute"] - e0.time["compute"] == pytest.approx(2 * moe_fwd, rel=1e-9)  # x M
+    assert e1.time["alltoall"] == pytest.approx(1.5 * e0.time["alltoall"], rel=1e-12)
+    m0, m1 = (stage_memory(cfg, p, PF, PUBLISHED_PRECISION)[0] for p in (none_, moe))
+    b, T = PUBLISHED_PRECISION.activation_bytes, none_.expert_tokens  # 1 micro-batch alive
+    module = (lc.act["router"] + lc.act["shared_experts"]) * t + lc.act["experts"] * T
+    for part in ("router", "experts", "shared_experts"):
+        assert part in m0.act_by_part and part not in m1.act_by_part
+    assert m1.act_by_part["moe_input"] == pytest.approx(cfg.d_model * t * b, rel=1e-12)
+    assert m1.act_by_part["recompute"] == pytest.approx(module * b, rel=1e-12)
+    assert m1.act_by_part["attention"] == m0.act_by_part["attention"]
+    from tuner.layout import not_runnable
+    assert any("recompute 'moe'" in w for w in not_runnable(moe))
+    assert not not_runnable(none_)
+
+
 def test_lower_bound_holds_over_the_whole_space():
     """300 random layouts of Mixtral-8x7B on 64 toy GPUs over every dimension."""
     cfg, rng = presets.get("mixtral-8x7b"), random.Random(0)
@@ -248,7 +278,7 @@ def test_lower_bound_holds_over_the_whole_space():
                 global_batch=256, seq_len=1024, zero=rng.choice((0, 1, 2, 3)),
                 alltoall=rng.choice(("flat", "halo", "dedup", "auto")),
                 a2a_overlap=rng.choice(("none", "layer", "fb")),
-                checkpointing=rng.choice(("none", "selective", "full")))
+                checkpointing=rng.choice(("none", "selective", "full", "moe")))
             e = estimate(cfg, plan, PF)
         except ValueError:
             continue

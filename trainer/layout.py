@@ -71,7 +71,7 @@ from pipeline.schedule import schedule_names
 
 __all__ = [
     "A2A_OVERLAP", "ALLTOALL_ALGORITHMS", "DENSE_DIMS", "DIMS", "EP_PLACEMENTS", "EXPERT_DIMS",
-    "GROUP_KINDS", "PRECISIONS", "RECOMPUTE", "SCHEDULES", "TRAINER_A2A_OVERLAP",
+    "GROUP_KINDS", "PRECISIONS", "RECOMPUTE", "RECOMPUTE_MODES", "SCHEDULES", "TRAINER_A2A_OVERLAP",
     "TRAINER_ALLTOALL", "TRAINER_PRECISIONS", "TRAINER_ZERO_LEVELS", "ZERO_LEVELS", "Coords",
     "Layout", "LayoutError", "check", "check_choice", "check_redundant", "divisors",
     "layout_problems", "layer_split_spec", "not_runnable_because", "rank_chunks",
@@ -95,6 +95,10 @@ TRAINER_A2A_OVERLAP = ("none",)
 # the same names: none; selective = the FFN intermediates are recomputed; full = the whole
 # block keeps only its input. --train.checkpointing takes them.
 RECOMPUTE = CHECKPOINTING
+# What the planner prices: the trainer's modes plus Megatron-Core's `moe` recompute module (the
+# whole MoE layer, router, all-to-all and experts, re-run in the backward; published long-context
+# recipes use it), which the trainer does not build
+RECOMPUTE_MODES = (*CHECKPOINTING, "moe")
 PRECISIONS = ("bf16", "fp8")  # GEMM precision; fp8 is a planner rate only
 TRAINER_PRECISIONS = ("bf16",)  # GPU bf16 autocast (fp32 on CPU): trainer/setup.py
 EXPERT_DIMS = ("dp", "ep", "etp")  # a stage's expert side, outermost first
@@ -473,9 +477,12 @@ def not_runnable_because(layout: Layout, *, zero: int = 0, alltoall: str = "flat
     check_choice("zero", zero, ZERO_LEVELS)
     check_choice("alltoall", alltoall, ALLTOALL_ALGORITHMS)
     check_choice("a2a_overlap", a2a_overlap, A2A_OVERLAP)
-    check_choice("recompute", recompute, RECOMPUTE)
+    check_choice("recompute", recompute, RECOMPUTE_MODES)
     check_choice("precision", precision, PRECISIONS)
     out = []
+    if recompute not in RECOMPUTE:
+        out.append(f"recompute {recompute!r} (Megatron-Core's whole-MoE-layer module) is not built "
+                   f"in the trainer; it runs {', '.join(RECOMPUTE)}")
     if layout.tp > 1:
         out.append(f"tensor parallel (tp={layout.tp}) is not built in the trainer yet (issue 31)")
     if layout.cp > 1:

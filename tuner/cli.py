@@ -351,10 +351,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparsers type
+    from trainer.layout import RECOMPUTE_MODES
     from tuner.layout import (
         A2A_OVERLAP,
         ALLTOALL_ALGORITHMS,
-        CHECKPOINTING,
         EP_PLACEMENTS,
         PRECISION_POLICIES,
         PRECISIONS,
@@ -382,8 +382,10 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
     e.add_argument("--zero", type=int, default=0, choices=ZERO_LEVELS,
                    help="0 replicated state, 1 optimizer state sharded, 2 + gradients, "
                         "3 + parameters (gathered per layer)")
-    e.add_argument("--recompute", default="none", choices=CHECKPOINTING,
-                   help="activation recompute (the trainer's checkpointing modes)")
+    e.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES,
+                   help="activation recompute: the trainer's checkpointing modes (none, "
+                        "selective, full), or moe (Megatron-Core's whole-MoE-layer module; "
+                        "priced, not runnable)")
     e.add_argument("--dispatch", default="flat", choices=ALLTOALL_ALGORITHMS,
                    help="MoE all-to-all: flat, halo, dedup (one copy per remote node), auto")
     e.add_argument("--a2a-overlap", default="none", choices=A2A_OVERLAP,

@@ -25,8 +25,8 @@ from tuner.layout import Assumptions, ParallelPlan, PrecisionPolicy
 from tuner.platform import Platform
 
 __all__ = ["a2a_exposed", "a2a_one", "all_gather_time", "gemm_peak", "head_fwd", "place_groups",
-           "kv_width", "layer_collectives", "layer_fwd", "layer_parts", "recompute_time",
-           "reduce_scatter_time"]
+           "kv_width", "layer_collectives", "layer_fwd", "layer_parts", "moe_module_time",
+           "recompute_time", "recomputes_a2a", "reduce_scatter_time"]
 
 
 def reduce_scatter_time(nbytes: float, group: GroupPlacement, platform: Platform) -> float:
@@ -96,12 +96,26 @@ def head_fwd(cfg: ModelConfig, plan: ParallelPlan, pf: Platform, t_attn: float) 
     return 2.0 * V * D * t_attn / (pf.peak_flops * eff)
 
 
-def recompute_time(plan: ParallelPlan, fwd: float, ffn: float) -> float:
-    """Backward-time recompute of one layer: all of its forward ("full") or the FFN's gate
-    and up projections, not the down projection ("selective")."""
+def recompute_time(plan: ParallelPlan, fwd: float, ffn: float, moe: float = 0.0) -> float:
+    """Backward-time recompute of one layer: all of its forward ("full"), the FFN's gate
+    and up projections, not the down projection ("selective"), or the MoE module ("moe",
+    Megatron-Core's recompute module: router, experts and shared experts; `moe` = their
+    forward seconds, 0 for a dense layer; its all-to-all runs again too: `recomputes_a2a`)."""
     if plan.checkpointing == "full":
         return fwd
+    if plan.checkpointing == "moe":
+        return moe
     return ffn * 2 / 3 if plan.checkpointing == "selective" else 0.0
+
+
+def recomputes_a2a(plan: ParallelPlan) -> bool:
+    """Whether the backward re-runs a MoE layer's dispatch and combine (a third pass)."""
+    return plan.checkpointing in ("full", "moe")
+
+
+def moe_module_time(parts: dict[str, float], is_moe: bool) -> float:
+    """Forward seconds of a layer's MoE module (router, routed and shared experts) by part."""
+    return parts["router"] + parts["experts"] + parts["dense"] if is_moe else 0.0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -180,7 +194,7 @@ def a2a_exposed(plan: ParallelPlan, parts: dict[str, float], rec: float, ab: tup
                warm-up and cool-down micro-batches (max(1, pp - 1) of M) stay exposed.
     An overlapped exchange never hides fully: its kernels take `share` of the device
     (`Assumptions.overlap_compute_share`), so each max(0, A - X) above is max(A - X, share A)."""
-    full = plan.checkpointing == "full"
+    full = recomputes_a2a(plan)
     d, c_ = ab
     A = a2a(d) + a2a(c_)
     n_pass = 3 if full else 2
@@ -227,7 +241,7 @@ def layer_collectives(lc: LayerCounts, parts: dict[str, float], rec: float, t_at
         rows = cfg.top_k * t_exp * plan.etp * D
         one = (all_gather_time(rows * pb.dispatch_bytes, groups["etp"], pf)
                + all_gather_time(rows * pb.combine_bytes, groups["etp"], pf))
-        out["etp"] = n_pass * one
+        out["etp"] = (3 if recomputes_a2a(plan) else 2) * one  # "moe" re-runs the experts too
     if plan.zero == 3:
         rep, exp = w_bytes
         ag = (all_gather_time(rep * pb.param_comm_bytes, groups["rep"], pf)

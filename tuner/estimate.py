@@ -119,10 +119,11 @@ from tuner.costs import (
     head_fwd,
     kv_width,
     layer_collectives,
-    layer_fwd,
     layer_parts,
+    moe_module_time,
     place_groups,
     recompute_time,
+    recomputes_a2a,
     reduce_scatter_time,
 )
 from tuner.counts import LayerCounts, chunk_layers, head_params, layer_counts
@@ -349,10 +350,18 @@ def _layer_act(lc: LayerCounts, ckpt: str, t_attn: float, t_exp: float, D: int,
         if not lc.act_trainer:
             raise ValueError("activation_set='trainer' is only derived for GQA models without "
                              "qk_norm; use activation_set='published'")
-        table = lc.act_trainer if ckpt == "none" else lc.act_trainer_selective
+        table = lc.act_trainer_selective if ckpt == "selective" else lc.act_trainer
     else:
         table = lc.act_selective if ckpt == "selective" else lc.act
+    if ckpt == "moe" and lc.is_moe:
+        # the MoE module keeps only its D-wide input; router, routed and shared experts'
+        # tensors are rebuilt in the backward
+        table = {p: v for p, v in table.items() if p not in _MOE_MODULE_PARTS}
+        table["moe_input"] = float(D)
     return {p: v * (t_exp if p == "experts" else t_attn) for p, v in table.items()}
+
+
+_MOE_MODULE_PARTS = ("router", "experts", "shared_experts")
 
 
 def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
@@ -390,7 +399,7 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                 lc = kinds[cfg.is_moe_layer(i)]
                 for p, v in _layer_act(lc, plan.checkpointing, t_attn, t_exp, D, aset).items():
                     per[p] = per.get(p, 0.0) + v * pb.activation_bytes
-                if plan.etp > 1 and lc.is_moe and plan.checkpointing != "full":
+                if plan.etp > 1 and lc.is_moe and plan.checkpointing not in ("full", "moe"):
                     # ETP gathers each routed row to the etp ranks of its expert: the D-wide
                     # input row is held etp times, the F-wide intermediates are split
                     per["experts"] += (plan.etp - 1) * cfg.top_k * D * t_exp * pb.activation_bytes
@@ -402,11 +411,15 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                 best, act = sum(per.values()), per
         act = {p: v * inflight[r] for p, v in act.items()}
         if plan.checkpointing != "none":
-            # Recomputing a layer rebuilds its full activations for one micro-batch.
-            work = max(sum(_layer_act(kinds[cfg.is_moe_layer(i)], "none", t_attn, t_exp, D,
-                                      aset).values())
-                       for i in layers)
-            act["recompute"] = work * pb.activation_bytes
+            # Recomputing a layer rebuilds its full activations for one micro-batch ("moe":
+            # the MoE module's, router and experts)
+            def rebuilt(i: int) -> float:
+                a = _layer_act(kinds[cfg.is_moe_layer(i)], "none", t_attn, t_exp, D, aset)
+                if plan.checkpointing == "moe":
+                    return sum(v for p, v in a.items() if p in _MOE_MODULE_PARTS)
+                return sum(a.values())
+
+            act["recompute"] = max(rebuilt(i) for i in layers) * pb.activation_bytes
         if aset == "trainer":
             # Every micro-batch in flight keeps its head (and token ids) until its backward.
             if r == plan.pp - 1:
@@ -613,7 +626,7 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
         f = dedup_factor(g.nodes, cfg_.top_k)  # the independent-pick bound is the smaller
     a2a_lb = 0.0 if g.size == 1 else max(share * g.local_peers / pf.intra_node_bandwidth,
                                          f * share * g.remote_peers / pf.nic_bandwidth_per_gpu)
-    a2a_lb *= (3 if plan.checkpointing == "full" else 2) * (1 - asm.alltoall_overlap)
+    a2a_lb *= (3 if recomputes_a2a(plan) else 2) * (1 - asm.alltoall_overlap)
     if plan.a2a_overlap != "none":
         a2a_lb = 0.0
     busiest = 0.0
@@ -623,9 +636,10 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
             fwd = rec = 0.0
             for i in c:
                 lc = kinds[cfg_.is_moe_layer(i)]
-                fl, ffn = layer_fwd(lc, t_attn, t_exp, pf, cfg_, plan, asm)
+                parts = layer_parts(lc, t_attn, t_exp, pf, cfg_, plan, asm)
+                fl, ffn = sum(parts.values()), parts["experts"] + parts["dense"]
                 fwd += fl
-                rec += recompute_time(plan, fl, ffn)
+                rec += recompute_time(plan, fl, ffn, moe_module_time(parts, lc.is_moe))
                 busy += a2a_lb if lc.is_moe else 0.0
             if s_local * plan.pp + r == plan.pp * plan.n_virtual - 1:
                 fwd += head_fwd(cfg_, plan, pf, t_attn)
@@ -666,7 +680,8 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
                 lc = kinds[cfg.is_moe_layer(i)]
                 parts = layer_parts(lc, t_attn, t_exp, pf, cfg, plan, asm)
                 f = sum(parts.values())
-                rc = recompute_time(plan, f, parts["experts"] + parts["dense"])
+                rc = recompute_time(plan, f, parts["experts"] + parts["dense"],
+                                    moe_module_time(parts, lc.is_moe))
                 fwd += f
                 rec += rc
                 if lc.is_moe:

@@ -31,6 +31,7 @@ from trainer.layout import (  # vocabularies of the one layout model, declared t
     ALLTOALL_ALGORITHMS,
     EP_PLACEMENTS,
     PRECISIONS,
+    RECOMPUTE_MODES,  # + Megatron's "moe" module, priced, not runnable
     SCHEDULES,
     ZERO_LEVELS,
     Layout,
@@ -371,7 +372,7 @@ class ParallelPlan:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f}={v!r} must be an int >= 1")
         for f, valid in (("schedule", SCHEDULES), ("alltoall", ALLTOALL_ALGORITHMS),
-                         ("checkpointing", CHECKPOINTING), ("ep_placement", EP_PLACEMENTS),
+                         ("checkpointing", RECOMPUTE_MODES), ("ep_placement", EP_PLACEMENTS),
                          ("a2a_overlap", A2A_OVERLAP), ("precision", PRECISIONS)):
             if getattr(self, f) not in valid:
                 raise ValueError(f"{f}={getattr(self, f)!r}; valid: {', '.join(valid)}")
