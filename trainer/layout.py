@@ -82,9 +82,9 @@ __all__ = [
 
 SCHEDULES = tuple(schedule_names())  # gpipe, 1f1b, interleaved-1f1b, zb-h1 (pipeline/schedule)
 EP_PLACEMENTS = ("local", "spread")
-# 0 replicated state, 1 optimizer state sharded, 2 + gradients, 3 + parameters (planned only)
+# 0 replicated state, 1 optimizer state sharded, 2 + gradients, 3 + parameters
 ZERO_LEVELS = (0, 1, 2, 3)
-TRAINER_ZERO_LEVELS = (0, 1, 2)  # --parallel.zero; ZeRO-3 is issue 32
+TRAINER_ZERO_LEVELS = (0, 1, 2, 3)  # --parallel.zero (3: FSDP2, trainer/zero3.py)
 # dedup: a token crosses to a remote node once (DeepEP-style; issue 26)
 ALLTOALL_ALGORITHMS = ("flat", "halo", "dedup", "auto")
 TRAINER_ALLTOALL = tuple(_COMM_ALGORITHMS)  # --comm.alltoall: what comm.all_to_all runs
@@ -486,6 +486,9 @@ def not_runnable_because(layout: Layout, *, zero: int = 0, alltoall: str = "flat
     if zero not in TRAINER_ZERO_LEVELS:
         out.append(f"ZeRO-{zero} (parameter sharding) is not built in the trainer yet (issue 32); "
                    f"it runs ZeRO {', '.join(map(str, TRAINER_ZERO_LEVELS))}")
+    if zero == 3 and layout.pp > 1:
+        out.append(f"ZeRO-3 with pipeline parallelism (pp={layout.pp}) is not built in the "
+                   f"trainer yet (issue 32: ZeRO-3 runs with pp=1)")
     if alltoall not in TRAINER_ALLTOALL:
         out.append(f"the {alltoall!r} all-to-all is not built in the trainer yet (issue 26); it "
                    f"runs {', '.join(TRAINER_ALLTOALL)}")

@@ -37,10 +37,12 @@ from .console import StepWriter, truncate_jsonl
 from .evaluate import evaluate
 from .faults import install_faults
 from .metrics import Sinks
+from .precision import resolve_precision, to_working_dtype
 from .profiling import StepProfiler, parse_profile_steps, stage_ranges
 from .setup import Prepared, build_model_config, model_name, peak_flops, prepare
 from .stats import StepStats
 from .step import doc_layout, lr_at, train_step
+from .zero import effective_zero
 
 __all__ = ["Trainer", "TrainingError", "prepare", "build_model_config", "log"]
 
@@ -51,11 +53,13 @@ class Trainer:
         self.resume_path, self.hf, self.rank = prep.resume_path, prep.hf, prep.mesh.rank
         t = self.cfg.train
         self.device = pick_device()
-        self.autocast = self.device.type == "cuda" and t.dtype in ("auto", "bf16")
+        # compute / weight / reduction dtypes (trainer/precision.py); never silently fp32
+        self.precision = resolve_precision(t, self.device.type)
+        self.autocast = self.precision.autocast
         self.out = Path(t.out_dir)
         self.model = build_model(self.cfg, self.mcfg, self.mesh)
         moe_ids = [i for i, b in enumerate(self.model.layers) if b.is_moe]  # the whole model's
-        self.pipe = build_pipeline(self.cfg, self.mcfg, self.mesh, self.model, self.autocast,
+        self.pipe = build_pipeline(self.cfg, self.mcfg, self.mesh, self.model, self.precision,
                                    self.device) if self.mesh.pp > 1 else None
         self.model.materialize(self.device, seed=t.seed)
         if self.hf is not None and self.resume_path is None:
@@ -66,6 +70,15 @@ class Trainer:
                 E = layer.expert2slot.numel()
                 layer.router.e_score_correction_bias.copy_(
                     -self.cfg.balance.skew * torch.log1p(torch.arange(E, dtype=torch.float32)))
+        # the fp32 values above become the optimizer's masters (trainer/zero.py); the model
+        # keeps bf16 working weights from here on (ZeRO-3: FSDP2 casts its fp32 shards)
+        fp32_values: dict = {}
+        if effective_zero(self.cfg.parallel.zero, self.mesh) == 3:
+            from .zero3 import shard_model
+
+            shard_model(self.model, self.mesh, self.precision, self.device.type)
+        else:
+            fp32_values = to_working_dtype(self.model, self.precision.param)
         self.stats = StepStats(self.model, self.mesh, self.mcfg, moe_ids, self.device,
                                t.layer_metrics)
         self.profiler = StepProfiler(parse_profile_steps(t.profile_steps, t.steps), self.out,
@@ -74,7 +87,8 @@ class Trainer:
             stage_ranges(self.pipe.stages)
         self.pp_idle: tuple[float, float] | None = None
         self.sync = build_grad_sync(self.cfg, self.model, self.mesh, self.device)
-        self.optim = build_optimizer(self.cfg, self.model, self.sync)
+        self.optim = build_optimizer(self.cfg, self.model, self.sync, fp32_values)
+        del fp32_values  # the masters the optimizer did not take are freed
         self.hooks = install_faults(t, self.rank)
         self.step, self.phase, self.nonfinite_steps, self.logging = 0, "setup", 0, True
         self.balancer = None
