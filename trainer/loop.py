@@ -33,6 +33,7 @@ from .build import (
 from .checkpoint import named_moe_layers
 from .ckpt_manager import CheckpointManager
 from .common import TrainingError, log
+from .compile import compile_blocks, graph_count
 from .console import StepWriter, truncate_jsonl
 from .evaluate import evaluate
 from .faults import install_faults
@@ -72,6 +73,7 @@ class Trainer:
                     -self.cfg.balance.skew * torch.log1p(torch.arange(E, dtype=torch.float32)))
         # the fp32 values above become the optimizer's masters (trainer/zero.py); the model
         # keeps bf16 working weights from here on (ZeRO-3: FSDP2 casts its fp32 shards)
+        self.compiled = compile_blocks(self.model) if t.compile else 0  # lazily, on 1st use
         fp32_values: dict = {}
         if effective_zero(self.cfg.parallel.zero, self.mesh) == 3:
             from .zero3 import shard_model
@@ -152,6 +154,11 @@ class Trainer:
             f"active) | data {self.corpus.source}: {len(self.corpus.train):,} train / "
             f"{len(self.corpus.val):,} val tokens | MFU vs {self.peak_src} "
             f"({self.peak / 1e9:.1f} GFLOP/s per process)", self.rank)
+        zero = effective_zero(self.cfg.parallel.zero, self.mesh)
+        log(f"precision: {self.precision.describe()} | ZeRO-{zero}"
+            f"{' (FSDP2)' if zero == 3 else ''}"
+            f"{f' | {self.compiled} regions compiled (torch.compile)' if self.compiled else ''}",
+            self.rank)
         end = min(t.steps, t.stop_after) if t.stop_after > 0 else t.steps
         sinks = Sinks(t, self.out, self.cfg.to_dict(), self.step, self.rank,
                       lambda msg: log(msg, self.rank))
@@ -184,10 +191,13 @@ class Trainer:
         history: list[dict[str, Any]] = []
         last_val = float("nan")
         t_start = time.perf_counter()
+        graphs_warm = None
         while self.step < end:
             try:
                 self.profiler.before(self.step + 1)
                 m = self.train_step()
+                if self.compiled:  # graphs compiled so far; after warm-up it must not grow
+                    m["compiled_graphs"] = graph_count()
                 if self.profiler.after(self.step):
                     log(f"profiler trace of steps {t.profile_steps} (one per rank; open in "
                         f"Perfetto or chrome://tracing): {self.out / 'profile'}/rank_<r>.json for "
@@ -200,6 +210,12 @@ class Trainer:
                 if isinstance(e, TrainingError):
                     raise
                 raise self.ckpt.fault(e) from e
+            if self.compiled:
+                if graphs_warm is None and (t.eval_every == 0 or self.step >= t.eval_every
+                                            or self.step == t.steps):
+                    graphs_warm = graph_count()  # warm-up: first step (and first evaluation)
+                elif graphs_warm is not None:
+                    m["recompilations"] = graph_count() - graphs_warm
             history.append(m)
             events = m.pop("events")
             if self.rank == 0:
