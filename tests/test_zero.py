@@ -212,8 +212,10 @@ def test_check_zero_bad_values():
     cfg = RunConfig()
     cfg.parallel.zero = 3
     assert check_zero(cfg, mesh) is None
-    with pytest.raises(ConfigError, match=r"parallel\.zero=3 with pp=2"):
+    cfg.parallel.schedule = "zb-h1"
+    with pytest.raises(ConfigError, match=r"parallel\.zero=3 with parallel\.schedule='zb-h1'"):
         check_zero(cfg, Mesh.plan(4, 0, pp=2, ep=2))
+    cfg.parallel.schedule = "1f1b"
     cfg.balance.redundant = 1
     with pytest.raises(ConfigError, match=r"parallel\.zero=3 with balance\.redundant=1"):
         check_zero(cfg, mesh)

@@ -118,8 +118,20 @@ def _set_row(t: torch.Tensor, j: int, row: torch.Tensor) -> None:
         t[j].copy_(row)
 
 
+def _resharded(model: nn.Module) -> None:
+    """ZeRO-3: put every FSDP2 module back to its sharded parameters. FSDP2 keeps the root's
+    parameters gathered after a forward without backward (an evaluation), as plain tensors in
+    a buffer it frees later: DCP must see the DTensor shards (not collective)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def _state(model: MoETransformer, optim: torch.optim.Optimizer | None, load: bool = False
            ) -> dict[str, torch.Tensor]:
+    _resharded(model)
     rows = _expert_rows(model)
     sd: dict[str, torch.Tensor] = {}
     params = dict(model.named_parameters())

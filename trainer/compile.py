@@ -31,7 +31,8 @@ def compile_blocks(model: nn.Module) -> int:
     from model.transformer import Block
 
     n = 0
-    for b in model.layers:  # type: ignore[attr-defined]
+    layers: nn.ModuleList = model.layers  # type: ignore[assignment]
+    for b in layers:
         if not isinstance(b, Block):  # a layer of another pipeline stage
             continue
         for m in (b.attn_norm, b.attn, b.ffn_norm):
@@ -44,9 +45,9 @@ def compile_blocks(model: nn.Module) -> int:
             router = b.ffn.router
             router.route = torch.compile(router.route)  # type: ignore[method-assign]
             n += 1
-            for m in (b.ffn.shared_experts, b.ffn.shared_gate):
-                if m is not None:
-                    m.compile()
+            for extra in (b.ffn.shared_experts, b.ffn.shared_gate):
+                if extra is not None:
+                    extra.compile()
                     n += 1
     norm = getattr(model, "norm", None)
     if norm is not None:

@@ -486,9 +486,7 @@ def not_runnable_because(layout: Layout, *, zero: int = 0, alltoall: str = "flat
     if zero not in TRAINER_ZERO_LEVELS:
         out.append(f"ZeRO-{zero} (parameter sharding) is not built in the trainer yet (issue 32); "
                    f"it runs ZeRO {', '.join(map(str, TRAINER_ZERO_LEVELS))}")
-    if zero == 3 and layout.pp > 1:
-        out.append(f"ZeRO-3 with pipeline parallelism (pp={layout.pp}) is not built in the "
-                   f"trainer yet (issue 32: ZeRO-3 runs with pp=1)")
+
     if alltoall not in TRAINER_ALLTOALL:
         out.append(f"the {alltoall!r} all-to-all is not built in the trainer yet (issue 26); it "
                    f"runs {', '.join(TRAINER_ALLTOALL)}")

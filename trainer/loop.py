@@ -78,7 +78,8 @@ class Trainer:
         if effective_zero(self.cfg.parallel.zero, self.mesh) == 3:
             from .zero3 import shard_model
 
-            shard_model(self.model, self.mesh, self.precision, self.device.type)
+            shard_model(self.model, self.mesh, self.precision, self.device.type,
+                        list(self.pipe.stages.values()) if self.pipe is not None else None)
         else:
             fp32_values = to_working_dtype(self.model, self.precision.param)
         self.stats = StepStats(self.model, self.mesh, self.mcfg, moe_ids, self.device,

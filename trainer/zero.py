@@ -51,10 +51,11 @@ def check_zero(cfg, mesh) -> str | None:
     if z == 0:
         return None
     if z == 3:
-        if mesh.pp > 1:
-            raise ConfigError(f"parallel.zero=3 with pp={mesh.pp}: ZeRO-3 runs with pp=1 for "
-                              f"now (FSDP2 needs the pipeline stages as its roots); use "
-                              f"zero<=2 with pp>1")
+        if mesh.pp > 1 and cfg.parallel.schedule == "zb-h1":
+            raise ConfigError("parallel.zero=3 with parallel.schedule='zb-h1': the split "
+                              "backward computes weight gradients outside the autograd pass "
+                              "FSDP2 reduce-scatters from; use gpipe, 1f1b or "
+                              "interleaved-1f1b, or zero<=2")
         if cfg.balance.redundant:
             raise ConfigError(f"parallel.zero=3 with balance.redundant={cfg.balance.redundant}: "
                               f"the replica gradient sum works on whole expert rows; use "

@@ -14,7 +14,7 @@ gathered per layer just before use, freed after, in the forward and again in the
                        local shards, trainer/balancing.py)
 
 Order (fixed, every rank the same): experts, router, block for each layer in order, then the
-root; block i prefetches block i+1's gather in the forward (`set_modules_to_forward_prefetch`),
+root (with a pipeline: each of this rank's stages, trainer/pipe.py); block i prefetches block i+1's gather in the forward (`set_modules_to_forward_prefetch`),
 FSDP2 prefetches the previous block in the backward. The 1-D DeviceMeshes are made from the
 trainer's own groups (`DeviceMesh.from_group`); a group of one rank gets a one-rank group.
 
@@ -54,7 +54,7 @@ def is_dtensor(t) -> bool:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a view: in-place writes reach the parameter), else t."""
-    return t.to_local() if is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def _meshes(mesh: Mesh, device_type: str):
@@ -86,33 +86,41 @@ def _expert_placement(n: int):
     return place
 
 
-def shard_model(model: nn.Module, mesh: Mesh, precision, device_type: str) -> list[nn.Module]:
+def shard_model(model: nn.Module, mesh: Mesh, precision, device_type: str,
+                roots: list[nn.Module] | None = None) -> list[nn.Module]:
     """Apply FSDP2 to `model` (materialised, fp32) in the order of the module docstring;
-    returns the FSDP modules, blocks in layer order last but the root."""
+    returns the FSDP modules, blocks in layer order, then the root(s). `roots`: with a
+    pipeline, this rank's stage modules (trainer/pipe.py `Stage`, what the schedule calls)
+    become the roots in place of the model (embedding / norm / head in their stage)."""
     from torch.distributed.fsdp import (
         MixedPrecisionPolicy,
         fully_shard,
         register_fsdp_forward_method,
     )
 
+    from model.moe import MoELayer
     from model.transformer import Block
 
     meshes = _meshes(mesh, device_type)
     low = precision.param if precision.param != torch.float32 else None
     mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=precision.reduce)
     mp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    blocks = [b for b in model.layers if isinstance(b, Block)]  # type: ignore[attr-defined]
+    layers: nn.ModuleList = model.layers  # type: ignore[assignment]
+    blocks = [b for b in layers if isinstance(b, Block)]
     for b in blocks:
-        if b.is_moe:
+        if isinstance(b.ffn, MoELayer):
             fully_shard(b.ffn.experts, mesh=meshes["expert"], mp_policy=mp,
                         shard_placement_fn=_expert_placement(meshes["expert"].size()))
             fully_shard(b.ffn.router, mesh=meshes["dense"], mp_policy=mp32)
             register_fsdp_forward_method(b.ffn.router, "route")
         fully_shard(b, mesh=meshes["dense"], mp_policy=mp)
-    fully_shard(model, mesh=meshes["dense"], mp_policy=mp)
-    for a, nxt in zip(blocks, blocks[1:], strict=False):
-        a.set_modules_to_forward_prefetch([nxt])
-    return [*blocks, model]
+    roots = roots if roots is not None else [model]
+    for root in roots:
+        fully_shard(root, mesh=meshes["dense"], mp_policy=mp)
+        mine = [b for b in blocks if any(b is m for m in root.modules())]
+        for a, nxt in zip(mine, mine[1:], strict=False):
+            a.set_modules_to_forward_prefetch([nxt])  # type: ignore[operator]
+    return [*blocks, *roots]
 
 
 class Zero3Sync:
