@@ -1,4 +1,6 @@
-"""ZeRO-1/2 and overlapped gradient reduction on CPU (gloo): state bytes per rank and step time.
+"""ZeRO-0/1/2/3, fp32 and bf16 weights, and overlapped gradient reduction on CPU (gloo): state
+bytes per rank (the trainer's meter beside the planner's prediction), peak saved activations,
+step time; compiled vs eager blocks (step time, compile time).
 
 The tiny preset scaled so that optimizer state dominates (d_model 512: 13.7 M parameters, 12.6 M
 of them experts; AdamW keeps 8 bytes of state per parameter) and a small batch per rank (2 x 64
@@ -9,8 +11,12 @@ the configurations take turns step by step (round robin), so machine noise hits 
 Per configuration and rank: optimizer-state bytes (the tensors in `optim.state`), gradient
 bytes held after the reduction, and the median step time (forward, backward, `finish`, clip,
 optimizer step incl. the ZeRO parameter broadcast) over the measured steps; the max over ranks
-is reported. Layouts: DP=2 and DP=4 (EP=1: every parameter has dp replicas) for ZeRO-0/1/2,
-and EP=2 x DP=2 for ZeRO-0/1/2 with overlap on and off.
+is reported, and `held` = `trainer.memory.state_bytes` (weights + grads + optimizer state incl.
+fp32 masters) after the optimizer step, next to `tuner.estimate.stage_memory`'s state for the
+same layout and precision (`planned`). Layouts: DP=2 and DP=4 (EP=1: every parameter has dp
+replicas) for ZeRO-0/1/2/3, EP=2 x DP=2 for ZeRO-0/1/2/3 with overlap on and off, and
+EP=2 x DP=2 with bf16 weights (fp32 masters) at ZeRO-0/1/2/3. Then one process runs the same
+model eager and compiled (`--train.compile`'s regions), taking turns.
 
     flock /tmp/piper-bench.lock python benchmarks/bench_zero.py [--steps 8] [--warmup 2]
 
@@ -172,6 +178,48 @@ def planned(d_model: int, world: int, ep: int, batch: int, seq: int, name: str) 
             "activations": sm.activations}
 
 
+def _compile_worker(rank: int, world: int, _group, steps: int, d_model: int, batch: int,
+                    seq: int) -> dict:
+    """One process: the same model eager and with --train.compile's regions compiled
+    (trainer/compile.py), taking turns step by step; the first step of each is timed apart
+    (compile time = the compiled first step minus the eager first step)."""
+    from model import MoETransformer, presets
+    from trainer.compile import compile_blocks, graph_count
+
+    torch.set_num_threads(1)
+    mcfg = dataclasses.replace(presets.get("tiny"), d_model=d_model)
+    runs = {}
+    for name in ("eager", "compiled"):
+        model = MoETransformer(mcfg)
+        model.reset_parameters(seed=0)
+        if name == "compiled":
+            compile_blocks(model)
+        runs[name] = {"model": model, "times": [], "losses": [],
+                      "opt": torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)}
+    g = torch.Generator().manual_seed(1000)
+    warm = None
+    for step in range(1 + steps):
+        tokens = torch.randint(0, mcfg.vocab_size, (batch, seq + 1), generator=g)
+        for r in runs.values():
+            t0 = time.perf_counter()
+            logits = r["model"](tokens[:, :-1])
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            (ce + r["model"].aux_loss()).backward()
+            r["opt"].step()
+            r["opt"].zero_grad(set_to_none=True)
+            r["times"].append(time.perf_counter() - t0)
+            r["losses"].append(float(ce.detach()))
+        if step == 0:
+            warm = graph_count()
+    e, c = runs["eager"], runs["compiled"]
+    return {"eager_step_s": statistics.median(e["times"][1:]),
+            "compiled_step_s": statistics.median(c["times"][1:]),
+            "compile_s": c["times"][0] - e["times"][0],
+            "recompilations_after_warmup": graph_count() - (warm or 0),
+            "max_rel_loss_diff": max(abs(a - b) / abs(a) for a, b in
+                                     zip(e["losses"], c["losses"], strict=True))}
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=8)
@@ -180,6 +228,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--compile-steps", type=int, default=6,
+                    help="steps of the compiled vs eager comparison (one process); 0 = skip")
     add_output_args(ap, "zero")
     return ap
 
@@ -223,9 +273,20 @@ def main(argv: list[str] | None = None) -> None:
                   f"{row['state_bytes_max'] / 1e6:6.2f} MB  grads {row['grad_bytes_max'] / 1e6:6.2f}"
                   f" MB  activations {row['act_peak_bytes_max'] / 1e6:6.2f} MB  step "
                   f"{1e3 * med:7.1f} ms ({row['step_vs_zero0']:.2f} x zero0)", flush=True)
+    comp = None
+    if args.compile_steps:
+        (comp,) = run_local(_compile_worker, 1, args.compile_steps, args.d_model, args.batch,
+                            args.seq, timeout_s=1800)
+        comp["compiled_vs_eager"] = comp["compiled_step_s"] / comp["eager_step_s"]
+        print(f"compiled blocks: step {1e3 * comp['compiled_step_s']:.1f} ms vs eager "
+              f"{1e3 * comp['eager_step_s']:.1f} ms ({comp['compiled_vs_eager']:.2f} x), compile "
+              f"{comp['compile_s']:.1f} s, recompilations after warm-up "
+              f"{comp['recompilations_after_warmup']}, max rel loss diff "
+              f"{comp['max_rel_loss_diff']:.1e}", flush=True)
     rec = {"sha": git_sha(), "cpu": cpu_name(), "device": "cpu", "backend": "gloo",
            "d_model": args.d_model, "batch_per_rank": args.batch, "seq": args.seq,
-           "steps": args.steps, "warmup": args.warmup, "time": time.time(), "table": table}
+           "steps": args.steps, "warmup": args.warmup, "time": time.time(), "table": table,
+           "compile": comp}
     res = output_dir(args) / "bench_zero.jsonl"
     with open(res, "a") as f:
         f.write(json.dumps(rec) + "\n")

@@ -75,11 +75,12 @@ class Trainer:
         # keeps bf16 working weights from here on (ZeRO-3: FSDP2 casts its fp32 shards)
         self.compiled = compile_blocks(self.model) if t.compile else 0  # lazily, on 1st use
         fp32_values: dict = {}
+        self.fsdp: list = []  # ZeRO-3's FSDP2 modules (trainer/zero3.py)
         if effective_zero(self.cfg.parallel.zero, self.mesh) == 3:
             from .zero3 import shard_model
 
-            shard_model(self.model, self.mesh, self.precision, self.device.type,
-                        list(self.pipe.stages.values()) if self.pipe is not None else None)
+            self.fsdp = shard_model(self.model, self.mesh, self.precision, self.device.type,
+                                    list(self.pipe.stages.values()) if self.pipe else None)
         else:
             fp32_values = to_working_dtype(self.model, self.precision.param)
         self.stats = StepStats(self.model, self.mesh, self.mcfg, moe_ids, self.device,
@@ -111,7 +112,10 @@ class Trainer:
         return train_step(self)
 
     def evaluate(self) -> float:
-        return evaluate(self)
+        val = evaluate(self)
+        for m in self.fsdp:  # FSDP2 keeps a root gathered after a forward without backward
+            m.reshard()
+        return val
 
     def save(self) -> Path:
         return self.ckpt.save()

@@ -17,9 +17,10 @@ model/router.py), and:
 Under ZeRO-3 FSDP2 does the same with its MixedPrecisionPolicy (trainer/zero3.py): the fp32
 shards are the masters, gathered as bf16, gradients reduce-scattered in `reduce_dtype`.
 
-bf16 on CPU: it runs (torch's CPU kernels and the project's CPU grouped GEMM take bf16; the
-tiny preset's forward + backward measured 2.4 s in bf16 against 10.9 s in fp32 on the loaded
-2-core dev machine), so `--train.dtype=bf16` on CPU trains in bf16 and is never fp32.
+bf16 on CPU: it runs (torch's CPU kernels and the project's CPU grouped GEMM take bf16), so
+`--train.dtype=bf16` on CPU trains in bf16 and is never fp32; it is 4.0-4.8x slower than fp32
+on the Zen 3 dev machine (no native bf16 GEMM; benchmarks/bench_zero.py), so `auto` stays fp32
+on CPU.
 """
 
 from __future__ import annotations
