@@ -133,6 +133,13 @@ class GradSync:
             open_[key] = (b, size + nbytes)
         return buckets
 
+    def _wire(self, flat: torch.Tensor) -> torch.Tensor:
+        """The buffer as the collective sends it: a bf16 copy of fp32 gradients under
+        reduce_dtype=bf16, else the buffer itself (fp64 stays fp64)."""
+        if flat.dtype == torch.float32 and self.reduce_dtype != torch.float32:
+            return flat.to(self.reduce_dtype)
+        return flat
+
     def owns(self, p: nn.Parameter) -> bool:
         """Whether this rank keeps p's optimizer state (always at zero=0)."""
         if self.zero == 0 or id(p) not in self._owner:
@@ -182,7 +189,7 @@ class GradSync:
         group = self.groups[b.kind]
         mine = b.owner is None or b.owner == self.group_rank[b.kind]
         if group is not None:
-            wire = flat if flat.dtype == self.reduce_dtype else flat.to(self.reduce_dtype)
+            wire = self._wire(flat)
             b.wire = wire if wire is not flat else None
             if b.owner is None:
                 b.work = dist.all_reduce(wire, group=group, async_op=True)
@@ -219,7 +226,7 @@ class GradSync:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         if group is not None:
-            wire = flat.to(self.reduce_dtype)
+            wire = self._wire(flat)
             dist.all_reduce(wire, group=group)
             if wire is not flat:
                 flat.copy_(wire)

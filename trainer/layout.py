@@ -96,7 +96,7 @@ TRAINER_A2A_OVERLAP = ("none",)
 # block keeps only its input. --train.checkpointing takes them.
 RECOMPUTE = CHECKPOINTING
 PRECISIONS = ("bf16", "fp8")  # GEMM precision; fp8 is a planner rate only
-TRAINER_PRECISIONS = ("bf16",)  # GPU bf16 autocast (fp32 on CPU): trainer/setup.py
+TRAINER_PRECISIONS = ("bf16",)  # bf16 GEMMs: bf16 weights + fp32 masters (trainer/precision.py)
 EXPERT_DIMS = ("dp", "ep", "etp")  # a stage's expert side, outermost first
 DENSE_DIMS = ("attn_dp", "cp", "tp")  # a stage's dense side, outermost first
 DIMS = ("pp", *EXPERT_DIMS, *DENSE_DIMS)

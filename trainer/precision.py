@@ -112,8 +112,9 @@ def to_working_dtype(model: nn.Module, dtype: torch.dtype) -> dict[nn.Parameter,
 
 
 def has_main_grad(p: torch.Tensor) -> bool:
-    """Whether p's gradient lives in an fp32 `p.main_grad` (p is a low-precision weight)."""
-    return p.dtype != torch.float32 and p.dtype.is_floating_point
+    """Whether p's gradient lives in an fp32 `p.main_grad` (p is a 16-bit weight; fp32 and
+    fp64 parameters keep their own `.grad`)."""
+    return p.dtype in (torch.bfloat16, torch.float16)
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor | None:
