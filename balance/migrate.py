@@ -101,13 +101,20 @@ def expert_state_tensors(
     """
     out: list[torch.Tensor | None] = []
     for p in params:
-        out += [p, p.grad]
+        out += [_local(p), _local(p.grad)]
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
         for key in sorted(state, key=str):
             v = state[key]
             if isinstance(v, torch.Tensor) and v.shape == p.shape:
-                out.append(v)
+                out.append(_local(v))
     return out
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor's local shard (ZeRO-3 shards expert stacks on a dim > 0, so the shard keeps
+    every slot row: moving its rows moves this rank's columns of each expert), else t."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def _global_rank(group: Any, r: int) -> int:

@@ -1,4 +1,6 @@
-"""ZeRO-1/2 and overlapped gradient reduction on CPU (gloo): state bytes per rank and step time.
+"""ZeRO-0/1/2/3, fp32 and bf16 weights, and overlapped gradient reduction on CPU (gloo): state
+bytes per rank (the trainer's meter beside the planner's prediction), peak saved activations,
+step time; compiled vs eager blocks (step time, compile time).
 
 The tiny preset scaled so that optimizer state dominates (d_model 512: 13.7 M parameters, 12.6 M
 of them experts; AdamW keeps 8 bytes of state per parameter) and a small batch per rank (2 x 64
@@ -9,8 +11,12 @@ the configurations take turns step by step (round robin), so machine noise hits 
 Per configuration and rank: optimizer-state bytes (the tensors in `optim.state`), gradient
 bytes held after the reduction, and the median step time (forward, backward, `finish`, clip,
 optimizer step incl. the ZeRO parameter broadcast) over the measured steps; the max over ranks
-is reported. Layouts: DP=2 and DP=4 (EP=1: every parameter has dp replicas) for ZeRO-0/1/2,
-and EP=2 x DP=2 for ZeRO-0/1/2 with overlap on and off.
+is reported, and `held` = `trainer.memory.state_bytes` (weights + grads + optimizer state incl.
+fp32 masters) after the optimizer step, next to `tuner.estimate.stage_memory`'s state for the
+same layout and precision (`planned`). Layouts: DP=2 and DP=4 (EP=1: every parameter has dp
+replicas) for ZeRO-0/1/2/3, EP=2 x DP=2 for ZeRO-0/1/2/3 with overlap on and off, and
+EP=2 x DP=2 with bf16 weights (fp32 masters) at ZeRO-0/1/2/3. Then one process runs the same
+model eager and compiled (`--train.compile`'s regions), taking turns.
 
     flock /tmp/piper-bench.lock python benchmarks/bench_zero.py [--steps 8] [--warmup 2]
 
@@ -38,13 +44,18 @@ from _common import add_output_args, cpu_name, git_sha, output_dir  # noqa: E402
 
 from comm import run_local  # noqa: E402
 
-# name -> (zero, overlap, bucket_bytes)
-CONFIGS = {"zero0_flat": (0, False, 25 << 20), "zero0_overlap": (0, True, 4 << 20),
-           "zero1_overlap": (1, True, 4 << 20), "zero1_flat": (1, False, 25 << 20),
-           "zero2_overlap": (2, True, 4 << 20)}
-LAYOUTS = {"dp2": (2, 1, ["zero0_flat", "zero1_overlap", "zero2_overlap"]),
-           "dp4": (4, 1, ["zero0_flat", "zero1_overlap", "zero2_overlap"]),
-           "ep2_dp2": (4, 2, list(CONFIGS))}
+# name -> (zero, overlap, bucket_bytes, param dtype)
+CONFIGS = {"zero0_flat": (0, False, 25 << 20, "fp32"), "zero0_overlap": (0, True, 4 << 20, "fp32"),
+           "zero1_overlap": (1, True, 4 << 20, "fp32"), "zero1_flat": (1, False, 25 << 20, "fp32"),
+           "zero2_overlap": (2, True, 4 << 20, "fp32"), "zero3": (3, True, 0, "fp32"),
+           "zero0_bf16": (0, False, 25 << 20, "bf16"), "zero1_bf16": (1, True, 4 << 20, "bf16"),
+           "zero2_bf16": (2, True, 4 << 20, "bf16"), "zero3_bf16": (3, True, 0, "bf16")}
+_LEVELS = ["zero0_flat", "zero1_overlap", "zero2_overlap", "zero3"]
+_BF16 = ["zero0_bf16", "zero1_bf16", "zero2_bf16", "zero3_bf16"]
+LAYOUTS = {"dp2": (2, 1, _LEVELS), "dp4": (4, 1, _LEVELS),
+           "ep2_dp2": (4, 2, ["zero0_flat", "zero0_overlap", "zero1_overlap", "zero1_flat",
+                              "zero2_overlap", "zero3"]),
+           "ep2_dp2_bf16": (4, 2, ["zero0_flat", *_BF16])}
 
 
 def _nbytes(ts) -> int:
@@ -55,23 +66,35 @@ def _worker(rank: int, world: int, _group, ep: int, names: list[str], steps: int
             d_model: int, batch: int, seq: int) -> dict:
     from model import MoETransformer, presets
     from trainer.grad_sync import GradSync
+    from trainer.memory import SavedTensorMeter, state_bytes
     from trainer.mesh import Mesh
     from trainer.parallel import parallelize
+    from trainer.precision import Precision, to_working_dtype
     from trainer.zero import build_optimizer
+    from trainer.zero3 import Zero3Sync, shard_model
 
     torch.set_num_threads(1)
     mesh = Mesh.plan(world, rank, pp=1, ep=ep).build_groups()
     mcfg = dataclasses.replace(presets.get("tiny"), d_model=d_model)
     runs = {}
     for name in names:
-        zero, overlap, bucket = CONFIGS[name]
+        zero, overlap, bucket, pdt = CONFIGS[name]
+        dt = torch.bfloat16 if pdt == "bf16" else torch.float32
         with torch.device("meta"):
             model = MoETransformer(mcfg)
         parallelize(model, mesh, alltoall="flat")
         model.materialize(torch.device("cpu"), seed=0)
-        sync = GradSync(model, mesh, zero=zero, bucket_bytes=bucket, overlap=overlap)
-        opt = build_optimizer(model, sync, 1e-3, (0.9, 0.95), 1e-8, 0.1)
-        runs[name] = {"model": model, "sync": sync, "opt": opt, "times": []}
+        fp32: dict = {}
+        if zero == 3:  # FSDP2, the trainer's way (trainer/zero3.py)
+            shard_model(model, mesh, Precision(dt, dt, torch.float32), "cpu")
+            sync = Zero3Sync(model, mesh)
+        else:
+            fp32 = to_working_dtype(model, dt)
+            sync = GradSync(model, mesh, zero=zero, bucket_bytes=bucket, overlap=overlap)
+        opt = build_optimizer(model, sync, 1e-3, (0.9, 0.95), 1e-8, 0.1, fp32)
+        del fp32
+        runs[name] = {"model": model, "sync": sync, "opt": opt, "times": [], "bf16": pdt == "bf16",
+                      "meter": SavedTensorMeter(model), "held": 0}
     g = torch.Generator().manual_seed(1000 + mesh.data_idx)
     for step in range(warmup + steps):
         tokens = torch.randint(0, mcfg.vocab_size, (batch, seq + 1), generator=g)
@@ -81,13 +104,19 @@ def _worker(rank: int, world: int, _group, ep: int, names: list[str], steps: int
             torch.distributed.barrier()
             t0 = time.perf_counter()
             sync.start_step(1)
-            logits = model(tokens[:, :-1])
-            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            r["meter"].reset_peak()
+            with r["meter"], torch.autocast("cpu", dtype=torch.bfloat16, enabled=r["bf16"]):
+                logits = model(tokens[:, :-1])
+            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                 tokens[:, 1:].reshape(-1))
             (ce + model.aux_loss()).backward()
             sync.finish()
             sync.clip(1.0)
-            r["grad_bytes"] = _nbytes(p.grad for p in model.parameters() if p.grad is not None)
+            r["grad_bytes"] = _nbytes(_local(g) for p in model.parameters()
+                                      for g in (p.grad, getattr(p, "main_grad", None))
+                                      if g is not None)
             opt.step()
+            r["held"] = state_bytes(model, opt)  # weights + grads + optimizer state (+ masters)
             opt.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
             if step >= warmup:
@@ -97,11 +126,98 @@ def _worker(rank: int, world: int, _group, ep: int, names: list[str], steps: int
     for name in names:
         r = runs[name]
         opt, model = r["opt"], r["model"]
-        out[name] = {"state_bytes": _nbytes(v for p in model.parameters()
+        out[name] = {"state_bytes": _nbytes(_local(v) for p in model.parameters()
                                             for v in opt.state.get(p, {}).values()),
-                     "param_bytes": _nbytes(model.parameters()),
-                     "grad_bytes": r["grad_bytes"], "times": r["times"], "loss": r["loss"]}
+                     "param_bytes": _nbytes(_local(p) for p in model.parameters()),
+                     "grad_bytes": r["grad_bytes"], "times": r["times"], "loss": r["loss"],
+                     "held_bytes": r["held"], "act_peak_bytes": r["meter"].peak}
     return out
+
+
+def _local(t):
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def planned(d_model: int, world: int, ep: int, batch: int, seq: int, name: str) -> dict:
+    """The planner's per-rank state for one configuration (`tuner.estimate.stage_memory`),
+    with the precision policy that says what the trainer holds (trainer/precision.py):
+    fp32: 4 + 4 + 8 B; bf16 at ZeRO-0/1/2: 2 B weights, 4 B main_grad, 4 B master + 8 B moments
+    (the megatron policy); bf16 at ZeRO-3 (FSDP2): the fp32 shard is the master, 4 + 4 + 8 B
+    sharded, and the gathered layer is bf16 (2 B). ZeRO-1/2 shard per parameter, ZeRO-3 flat.
+    "state_sharded" leaves out ZeRO-3's gathered layer (the meter measures after the step,
+    when no layer is gathered)."""
+    from model import presets
+    from tuner.estimate import stage_memory
+    from tuner.layout import (
+        FP32_TRAINER_PRECISION,
+        MEGATRON_PRECISION,
+        Assumptions,
+        ParallelPlan,
+        PrecisionPolicy,
+    )
+    from tuner.platform import load_platform
+
+    zero, _, _, pdt = CONFIGS[name]
+    mcfg = dataclasses.replace(presets.get("tiny"), d_model=d_model)
+    plan = ParallelPlan(pp=1, ep=ep, dp=world // ep, microbatches=1,
+                        global_batch=batch * world, seq_len=seq, zero=zero)
+    if pdt == "fp32":
+        pol = FP32_TRAINER_PRECISION
+    elif zero == 3:
+        pol = PrecisionPolicy(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8,
+                              activation_bytes=2, param_comm_bytes=2, name="fsdp2-bf16")
+    else:
+        pol = MEGATRON_PRECISION
+    asm = Assumptions(activation_set="trainer",
+                      zero_sharding="flat" if zero == 3 else "per-parameter")
+    sm = stage_memory(mcfg, plan, load_platform(ROOT / "configs" / "platforms" / "local.toml"),
+                      pol, asm)[0]
+    return {"state": sm.state,
+            "state_sharded": sm.state - sm.state_by_part.get("zero3_gathered", 0.0),
+            "activations": sm.activations}
+
+
+def _compile_worker(rank: int, world: int, _group, steps: int, d_model: int, batch: int,
+                    seq: int) -> dict:
+    """One process: the same model eager and with --train.compile's regions compiled
+    (trainer/compile.py), taking turns step by step; the first step of each is timed apart
+    (compile time = the compiled first step minus the eager first step)."""
+    from model import MoETransformer, presets
+    from trainer.compile import compile_blocks, graph_count
+
+    torch.set_num_threads(1)
+    mcfg = dataclasses.replace(presets.get("tiny"), d_model=d_model)
+    runs = {}
+    for name in ("eager", "compiled"):
+        model = MoETransformer(mcfg)
+        model.reset_parameters(seed=0)
+        if name == "compiled":
+            compile_blocks(model)
+        runs[name] = {"model": model, "times": [], "losses": [],
+                      "opt": torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)}
+    g = torch.Generator().manual_seed(1000)
+    warm = None
+    for step in range(1 + steps):
+        tokens = torch.randint(0, mcfg.vocab_size, (batch, seq + 1), generator=g)
+        for r in runs.values():
+            t0 = time.perf_counter()
+            logits = r["model"](tokens[:, :-1])
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            (ce + r["model"].aux_loss()).backward()
+            r["opt"].step()
+            r["opt"].zero_grad(set_to_none=True)
+            r["times"].append(time.perf_counter() - t0)
+            r["losses"].append(float(ce.detach()))
+        if step == 0:
+            warm = graph_count()
+    e, c = runs["eager"], runs["compiled"]
+    return {"eager_step_s": statistics.median(e["times"][1:]),
+            "compiled_step_s": statistics.median(c["times"][1:]),
+            "compile_s": c["times"][0] - e["times"][0],
+            "recompilations_after_warmup": graph_count() - (warm or 0),
+            "max_rel_loss_diff": max(abs(a - b) / abs(a) for a, b in
+                                     zip(e["losses"], c["losses"], strict=True))}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -112,6 +228,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--compile-steps", type=int, default=6,
+                    help="steps of the compiled vs eager comparison (one process); 0 = skip")
     add_output_args(ap, "zero")
     return ap
 
@@ -130,24 +248,45 @@ def main(argv: list[str] | None = None) -> None:
             per_rank = [r[name] for r in res]
             # a step ends with every rank's last collective: the slowest rank's median
             med = max(statistics.median(r["times"]) for r in per_rank)
+            pred = planned(args.d_model, world, ep, args.batch, args.seq, name)
             row = {"layout": lay, "world": world, "ep": ep, "dp": world // ep, "config": name,
                    "state_bytes_max": max(r["state_bytes"] for r in per_rank),
                    "state_bytes_min": min(r["state_bytes"] for r in per_rank),
                    "grad_bytes_max": max(r["grad_bytes"] for r in per_rank),
-                   "param_bytes": per_rank[0]["param_bytes"], "step_s_median": med,
+                   "param_bytes": max(r["param_bytes"] for r in per_rank),
+                   # the trainer's meter (trainer.memory): weights + grads + optimizer state
+                   "held_bytes_max": max(r["held_bytes"] for r in per_rank),
+                   "act_peak_bytes_max": max(r["act_peak_bytes"] for r in per_rank),
+                   "planned_state": pred["state"], "planned_state_sharded": pred["state_sharded"],
+                   "planned_act": pred["activations"], "step_s_median": med,
                    "final_loss_rank0": per_rank[0]["loss"]}
             if base is None:
                 base = row
             row["state_vs_zero0"] = row["state_bytes_max"] / base["state_bytes_max"]
+            row["held_vs_zero0"] = row["held_bytes_max"] / base["held_bytes_max"]
+            row["planned_error"] = pred["state_sharded"] / row["held_bytes_max"] - 1
             row["step_vs_zero0"] = med / base["step_s_median"]
             table.append(row)
-            print(f"  {name:14s} state/rank {row['state_bytes_max'] / 1e6:7.2f} MB "
-                  f"({row['state_vs_zero0']:.2f} x zero0)  grads/rank "
-                  f"{row['grad_bytes_max'] / 1e6:6.2f} MB  step {1e3 * med:7.1f} ms "
-                  f"({row['step_vs_zero0']:.2f} x zero0)", flush=True)
+            print(f"  {name:14s} held/rank {row['held_bytes_max'] / 1e6:7.2f} MB "
+                  f"({row['held_vs_zero0']:.2f} x zero0; planner {pred['state_sharded'] / 1e6:.2f}"
+                  f" MB, {100 * row['planned_error']:+.1f} %)  AdamW state "
+                  f"{row['state_bytes_max'] / 1e6:6.2f} MB  grads {row['grad_bytes_max'] / 1e6:6.2f}"
+                  f" MB  activations {row['act_peak_bytes_max'] / 1e6:6.2f} MB  step "
+                  f"{1e3 * med:7.1f} ms ({row['step_vs_zero0']:.2f} x zero0)", flush=True)
+    comp = None
+    if args.compile_steps:
+        (comp,) = run_local(_compile_worker, 1, args.compile_steps, args.d_model, args.batch,
+                            args.seq, timeout_s=1800)
+        comp["compiled_vs_eager"] = comp["compiled_step_s"] / comp["eager_step_s"]
+        print(f"compiled blocks: step {1e3 * comp['compiled_step_s']:.1f} ms vs eager "
+              f"{1e3 * comp['eager_step_s']:.1f} ms ({comp['compiled_vs_eager']:.2f} x), compile "
+              f"{comp['compile_s']:.1f} s, recompilations after warm-up "
+              f"{comp['recompilations_after_warmup']}, max rel loss diff "
+              f"{comp['max_rel_loss_diff']:.1e}", flush=True)
     rec = {"sha": git_sha(), "cpu": cpu_name(), "device": "cpu", "backend": "gloo",
            "d_model": args.d_model, "batch_per_rank": args.batch, "seq": args.seq,
-           "steps": args.steps, "warmup": args.warmup, "time": time.time(), "table": table}
+           "steps": args.steps, "warmup": args.warmup, "time": time.time(), "table": table,
+           "compile": comp}
     res = output_dir(args) / "bench_zero.jsonl"
     with open(res, "a") as f:
         f.write(json.dumps(rec) + "\n")

@@ -49,6 +49,14 @@ step train-bf16 70 "$PY" train.py --config configs/tiny.toml --parallel.pp=1 --p
   --train.eval_every=0 --train.plot=false --train.timeout_s=60 --optim.warmup_steps=5 \
   --comm.alltoall=flat
 SHOW=40 step train-curve 10 "$PY" benchmarks/gpu_check_losses.py curve "$OUT/train-bf16"
+# 2b. The same with --train.compile=true (trainer/compile.py): the compiled blocks' curve;
+#     metrics.jsonl's "recompilations" must stay 0 after the warm-up.
+step train-compiled 90 "$PY" train.py --config configs/tiny.toml --parallel.pp=1 --parallel.ep=1 \
+  --train.steps="$TRAIN_STEPS" --train.dtype=bf16 --train.compile=true \
+  --train.out_dir="$OUT/train-compiled" --train.eval_every=0 --train.plot=false \
+  --train.timeout_s=60 --optim.warmup_steps=5 --comm.alltoall=flat
+SHOW=40 step train-compiled-curve 10 "$PY" benchmarks/gpu_check_losses.py curve \
+  "$OUT/train-compiled"
 # 3. Autotune one preset (6 GEMM problems x 4 candidates, ~3 s of compiling each); every
 #    winner is written to $PIPER_KERNELS_CACHE as soon as it is known.
 step autotune 105 "$PY" -m kernels.autotune --model "$PRESET" --tokens 4096 --max-configs 4

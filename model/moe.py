@@ -102,7 +102,10 @@ class GroupedExperts(nn.Module):
     def _swiglu(self, x_MD: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # a named range in torch.profiler traces (--train.profile_steps); ~free when not profiling
         with record_function("moe.grouped_gemm"):
-            w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
+            # bf16 working weights (trainer/precision.py) are used as they are: no per-call
+            # copy; fp32 weights under bf16 autocast are cast here (autocast's own rule)
+            w1, w3, w2 = (w if w.dtype == dtype else w.to(dtype)
+                          for w in (self.w1, self.w3, self.w2))
             h = F.silu(grouped_gemm(x_MD, w1, offs)) * grouped_gemm(x_MD, w3, offs)
             return grouped_gemm(h, w2, offs)
 

@@ -21,6 +21,12 @@ p as in the aux loss; detached, so it costs one elementwise pass over [T, E] and
 Divided by the number of tokens it is the mean entropy: ln E for uniform routing, 0 when
 every token puts all its probability on one expert.
 
+fp32 guard: logits, softmax / sigmoid, top-k weights and the aux loss are computed with
+autocast disabled (`fp32_region`) on fp32 inputs, so a bf16 autocast region around the model
+(the trainer's GPU and CPU bf16 runs) cannot turn the logits' GEMM into bf16. The router
+weight stays an fp32 parameter under bf16 weights (trainer/precision.py), so `weight.float()`
+is the tensor itself, not a per-forward cast; only the activations are upcast.
+
 Shape legend: B batch, S sequence, T = B*S tokens, D model, E experts, K top-k.
 """
 
@@ -31,6 +37,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+
+
+def fp32_region(device_type: str):
+    """Autocast off on `device_type`: what runs inside computes in its inputs' dtype (fp32)."""
+    return torch.autocast(device_type, enabled=False)
 
 
 class Router(nn.Module):
@@ -59,9 +70,10 @@ class Router(nn.Module):
         self.last_entropy_sum = torch.zeros(())
 
     def scores(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """Router scores s [T, E] in fp32 (softmax probabilities or sigmoids)."""
-        logits = F.linear(x_TD.float(), self.weight.float())
-        return logits.softmax(dim=-1) if self.kind == "softmax" else logits.sigmoid()
+        """Router scores s [T, E] in fp32 (softmax probabilities or sigmoids), autocast off."""
+        with fp32_region(x_TD.device.type):
+            logits = F.linear(x_TD.float(), self.weight.float())
+            return logits.softmax(dim=-1) if self.kind == "softmax" else logits.sigmoid()
 
     def select(self, s_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_idx [T, K] int64, topk_w [T, K] fp32) from scores s [T, E]."""
@@ -101,13 +113,14 @@ class Router(nn.Module):
     def route(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(topk_idx [T, K], topk_w [T, K] in x's dtype, aux_loss 0-dim) for x [B, S, D]."""
         B, S, D = x_BSD.shape
-        s = self.scores(x_BSD.reshape(B * S, D))
-        idx, w = self.select(s)
-        if self.track_entropy:
-            with torch.no_grad():
-                p = s if self.kind == "softmax" else s / (s.sum(-1, keepdim=True) + 1e-20)
-                self.last_entropy_sum = torch.special.entr(p).sum()
-        aux = self.aux_loss(s.view(B, S, -1), idx.view(B, S, -1))
+        with fp32_region(x_BSD.device.type):
+            s = self.scores(x_BSD.reshape(B * S, D))
+            idx, w = self.select(s)
+            if self.track_entropy:
+                with torch.no_grad():
+                    p = s if self.kind == "softmax" else s / (s.sum(-1, keepdim=True) + 1e-20)
+                    self.last_entropy_sum = torch.special.entr(p).sum()
+            aux = self.aux_loss(s.view(B, S, -1), idx.view(B, S, -1))
         return idx, w.to(x_BSD.dtype), aux
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

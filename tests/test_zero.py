@@ -204,11 +204,21 @@ def test_accumulation_count_mismatch_is_named():
 
 def test_check_zero_bad_values():
     mesh = Mesh.plan(4, 0, pp=1, ep=2)
-    for bad in (3, -1, "1", True):
+    for bad in (4, -1, "1", True):
         cfg = RunConfig()
         cfg.parallel.zero = bad
-        with pytest.raises(ConfigError, match=r"parallel\.zero=.*valid: 0 .*1 .*2"):
+        with pytest.raises(ConfigError, match=r"parallel\.zero=.*valid: 0 .*1 .*2 .*3"):
             check_zero(cfg, mesh)
+    cfg = RunConfig()
+    cfg.parallel.zero = 3
+    assert check_zero(cfg, mesh) is None
+    cfg.parallel.schedule = "zb-h1"
+    with pytest.raises(ConfigError, match=r"parallel\.zero=3 with parallel\.schedule='zb-h1'"):
+        check_zero(cfg, Mesh.plan(4, 0, pp=2, ep=2))
+    cfg.parallel.schedule = "1f1b"
+    cfg.balance.redundant = 1
+    with pytest.raises(ConfigError, match=r"parallel\.zero=3 with balance\.redundant=1"):
+        check_zero(cfg, mesh)
     cfg = RunConfig()
     cfg.parallel.zero = 1
     assert check_zero(cfg, mesh) is None

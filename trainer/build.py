@@ -26,8 +26,10 @@ from .memory import rss_peak, rss_reset_peak
 from .mesh import Mesh
 from .parallel import parallelize
 from .pipe import build_stages, ce_loss, moe_aux, split_layers
+from .precision import resolve_precision
 from .setup import build_schedule
 from .zero import build_optimizer as zero_optimizer
+from .zero import effective_zero
 
 __all__ = ["pick_device", "build_model", "Pipeline", "build_pipeline", "import_hf",
            "build_grad_sync", "build_optimizer"]
@@ -107,14 +109,15 @@ class Pipeline:
     act_shape: tuple[int, int, int]  # one micro-batch's activation at a stage boundary
 
 
-def build_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh, model, autocast: bool,
+def build_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh, model, precision,
                    device: torch.device) -> Pipeline:
     import pipeline
 
     par, t = cfg.parallel, cfg.train
     n_stages = mesh.pp * par.n_virtual
     bounds = split_layers(mcfg.n_layers, n_stages, par.layer_split)
-    stages = build_stages(model, mesh.pp, mesh.pp_idx, par.n_virtual, bounds, autocast)
+    stages = build_stages(model, mesh.pp, mesh.pp_idx, par.n_virtual, bounds,
+                          precision.autocast, stream_dtype=precision.param)
     schedule = build_schedule(par, mesh.pp)
     per_shard = t.global_batch // mesh.n_data_shards
     act_shape = (per_shard // par.microbatches, t.seq_len, mcfg.d_model)
@@ -158,17 +161,25 @@ def grad_overlap(cfg: RunConfig, device: torch.device) -> bool:
     return mode == "true"
 
 
-def build_grad_sync(cfg: RunConfig, model, mesh: Mesh, device: torch.device) -> GradSync:
+def build_grad_sync(cfg: RunConfig, model, mesh: Mesh, device: torch.device):
     """Gradient averaging over each parameter's replicas, and the global gradient norm.
 
     With overlap, gradients are reduced in buckets launched from the backward's hooks; without,
     after the backward in one flat buffer per group (the losses of earlier versions, bit for
-    bit, at ZeRO-0)."""
-    return GradSync(model, mesh, zero=cfg.parallel.zero, overlap=grad_overlap(cfg, device))
+    bit, at ZeRO-0). ZeRO-3: FSDP2 reduce-scatters; `Zero3Sync` scales and clips."""
+    zero = effective_zero(cfg.parallel.zero, mesh)
+    if zero == 3:
+        from .zero3 import Zero3Sync
+
+        return Zero3Sync(model, mesh)
+    return GradSync(model, mesh, zero=zero, overlap=grad_overlap(cfg, device),
+                    reduce_dtype=resolve_precision(cfg.train, device.type).reduce)
 
 
-def build_optimizer(cfg: RunConfig, model, sync: GradSync):
-    """AdamW with weight decay on matrices (dim >= 2) only: torch.optim.AdamW at zero=0, the
-    sharded `trainer.zero.ZeroOptimizer` at zero=1/2 (sharded by `sync`'s ownership)."""
+def build_optimizer(cfg: RunConfig, model, sync: GradSync, masters_from=None):
+    """AdamW with weight decay on matrices (dim >= 2) only: torch.optim.AdamW at zero=0 with
+    fp32 weights, `trainer.zero.ZeroOptimizer` at zero=1/2 (sharded by `sync`'s ownership)
+    and for bf16 weights (fp32 masters, started from `masters_from`)."""
     o = cfg.optim
-    return zero_optimizer(model, sync, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay)
+    return zero_optimizer(model, sync, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay,
+                          masters_from)

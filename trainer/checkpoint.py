@@ -16,7 +16,9 @@ Optimizer state (AdamW exp_avg / exp_avg_sq / step) uses the same keys under `op
 Under ZeRO-1/2 (trainer/zero.py) each parameter's state lives on its owner only: the owner
 contributes those keys (DCP writes each key once, from whichever rank has it), and a load fills
 the state of the parameters the rank owns; the files are the same as a ZeRO-0 run's, so a run
-resumes under any ZeRO level as under any EP/PP/DP layout.
+resumes under any ZeRO level as under any EP/PP/DP layout. With bf16 weights
+(trainer/precision.py) the `model.` keys hold the fp32 masters (written by the rank that steps
+them), so a bf16 and an fp32 run read each other's checkpoints.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from model import MoELayer, MoETransformer
+
+from .precision import has_main_grad
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "list_complete",
            "named_moe_layers"]
@@ -80,22 +84,71 @@ def _slot_offset(layer: MoELayer, E: int, El: int) -> int:
     return dist.get_rank(group) * El
 
 
-def _state(model: MoETransformer, optim: torch.optim.Optimizer | None
+def _weights(p: nn.Parameter, st: dict, load: bool) -> torch.Tensor | None:
+    """The fp32 tensor a checkpoint holds for p: p itself (fp32 weights), its fp32 master
+    (bf16 weights, on the rank that steps it), or, to load a bf16 weight this rank does not
+    step, an fp32 buffer copied into it afterwards (`_finish_load`); None: nothing to save
+    (another rank of p's replica group saves the master)."""
+    if not has_main_grad(p):
+        return p.data
+    if "master" in st:
+        return st["master"]
+    return torch.empty(p.shape, dtype=torch.float32, device=p.device) if load else None
+
+
+def _row(t: torch.Tensor, j: int) -> torch.Tensor:
+    """A copy of expert row j of a [S, ...] stack; of a ZeRO-3 DTensor (sharded on a dim > 0,
+    trainer/zero3.py) a DTensor of the row over the same mesh, so DCP writes each rank's
+    columns under the row's logical key."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(t, DTensor):
+        (pl,) = t.placements
+        assert isinstance(pl, Shard) and pl.dim > 0, t.placements
+        return DTensor.from_local(t.to_local()[j].clone(), t.device_mesh, [Shard(pl.dim - 1)],
+                                  run_check=False)
+    return t[j].clone()
+
+
+def _set_row(t: torch.Tensor, j: int, row: torch.Tensor) -> None:
+    to_local = getattr(t, "to_local", None)
+    if to_local is not None:
+        to_local()[j].copy_(row.to_local())  # type: ignore[attr-defined]
+    else:
+        t[j].copy_(row)
+
+
+def _resharded(model: nn.Module) -> None:
+    """ZeRO-3: put every FSDP2 module back to its sharded parameters. FSDP2 keeps the root's
+    parameters gathered after a forward without backward (an evaluation), as plain tensors in
+    a buffer it frees later: DCP must see the DTensor shards (not collective)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _state(model: MoETransformer, optim: torch.optim.Optimizer | None, load: bool = False
            ) -> dict[str, torch.Tensor]:
+    _resharded(model)
     rows = _expert_rows(model)
     sd: dict[str, torch.Tensor] = {}
     params = dict(model.named_parameters())
     kinds = ("exp_avg", "exp_avg_sq")
     for name, p in params.items():
         st = optim.state.get(p, {}) if optim is not None else {}
+        w = _weights(p, st, load)
         if name in rows:
             for j, e in rows[name]:
-                sd[f"model.{name}.{e}"] = p.data[j].clone()
+                if w is not None:
+                    sd[f"model.{name}.{e}"] = _row(w, j)
                 for k in kinds:
                     if k in st:
-                        sd[f"optim.{k}.{name}.{e}"] = st[k][j].clone()
+                        sd[f"optim.{k}.{name}.{e}"] = _row(st[k], j)
         else:
-            sd[f"model.{name}"] = p.data
+            if w is not None:
+                sd[f"model.{name}"] = w
             for k in kinds:
                 if k in st:
                     sd[f"optim.{k}.{name}"] = st[k]
@@ -269,7 +322,7 @@ def load_checkpoint(path: str | Path, model: MoETransformer, optim: torch.optim.
             st["step"] = torch.zeros((), dtype=torch.float32)
             st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    sd = _state(model, optim)
+    sd = _state(model, optim, load=True)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -282,12 +335,18 @@ def load_checkpoint(path: str | Path, model: MoETransformer, optim: torch.optim.
     params = dict(model.named_parameters())
     for name, p in params.items():
         owned = _owns(optim, p)  # under ZeRO the weights load everywhere, the state on owners
+        master = optim.state[p].get("master") if owned else None
         if name in rows:
             for j, e in rows[name]:
-                p.data[j].copy_(sd[f"model.{name}.{e}"])
+                row = sd[f"model.{name}.{e}"]
+                _set_row(p.data, j, row)  # bf16 weights: rounded from the fp32 value
+                if master is not None:
+                    master[j].copy_(row)
                 for k in ("exp_avg", "exp_avg_sq"):
                     if owned:
-                        optim.state[p][k][j].copy_(sd[f"optim.{k}.{name}.{e}"])
+                        _set_row(optim.state[p][k], j, sd[f"optim.{k}.{name}.{e}"])
+        elif has_main_grad(p):  # the fp32 value (master or buffer) -> the bf16 weight
+            p.data.copy_(sd[f"model.{name}"])
         if owned:
             optim.state[p]["step"] = sd[f"optim.step.{name}"].clone()
     return meta

@@ -54,8 +54,9 @@ class ParallelConfig:
     # micro-batches per step: pipeline micro-batches with pp > 1, gradient accumulation with
     # pp = 1 (gradients are synchronised once, after the last)
     microbatches: int = 1
-    # optimizer-state sharding over each parameter's data-parallel replicas: 0 = replicated,
-    # 1 = optimizer state sharded (ZeRO-1), 2 = optimizer state and gradients sharded (ZeRO-2)
+    # sharding over each parameter's data-parallel replicas: 0 = replicated, 1 = optimizer state
+    # sharded (ZeRO-1), 2 = optimizer state and gradients sharded (ZeRO-2), 3 = parameters too,
+    # gathered per layer (ZeRO-3, FSDP2: trainer/zero3.py)
     zero: int = 0
     # reduce gradients in buckets as the backward produces them (DDP-style overlap): true |
     # false | auto (= on with ZeRO-1/2 and on GPUs; off for ZeRO-0 on CPU, where gloo's
@@ -128,7 +129,16 @@ class TrainConfig:
     out_dir: str = "runs/default"
     resume: str = ""  # "" = no; "latest" = newest complete checkpoint in out_dir (error if none);
     # "auto" = newest if any, else start fresh (for torchrun --max-restarts); or a path
-    dtype: str = "auto"  # auto = fp32 on CPU, bf16 autocast on GPU
+    # precision (trainer/precision.py): compute dtype auto (= bf16 on GPUs, fp32 on CPU) | fp32 |
+    # bf16 (bf16 really runs on CPU too); working weights auto (= compute) | bf16 | fp32, with
+    # fp32 masters + AdamW moments in the optimizer and fp32 gradients; the gradient reduction
+    # on the wire in fp32 | bf16
+    dtype: str = "auto"
+    param_dtype: str = "auto"
+    reduce_dtype: str = "fp32"
+    # each block's attention, norms, router and dense FFN through torch.compile (the MoE
+    # dispatch / expert GEMMs / combine stay eager): trainer/compile.py
+    compile: bool = False
     peak_tflops: float = 0.0  # per device; 0 = known GPU peak, or a measured matmul rate on CPU
     plot: bool = True
     checkpointing: str = "none"  # activation checkpointing: none | selective | full (model/checkpointing.py)

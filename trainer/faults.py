@@ -13,6 +13,7 @@ import time
 import torch
 
 from .common import log
+from .precision import grad_of
 
 __all__ = ["StepHooks", "FaultHooks", "install_faults"]
 
@@ -46,8 +47,8 @@ class FaultHooks(StepHooks):
                        ce: torch.Tensor) -> torch.Tensor:
         if self.nan_step == step and self.my_rank == self.rank:
             for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.fill_(float("nan"))
+                if (g := grad_of(p)) is not None:
+                    g.fill_(float("nan"))
                     break
             return ce * float("nan")
         return ce

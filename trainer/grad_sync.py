@@ -18,6 +18,7 @@ from torch import nn
 
 from .mesh import Mesh
 from .parallel import is_expert_param
+from .precision import accumulate_main_grad, grad_of, has_main_grad, set_grad
 
 __all__ = ["GradSync"]
 
@@ -28,13 +29,14 @@ class _Bucket:
     kind: "dense" (replicated over the stage group) or "expert" (over the dp group); owner:
     the group rank the bucket is reduced to under ZeRO-2 (None: all-reduced to every rank)."""
 
-    __slots__ = ("idx", "params", "kind", "owner", "pending", "buf", "work")
+    __slots__ = ("idx", "params", "kind", "owner", "pending", "buf", "wire", "work")
 
     def __init__(self, idx: int, kind: str, owner: int | None) -> None:
         self.idx, self.kind, self.owner = idx, kind, owner
         self.params: list[nn.Parameter] = []
         self.pending = 0
         self.buf: torch.Tensor | None = None
+        self.wire: torch.Tensor | None = None  # the buffer in reduce_dtype, when it differs
         self.work = None
 
 
@@ -64,17 +66,24 @@ class GradSync:
     No full extra copy of the gradients: a launched bucket's flat buffer becomes the
     parameters' `.grad` (views into it), and the separate gradient tensors are dropped; under
     ZeRO-2 the non-owners drop them without a view (freed once the reduce completed).
+
+    bf16 weights (trainer/precision.py): each backward's bf16 gradient is added into the
+    parameter's fp32 `main_grad` by its post-accumulate-grad hook (registered with or without
+    overlap), and everything here reads and writes `main_grad` for those parameters
+    (`grad_of` / `set_grad`). `reduce_dtype` bf16 sends a bf16 copy of each bucket and adds
+    the result back into the fp32 buffer.
     """
 
     def __init__(self, model: nn.Module, mesh: Mesh, zero: int = 0, bucket_bytes: int = 25 << 20,
-                 overlap: bool = True):
+                 overlap: bool = True, reduce_dtype: torch.dtype = torch.float32):
         from .zero import ZERO_LEVELS, assign_owners
 
-        if zero not in ZERO_LEVELS:
-            raise ValueError(f"zero={zero!r}; valid: {list(ZERO_LEVELS)}")
+        if zero not in ZERO_LEVELS or zero == 3:
+            raise ValueError(f"zero={zero!r}; valid: 0, 1, 2 (ZeRO-3: trainer.zero3.Zero3Sync)")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
         self.mesh, self.zero, self.overlap = mesh, zero, overlap
+        self.reduce_dtype = reduce_dtype
         # {expert param: [S] row weights} for the norm under redundant slots (trainer/replicas)
         self.row_weights: dict[nn.Parameter, torch.Tensor] = {}
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -94,33 +103,42 @@ class GradSync:
                 self._owner[id(p)] = (kind, o)
         order = [p for _, p in named]
         self.buckets = self._make_buckets(order[::-1] if overlap else order,
-                                          bucket_bytes if overlap else None, zero == 2)
+                                          bucket_bytes if overlap else None, zero == 2, True)
         # broadcast buckets of updated parameters (ZeRO-1/2): one owner each, forward order
-        self.bcast = self._make_buckets(order, bucket_bytes, True) if zero else []
+        self.bcast = self._make_buckets(order, bucket_bytes, True, False) if zero else []
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._m = 0  # accumulations per step; 0: hooks idle (no start_step)
         self._count: dict[int, int] = {}
         self._next = 0  # id of the next bucket to launch
         self.launched_in_backward = 0  # buckets the hooks launched in the last step (overlap)
-        if overlap:
-            for p in order:
+        for p in order:  # bf16 weights need the hook for their fp32 main_grad in any case
+            if overlap or has_main_grad(p):
                 p.register_post_accumulate_grad_hook(self._hook)
 
     def _make_buckets(self, params: list[nn.Parameter], cap: int | None,
-                      by_owner: bool) -> list[_Bucket]:
+                      by_owner: bool, grads: bool) -> list[_Bucket]:
+        """grads: buckets of gradients (fp32 for bf16 weights), else of the weights."""
         buckets: list[_Bucket] = []
         open_: dict[tuple, tuple[_Bucket, int]] = {}
         for p in params:
             kind, owner = self._owner[id(p)]
-            key = (kind, owner if by_owner else None, p.dtype, p.device)
+            dtype = torch.float32 if grads and has_main_grad(p) else p.dtype
+            nbytes = p.numel() * dtype.itemsize
+            key = (kind, owner if by_owner else None, dtype, p.device)
             b, size = open_.get(key, (None, 0))
-            if b is None or (cap is not None and size + p.numel() * p.element_size() > cap
-                             and b.params):
+            if b is None or (cap is not None and size + nbytes > cap and b.params):
                 b, size = _Bucket(len(buckets), kind, key[1]), 0
                 buckets.append(b)
             b.params.append(p)
-            open_[key] = (b, size + p.numel() * p.element_size())
+            open_[key] = (b, size + nbytes)
         return buckets
+
+    def _wire(self, flat: torch.Tensor) -> torch.Tensor:
+        """The buffer as the collective sends it: a bf16 copy of fp32 gradients under
+        reduce_dtype=bf16, else the buffer itself (fp64 stays fp64)."""
+        if flat.dtype == torch.float32 and self.reduce_dtype != torch.float32:
+            return flat.to(self.reduce_dtype)
+        return flat
 
     def owns(self, p: nn.Parameter) -> bool:
         """Whether this rank keeps p's optimizer state (always at zero=0)."""
@@ -140,7 +158,8 @@ class GradSync:
             b.pending, b.buf, b.work = len(b.params), None, None
 
     def _hook(self, p: nn.Parameter) -> None:
-        if not self._m:
+        accumulate_main_grad(p)  # bf16 weights: into the fp32 main_grad (else a no-op)
+        if not self._m or not self.overlap:
             return
         c = self._count.get(id(p), 0) + 1
         self._count[id(p)] = c
@@ -159,23 +178,29 @@ class GradSync:
     def _launch(self, b: _Bucket) -> None:
         assert b.idx == self._next, (b.idx, self._next)
         self._next += 1
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        for p in b.params:  # a bf16 gradient a hook did not see (e.g. a hand-accumulated W)
+            accumulate_main_grad(p)
+        grads = [g if (g := grad_of(p)) is not None else
+                 torch.zeros(p.shape, dtype=torch.float32 if has_main_grad(p) else p.dtype,
+                             device=p.device) for p in b.params]
         # one parameter: its own gradient is the buffer (a view, no copy)
         flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 \
             else grads[0].reshape(-1)
         group = self.groups[b.kind]
         mine = b.owner is None or b.owner == self.group_rank[b.kind]
         if group is not None:
+            wire = self._wire(flat)
+            b.wire = wire if wire is not flat else None
             if b.owner is None:
-                b.work = dist.all_reduce(flat, group=group, async_op=True)
+                b.work = dist.all_reduce(wire, group=group, async_op=True)
             else:
-                b.work = dist.reduce(flat, dist.get_global_rank(group, b.owner), group=group,
+                b.work = dist.reduce(wire, dist.get_global_rank(group, b.owner), group=group,
                                      async_op=True)
         b.buf = flat
         i = 0
         for p in b.params:  # the flat buffer becomes the gradient storage (owners)
             n = p.numel()
-            p.grad = flat[i:i + n].view_as(p) if mine else None
+            set_grad(p, flat[i:i + n].view(p.shape) if mine else None)
             i += n
 
     def finish(self) -> None:
@@ -189,18 +214,22 @@ class GradSync:
                 b.work.wait()
             assert b.buf is not None, "every bucket was launched (by a hook or above)"
             if b.owner is None or b.owner == self.group_rank[b.kind]:
+                if b.wire is not None:  # reduced in bf16: back into the fp32 gradients
+                    b.buf.copy_(b.wire)
                 b.buf.mul_(self.scale)
-            b.buf, b.work = None, None
+            b.buf, b.wire, b.work = None, None, None
         self._m = 0
 
-    @staticmethod
-    def _allreduce(params: list[nn.Parameter], group, scale: float) -> None:
-        grads = [p.grad for p in params if p.grad is not None]
+    def _allreduce(self, params: list[nn.Parameter], group, scale: float) -> None:
+        grads = [g for p in params if (g := grad_of(p)) is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
         if group is not None:
-            dist.all_reduce(flat, group=group)
+            wire = self._wire(flat)
+            dist.all_reduce(wire, group=group)
+            if wire is not flat:
+                flat.copy_(wire)
         flat.mul_(scale)
         i = 0
         for g in grads:
@@ -214,18 +243,21 @@ class GradSync:
             raise RuntimeError(f"GradSync.sync() reduces for zero=0; with zero={self.zero} "
                                f"use start_step(m) / finish()")
         for p in self.dense + self.expert:
-            if p.grad is None:  # e.g. an expert that received no token: its grad is zero
-                p.grad = torch.zeros_like(p)
+            accumulate_main_grad(p)
+            if grad_of(p) is None:  # e.g. an expert that received no token: its grad is zero
+                set_grad(p, torch.zeros(p.shape, dtype=torch.float32 if has_main_grad(p)
+                                        else p.dtype, device=p.device))
         self._allreduce(self.dense, self.mesh.stage_group, self.scale)
         self._allreduce(self.expert, self.mesh.dp_group, self.scale)
 
     # -- after the reduction ------------------------------------------------------------------
     @staticmethod
     def _grad(p: nn.Parameter) -> torch.Tensor:
-        if p.grad is None:  # finish() / sync() give every reduced parameter one
+        g = grad_of(p)
+        if g is None:  # finish() / sync() give every reduced parameter one
             raise RuntimeError(f"a parameter of shape {tuple(p.shape)} has no gradient after "
                                "the reduction")
-        return p.grad
+        return g
 
     def _sq(self, p: nn.Parameter) -> torch.Tensor:
         """Squared norm of p's gradient; expert slots of replicated experts weigh 1 / replicas
@@ -245,7 +277,7 @@ class GradSync:
         gives the stage's squared norm."""
         if self.zero == 2:
             sq = sum((self._sq(p) for p in self.dense + self.expert
-                      if p.grad is not None), torch.zeros((), dtype=torch.float64))
+                      if grad_of(p) is not None), torch.zeros((), dtype=torch.float64))
             if self.mesh.stage_group is not None:
                 dist.all_reduce(sq, group=self.mesh.stage_group)
             total = sq
@@ -263,8 +295,8 @@ class GradSync:
         if max_norm > 0 and norm > max_norm:
             coef = max_norm / (norm + 1e-6)
             for p in self.dense + self.expert:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+                if (g := grad_of(p)) is not None:
+                    g.mul_(coef)
         return norm
 
     @torch.no_grad()

@@ -82,9 +82,9 @@ __all__ = [
 
 SCHEDULES = tuple(schedule_names())  # gpipe, 1f1b, interleaved-1f1b, zb-h1 (pipeline/schedule)
 EP_PLACEMENTS = ("local", "spread")
-# 0 replicated state, 1 optimizer state sharded, 2 + gradients, 3 + parameters (planned only)
+# 0 replicated state, 1 optimizer state sharded, 2 + gradients, 3 + parameters
 ZERO_LEVELS = (0, 1, 2, 3)
-TRAINER_ZERO_LEVELS = (0, 1, 2)  # --parallel.zero; ZeRO-3 is issue 32
+TRAINER_ZERO_LEVELS = (0, 1, 2, 3)  # --parallel.zero (3: FSDP2, trainer/zero3.py)
 # dedup: a token crosses to a remote node once (DeepEP-style; issue 26)
 ALLTOALL_ALGORITHMS = ("flat", "halo", "dedup", "auto")
 TRAINER_ALLTOALL = tuple(_COMM_ALGORITHMS)  # --comm.alltoall: what comm.all_to_all runs
@@ -100,7 +100,7 @@ RECOMPUTE = CHECKPOINTING
 # recipes use it), which the trainer does not build
 RECOMPUTE_MODES = (*CHECKPOINTING, "moe")
 PRECISIONS = ("bf16", "fp8")  # GEMM precision; fp8 is a planner rate only
-TRAINER_PRECISIONS = ("bf16",)  # GPU bf16 autocast (fp32 on CPU): trainer/setup.py
+TRAINER_PRECISIONS = ("bf16",)  # bf16 GEMMs: bf16 weights + fp32 masters (trainer/precision.py)
 EXPERT_DIMS = ("dp", "ep", "etp")  # a stage's expert side, outermost first
 DENSE_DIMS = ("attn_dp", "cp", "tp")  # a stage's dense side, outermost first
 DIMS = ("pp", *EXPERT_DIMS, *DENSE_DIMS)
@@ -493,6 +493,7 @@ def not_runnable_because(layout: Layout, *, zero: int = 0, alltoall: str = "flat
     if zero not in TRAINER_ZERO_LEVELS:
         out.append(f"ZeRO-{zero} (parameter sharding) is not built in the trainer yet (issue 32); "
                    f"it runs ZeRO {', '.join(map(str, TRAINER_ZERO_LEVELS))}")
+
     if alltoall not in TRAINER_ALLTOALL:
         out.append(f"the {alltoall!r} all-to-all is not built in the trainer yet (issue 26); it "
                    f"runs {', '.join(TRAINER_ALLTOALL)}")

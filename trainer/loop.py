@@ -33,14 +33,17 @@ from .build import (
 from .checkpoint import named_moe_layers
 from .ckpt_manager import CheckpointManager
 from .common import TrainingError, log
+from .compile import compile_blocks, graph_count
 from .console import StepWriter, truncate_jsonl
 from .evaluate import evaluate
 from .faults import install_faults
 from .metrics import Sinks
+from .precision import resolve_precision, to_working_dtype
 from .profiling import StepProfiler, parse_profile_steps, stage_ranges
 from .setup import Prepared, build_model_config, model_name, peak_flops, prepare
 from .stats import StepStats
 from .step import doc_layout, lr_at, train_step
+from .zero import effective_zero
 
 __all__ = ["Trainer", "TrainingError", "prepare", "build_model_config", "log"]
 
@@ -51,11 +54,13 @@ class Trainer:
         self.resume_path, self.hf, self.rank = prep.resume_path, prep.hf, prep.mesh.rank
         t = self.cfg.train
         self.device = pick_device()
-        self.autocast = self.device.type == "cuda" and t.dtype in ("auto", "bf16")
+        # compute / weight / reduction dtypes (trainer/precision.py); never silently fp32
+        self.precision = resolve_precision(t, self.device.type)
+        self.autocast = self.precision.autocast
         self.out = Path(t.out_dir)
         self.model = build_model(self.cfg, self.mcfg, self.mesh)
         moe_ids = [i for i, b in enumerate(self.model.layers) if b.is_moe]  # the whole model's
-        self.pipe = build_pipeline(self.cfg, self.mcfg, self.mesh, self.model, self.autocast,
+        self.pipe = build_pipeline(self.cfg, self.mcfg, self.mesh, self.model, self.precision,
                                    self.device) if self.mesh.pp > 1 else None
         self.model.materialize(self.device, seed=t.seed)
         if self.hf is not None and self.resume_path is None:
@@ -66,6 +71,18 @@ class Trainer:
                 E = layer.expert2slot.numel()
                 layer.router.e_score_correction_bias.copy_(
                     -self.cfg.balance.skew * torch.log1p(torch.arange(E, dtype=torch.float32)))
+        # the fp32 values above become the optimizer's masters (trainer/zero.py); the model
+        # keeps bf16 working weights from here on (ZeRO-3: FSDP2 casts its fp32 shards)
+        self.compiled = compile_blocks(self.model) if t.compile else 0  # lazily, on 1st use
+        fp32_values: dict = {}
+        self.fsdp: list = []  # ZeRO-3's FSDP2 modules (trainer/zero3.py)
+        if effective_zero(self.cfg.parallel.zero, self.mesh) == 3:
+            from .zero3 import shard_model
+
+            self.fsdp = shard_model(self.model, self.mesh, self.precision, self.device.type,
+                                    list(self.pipe.stages.values()) if self.pipe else None)
+        else:
+            fp32_values = to_working_dtype(self.model, self.precision.param)
         self.stats = StepStats(self.model, self.mesh, self.mcfg, moe_ids, self.device,
                                t.layer_metrics)
         self.profiler = StepProfiler(parse_profile_steps(t.profile_steps, t.steps), self.out,
@@ -74,7 +91,8 @@ class Trainer:
             stage_ranges(self.pipe.stages)
         self.pp_idle: tuple[float, float] | None = None
         self.sync = build_grad_sync(self.cfg, self.model, self.mesh, self.device)
-        self.optim = build_optimizer(self.cfg, self.model, self.sync)
+        self.optim = build_optimizer(self.cfg, self.model, self.sync, fp32_values)
+        del fp32_values  # the masters the optimizer did not take are freed
         self.hooks = install_faults(t, self.rank)
         self.step, self.phase, self.nonfinite_steps, self.logging = 0, "setup", 0, True
         self.balancer = None
@@ -94,7 +112,10 @@ class Trainer:
         return train_step(self)
 
     def evaluate(self) -> float:
-        return evaluate(self)
+        val = evaluate(self)
+        for m in self.fsdp:  # FSDP2 keeps a root gathered after a forward without backward
+            m.reshard()
+        return val
 
     def save(self) -> Path:
         return self.ckpt.save()
@@ -138,6 +159,11 @@ class Trainer:
             f"active) | data {self.corpus.source}: {len(self.corpus.train):,} train / "
             f"{len(self.corpus.val):,} val tokens | MFU vs {self.peak_src} "
             f"({self.peak / 1e9:.1f} GFLOP/s per process)", self.rank)
+        zero = effective_zero(self.cfg.parallel.zero, self.mesh)
+        log(f"precision: {self.precision.describe()} | ZeRO-{zero}"
+            f"{' (FSDP2)' if zero == 3 else ''}"
+            f"{f' | {self.compiled} regions compiled (torch.compile)' if self.compiled else ''}",
+            self.rank)
         end = min(t.steps, t.stop_after) if t.stop_after > 0 else t.steps
         sinks = Sinks(t, self.out, self.cfg.to_dict(), self.step, self.rank,
                       lambda msg: log(msg, self.rank))
@@ -170,10 +196,13 @@ class Trainer:
         history: list[dict[str, Any]] = []
         last_val = float("nan")
         t_start = time.perf_counter()
+        graphs_warm = None
         while self.step < end:
             try:
                 self.profiler.before(self.step + 1)
                 m = self.train_step()
+                if self.compiled:  # graphs compiled so far; after warm-up it must not grow
+                    m["compiled_graphs"] = graph_count()
                 if self.profiler.after(self.step):
                     log(f"profiler trace of steps {t.profile_steps} (one per rank; open in "
                         f"Perfetto or chrome://tracing): {self.out / 'profile'}/rank_<r>.json for "
@@ -186,6 +215,12 @@ class Trainer:
                 if isinstance(e, TrainingError):
                     raise
                 raise self.ckpt.fault(e) from e
+            if self.compiled:
+                if graphs_warm is None and (t.eval_every == 0 or self.step >= t.eval_every
+                                            or self.step == t.steps):
+                    graphs_warm = graph_count()  # warm-up: first step (and first evaluation)
+                elif graphs_warm is not None:
+                    m["recompilations"] = graph_count() - graphs_warm
             history.append(m)
             events = m.pop("events")
             if self.rank == 0:

@@ -31,14 +31,21 @@ def _nbytes(t: torch.Tensor) -> int:
 def state_bytes(model: nn.Module, optim: torch.optim.Optimizer | None) -> int:
     total = 0
     for p in model.parameters():
-        total += _nbytes(p)
-        if p.grad is not None:
-            total += _nbytes(p.grad)
+        total += _nbytes(_local(p))
+        for g in (p.grad, getattr(p, "main_grad", None)):  # bf16 weights: the fp32 main_grad
+            if g is not None:
+                total += _nbytes(_local(g))
         if optim is not None:
             for v in optim.state.get(p, {}).values():
                 if isinstance(v, torch.Tensor):
-                    total += _nbytes(v)
+                    total += _nbytes(_local(v))
     return total
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (ZeRO-3's sharded parameters and state), else t."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 class _Held:
@@ -52,7 +59,7 @@ class SavedTensorMeter:
     """Context manager: track bytes of tensors saved for backward while it is active."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_ptrs = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
         self._refs: dict[int, int] = {}  # storage ptr -> saved tensors referencing it
         self.live = 0
         self.peak = 0
@@ -68,6 +75,10 @@ class SavedTensorMeter:
             self.live -= nbytes
 
     def _pack(self, t: torch.Tensor):
+        # a parameter saved for backward is not an activation (under ZeRO-3 the per-layer
+        # gathered weights are parameters too, their storage freed after the layer)
+        if isinstance(t, nn.Parameter):
+            return t
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in self._param_ptrs or storage.nbytes() == 0:

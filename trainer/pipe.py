@@ -62,9 +62,12 @@ class Stage(nn.Module):
     are fp32 for the loss."""
 
     def __init__(self, model: Any, lo: int, hi: int, first: bool, last: bool,
-                 autocast: bool = False) -> None:
+                 autocast: bool = False, stream_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.lo, self.hi, self.first, self.last, self.autocast = lo, hi, first, last, autocast
+        # the residual stream's dtype inside the stage: fp32, or bf16 with bf16 weights (the
+        # dtype the embedding of a 1-process model with those weights produces)
+        self.stream_dtype = stream_dtype
         self.embed: nn.Module | None = model.embed if first else None
         self.blocks = nn.ModuleList(model.layers[i] for i in range(lo, hi))
         self.norm: nn.Module | None = model.norm if last else None
@@ -86,7 +89,7 @@ class Stage(nn.Module):
         ctx = torch.autocast(x.device.type, dtype=torch.bfloat16) if self.autocast \
             else contextlib.nullcontext()
         with ctx:
-            h = self.embed(x) if self.embed is not None else x.float()  # embed iff first
+            h = self.embed(x) if self.embed is not None else x.to(self.stream_dtype)
             doc = self.docs.popleft() if self.docs else None
             for b in self.blocks:
                 h = b(h, doc)
@@ -96,12 +99,14 @@ class Stage(nn.Module):
 
 
 def build_stages(model: Any, pp: int, pp_idx: int, n_virtual: int, bounds: list[int],
-                 autocast: bool = False) -> dict[int, Stage]:
+                 autocast: bool = False,
+                 stream_dtype: torch.dtype = torch.float32) -> dict[int, Stage]:
     """Keep this rank's stages; strip every other layer and the unused embedding / head.
     `model`: a `MoETransformer` (or any module with its `layers`, `embed`, `norm`, `lm_head`)."""
     S = pp * n_virtual
     mine = [s for s in range(S) if stage_rank(s, pp) == pp_idx]
-    stages = {s: Stage(model, bounds[s], bounds[s + 1], s == 0, s == S - 1, autocast) for s in mine}
+    stages = {s: Stage(model, bounds[s], bounds[s + 1], s == 0, s == S - 1, autocast,
+                       stream_dtype) for s in mine}
     owned = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
     for i in range(len(model.layers)):
         if i not in owned:

@@ -31,6 +31,8 @@ from torch import nn
 
 from model import MoELayer
 
+from .precision import grad_of
+
 __all__ = ["initial_slot_map", "sum_replica_grads", "replica_row_weights", "replica_exchange"]
 
 
@@ -104,7 +106,7 @@ def sum_replica_grads(model: MoEHolder, group: dist.ProcessGroup | None) -> None
     for layer in model.moe_layers():
         if not layer.replicated:
             continue
-        grads = [p.grad for p in layer.experts.parameters() if p.grad is not None]
+        grads = [g for p in layer.experts.parameters() if (g := grad_of(p)) is not None]
         if not grads:  # ZeRO-2: this dp index does not own them, on every rank of the group
             continue
         m = layer.slot_map().tolist()

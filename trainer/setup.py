@@ -23,6 +23,7 @@ from .data import Corpus, load_corpus
 from .layout import RECOMPUTE, TRAINER_ALLTOALL, check, check_choice, check_redundant, divisors
 from .mesh import Mesh
 from .metrics import check_observability
+from .precision import check_precision
 from .profiling import parse_profile_steps
 from .zero import check_zero
 
@@ -163,8 +164,7 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
         raise ConfigError(f"train.nan_policy={t.nan_policy!r}; valid: skip, stop")
     if t.timeout_s <= 0:
         raise ConfigError(f"train.timeout_s={t.timeout_s} must be > 0 seconds")
-    if t.dtype not in ("auto", "fp32", "bf16"):
-        raise ConfigError(f"train.dtype={t.dtype!r}; valid: auto, fp32, bf16")
+    check_precision(t)
     check_observability(t)
     parse_profile_steps(t.profile_steps, t.steps)
     corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)

@@ -56,7 +56,7 @@ def doc_layout(tr, tokens: torch.Tensor):
 
 def forward_loss(tr, tokens: torch.Tensor, targets: torch.Tensor):
     """(cross-entropy, MoE aux loss) of one unpipelined forward."""
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=tr.autocast):
+    with tr.precision.autocast_ctx(tokens.device.type):
         logits = tr.model(tokens, doc=doc_layout(tr, tokens))
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
     return ce, tr.model.aux_loss()
