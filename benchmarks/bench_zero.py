@@ -141,34 +141,23 @@ def _local(t):
 
 def planned(d_model: int, world: int, ep: int, batch: int, seq: int, name: str) -> dict:
     """The planner's per-rank state for one configuration (`tuner.estimate.stage_memory`),
-    with the precision policy that says what the trainer holds (trainer/precision.py):
-    fp32: 4 + 4 + 8 B; bf16 at ZeRO-0/1/2: 2 B weights, 4 B main_grad, 4 B master + 8 B moments
-    (the megatron policy); bf16 at ZeRO-3 (FSDP2): the fp32 shard is the master, 4 + 4 + 8 B
-    sharded, and the gathered layer is bf16 (2 B). ZeRO-1/2 shard per parameter, ZeRO-3 flat.
+    with the planner's own account of what the trainer holds
+    (`tuner.layout.precision_policy("trainer", "gloo", param_dtype)`, trainer/precision.py):
+    fp32: 4 + 4 + 8 B; bf16 at ZeRO-0/1/2: 2 B weights, 4 B main_grad, 4 B master + 8 B moments;
+    bf16 at ZeRO-3 (FSDP2): the fp32 shard is the master, 4 + 4 + 8 B sharded, and the gathered
+    layer is bf16 (2 B). ZeRO-1/2 shard per parameter, ZeRO-3 flat.
     "state_sharded" leaves out ZeRO-3's gathered layer (the meter measures after the step,
     when no layer is gathered)."""
     from model import presets
     from tuner.estimate import stage_memory
-    from tuner.layout import (
-        FP32_TRAINER_PRECISION,
-        MEGATRON_PRECISION,
-        Assumptions,
-        ParallelPlan,
-        PrecisionPolicy,
-    )
+    from tuner.layout import Assumptions, ParallelPlan, precision_policy
     from tuner.platform import load_platform
 
     zero, _, _, pdt = CONFIGS[name]
     mcfg = dataclasses.replace(presets.get("tiny"), d_model=d_model)
     plan = ParallelPlan(pp=1, ep=ep, dp=world // ep, microbatches=1,
                         global_batch=batch * world, seq_len=seq, zero=zero)
-    if pdt == "fp32":
-        pol = FP32_TRAINER_PRECISION
-    elif zero == 3:
-        pol = PrecisionPolicy(weight_bytes=4, grad_bytes=4, master_bytes=0, optimizer_bytes=8,
-                              activation_bytes=2, param_comm_bytes=2, name="fsdp2-bf16")
-    else:
-        pol = MEGATRON_PRECISION
+    pol = precision_policy("trainer", "gloo", param_dtype=pdt)
     asm = Assumptions(activation_set="trainer",
                       zero_sharding="flat" if zero == 3 else "per-parameter")
     sm = stage_memory(mcfg, plan, load_platform(ROOT / "configs" / "platforms" / "local.toml"),

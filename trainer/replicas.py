@@ -106,7 +106,7 @@ def sum_replica_grads(model: MoEHolder, group: dist.ProcessGroup | None) -> None
     for layer in model.moe_layers():
         if not layer.replicated:
             continue
-        grads = [g for p in layer.experts.parameters() if (g := grad_of(p)) is not None]
+        grads = [gr for p in layer.experts.parameters() if (gr := grad_of(p)) is not None]
         if not grads:  # ZeRO-2: this dp index does not own them, on every rank of the group
             continue
         m = layer.slot_map().tolist()

@@ -134,7 +134,8 @@ def _plan(args: argparse.Namespace) -> int:
     cpu = platform.backend == "gloo"
     trainer_set = cpu and trainer_act_supported(cfg)
     out = run_plan(cfg, platform, req, Path(args.out),
-                   precision=precision_policy(args.precision_policy, platform.backend),
+                   precision=precision_policy(args.precision_policy, platform.backend,
+                                              args.param_dtype, args.reduce_dtype),
                    assumptions=Assumptions(alltoall_model=args.alltoall_model,
                                            activation_set="trainer" if trainer_set else "published",
                                            activation_traffic_passes=4.0 if cpu else 0.0,
@@ -252,7 +253,8 @@ def _estimate(args: argparse.Namespace) -> int:
                       zero_sharding=args.zero_sharding, fp8_peak_factor=args.fp8_peak_factor)
     from tuner.estimate import estimate
 
-    e = estimate(cfg, plan, platform, precision_policy(args.precision_policy, platform.backend),
+    e = estimate(cfg, plan, platform, precision_policy(args.precision_policy, platform.backend,
+                                                       args.param_dtype, args.reduce_dtype),
                  asm)
     s = summary(cfg, platform, e, args.precision_policy)
     if args.json:
@@ -322,6 +324,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision-policy", default="trainer", choices=PRECISION_POLICIES,
                    help="bytes of training state and collectives: what train.py holds "
                         "(default), the paper's 16 B/param, or Megatron-Core's")
+    _dtype_args(p)
     p.add_argument("--redundant", type=int, default=0, metavar="R",
                    help="redundant expert slots per EP rank and MoE layer (the trainer's "
                         "--balance.redundant; fixed, not searched; default 0)")
@@ -348,6 +351,16 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--quick", action="store_true", help="fewer shapes and repeats (tests)")
     m.set_defaults(func=_measure)
     return ap
+
+
+def _dtype_args(p: argparse.ArgumentParser) -> None:
+    from tuner.layout import PARAM_DTYPES, REDUCE_DTYPES
+
+    p.add_argument("--param-dtype", default="auto", choices=PARAM_DTYPES,
+                   help="train.py's --train.param_dtype the 'trainer' policy prices: auto (bf16 "
+                        "weights + fp32 masters on GPUs, fp32 on CPU), bf16, fp32")
+    p.add_argument("--reduce-dtype", default="fp32", choices=REDUCE_DTYPES,
+                   help="train.py's --train.reduce_dtype: gradients on the wire (default fp32)")
 
 
 def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparsers type
@@ -395,6 +408,7 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
     e.add_argument("--precision-policy", default="trainer", choices=PRECISION_POLICIES,
                    help="bytes of training state and collectives: what train.py holds "
                         "(default), the paper's 16 B/param, or Megatron-Core's")
+    _dtype_args(e)
     e.add_argument("--schedule", default="", choices=("",) + tuple(SCHEDULES),
                    help="pipeline schedule (default 1f1b, interleaved-1f1b with --vpp > 1)")
     e.add_argument("--ep-placement", default="local", choices=EP_PLACEMENTS)

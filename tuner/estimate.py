@@ -96,6 +96,7 @@ MFU = model.flops_per_token(s) x tokens per step / (step time x GPUs x peak).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 from dataclasses import dataclass, field
@@ -370,6 +371,9 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
     """Per pipeline rank memory breakdown (see the module docstring)."""
     _check(cfg, plan, assumptions)
     D, pb = cfg.d_model, precision
+    if plan.zero == 3 and pb.fsdp_master_shard:
+        # the fp32 master shard is the weight held; no separate low-precision copy
+        pb = dataclasses.replace(pb, weight_bytes=pb.master_bytes, master_bytes=0)
     kinds = _kind_counts(cfg, plan.ep, plan.seq_len, assumptions.flash_attention)
     t_attn = plan.attention_tokens(assumptions.attention)
     t_exp = plan.expert_tokens * assumptions.routing_imbalance
@@ -447,18 +451,19 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
         weights = sum(h[0] for h in held.values()) * pb.weight_bytes
         grads = sum(h[1] for h in held.values()) * pb.grad_bytes
         if plan.zero == 3:
-            # one layer gathered and computing, `zero3_prefetch` more arriving; its gradient
-            # whole until its reduce-scatter
+            # one layer gathered and computing, `zero3_prefetch` more arriving (held in the
+            # dtype they are gathered in); its gradient whole until its reduce-scatter
             big = max(sum(_layer_weights(kinds[cfg.is_moe_layer(i)], plan, cfg)) for i in layers)
             held["zero3_gathered"] = ((1 + assumptions.zero3_prefetch) * big, big, 0.0, 0.0)
-            weights += (1 + assumptions.zero3_prefetch) * big * pb.weight_bytes
+            weights += (1 + assumptions.zero3_prefetch) * big * pb.param_comm_bytes
             grads += big * pb.grad_bytes
         optim = sum(h[2] for h in held.values()) * (pb.master_bytes + pb.optimizer_bytes)
         full_go = n * (pb.grad_bytes + pb.master_bytes + pb.optimizer_bytes)
         out.append(StageMemory(
             rank=r, layers=tuple(layers), params=int(n), weights=weights,
             grads=grads, optimizer=optim, activations=sum(act.values()), buffers=buffers,
-            state_by_part={p: w * pb.weight_bytes + g * pb.grad_bytes
+            state_by_part={p: w * (pb.param_comm_bytes if p == "zero3_gathered"
+                                   else pb.weight_bytes) + g * pb.grad_bytes
                            + o * (pb.master_bytes + pb.optimizer_bytes)
                            for p, (w, g, o, _) in held.items()},
             act_by_part=act, params_by_part=dict(params), zero=plan.zero,
@@ -740,7 +745,10 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
         f"grads, {pb.master_bytes} B master, {pb.optimizer_bytes} B moments per parameter); "
         f"wire: grads {pb.grad_comm_bytes} B, weights {pb.param_comm_bytes} B, dispatch "
         f"{pb.dispatch_bytes} B, combine {pb.combine_bytes} B, pipeline {pb.p2p_bytes} B per "
-        f"element; {plan.precision} GEMMs",
+        f"element; {plan.precision} GEMMs"
+        + ("; ZeRO-3: the fp32 master shard is the weight held (FSDP2's mixed precision), "
+           "layers gathered at the wire width" if plan.zero == 3 and pb.fsdp_master_shard
+           else ""),
     ) + (("all-to-all dedup: closed form (comm.netsim has no dedup exchange)",)
          if asm.alltoall_model == "netsim" and plan.alltoall == "dedup" else ()) \
         + ((f"parallel folding: dense side tp={plan.tp} x cp={plan.cp} x dp={plan.attn_dp}, "

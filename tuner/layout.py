@@ -141,6 +141,10 @@ class PrecisionPolicy:
     combine_bytes: int = 0
     p2p_bytes: int = 0
     name: str = ""
+    # ZeRO-3 as FSDP2's MixedPrecisionPolicy runs it (trainer/zero3.py): the fp32 shard is the
+    # master and the only copy held (no separate low-precision weight shard), gathered per layer
+    # at `param_comm_bytes`
+    fsdp_master_shard: bool = False
 
     def __post_init__(self) -> None:
         for f in ("grad_comm_bytes", "param_comm_bytes", "dispatch_bytes", "combine_bytes",
@@ -178,6 +182,41 @@ GPU_TRAINER_PRECISION = PrecisionPolicy(weight_bytes=4, grad_bytes=4, master_byt
                                         optimizer_bytes=8, activation_bytes=2,
                                         grad_comm_bytes=4, param_comm_bytes=4, dispatch_bytes=4,
                                         combine_bytes=2, p2p_bytes=2, name="trainer")
+# What train.py holds and sends with bf16 working weights (`--train.param_dtype=bf16`, the
+# default on GPUs: trainer/precision.py): bf16 weights (2), an fp32 main_grad (4) each bf16
+# gradient is added into, an fp32 master (4) and two moments (8) in the optimizer (on the
+# owner under ZeRO-1/2); gradients reduced in fp32 (`--train.reduce_dtype=bf16`: 2), the
+# updated bf16 weight broadcast (2); the dispatch sends the bf16 normed rows, the combine the
+# bf16 expert outputs, pipeline hops bf16. Under ZeRO-3 the fp32 shard is the master
+# (fsdp_master_shard): (4 + 4 + 8) / N held, layers gathered in bf16.
+BF16_TRAINER_PRECISION = PrecisionPolicy(weight_bytes=2, grad_bytes=4, master_bytes=4,
+                                         optimizer_bytes=8, activation_bytes=2,
+                                         grad_comm_bytes=4, param_comm_bytes=2,
+                                         dispatch_bytes=2, combine_bytes=2, p2p_bytes=2,
+                                         fsdp_master_shard=True, name="trainer")
+PARAM_DTYPES = ("auto", "bf16", "fp32")  # train.py's --train.param_dtype
+REDUCE_DTYPES = ("fp32", "bf16")  # train.py's --train.reduce_dtype
+
+
+def trainer_precision(backend: str, param_dtype: str = "auto",
+                      reduce_dtype: str = "fp32") -> PrecisionPolicy:
+    """What train.py holds and sends on `backend` ("gloo": CPU, else GPUs) with its
+    `--train.param_dtype` and `--train.reduce_dtype` (and `--train.dtype=auto`: bf16 compute
+    on GPUs, fp32 on CPU; bf16 weights compute in bf16 on either)."""
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype={param_dtype!r}; valid: {', '.join(PARAM_DTYPES)}")
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"reduce_dtype={reduce_dtype!r}; valid: {', '.join(REDUCE_DTYPES)}")
+    gpu = backend != "gloo"
+    if param_dtype == "bf16" or (param_dtype == "auto" and gpu):
+        pol = BF16_TRAINER_PRECISION
+    else:
+        pol = GPU_TRAINER_PRECISION if gpu else FP32_TRAINER_PRECISION
+    if reduce_dtype == "bf16":
+        pol = dataclasses.replace(pol, grad_comm_bytes=2)
+    return pol
+
+
 # Megatron-Core with --bf16 and its distributed optimizer (docs.nvidia.com/megatron-core,
 # developer guide, "Distributed Optimizer": "bf16 parameters, fp32 gradients: 18 bytes per
 # parameter, 6 + 12/d distributed"; "we always use fp32 main parameters for optimizer
@@ -190,12 +229,19 @@ MEGATRON_PRECISION = PrecisionPolicy(weight_bytes=2, grad_bytes=4, master_bytes=
 PRECISION_POLICIES = ("trainer", "published", "megatron")
 
 
-def precision_policy(name: str, backend: str = "nccl") -> PrecisionPolicy:
-    """The named policy: "trainer" (what train.py runs on this backend: fp32 on gloo/CPU,
-    bf16 autocast over fp32 state on GPUs), "published" (16 B per parameter, the paper's
-    model) or "megatron" (Megatron-Core's bf16 + distributed optimizer)."""
+def precision_policy(name: str, backend: str = "nccl", param_dtype: str = "auto",
+                     reduce_dtype: str = "fp32") -> PrecisionPolicy:
+    """The named policy: "trainer" (what train.py runs on this backend with these
+    --train.param_dtype / --train.reduce_dtype: `trainer_precision`; by default fp32 on
+    gloo/CPU, bf16 weights with fp32 masters on GPUs), "published" (16 B per parameter, the
+    paper's model) or "megatron" (Megatron-Core's bf16 + distributed optimizer). The dtypes
+    apply to "trainer" only: other values with another policy are refused."""
     if name == "trainer":
-        return FP32_TRAINER_PRECISION if backend == "gloo" else GPU_TRAINER_PRECISION
+        return trainer_precision(backend, param_dtype, reduce_dtype)
+    if (param_dtype, reduce_dtype) != ("auto", "fp32") and name in PRECISION_POLICIES:
+        raise ValueError(f"param_dtype={param_dtype!r} / reduce_dtype={reduce_dtype!r} set the "
+                         f"'trainer' policy's dtypes; the {name!r} policy fixes its own "
+                         f"(use precision policy 'trainer', or leave them at auto / fp32)")
     if name == "published":
         return PUBLISHED_PRECISION
     if name == "megatron":
