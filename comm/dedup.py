@@ -31,6 +31,7 @@ rank that relays this source on its node, this source's rows for each rank of th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +42,8 @@ from comm.flat import _split_device, exchange_ints
 from comm.halo_plan import relay_table
 from comm.topology import Topology
 
-__all__ = ["DedupChunk", "block_order", "distinct_remote_pairs", "fanout", "plan_dedup",
-           "source_items"]
+__all__ = ["DedupChunk", "block_order", "dedup_byte_ratio", "distinct_remote_pairs", "fanout",
+           "plan_dedup", "source_items"]
 
 
 @dataclass(frozen=True)
@@ -165,3 +166,22 @@ def distinct_remote_pairs(slot_TK: torch.Tensor, local: int, topo: Topology, ran
     me = node[rank]
     pairs = {(t, node[int(q) // local]) for t, row in enumerate(slot_TK.tolist()) for q in row}
     return sum(1 for _, m in pairs if m != me)
+
+
+def dedup_byte_ratio(nodes: int, top_k: int, n_experts: int, row_numel: int,
+                     elt_bytes: int) -> float:
+    """Expected inter-node bytes of the dedup dispatch over flat's, routing uniform over
+    `nodes` nodes holding n_experts / nodes experts each: a token's distinct remote nodes
+    (exact for k distinct experts) against its k (nodes - 1) / nodes remote copies, each dedup
+    row wider by the k weights and the k int32 slots. 1.0 on one node."""
+    if nodes <= 1:
+        return 1.0
+    if n_experts % nodes or not 1 <= top_k <= n_experts:
+        raise ValueError(f"{n_experts} experts over {nodes} nodes at top-{top_k}: need the "
+                         f"experts divisible by the nodes and 1 <= top_k <= experts")
+    # P(no expert of a given node among the k) = C(E - E/n, k) / C(E, k)
+    none = math.comb(n_experts - n_experts // nodes, top_k) / math.comb(n_experts, top_k)
+    distinct_remote = (nodes - 1) * (1.0 - none)
+    copies_remote = top_k * (nodes - 1) / nodes
+    wide = (row_numel + top_k) * elt_bytes + 4 * top_k
+    return distinct_remote * wide / (copies_remote * row_numel * elt_bytes)

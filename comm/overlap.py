@@ -78,11 +78,10 @@ class Exchange:
             self._y = self._future.result()
             self._future = None
         elif self._event is not None:
-            cur = torch.cuda.current_stream(self._event.device if hasattr(self._event, "device")
-                                            else None)
-            cur.wait_event(self._event)
             assert self._y is not None
-            self._y.record_stream(cur)
+            cur = torch.cuda.current_stream(self._y.device)
+            cur.wait_event(self._event)  # the caller's stream waits; the host does not
+            self._y.record_stream(cur)  # made on the communication stream, read on this one
             self._event = None
         self._keep = None
         self.waited_s = time.perf_counter() - t0

@@ -111,20 +111,21 @@ def _worker(rank: int, world: int, group, algorithm: str, overlap: str, chunks: 
     return out
 
 
+SLOW = pytest.mark.slow  # ~9 s each on 2 loaded cores; one flat and one dedup case stay fast
 CASES = [
     # algorithm, overlap, chunks, spread, slots, migrated
-    ("flat", "layer", 1, False, 0, False),
-    ("flat", "layer", 3, False, 0, False),
-    ("halo", "layer", 2, False, 0, False),
-    ("dedup", "none", 1, False, 0, False),
-    ("dedup", "layer", 3, True, 0, True),
-    ("dedup", "layer", 2, False, 12, False),
+    pytest.param("flat", "layer", 1, False, 0, False, marks=SLOW),
+    pytest.param("flat", "layer", 3, False, 0, False),
+    pytest.param("halo", "layer", 2, False, 0, False, marks=SLOW),
+    pytest.param("dedup", "none", 1, False, 0, False, marks=SLOW),
+    pytest.param("dedup", "layer", 3, True, 0, True),
+    pytest.param("dedup", "layer", 2, False, 12, False, marks=SLOW),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
-def test_pipeline_equals_one_process(case):
-    algorithm, overlap, chunks, spread, n_slots, migrated = case
+@pytest.mark.parametrize("algorithm,overlap,chunks,spread,n_slots,migrated", CASES,
+                         ids=["-".join(map(str, c.values)) for c in CASES])
+def test_pipeline_equals_one_process(algorithm, overlap, chunks, spread, n_slots, migrated):
     outs = run_local(_worker, WORLD, algorithm, overlap, chunks, spread, n_slots, migrated,
                      timeout_s=240)
     for o in outs:

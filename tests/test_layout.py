@@ -298,7 +298,8 @@ def test_not_runnable_says_what_is_missing():
         "tensor parallel (tp=2) is not built in the trainer yet (issue 31)"]
     why = not_runnable_because(Layout(8, ep=4, etp=2, cp=2), zero=3, alltoall="dedup",
                                a2a_overlap="fb", precision="fp8")
-    assert len(why) == 6 and "ZeRO-3" in why[2] and "'dedup'" in why[3]
+    assert len(why) == 5 and "ZeRO-3" in why[2] and "overlap 'fb'" in why[3]
+    assert not_runnable_because(Layout(4, ep=4), alltoall="dedup", a2a_overlap="layer") == []
     with pytest.raises(LayoutError, match=r"recompute='some'; valid: none, selective, full"):
         not_runnable_because(Layout(1), recompute="some")
     assert RECOMPUTE == ("none", "selective", "full") and 3 in ZERO_LEVELS

@@ -55,18 +55,52 @@ def build_model(cfg: RunConfig, mcfg: Any, mesh: Mesh):
         model = MoETransformer(mcfg)
     set_checkpointing(model, cfg.train.checkpointing)
     mesh.build_groups(timedelta(seconds=cfg.train.timeout_s))
-    algo = cfg.comm.alltoall
-    topo = ep_topology(cfg, mesh, algo)
+    topo = ep_topology(cfg, mesh, cfg.comm.alltoall)
+    algo, overlap, chunks = resolve_a2a(cfg, mcfg, mesh, topo)
     cost_model = calibrate_auto(mesh, mcfg, topo) \
         if algo == "auto" and topo is not None and topo.num_nodes > 1 else None
     parallelize(model, mesh, alltoall=algo, topology=topo, cost_model=cost_model,
-                redundant=cfg.balance.redundant)
+                redundant=cfg.balance.redundant, overlap=overlap, chunks=chunks)
     return model
 
 
+def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo) -> tuple[str, str, int]:
+    """(alltoall, a2a_overlap, a2a_chunks) the EP dispatcher runs, `auto` decided and logged.
+
+    alltoall=auto: dedup where the EP group spans nodes, top-k > 1 and the expected inter-node
+    bytes of dedup (`comm.dedup.dedup_byte_ratio`, uniform routing) are below flat's; else
+    comm's per-call flat / HALO choice. a2a_overlap=auto: layer where the EP group spans nodes
+    (the exchange crosses the network), none inside one node. a2a_chunks=auto: 2 (chunk i+1's
+    dispatch beside chunk i's GEMMs; measured on the emulator, docs/alltoall.md)."""
+    from comm.dedup import dedup_byte_ratio
+
+    from .setup import a2a_chunks
+
+    c = cfg.comm
+    algo, overlap, chunks = c.alltoall, c.a2a_overlap, a2a_chunks(c.a2a_chunks)
+    if mesh.ep == 1:
+        return algo, "none", 1
+    nodes = topo.num_nodes if topo is not None else 1
+    if algo == "auto" and nodes > 1 and mcfg.top_k > 1:
+        ratio = dedup_byte_ratio(nodes, mcfg.top_k, mcfg.n_routed_experts, mcfg.d_model, 4)
+        if ratio < 1.0:
+            algo = "dedup"
+        log(f"comm.alltoall=auto: {algo} (EP over {nodes} nodes at top-{mcfg.top_k}: dedup "
+            f"sends an expected {ratio:.2f}x flat's inter-node bytes)", mesh.rank)
+    if overlap == "auto":
+        overlap = "layer" if nodes > 1 else "none"
+        log(f"comm.a2a_overlap=auto: {overlap} (EP group on {nodes} node"
+            f"{'s' if nodes > 1 else ''})", mesh.rank)
+    if overlap == "layer" and not chunks:
+        chunks = 2
+        log("comm.a2a_chunks=auto: 2", mesh.rank)
+    return algo, overlap, max(chunks, 1)
+
+
 def ep_topology(cfg: RunConfig, mesh: Mesh, algo: str):
-    """The EP group's topology for HALO/auto (collective: every rank calls it)."""
-    if mesh.ep == 1 or algo == "flat" or not dist.is_initialized():
+    """The EP group's topology (collective: every rank calls it): HALO, dedup and auto plan
+    with it, and every dispatcher counts the rows it sends off its node with it."""
+    if mesh.ep == 1 or not dist.is_initialized():
         return None
     from comm import Topology
 

@@ -70,7 +70,12 @@ class ParallelConfig:
 
 @dataclass
 class CommConfig:
-    alltoall: str = "auto"  # flat | halo | auto
+    alltoall: str = "auto"  # flat | halo | dedup | auto (trainer.layout.TRAINER_ALLTOALL)
+    # the expert all-to-all overlapped with compute: none | layer (shared experts beside the
+    # dispatch, rows in a2a_chunks chunks pipelined: trainer/ep_pipeline.py) | auto (layer
+    # where the EP group spans nodes, else none) (trainer.layout.TRAINER_A2A_OVERLAP)
+    a2a_overlap: str = "none"
+    a2a_chunks: str = "auto"  # chunks of the layer pipeline: an int >= 1, or auto
     topology: str = ""  # optional TOML topology file; default: discovered
 
 

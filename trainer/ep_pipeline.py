@@ -143,7 +143,7 @@ def moe_forward(disp: Any, layer: Any, x_TD: torch.Tensor, slot_idx: torch.Tenso
     else:
         counts_cQ = counts_cQ_t.tolist()
         chunk_plans = _plan_chunks(disp, counts_cQ, row_bytes, x_TD.device)
-        for (plan, _), cq in zip(chunk_plans, counts_cQ, strict=True):
+        for cq in counts_cQ:
             remote = disp.remote_pair_rows(cq)
             disp.remote_rows += remote
             disp.remote_bytes += remote * row_bytes
