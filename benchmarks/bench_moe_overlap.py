@@ -33,7 +33,7 @@ from pathlib import Path
 
 from _common import ROOT, add_output_args, cpu_name, git_sha, output_dir, print_written
 
-ARMS = ("flat/none", "halo/none", "dedup/none", "flat/layer/1", "flat/layer/2",
+ARMS = ("flat/none", "halo/none", "dedup/none", "flat/layer/2", "halo/layer/2",
         "dedup/layer/2")
 
 
