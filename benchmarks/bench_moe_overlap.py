@@ -16,11 +16,22 @@ spreads over all arms; the table gives the median of the repeats' medians and ea
 ratio to the first arm (flat, no overlap) of the same setup.
 
 Rows: `moe_overlap.jsonl` under runs/bench/moe_overlap/ (or --out, or --record).
+
+`--netsim` projects one MoE dispatch of DeepSeek-V3 instead (comm.netsim, no emulator): every
+rank sends tokens x top-k rows of d_model bf16 values spread evenly over the EP group
+(uniform routing), on Frontier and DGX H100 at 256, 512 and 1024 GPUs (packed placement,
+switch-level lumping). flat and HALO as comm.netsim simulates them; dedup as HALO with its
+inter-node phase scaled by the expected dedup byte ratio (`comm.dedup.dedup_byte_ratio`: the
+relay hop is HALO's phase II, the fan-out its phase III), once for routing uniform over all
+experts and once with every token's experts on at most --node-limit nodes (DeepSeek-V3's
+node-limited routing, M = 4; the ratio is then (M - M/N) / (k (N - 1) / N) of the copies).
+Rows: `moe_overlap_netsim.jsonl`.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -78,6 +89,45 @@ def run_arm(setup: str, arm: str, args: argparse.Namespace) -> dict | None:
             "loss_last": steps[-1]["loss"] if steps else None}
 
 
+def netsim_rows(args: argparse.Namespace) -> list[dict]:
+    """The DeepSeek-V3 dispatch projection (module docstring)."""
+    import dataclasses
+
+    from comm.dedup import dedup_byte_ratio
+    from comm.netsim.engine import simulate
+    from comm.netsim.lumped import lumped_all_to_all
+    from comm.netsim.topologies import from_platform
+    from comm.netsim.traffic import place
+
+    D, k, E, tokens, elt = 7168, 8, 256, args.tokens, 2  # DeepSeek-V3: d_model, top-8 of 256
+    rows = []
+    for platform_name in ("frontier", "dgx-h100"):
+        for gpus in (256, 512, 1024):
+            build = functools.partial(from_platform, platform_name, gpus // 8)
+            net = build()
+            rank2gpu, topo = place(net, gpus // 8, "packed")
+            R, N = len(rank2gpu), topo.num_nodes
+            pair = tokens * k * D * elt // R
+            uniform = dedup_byte_ratio(N, k, E, D, elt)
+            M = args.node_limit
+            limited = (M - M / N) / (k * (N - 1) / N) * ((D + k) * elt + 4 * k) / (D * elt)
+            for arm, ratio in (("flat", None), ("halo", None), ("dedup", uniform),
+                               (f"dedup-M{M}", limited)):
+                algo = "flat" if arm == "flat" else "halo"
+                sim_net, traffic, r2g = lumped_all_to_all(build, net, rank2gpu, topo, algo, pair)
+                if ratio is not None:  # phase II (the relay hop) carries the distinct pairs
+                    nb = traffic.nbytes.copy()
+                    nb[traffic.phase == 1] *= ratio
+                    traffic = dataclasses.replace(traffic, nbytes=nb)
+                t = simulate(sim_net, traffic, r2g).time
+                rows.append({"platform": platform_name, "gpus": R, "nodes": N, "arm": arm,
+                             "bytes_per_pair": pair, "tokens": tokens, "top_k": k,
+                             "dedup_ratio": ratio, "time_s": t})
+                print(f"{platform_name:<9} {R:>5} {arm:<9} {pair / 1e6:7.3f} MB/pair "
+                      f"{t * 1e3:9.2f} ms", flush=True)
+    return rows
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--setups", default="2x2@200", help="comma list of NODESxGPUS@MBIT")
@@ -92,12 +142,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--data", default="", help="corpus (default: train.py's)")
     p.add_argument("--timeout-s", type=float, default=900)
+    p.add_argument("--netsim", action="store_true",
+                   help="project DeepSeek-V3's dispatch with comm.netsim instead")
+    p.add_argument("--tokens", type=int, default=4096,
+                   help="--netsim: tokens per GPU per micro-batch (one 4096-token sequence)")
+    p.add_argument("--node-limit", type=int, default=4,
+                   help="--netsim: nodes a token's experts may span (DeepSeek-V3: 4)")
     add_output_args(p, "moe_overlap")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.netsim:
+        out = output_dir(args)
+        meta = {"bench": "moe_overlap_netsim", "git_sha": git_sha(),
+                "time": time.strftime("%FT%T"), "device": f"{cpu_name()} (simulated)"}
+        rows = [{**meta, **r} for r in netsim_rows(args)]
+        with open(out / "moe_overlap_netsim.jsonl", "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        print_written(out / "moe_overlap_netsim.jsonl")
+        return 0
     if args.steps <= args.warmup:
         raise SystemExit(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     arms = args.arms.split(",")

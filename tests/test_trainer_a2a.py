@@ -53,3 +53,28 @@ def test_losses_equal_plain(tmp_path, small_data, plain, extra):
     if "auto" in extra[0]:  # auto says what it picked, and why
         assert "comm.alltoall=auto: dedup" in r.stdout, r.stdout[-3000:]
         assert "comm.a2a_overlap=auto: layer" in r.stdout, r.stdout[-3000:]
+
+
+def test_node_bound_routing_keeps_tokens_on_one_node(tmp_path, small_data):
+    """--comm.route_groups=node with 2 groups on the 2 nodes, topk_group=1: every token's 4
+    experts lie on one node, so dedup sends each remote token once (flat: 4 times), and forced
+    migrations every 2 steps keep every expert on its group's node."""
+    import json
+
+    out = tmp_path / "bound"
+    args = [*COMMON, "--data", small_data, "--model.n_routed_experts=16", "--model.n_group=2",
+            "--model.topk_group=1", "--comm.route_groups=node", "--comm.alltoall=dedup",
+            "--comm.a2a_overlap=layer", "--comm.a2a_chunks=2", "--balance.enabled=true",
+            "--balance.force_every=2", "--train.steps=6", f"--train.out_dir={out}"]
+    r = run_train(args, nproc=4)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "a token reaches at most 1 node(s)" in r.stdout
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in rows if "ep_remote_rows" in x]
+    assert len(steps) == 6 and all(x["ep_remote_rows"] > 0 for x in steps)
+    assert all(x["ep_flat_remote_rows"] == 4 * x["ep_remote_rows"] for x in steps)
+    meta = json.loads((out / "checkpoints" / "step_00000006" / "meta.json").read_text())
+    El = 16 // 4
+    for placement in meta["placement"].values():  # expert e's slot: node = slot // (2 El)
+        assert placement != list(range(16))  # experts moved
+        assert all(slot // (2 * El) == e // 8 for e, slot in enumerate(placement))

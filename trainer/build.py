@@ -57,6 +57,8 @@ def build_model(cfg: RunConfig, mcfg: Any, mesh: Mesh):
     mesh.build_groups(timedelta(seconds=cfg.train.timeout_s))
     topo = ep_topology(cfg, mesh, cfg.comm.alltoall)
     algo, overlap, chunks = resolve_a2a(cfg, mcfg, mesh, topo)
+    if cfg.comm.route_groups == "node":
+        node_blocks(mcfg, mesh, topo, check=True)
     cost_model = calibrate_auto(mesh, mcfg, topo) \
         if algo == "auto" and topo is not None and topo.num_nodes > 1 else None
     parallelize(model, mesh, alltoall=algo, topology=topo, cost_model=cost_model,
@@ -95,6 +97,33 @@ def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo) -> tuple[str, str, 
         chunks = 2
         log("comm.a2a_chunks=auto: 2", mesh.rank)
     return algo, overlap, max(chunks, 1)
+
+
+def node_blocks(mcfg: Any, mesh: Mesh, topo, check: bool = False) -> list[list[int]]:
+    """--comm.route_groups=node: the EP group's ranks per node (the blocks migration keeps
+    experts in). With `check`, a ConfigError unless routing groups can be bound to nodes: an
+    EP group over N > 1 nodes of equal size holding consecutive EP ranks (then expert e's
+    initial slot e is on node e // (E / N)) and n_group a multiple of N (each node holds
+    n_group / N whole groups, so a token's topk_group groups lie on <= topk_group nodes)."""
+    N = topo.num_nodes if topo is not None else 1
+    if check:
+        if mesh.ep == 1 or N == 1:
+            raise ConfigError(f"comm.route_groups=node needs an EP group spanning nodes; it "
+                              f"has ep={mesh.ep} on {N} node(s)")
+        G = mesh.ep // N
+        if any(tuple(topo.node_ranks(m)) != tuple(range(m * G, (m + 1) * G))
+               for m in range(N)):
+            raise ConfigError("comm.route_groups=node needs every node to hold consecutive "
+                              f"EP ranks in equal numbers; the EP group's nodes hold "
+                              f"{[list(topo.node_ranks(m)) for m in range(N)]}")
+        if mcfg.n_group < 2 or mcfg.n_group % N:
+            raise ConfigError(f"comm.route_groups=node: model.n_group={mcfg.n_group} must be a "
+                              f"multiple of the EP group's {N} nodes (> 1), e.g. "
+                              f"--model.n_group={N} --model.topk_group=1")
+        log(f"comm.route_groups=node: {mcfg.n_group} routing groups on {N} nodes "
+            f"({mcfg.n_group // N} per node): a token reaches at most "
+            f"{min(mcfg.topk_group, N)} node(s)", mesh.rank)
+    return [list(topo.node_ranks(m)) for m in range(N)] if topo is not None else []
 
 
 def ep_topology(cfg: RunConfig, mesh: Mesh, algo: str):

@@ -112,6 +112,11 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     check_choice("comm.alltoall", cfg.comm.alltoall, TRAINER_ALLTOALL)
     check_choice("comm.a2a_overlap", cfg.comm.a2a_overlap, (*TRAINER_A2A_OVERLAP, "auto"))
     a2a_chunks(cfg.comm.a2a_chunks)
+    check_choice("comm.route_groups", cfg.comm.route_groups, ("none", "node"))
+    if cfg.comm.route_groups == "node" and cfg.balance.redundant:
+        raise ConfigError(f"comm.route_groups=node with balance.redundant="
+                          f"{cfg.balance.redundant} is not built (replicas are placed "
+                          f"without regard to nodes); use balance.redundant=0")
     if cfg.comm.topology:
         from comm import Topology
 
