@@ -169,11 +169,13 @@ def distinct_remote_pairs(slot_TK: torch.Tensor, local: int, topo: Topology, ran
 
 
 def dedup_byte_ratio(nodes: int, top_k: int, n_experts: int, row_numel: int,
-                     elt_bytes: int) -> float:
+                     elt_bytes: int, node_limit: int = 0) -> float:
     """Expected inter-node bytes of the dedup dispatch over flat's, routing uniform over
     `nodes` nodes holding n_experts / nodes experts each: a token's distinct remote nodes
     (exact for k distinct experts) against its k (nodes - 1) / nodes remote copies, each dedup
-    row wider by the k weights and the k int32 slots. 1.0 on one node."""
+    row wider by the k weights and the k int32 slots. 1.0 on one node. `node_limit` = M > 0:
+    every token's experts lie on at most M nodes (routing bound to nodes), counted as M nodes
+    (an upper bound on the distinct ones)."""
     if nodes <= 1:
         return 1.0
     if n_experts % nodes or not 1 <= top_k <= n_experts:
@@ -182,6 +184,8 @@ def dedup_byte_ratio(nodes: int, top_k: int, n_experts: int, row_numel: int,
     # P(no expert of a given node among the k) = C(E - E/n, k) / C(E, k)
     none = math.comb(n_experts - n_experts // nodes, top_k) / math.comb(n_experts, top_k)
     distinct_remote = (nodes - 1) * (1.0 - none)
+    if node_limit:
+        distinct_remote = min(distinct_remote, min(node_limit, nodes) * (nodes - 1) / nodes)
     copies_remote = top_k * (nodes - 1) / nodes
     wide = (row_numel + top_k) * elt_bytes + 4 * top_k
     return distinct_remote * wide / (copies_remote * row_numel * elt_bytes)

@@ -81,3 +81,14 @@ def test_byte_ratio_against_every_routing(nodes, k, E):
     with pytest.raises(ValueError, match="divisible"):
         dedup_byte_ratio(3, 2, 8, D, elt)
     assert math.isfinite(want)
+
+
+def test_byte_ratio_bound_to_nodes():
+    """Every token's experts on M of N nodes (uniformly chosen, own node included): M (N - 1)
+    / N remote nodes at most, against k (N - 1) / N remote copies."""
+    D, elt, k = 64, 4, 4
+    wide = ((D + k) * elt + 4 * k) / (D * elt)
+    assert dedup_byte_ratio(2, k, 8, D, elt, node_limit=1) == pytest.approx(1 / k * wide)
+    assert dedup_byte_ratio(8, 8, 256, D, elt, node_limit=4) == pytest.approx(4 / 8 * wide)
+    # a bound above what uniform routing reaches changes nothing
+    assert dedup_byte_ratio(2, k, 8, D, elt, node_limit=2) == dedup_byte_ratio(2, k, 8, D, elt)

@@ -66,11 +66,15 @@ def build_model(cfg: RunConfig, mcfg: Any, mesh: Mesh):
     return model
 
 
+DEDUP_AUTO_MAX_RATIO = 0.8  # `auto` runs dedup at most at this inter-node byte ratio
+
+
 def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo) -> tuple[str, str, int]:
     """(alltoall, a2a_overlap, a2a_chunks) the EP dispatcher runs, `auto` decided and logged.
 
     alltoall=auto: dedup where the EP group spans nodes, top-k > 1 and the expected inter-node
-    bytes of dedup (`comm.dedup.dedup_byte_ratio`, uniform routing) are below flat's; else
+    bytes of dedup (`comm.dedup.dedup_byte_ratio`, uniform routing, or bound to topk_group
+    nodes with --comm.route_groups=node) are at most DEDUP_AUTO_MAX_RATIO of flat's; else
     comm's per-call flat / HALO choice. a2a_overlap=auto: layer where the EP group spans nodes
     (the exchange crosses the network), none inside one node. a2a_chunks=auto: 2 (chunk i+1's
     dispatch beside chunk i's GEMMs; measured on the emulator, docs/alltoall.md)."""
@@ -84,11 +88,18 @@ def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo) -> tuple[str, str, 
         return algo, "none", 1
     nodes = topo.num_nodes if topo is not None else 1
     if algo == "auto" and nodes > 1 and mcfg.top_k > 1:
-        ratio = dedup_byte_ratio(nodes, mcfg.top_k, mcfg.n_routed_experts, mcfg.d_model, 4)
-        if ratio < 1.0:
+        bound = min(mcfg.topk_group, nodes) if c.route_groups == "node" else 0
+        ratio = dedup_byte_ratio(nodes, mcfg.top_k, mcfg.n_routed_experts, mcfg.d_model, 4,
+                                 bound)
+        # dedup adds HALO's relay hop inside the node: HALO took 1.01-1.08x flat's time on the
+        # emulator and 1.08-1.17x in the netsim projection (docs/alltoall.md), so dedup must
+        # save more than that share of the inter-node bytes to win
+        if ratio <= DEDUP_AUTO_MAX_RATIO:
             algo = "dedup"
-        log(f"comm.alltoall=auto: {algo} (EP over {nodes} nodes at top-{mcfg.top_k}: dedup "
-            f"sends an expected {ratio:.2f}x flat's inter-node bytes)", mesh.rank)
+        log(f"comm.alltoall=auto: {algo} (EP over {nodes} nodes at top-{mcfg.top_k}"
+            f"{f', tokens on <= {bound} nodes' if bound else ''}: dedup sends an expected "
+            f"{ratio:.2f}x flat's inter-node bytes; it runs at <= {DEDUP_AUTO_MAX_RATIO})",
+            mesh.rank)
     if overlap == "auto":
         overlap = "layer" if nodes > 1 else "none"
         log(f"comm.a2a_overlap=auto: {overlap} (EP group on {nodes} node"
