@@ -111,7 +111,8 @@ class StepStats:
         t = torch.tensor([mine, -mine], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.ep_group)
         out = {"ep_exchange_max_s": float(t[0]), "ep_exchange_min_s": float(-t[1])}
-        if getattr(disps[0], "topology", None) is not None:  # nodes known: rows counted
+        topo = getattr(disps[0], "topology", None)
+        if topo is not None and topo.num_nodes > 1:  # the EP group spans nodes: rows counted
             v = torch.tensor(sent, dtype=torch.float64, device=self.device)
             dist.all_reduce(v, group=self.mesh.ep_group)
             out.update(ep_remote_rows=float(v[0]), ep_remote_bytes=float(v[1]),
