@@ -39,7 +39,7 @@ from balance.placement import (
     slot_lower_bound,
     swaps_between,
 )
-from balance.planner import METHODS, greedy_repack, plan_swaps
+from balance.planner import METHODS, greedy_repack, plan_swaps, plan_swaps_within
 from balance.replica_move import move_slots, plan_slot_moves
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "placement_of",
     "plan_slot_moves",
     "plan_swaps",
+    "plan_swaps_within",
     "rank_loads",
     "slot_lower_bound",
     "swaps_between",

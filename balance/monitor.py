@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from balance.placement import Swap, apply_swaps, as_placement
-from balance.planner import METHODS, plan_swaps
+from balance.planner import METHODS, plan_swaps, plan_swaps_within
 
 __all__ = ["MigrationPolicy", "Monitor"]
 
@@ -70,6 +70,8 @@ class Monitor:
         n_ranks: R, EP group size; E must be a multiple of R.
         policy: trigger settings; defaults to ``MigrationPolicy()``.
         group: if given, :meth:`record` sums the counts over this process group itself.
+        blocks: if given, rank lists (nodes) that experts never leave: each is planned on
+            its own (:func:`balance.plan_swaps_within`).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class Monitor:
         n_ranks: int,
         policy: MigrationPolicy | None = None,
         group: Any = None,
+        blocks: list[list[int]] | None = None,
     ) -> None:
         if n_layers < 1 or n_experts < 1 or n_ranks < 1:
             raise ValueError(
@@ -89,6 +92,8 @@ class Monitor:
         self.n_layers, self.n_experts, self.n_ranks = n_layers, n_experts, n_ranks
         self.policy = policy if policy is not None else MigrationPolicy()
         self.group = group
+        # rank blocks no expert leaves (routing bound to nodes: the nodes' ranks), or None
+        self.blocks = blocks
         self._ring = np.zeros((self.policy.window, n_layers, n_experts), dtype=np.float64)
         self.steps_recorded = 0
         # Last step each layer was planned; cooldown counts from here.
@@ -178,9 +183,13 @@ class Monitor:
         out: dict[int, list[Swap]] = {}
         for i in self.due(step, expert2rank):
             p = placements[i]
-            swaps = plan_swaps(
-                w[i], p, self.n_ranks, pol.max_swaps, pol.method, tolerance=pol.tolerance
-            )
+            if self.blocks is not None:
+                swaps = plan_swaps_within(w[i], p, self.n_ranks, self.blocks, pol.max_swaps,
+                                          pol.method, tolerance=pol.tolerance)
+            else:
+                swaps = plan_swaps(
+                    w[i], p, self.n_ranks, pol.max_swaps, pol.method, tolerance=pol.tolerance
+                )
             before = np.bincount(p, weights=w[i], minlength=self.n_ranks).max()
             q = np.asarray(apply_swaps(p, swaps))
             after = np.bincount(q, weights=w[i], minlength=self.n_ranks).max()

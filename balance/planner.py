@@ -54,7 +54,7 @@ from balance.placement import (
     swaps_between,
 )
 
-__all__ = ["METHODS", "greedy_repack", "plan_swaps"]
+__all__ = ["METHODS", "greedy_repack", "plan_swaps", "plan_swaps_within"]
 
 METHODS: tuple[str, ...] = ("minmax", "hill-climb", "greedy-repack")
 
@@ -249,3 +249,36 @@ def plan_swaps(
             return []
         return swaps
     raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
+
+
+def plan_swaps_within(
+    load: Any,
+    placement: Any,
+    n_ranks: int,
+    blocks: list[list[int]],
+    max_swaps: int | None = None,
+    method: str = "minmax",
+    *,
+    tolerance: float = 0.01,
+) -> list[Swap]:
+    """`plan_swaps` that never moves an expert out of its block of ranks (a node, when
+    routing is bound to nodes: every expert of a routing group stays on its group's node).
+
+    blocks: disjoint rank lists covering 0..R-1 (each block hosts the experts placed on it).
+    Each block is planned on its own, with at most `max_swaps` swaps each; the max rank load
+    is never raised (each block's is not)."""
+    w = as_load(load)
+    p = as_placement(placement, n_ranks, w.size)
+    seen = sorted(r for b in blocks for r in b)
+    if seen != list(range(n_ranks)):
+        raise ValueError(f"blocks {blocks} must partition the ranks 0..{n_ranks - 1}")
+    out: list[Swap] = []
+    for block in blocks:
+        local = {r: i for i, r in enumerate(block)}
+        experts = [e for e in range(w.size) if int(p[e]) in local]
+        if len(block) < 2 or not experts:
+            continue
+        sub = plan_swaps(w[experts], [local[int(p[e])] for e in experts], len(block),
+                         max_swaps, method, tolerance=tolerance)
+        out += [Swap(experts[s.expert_a], experts[s.expert_b]) for s in sub]
+    return out

@@ -65,5 +65,22 @@ for dtype in fp32 bf16; do
     "$OUT/ref-$dtype" "$OUT/zero3-$dtype" --rtol "$rtol"
 done
 
+# The expert all-to-all overlapped (chunk pipeline on NCCL's stream, HALO on a communication
+# stream) and deduplicated (issue 26), EP=2 over two declared nodes, fp32: the same losses as
+# the plain flat exchange (summation order only; 1e-4 over 20 steps).
+EP2=(--config configs/tiny.toml --train.steps="$STEPS" --train.eval_every=0 --train.plot=false
+     --train.timeout_s=90 --optim.warmup_steps=5 --parallel.pp=1 --parallel.ep=2
+     --model.top_k=4 --train.dtype=fp32 --comm.topology=configs/topologies/2x1-local.toml)
+for arm in flat/none flat/layer halo/layer dedup/none dedup/layer; do
+  a2a="${arm%/*}"; ov="${arm#*/}"
+  step "ep2-$a2a-$ov" 90 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+    train.py "${EP2[@]}" --comm.alltoall="$a2a" --comm.a2a_overlap="$ov" --comm.a2a_chunks=2 \
+    --train.out_dir="$OUT/ep2-$a2a-$ov"
+  if [ "$arm" != flat/none ]; then
+    step "compare-ep2-$a2a-$ov" 20 "$PY" benchmarks/gpu_check_losses.py compare \
+      "$OUT/ep2-flat-none" "$OUT/ep2-$a2a-$ov" --rtol 1e-4
+  fi
+done
+
 echo "results in $OUT (status $status)"
 exit $status

@@ -238,14 +238,23 @@ class MoELayer(nn.Module):
             slot_idx = replica_slots(topk_idx, self.rep_slots, self.n_rep)
         else:
             slot_idx = self.expert2slot[topk_idx]
+        if getattr(self.dispatcher, "pipelined", False):
+            # the dispatcher runs the whole expert path, shared experts included: chunked and
+            # overlapped with its exchanges, or deduplicated (trainer/ep_pipeline.py)
+            return self.dispatcher.moe_forward(self, x_TD, slot_idx, topk_w).view(B, S, D)
         x_sorted, counts, meta = permute(x_TD, slot_idx, self.n_slots)
         x_loc, counts_loc, ctx = self.dispatcher.dispatch(x_sorted, counts)
         y_loc = self.experts(x_loc, counts_loc)
         y_sorted = self.dispatcher.combine(y_loc, ctx)
         y = unpermute(y_sorted, topk_w.to(y_sorted.dtype), meta)
         if self.shared_experts is not None:
-            shared = self.shared_experts(x_TD)
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(x_TD)) * shared
-            y = y + shared
+            y = y + self.shared_forward(x_TD)
         return y.view(B, S, D)
+
+    def shared_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output [T, D] (gated per token when the model has the gate)."""
+        assert self.shared_experts is not None
+        shared = self.shared_experts(x_TD)
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(self.shared_gate(x_TD)) * shared
+        return shared

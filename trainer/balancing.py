@@ -34,7 +34,7 @@ __all__ = ["Balancer"]
 
 class Balancer:
     def __init__(self, cfg: BalanceConfig, layers: dict[str, MoELayer], ep: int, ep_group,
-                 optim: torch.optim.Optimizer) -> None:
+                 optim: torch.optim.Optimizer, blocks: list[list[int]] | None = None) -> None:
         from balance import MigrationPolicy, Monitor
 
         self.cfg, self.layers, self.ep, self.group, self.optim = cfg, layers, ep, ep_group, optim
@@ -44,7 +44,9 @@ class Balancer:
         method = "minmax" if cfg.method == "default" else cfg.method
         self.policy = MigrationPolicy(threshold=cfg.threshold, window=cfg.window,
                                       cooldown=cfg.cooldown, max_swaps=cfg.max_swaps, method=method)
-        self.monitor = Monitor(len(layers), E, ep, self.policy)
+        # --comm.route_groups=node: the nodes' EP ranks; no expert leaves its node
+        self.blocks = blocks
+        self.monitor = Monitor(len(layers), E, ep, self.policy, blocks=blocks)
         self.events: list[dict[str, Any]] = []
         owns = getattr(optim, "owns", None)
         if owns is not None and ep_group is not None:  # ZeRO: the swap partners must agree
@@ -68,9 +70,12 @@ class Balancer:
         plans = {}
         for i, layer in enumerate(self.layers.values()):
             slot2expert = layer.slot_map()
+            # neighbouring ranks swap (inside each node's block when routing is node-bound)
+            pairs = [(b[j], b[j + 1]) for b in self.blocks for j in range(0, len(b) - 1, 2)] \
+                if self.blocks else [(r, r + 1) for r in range(0, self.ep - 1, 2)]
             swaps = [Swap(int(slot2expert[r * self.El + k % self.El]),
-                          int(slot2expert[(r + 1) * self.El + (k + 1) % self.El]))
-                     for r in range(0, self.ep - 1, 2)]
+                          int(slot2expert[q * self.El + (k + 1) % self.El]))
+                     for r, q in pairs]
             plans[i] = swaps
         return plans
 

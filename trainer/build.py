@@ -57,18 +57,93 @@ def build_model(cfg: RunConfig, mcfg: Any, mesh: Mesh):
         model = MoETransformer(mcfg)
     set_checkpointing(model, cfg.train.checkpointing)
     mesh.build_groups(timedelta(seconds=cfg.train.timeout_s))
-    algo = cfg.comm.alltoall
-    topo = ep_topology(cfg, mesh, algo)
+    topo = ep_topology(cfg, mesh, cfg.comm.alltoall)
+    algo, overlap, chunks = resolve_a2a(cfg, mcfg, mesh, topo)
+    if cfg.comm.route_groups == "node":
+        node_blocks(mcfg, mesh, topo, check=True)
     cost_model = calibrate_auto(mesh, mcfg, topo) \
         if algo == "auto" and topo is not None and topo.num_nodes > 1 else None
     parallelize(model, mesh, alltoall=algo, topology=topo, cost_model=cost_model,
-                redundant=cfg.balance.redundant)
+                redundant=cfg.balance.redundant, overlap=overlap, chunks=chunks)
     return model
 
 
+DEDUP_AUTO_MAX_RATIO = 0.8  # `auto` runs dedup at most at this inter-node byte ratio
+
+
+def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo) -> tuple[str, str, int]:
+    """(alltoall, a2a_overlap, a2a_chunks) the EP dispatcher runs, `auto` decided and logged.
+
+    alltoall=auto: dedup where the EP group spans nodes, top-k > 1 and the expected inter-node
+    bytes of dedup (`comm.dedup.dedup_byte_ratio`, uniform routing, or bound to topk_group
+    nodes with --comm.route_groups=node) are at most DEDUP_AUTO_MAX_RATIO of flat's; else
+    comm's per-call flat / HALO choice. a2a_overlap=auto: layer where the EP group spans nodes
+    (the exchange crosses the network), none inside one node. a2a_chunks=auto: 2, the fewest
+    that put one chunk's exchange beside another's GEMMs (a fixed choice, not priced; the
+    planner's `tuner.costs.a2a_exposed` prices 1, 2, 4, 8)."""
+    from comm.dedup import dedup_byte_ratio
+
+    from .setup import a2a_chunks
+
+    c = cfg.comm
+    algo, overlap, chunks = c.alltoall, c.a2a_overlap, a2a_chunks(c.a2a_chunks)
+    if mesh.ep == 1:
+        return algo, "none", 1
+    nodes = topo.num_nodes if topo is not None else 1
+    if algo == "auto" and nodes > 1 and mcfg.top_k > 1:
+        bound = min(mcfg.topk_group, nodes) if c.route_groups == "node" else 0
+        ratio = dedup_byte_ratio(nodes, mcfg.top_k, mcfg.n_routed_experts, mcfg.d_model, 4,
+                                 bound)
+        # dedup adds HALO's relay hop inside the node: HALO took 1.01-1.08x flat's time on the
+        # emulator and 1.08-1.17x in the netsim projection (docs/alltoall.md), so dedup must
+        # save more than that share of the inter-node bytes to win
+        if ratio <= DEDUP_AUTO_MAX_RATIO:
+            algo = "dedup"
+        log(f"comm.alltoall=auto: {algo} (EP over {nodes} nodes at top-{mcfg.top_k}"
+            f"{f', tokens on <= {bound} nodes' if bound else ''}: dedup sends an expected "
+            f"{ratio:.2f}x flat's inter-node bytes; it runs at <= {DEDUP_AUTO_MAX_RATIO})",
+            mesh.rank)
+    if overlap == "auto":
+        overlap = "layer" if nodes > 1 else "none"
+        log(f"comm.a2a_overlap=auto: {overlap} (EP group on {nodes} node"
+            f"{'s' if nodes > 1 else ''})", mesh.rank)
+    if overlap == "layer" and not chunks:
+        chunks = 2
+        log("comm.a2a_chunks=auto: 2", mesh.rank)
+    return algo, overlap, max(chunks, 1)
+
+
+def node_blocks(mcfg: Any, mesh: Mesh, topo, check: bool = False) -> list[list[int]]:
+    """--comm.route_groups=node: the EP group's ranks per node (the blocks migration keeps
+    experts in). With `check`, a ConfigError unless routing groups can be bound to nodes: an
+    EP group over N > 1 nodes of equal size holding consecutive EP ranks (then expert e's
+    initial slot e is on node e // (E / N)) and n_group a multiple of N (each node holds
+    n_group / N whole groups, so a token's topk_group groups lie on <= topk_group nodes)."""
+    N = topo.num_nodes if topo is not None else 1
+    if check:
+        if mesh.ep == 1 or N == 1:
+            raise ConfigError(f"comm.route_groups=node needs an EP group spanning nodes; it "
+                              f"has ep={mesh.ep} on {N} node(s)")
+        G = mesh.ep // N
+        if any(tuple(topo.node_ranks(m)) != tuple(range(m * G, (m + 1) * G))
+               for m in range(N)):
+            raise ConfigError("comm.route_groups=node needs every node to hold consecutive "
+                              f"EP ranks in equal numbers; the EP group's nodes hold "
+                              f"{[list(topo.node_ranks(m)) for m in range(N)]}")
+        if mcfg.n_group < 2 or mcfg.n_group % N:
+            raise ConfigError(f"comm.route_groups=node: model.n_group={mcfg.n_group} must be a "
+                              f"multiple of the EP group's {N} nodes (> 1), e.g. "
+                              f"--model.n_group={N} --model.topk_group=1")
+        log(f"comm.route_groups=node: {mcfg.n_group} routing groups on {N} nodes "
+            f"({mcfg.n_group // N} per node): a token reaches at most "
+            f"{min(mcfg.topk_group, N)} node(s)", mesh.rank)
+    return [list(topo.node_ranks(m)) for m in range(N)] if topo is not None else []
+
+
 def ep_topology(cfg: RunConfig, mesh: Mesh, algo: str):
-    """The EP group's topology for HALO/auto (collective: every rank calls it)."""
-    if mesh.ep == 1 or algo == "flat" or not dist.is_initialized():
+    """The EP group's topology (collective: every rank calls it): HALO, dedup and auto plan
+    with it, and every dispatcher counts the rows it sends off its node with it."""
+    if mesh.ep == 1 or not dist.is_initialized():
         return None
     from comm import Topology
 

@@ -71,7 +71,16 @@ class ParallelConfig:
 
 @dataclass
 class CommConfig:
-    alltoall: str = "auto"  # flat | halo | auto
+    alltoall: str = "auto"  # flat | halo | dedup | auto (trainer.layout.TRAINER_ALLTOALL)
+    # the expert all-to-all overlapped with compute: none | layer (shared experts beside the
+    # dispatch, rows in a2a_chunks chunks pipelined: trainer/ep_pipeline.py) | auto (layer
+    # where the EP group spans nodes, else none) (trainer.layout.TRAINER_A2A_OVERLAP)
+    a2a_overlap: str = "none"
+    a2a_chunks: str = "auto"  # chunks of the layer pipeline: an int >= 1, or auto
+    # none | node: the model's routing groups (--model.n_group, a multiple of the EP group's
+    # nodes) are bound to nodes, so a token reaches at most --model.topk_group nodes, and
+    # migration keeps every expert on its group's node (balance.plan_swaps_within)
+    route_groups: str = "none"
     topology: str = ""  # optional TOML topology file; default: discovered
 
 

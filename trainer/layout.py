@@ -87,10 +87,11 @@ ZERO_LEVELS = (0, 1, 2, 3)
 TRAINER_ZERO_LEVELS = (0, 1, 2, 3)  # --parallel.zero (3: FSDP2, trainer/zero3.py)
 # dedup: a token crosses to a remote node once (DeepEP-style; issue 26)
 ALLTOALL_ALGORITHMS = ("flat", "halo", "dedup", "auto")
-TRAINER_ALLTOALL = tuple(_COMM_ALGORITHMS)  # --comm.alltoall: what comm.all_to_all runs
+# --comm.alltoall: what comm.all_to_all runs, and dedup (comm/dedup.py, trainer/ep_pipeline.py)
+TRAINER_ALLTOALL = (*(a for a in _COMM_ALGORITHMS if a != "auto"), "dedup", "auto")
 # all-to-all overlapped with compute: none, inside the MoE layer, across micro-batches
 A2A_OVERLAP = ("none", "layer", "fb")
-TRAINER_A2A_OVERLAP = ("none",)
+TRAINER_A2A_OVERLAP = ("none", "layer")  # --comm.a2a_overlap (also "auto": none or layer)
 # Recompute modes are the model's activation checkpointing modes (model/checkpointing.py),
 # the same names: none; selective = the FFN intermediates are recomputed; full = the whole
 # block keeps only its input. --train.checkpointing takes them.

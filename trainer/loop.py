@@ -97,8 +97,14 @@ class Trainer:
         self.step, self.phase, self.nonfinite_steps, self.logging = 0, "setup", 0, True
         self.balancer = None
         if self.cfg.balance.enabled and self.mesh.ep > 1 and self.model.moe_layers():
+            blocks = None
+            if self.cfg.comm.route_groups == "node":  # experts stay on their group's node
+                from .build import node_blocks
+
+                topo = self.model.moe_layers()[0].dispatcher.topology
+                blocks = node_blocks(self.mcfg, self.mesh, topo)
             self.balancer = Balancer(self.cfg.balance, named_moe_layers(self.model), self.mesh.ep,
-                                     self.mesh.ep_group, self.optim)
+                                     self.mesh.ep_group, self.optim, blocks)
         self.ckpt = CheckpointManager(self)
         self.peak, self.peak_src = (t.peak_tflops * 1e12, "--train.peak_tflops") \
             if t.peak_tflops > 0 else peak_flops(self.device)

@@ -16,6 +16,7 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 
@@ -41,19 +42,63 @@ class EPDispatcher:
     """
 
     def __init__(self, group, ep: int, num_slots: int, algorithm: str = "flat", topology=None,
-                 cost_model=None):
+                 cost_model=None, overlap: str = "none", chunks: int = 1):
         if num_slots % ep:
             raise MeshError(f"ep={ep} does not divide {num_slots} experts; valid ep: "
                             f"{valid_divisors(num_slots)}")
+        if overlap not in ("none", "layer"):
+            raise ValueError(f"overlap={overlap!r}; valid: none, layer")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks={chunks!r} must be an int >= 1")
         self.group, self.ep, self.num_slots = group, ep, num_slots
         self.local = num_slots // ep
         self.algorithm, self.topology = algorithm, topology
+        if algorithm == "dedup" and topology is None:  # one node: nothing crosses, no relay
+            from comm import Topology
+
+            self.topology = Topology.uniform(1, ep)
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         # comm.CostModel for "auto"; None only where auto runs on one node (it is flat there):
         # across nodes comm refuses auto without a model (calibrate / from_platform / emulator)
         self.cost_model = cost_model
+        # --comm.a2a_overlap / a2a_chunks: "layer" runs trainer.ep_pipeline's chunk pipeline
+        self.overlap, self.chunks = overlap, chunks if overlap == "layer" else 1
         # wall seconds this rank spent inside forward exchanges since the last reset: with
-        # uneven expert loads it is dominated by waiting for the most-loaded rank
+        # uneven expert loads it is dominated by waiting for the most-loaded rank. In the
+        # pipeline: the seconds the forward blocked waiting for rows (the exposed part).
         self.exchange_s = 0.0
+        # forward dispatch rows (and bytes) this rank sent to ranks on other nodes since the
+        # last reset, and the rows a flat dispatch would have sent (one per (token, slot))
+        self.remote_rows = 0
+        self.remote_bytes = 0
+        self.flat_remote_rows = 0
+        self.handles: list = []  # the pipeline's exchanges of the running forward
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether `model.moe.MoELayer` hands its whole expert path to `moe_forward`."""
+        return self.overlap != "none" or self.algorithm == "dedup"
+
+    def moe_forward(self, layer, x_TD: torch.Tensor, slot_idx: torch.Tensor,
+                    topk_w: torch.Tensor) -> torch.Tensor:
+        """Routed (+ shared) experts' output [T, D]: trainer.ep_pipeline."""
+        from .ep_pipeline import moe_forward
+
+        self.handles = []
+        try:
+            with record_function("ep.pipeline"):
+                return moe_forward(self, layer, x_TD, slot_idx, topk_w)
+        finally:
+            self.exchange_s += sum(h.waited_s for h in self.handles)
+            self.handles = []
+
+    def remote_pair_rows(self, counts: list[int]) -> int:
+        """Rows of per-slot `counts` that go to ranks on other nodes (0 without a topology)."""
+        if self.topology is None:
+            return 0
+        node, El = self.topology.rank2node, self.local
+        me = node[self.rank]
+        return sum(sum(counts[r * El:(r + 1) * El]) for r in range(self.ep) if node[r] != me)
 
     def dispatch(self, x_sorted: torch.Tensor, counts_E: torch.Tensor):
         import comm  # the trainer wires packages together; model/ never imports comm
@@ -70,6 +115,12 @@ class EPDispatcher:
                                               self.topology, self.cost_model, row_bytes,
                                               counts_RE.tolist(), x_sorted.device)
         recv_SE = torch.tensor(recv, dtype=torch.int64)
+        if self.topology is not None:
+            node = self.topology.rank2node
+            remote = sum(n for r, n in enumerate(in_splits) if node[r] != node[self.rank])
+            self.remote_rows += remote
+            self.remote_bytes += remote * row_bytes
+            self.flat_remote_rows += remote
         t0 = time.perf_counter()
         with record_function("ep.dispatch_all_to_all"):  # named range in profiler traces
             y, _ = comm.all_to_all(x_sorted, in_splits, self.group, plan=plan)
@@ -102,7 +153,8 @@ class EPDispatcher:
 
 
 def parallelize(model: MoETransformer, mesh: Mesh, alltoall: str = "flat", topology=None,
-                cost_model=None, redundant: int = 0) -> MoETransformer:
+                cost_model=None, redundant: int = 0, overlap: str = "none",
+                chunks: int = 1) -> MoETransformer:
     """Shard the experts of every MoE layer over the mesh's EP group (in place); with
     `redundant` = r > 0 every EP rank hosts E / ep + r slots (trainer/replicas.py)."""
     if mesh.ep == 1:
@@ -113,7 +165,7 @@ def parallelize(model: MoETransformer, mesh: Mesh, alltoall: str = "flat", topol
         if redundant:
             layer.resize_slots(initial_slot_map(layer.num_experts, mesh.ep, redundant))
         disp = EPDispatcher(mesh.ep_group, mesh.ep, layer.n_slots, alltoall, topology,
-                            cost_model)
+                            cost_model, overlap, chunks)
         lo, hi = mesh.ep_idx * disp.local, (mesh.ep_idx + 1) * disp.local
         ex = layer.experts
         for name in ("w1", "w2", "w3"):

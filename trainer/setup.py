@@ -20,7 +20,15 @@ import torch
 from .checkpoint import CheckpointError, check_same_model, find_latest, read_meta
 from .config import ConfigError, RunConfig
 from .data import Corpus, load_corpus
-from .layout import RECOMPUTE, TRAINER_ALLTOALL, check, check_choice, check_redundant, divisors
+from .layout import (
+    RECOMPUTE,
+    TRAINER_A2A_OVERLAP,
+    TRAINER_ALLTOALL,
+    check,
+    check_choice,
+    check_redundant,
+    divisors,
+)
 from .mesh import Mesh
 from .metrics import check_observability
 from .precision import check_precision
@@ -103,6 +111,13 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
         print(f"note: {zero_note}", file=sys.stderr, flush=True)
     _check_redundant(cfg.balance.redundant, E, mesh.ep)
     check_choice("comm.alltoall", cfg.comm.alltoall, TRAINER_ALLTOALL)
+    check_choice("comm.a2a_overlap", cfg.comm.a2a_overlap, (*TRAINER_A2A_OVERLAP, "auto"))
+    a2a_chunks(cfg.comm.a2a_chunks)
+    check_choice("comm.route_groups", cfg.comm.route_groups, ("none", "node"))
+    if cfg.comm.route_groups == "node" and cfg.balance.redundant:
+        raise ConfigError(f"comm.route_groups=node with balance.redundant="
+                          f"{cfg.balance.redundant} is not built (replicas are placed "
+                          f"without regard to nodes); use balance.redundant=0")
     if cfg.comm.topology:
         from comm import Topology
 
@@ -202,6 +217,20 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
               f" layers, the run builds {mcfg.n_layers} (model.n_layers): checkpoint layers "
               f"{list(hf_skipped)} are skipped", file=sys.stderr, flush=True)
     return Prepared(cfg, mcfg, mesh, corpus, resume_path, hf, tuple(hf_skipped or ()))
+
+
+def a2a_chunks(value: object) -> int:
+    """--comm.a2a_chunks as an int >= 1, or 0 for auto; a ConfigError naming the value else."""
+    text = str(value).strip()
+    if text == "auto":
+        return 0
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1 or isinstance(value, bool):
+        raise ConfigError(f"comm.a2a_chunks={value!r}; valid: an integer >= 1, or auto")
+    return n
 
 
 def _check_redundant(r: int, E: int, ep: int) -> None:

@@ -99,11 +99,25 @@ class StepStats:
         if not disps:
             return {}
         mine = sum(d.exchange_s for d in disps)
+        # forward dispatch rows and bytes sent to other nodes this step, summed over the EP
+        # group, and the rows flat would have sent (they differ under comm.alltoall=dedup)
+        sent = [float(sum(getattr(d, k, 0) for d in disps))
+                for k in ("remote_rows", "remote_bytes", "flat_remote_rows")]
         for d in disps:
             d.exchange_s = 0.0
+            for k in ("remote_rows", "remote_bytes", "flat_remote_rows"):
+                if hasattr(d, k):
+                    setattr(d, k, 0)
         t = torch.tensor([mine, -mine], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.ep_group)
-        return {"ep_exchange_max_s": float(t[0]), "ep_exchange_min_s": float(-t[1])}
+        out = {"ep_exchange_max_s": float(t[0]), "ep_exchange_min_s": float(-t[1])}
+        topo = getattr(disps[0], "topology", None)
+        if topo is not None and topo.num_nodes > 1:  # the EP group spans nodes: rows counted
+            v = torch.tensor(sent, dtype=torch.float64, device=self.device)
+            dist.all_reduce(v, group=self.mesh.ep_group)
+            out.update(ep_remote_rows=float(v[0]), ep_remote_bytes=float(v[1]),
+                       ep_flat_remote_rows=float(v[2]))
+        return out
 
     def memory(self) -> dict[str, float]:
         """Max over ranks of state bytes and of peak saved-activation bytes this step."""
