@@ -43,7 +43,12 @@ def test_plan_writes_a_plan_train_py_accepts(tmp_path, capsys):
      "unknown platform 'summit'; valid: dgx-h100, frontier, h200-node"),
     (["--model", "deepseek-v3", "--platform", "frontier", "--gpus", "12"],
      "use 8 or 16"),
+    # the trainer's GPU default, bf16 weights + fp32 masters, costs 18 B per parameter where a
+    # replica group has one rank (experts at pp=32 x ep=8 on 256 GPUs: edp = 1), fp32 16 B
     (["--model", "deepseek-v3", "--platform", "frontier", "--gpus", "64"],
+     r"does not fit on 64 x frontier GPUs: .* It would fit on 512 GPUs \(pp=32, ep=16, ZeRO-1"),
+    (["--model", "deepseek-v3", "--platform", "frontier", "--gpus", "64", "--param-dtype",
+      "fp32"],
      r"does not fit on 64 x frontier GPUs: .* It would fit on 256 GPUs \(pp=32, ep=8, ZeRO-1"),
     (["--model", "deepseek-v3", "--platform", "frontier", "--gpus", "64", "--zero", "0"],
      r"does not fit on 64 x frontier GPUs: .* It would fit on 512 GPUs \(pp=32, ep=16, ZeRO-0"),
