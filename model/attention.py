@@ -23,6 +23,10 @@ from .config import ModelConfig
 from .norm import RMSNorm
 from .rope import RotaryEmbedding, apply_rope, deinterleave, softmax_scale
 
+# kernels for a DocLayout: "flex" = torch's flex_attention with a block mask (no [S, S]
+# tensor), "dense" = SDPA with the [B, 1, S, S] boolean mask, "auto" = flex where it runs
+DOC_ATTENTION = ("auto", "flex", "dense")
+
 
 class DocLayout:
     """Where the documents of a packed window begin: `positions` [B, S] (position of each

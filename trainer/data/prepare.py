@@ -430,11 +430,22 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"processes (default: the cores available, {_available_cores()} here)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing FILE.bin")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from .order import add_parser
+
+    add_parser(sub)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "order":
+        from .order import run
+
+        try:
+            return run(args)
+        except DataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     try:
         meta = prepare(args.tokenizer, args.input, args.out, field=args.field,
                        workers=args.workers, eos=args.eos, overwrite=args.overwrite,
