@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.autograd.profiler import record_function
 
 from .common import TrainingError
 from .memory import state_bytes
+from .pipe import ce_loss
 from .replicas import replica_row_weights, sum_replica_grads
 
 __all__ = ["train_step", "forward_loss", "lr_at", "allreduce_mean", "doc_layout"]
@@ -58,8 +58,7 @@ def forward_loss(tr, tokens: torch.Tensor, targets: torch.Tensor):
     """(cross-entropy, MoE aux loss) of one unpipelined forward."""
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=tr.autocast):
         logits = tr.model(tokens, doc=doc_layout(tr, tokens))
-    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    return ce, tr.model.aux_loss()
+    return ce_loss(logits, targets), tr.model.aux_loss()
 
 
 def _forward_backward(tr, tokens: torch.Tensor, targets: torch.Tensor):
