@@ -44,6 +44,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, run_train
 
 import pipeline
@@ -93,7 +94,10 @@ CLI = {
     "data sampling": (["--data.sampling=shuffle"], 1,
                       ["--data.sampling='shuffle'", "valid: epoch, random"]),
     "doc attention": (["--data.doc_attention=flash"], 1,
-                      ["--data.doc_attention='flash'", "valid: auto, flex, dense"]),
+                      ["--data.doc_attention='flash'", "valid: auto, flex, varlen, dense"]),
+    **({} if torch.cuda.is_available() else {
+        "flex on cpu": (["--data.doc_attention=flex", "--data.doc_mask=true"], 1,
+                        ["doc_attention=flex needs a CUDA GPU", "no CPU backward"])}),
     "positional": (["steps=5"], 1, ["unexpected argument 'steps=5'", "--section.field=value"]),
     "unknown option": (["--stepz=5"], 1, ["unknown option --stepz", "--config FILE"]),
     "config no value": (["--config"], 1, ["--config needs a value"]),

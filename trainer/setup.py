@@ -173,6 +173,10 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     if d.doc_attention not in DOC_ATTENTION:
         raise ConfigError(f"--data.doc_attention={d.doc_attention!r}; valid: "
                           f"{', '.join(DOC_ATTENTION)}")
+    if d.doc_mask and d.doc_attention == "flex" and not torch.cuda.is_available():
+        raise ConfigError("--data.doc_attention=flex needs a CUDA GPU to train: torch's "
+                          "flex_attention has no CPU backward; use auto (= varlen off CUDA), "
+                          "varlen or dense")
     corpus = load_data(d.path, d.val_fraction, blend=d.blend, sampling=d.sampling,
                        loss_mask=d.loss_mask)
     corpus.check(t.seq_len, mcfg.vocab_size)

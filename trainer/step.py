@@ -51,7 +51,7 @@ def doc_layout(tr, tokens: torch.Tensor):
         return None
     from model import DocLayout
 
-    return DocLayout.from_tokens(tokens, tr.corpus.eos_id)
+    return DocLayout.from_tokens(tokens, tr.corpus.eos_id, tr.cfg.data.doc_attention)
 
 
 def forward_loss(tr, tokens: torch.Tensor, targets: torch.Tensor):
