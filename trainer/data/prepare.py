@@ -405,7 +405,7 @@ def prepare(tokenizer: str | Path, inputs: list[str], out: str | Path, field: st
                 (mask_part.open("wb") if chat else contextlib.nullcontext()) as mh:
             for ids, mask, docs, _ in run:
                 ids.tofile(fh)
-                if mh is not None:
+                if mh is not None and mask is not None:
                     mask.tofile(mh)
                     n_masked += int(mask.sum())
                 n_docs += docs
