@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -48,9 +49,12 @@ def child(a: argparse.Namespace) -> dict:
     torch.set_num_threads(a.threads)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(0)
+    # document lengths: 1 + a geometric count of mean doc_len - 1, from the seeded generator
+    # (the same documents in every kernel's process)
     lens: list[int] = []
     while sum(lens) < a.seq:
-        lens.append(int(torch.distributions.Geometric(1 / a.doc_len).sample().item()) + 1)
+        u = float(torch.rand((), generator=g))
+        lens.append(1 + int(math.log1p(-u) / math.log1p(-1 / a.doc_len)))
     ids = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[:a.seq]
     doc = DocLayout(ids[None].expand(a.batch, a.seq).contiguous().to(dev), a.kernel)
     q, k, v = (torch.randn(a.batch, a.heads, a.seq, a.head_dim, generator=g).to(dev)
@@ -90,7 +94,7 @@ def child(a: argparse.Namespace) -> dict:
             "seconds": statistics.median(times), "n_docs": len(lens)}
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)
@@ -103,7 +107,11 @@ def main() -> int:
     ap.add_argument("--kernel", help=argparse.SUPPRESS)
     ap.add_argument("--save", help=argparse.SUPPRESS)
     add_output_args(ap, "doc_attention")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    a = parser().parse_args()
     if a.kernel:
         print(json.dumps(child(a)))
         return 0
