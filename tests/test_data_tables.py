@@ -102,3 +102,20 @@ def test_bad_text_fields(tmp_path, bpe_dir):  # noqa: F811
     bad.write_bytes(b"not arrow at all" * 10)
     with pytest.raises(DataError, match="is not an Arrow IPC file or stream"):
         prepare(bpe_dir, [str(bad)], tmp_path / "o.bin", progress=False)
+
+
+def test_chat_records_from_parquet_equal_the_jsonl_path(tmp_path):
+    from test_data_chat import CHATML, CONVS, _jsonl, _tokenizer
+
+    from trainer.data import mask_path
+
+    d = _tokenizer(tmp_path / "tok", CHATML)
+    pq.write_table(pa.table({"messages": CONVS}), tmp_path / "c.parquet")
+    prepare(d, [str(tmp_path / "c.parquet")], tmp_path / "pq.bin", progress=False, chat=True)
+    prepare(d, [_jsonl(tmp_path / "c.jsonl", CONVS)], tmp_path / "js.bin", progress=False,
+            chat=True)
+    for f in (lambda n: tmp_path / n, lambda n: mask_path(tmp_path / n)):
+        assert f("pq.bin").read_bytes() == f("js.bin").read_bytes()
+    with pytest.raises(DataError, match="column 'messages' holds string, not a list"):
+        pq.write_table(pa.table({"messages": ["x"]}), tmp_path / "s.parquet")
+        prepare(d, [str(tmp_path / "s.parquet")], tmp_path / "o.bin", progress=False, chat=True)
