@@ -295,11 +295,13 @@ class Blend:
         per = _check_shards(global_batch, n_shards)
         if split == "train":
             src, starts = self.windows(step, global_batch, seq_len, shard, n_shards, seed)
-        else:  # the blend's shares, random windows of each source's validation split
-            src, _ = self.order(seq_len, seed).sources(step * global_batch + shard * per, per)
-            g = np.random.default_rng([seed, step, 1, shard])
-            starts = np.array([g.integers(0, len(self.parts[d].val) - seq_len - 1,
-                                          endpoint=True) for d in src], dtype=np.int64)
+        else:  # the blend's shares, random windows of each source's validation split, drawn
+            # for the whole global batch so that every layout sees the same union
+            src, _ = self.order(seq_len, seed).sources(step * global_batch, global_batch)
+            hi = np.array([len(p.val) - seq_len - 1 for p in self.parts])[src]  # last start
+            u = np.random.default_rng([seed, step, 1]).random(global_batch)
+            starts = np.minimum((u * (hi + 1)).astype(np.int64), hi)
+            src, starts = (a[shard * per:(shard + 1) * per] for a in (src, starts))
         tokens = torch.empty(per, seq_len, dtype=torch.int64)
         targets = torch.empty(per, seq_len, dtype=torch.int64)
         for d, p in enumerate(self.parts):
