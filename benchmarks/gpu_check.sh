@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One command for the scarce GPU time (issues 3 and 22, `make gpu-check`): the GPU test tier
 # (compiled Triton kernels, fp16 + bf16), a short bf16 training of the tiny model on one GPU
-# (EP=1, PP=1: its loss curve and tokens/s), autotuning of one preset, and both benchmarks,
-# every result in one folder. Budget: under 8 minutes on one GPU (the step limits add up to
-# 470 s); each step has its own time limit so one hang cannot eat the rest, and a failed step
+# (EP=1, PP=1: its loss curve and tokens/s), autotuning of one preset, the kernel benchmarks and
+# document-masked attention, every result in one folder. Budget: under 11 minutes on one GPU
+# (the step limits add up to 620 s); each step has its own time limit so one hang cannot eat the rest, and a failed step
 # does not stop the later ones. Several GPUs: benchmarks/gpu_check_multi.sh (PP x EP, NCCL).
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]     (default runs/bench/gpu-<date>, ignored by git)
@@ -65,6 +65,12 @@ step bench-grouped-gemm 85 "$PY" benchmarks/bench_grouped_gemm.py --out "$OUT" -
 # 5. MoE layer fwd+bwd vs transformers' MixtralSparseMoeBlock and a dense SwiGLU (bf16).
 step bench-moe-layer 70 "$PY" benchmarks/bench_moe_layer.py --out "$OUT" --repeats 10 \
   --warmup 3 --skip-eager
+# 6. Document-masked attention: the compiled flex block mask against the dense mask (outputs and
+#    gradients), then peak memory and time of dense / varlen / flex at S = 4096.
+step doc-attention-tests 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu \
+  tests/test_doc_attention.py
+step bench-doc-attention 60 "$PY" benchmarks/bench_doc_attention.py --out "$OUT" --seq 4096 \
+  --batch 4 --heads 16 --head-dim 128
 
 echo "results in $OUT (status $status)"
 exit $status

@@ -6,9 +6,13 @@ fine-tuning recipe of the README end to end without a published checkpoint:
 The folder holds what a published checkpoint folder holds: `config.json` and sharded
 `*.safetensors` written by transformers' own `save_pretrained`, plus `tokenizer.json` and
 `tokenizer_config.json` of a byte-level BPE tokenizer trained here with the `tokenizers` library
-on this Python's standard-library sources (vocabulary `--vocab`, EOS `<|endoftext|>`). The
-weights are transformers' random initialisation (seed 0): a stand-in with the right layout, not
-a trained model.
+on this Python's standard-library sources (vocabulary `--vocab`, EOS `<|endoftext|>`), whose
+tokenizer_config.json carries a ChatML-style `chat_template` (assistant turns inside
+`{% generation %}` blocks, so transformers' `return_assistant_tokens_mask` works too), and
+`chat_example.jsonl`: conversations made from the standard library's module docstrings (a user
+asks what a module is for, the assistant answers with its docstring's first paragraph), the
+input of the README's chat fine-tuning recipe. The weights are transformers' random
+initialisation (seed 0): a stand-in with the right layout, not a trained model.
 """
 
 from __future__ import annotations
@@ -28,6 +32,41 @@ ARCH = {
                         n_group=4, topk_group=2, num_key_value_heads=4),
 }
 EOS = "<|endoftext|>"
+# ChatML-style; the turn markers are plain text to this tokenizer (no added tokens) and turns do
+# not end with EOS, so --data.doc_mask keeps a whole conversation in one document
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>\n"
+    "{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_chat_example(out: Path, n: int = 800) -> int:
+    """chat_example.jsonl: one conversation per standard-library module with a docstring."""
+    import ast
+
+    from trainer.data import default_corpus_files
+
+    rows = []
+    for f in default_corpus_files():
+        try:
+            doc = ast.get_docstring(ast.parse(f.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        if not doc or len(doc) < 40:
+            continue
+        answer = doc.split("\n\n")[0].strip()
+        name = f.stem if f.stem != "__init__" else f.parent.name
+        msgs = [{"role": "user", "content": f"What is the Python module {name} for?"},
+                {"role": "assistant", "content": answer}]
+        if len(rows) % 3 == 0:
+            msgs.insert(0, {"role": "system", "content": "You answer questions about Python."})
+        rows.append(json.dumps({"messages": msgs}))
+        if len(rows) == n:
+            break
+    (out / "chat_example.jsonl").write_text("".join(r + "\n" for r in rows))
+    return len(rows)
 
 
 def train_tokenizer(vocab: int, out: Path) -> None:
@@ -46,7 +85,7 @@ def train_tokenizer(vocab: int, out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast",
-         "model_max_length": 1024}, indent=2) + "\n")
+         "model_max_length": 1024, "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out.mkdir(parents=True)
     train_tokenizer(a.vocab, out)
+    n_chat = write_chat_example(out)
     torch.manual_seed(0)
     cfg = transformers.AutoConfig.for_model(
         a.model_type, vocab_size=a.vocab, hidden_size=a.d_model, num_hidden_layers=a.layers,
@@ -79,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     model.save_pretrained(out, max_shard_size="2MB")
     n = sum(p.numel() for p in model.parameters())
     print(f"wrote {out}: {a.model_type}, {n / 1e6:.2f}M parameters, {a.layers} layers, "
-          f"vocabulary {a.vocab} (EOS {EOS!r} = id 0)")
+          f"vocabulary {a.vocab} (EOS {EOS!r} = id 0); {n_chat} conversations in "
+          f"{out / 'chat_example.jsonl'}")
     return 0
 
 

@@ -6,9 +6,10 @@ MLA:  q = x Wq  or  q = norm(x Wq_a) Wq_b  (low-rank q, q_lora_rank)
       [c_kv, k_rope] = x Wkv_a;  [k_nope, v] = norm(c_kv) Wkv_b  (per head)
       k = [k_nope, rope(k_rope) shared by all heads],  q = [q_nope, rope(q_rope)].
 Both use torch's scaled_dot_product_attention with is_causal=True; with a `DocLayout`
-(documents packed into one training window, `--data.doc_mask`) the mask is block-causal (no
-attention across a document boundary) and RoPE positions restart at 0 in every document, so
-each document is computed as if it were alone in the window.
+(documents packed into one training window, `--data.doc_mask`) attention is block-causal (no
+attention across a document boundary; kernel per DOC_ATTENTION: a flex block mask, one causal
+SDPA per document, or a dense [B, 1, S, S] mask) and RoPE positions restart at 0 in every
+document, so each document is computed as if it were alone in the window.
 
 Shape legend: B batch, S sequence, D model, H heads, G kv heads, hd head dim.
 """
@@ -23,35 +24,118 @@ from .config import ModelConfig
 from .norm import RMSNorm
 from .rope import RotaryEmbedding, apply_rope, deinterleave, softmax_scale
 
+# kernels for a DocLayout (--data.doc_attention): "flex" = torch's flex_attention with a block
+# mask (tiles wholly outside every document are skipped; compiled on GPUs, the unfused eager
+# reference elsewhere), "varlen" = one causal SDPA call per document of each row (no [S, S]
+# tensor; the kernel SDPA picks, flash where the platform has it), "dense" = SDPA with the
+# [B, 1, S, S] boolean mask, "auto" = flex on CUDA, varlen elsewhere (eager flex on CPU is
+# ~70x slower than dense at S = 1024 and compiling it takes minutes: docs/data.md)
+DOC_ATTENTION = ("auto", "flex", "varlen", "dense")
+
 
 class DocLayout:
     """Where the documents of a packed window begin: `positions` [B, S] (position of each
-    token within its document) and the block-causal `mask` [B, 1, S, S] (True = may attend).
-    Built once per batch from per-token document ids [B, S] (non-decreasing along S)."""
+    token within its document), and on demand the block-causal `mask` [B, 1, S, S] (True = may
+    attend), the per-row document `segments`, or a flex `block_mask`. Built once per batch
+    from per-token document ids [B, S] (non-decreasing along S); `kernel` is one of
+    DOC_ATTENTION."""
 
-    def __init__(self, doc_ids: torch.Tensor) -> None:
+    def __init__(self, doc_ids: torch.Tensor, kernel: str = "dense") -> None:
         if doc_ids.dim() != 2:
             raise ValueError(f"doc_ids must be [B, S], got shape {tuple(doc_ids.shape)}")
+        if kernel not in DOC_ATTENTION:
+            raise ValueError(f"doc attention kernel {kernel!r}; valid: {', '.join(DOC_ATTENTION)}")
         B, S = doc_ids.shape
+        self.doc_ids, self.kernel = doc_ids, kernel
         idx = torch.arange(S, device=doc_ids.device).expand(B, S)
         first = torch.ones(B, 1, dtype=torch.bool, device=doc_ids.device)
         starts = torch.cat((first, doc_ids[:, 1:] != doc_ids[:, :-1]), dim=1)
         start_of = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
         self.positions = idx - start_of
-        causal = torch.ones(S, S, dtype=torch.bool, device=doc_ids.device).tril()
-        self.mask = (causal & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
+        self._starts = starts
+        self._mask: torch.Tensor | None = None
+        self._segments: list[list[tuple[int, int]]] | None = None
+        self._block: dict[str, object] = {}
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The dense block-causal mask [B, 1, S, S] (built on first use)."""
+        if self._mask is None:
+            S = self.doc_ids.shape[1]
+            causal = torch.ones(S, S, dtype=torch.bool, device=self.doc_ids.device).tril()
+            ids = self.doc_ids
+            self._mask = (causal & (ids[:, :, None] == ids[:, None, :]))[:, None]
+        return self._mask
+
+    @property
+    def segments(self) -> list[list[tuple[int, int]]]:
+        """Per row, the [start, end) token ranges of its documents."""
+        if self._segments is None:
+            S = self.doc_ids.shape[1]
+            self._segments = []
+            for row in self._starts.cpu():
+                b = [int(i) for i in torch.nonzero(row).flatten()] + [S]
+                self._segments.append(list(zip(b[:-1], b[1:], strict=True)))
+        return self._segments
+
+    def block_mask(self, device: torch.device):
+        """flex_attention's BlockMask of the layout (built once per device)."""
+        key = str(device)
+        if key not in self._block:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            ids = self.doc_ids.to(device)
+            B, S = ids.shape
+
+            def doc_causal(b, h, q_idx, kv_idx):
+                return (q_idx >= kv_idx) & (ids[b, q_idx] == ids[b, kv_idx])
+
+            self._block[key] = create_block_mask(doc_causal, B, None, S, S, device=key)
+        return self._block[key]
 
     @staticmethod
-    def from_tokens(tokens: torch.Tensor, eos_id: int) -> DocLayout:
+    def from_tokens(tokens: torch.Tensor, eos_id: int, kernel: str = "dense") -> DocLayout:
         """Documents end with `eos_id` (the EOS token belongs to the document it ends)."""
         is_eos = (tokens == eos_id).to(torch.int64)
-        return DocLayout(torch.cumsum(is_eos, dim=1) - is_eos)
+        return DocLayout(torch.cumsum(is_eos, dim=1) - is_eos, kernel)
+
+
+_FLEX: dict[str, object] = {}  # the compiled flex_attention, compiled once per process
+
+
+def _flex(q, k, v, scale: float, doc: DocLayout, gqa: bool) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = flex_attention
+    if q.is_cuda:  # eager flex materialises the scores: compiled is the point on a GPU
+        if "fn" not in _FLEX:
+            _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+        fn = _FLEX["fn"]  # type: ignore[assignment]
+    return fn(q, k, v, block_mask=doc.block_mask(q.device), scale=scale, enable_gqa=gqa)
+
+
+def _varlen(q, k, v, scale: float, doc: DocLayout, gqa: bool) -> torch.Tensor:
+    rows = []
+    for b, segs in enumerate(doc.segments):
+        rows.append(torch.cat([
+            F.scaled_dot_product_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e],
+                                           v[b:b + 1, :, s:e], is_causal=True, scale=scale,
+                                           enable_gqa=gqa)
+            for s, e in segs], dim=2))
+    return torch.cat(rows, dim=0)
 
 
 def _sdpa(q, k, v, scale: float, doc: DocLayout | None, gqa: bool = False) -> torch.Tensor:
     if doc is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=gqa)
+    kernel = doc.kernel
+    if kernel == "auto":
+        kernel = "flex" if q.is_cuda else "varlen"
+    if kernel == "flex":
+        return _flex(q, k, v, scale, doc, gqa)
+    if kernel == "varlen":
+        return _varlen(q, k, v, scale, doc, gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=doc.mask.to(q.device), scale=scale,
                                           enable_gqa=gqa)
 

@@ -8,13 +8,14 @@ Distinct bad inputs covered, counted together with tests/test_trainer_bad_inputs
     field; bad top_k; global batch vs data shards; bad comm.alltoall; pp vs microbatches
     (pipeline not wired); incomplete checkpoint; corrupt meta.json; checkpoint meta of another
     model; --resume with no checkpoint.
-  this file, run configs (25): TOML syntax; missing config file; unknown [section] in TOML;
+  this file, run configs (27): TOML syntax; missing config file; unknown [section] in TOML;
     unknown section on the CLI; unknown field in a section; a section that is not a table; integer field given a word (CLI); integer
     field given 2.5 (TOML); boolean given "maybe"; float given a word; negative steps; zero
     seq_len; negative global batch; timeout_s <= 0; unknown nan_policy; unknown dtype;
     val_fraction outside (0, 0.5); positional argument; unknown --option; --config without a
     value; --section.field without a value; pp=0; negative dp; an unknown router kind;
-    comm.topology naming a missing file.
+    comm.topology naming a missing file; an unknown data.sampling; an unknown
+    data.doc_attention (blend specs, loss masks: tests/test_data_sampling.py).
   pipeline requests (5): microbatches not dividing the shard batch; n_virtual > 1 without
     interleaving; unknown schedule name; layer_split not summing to n_layers; tied embeddings
     with pp > 1.
@@ -31,7 +32,7 @@ Distinct bad inputs covered, counted together with tests/test_trainer_bad_inputs
     by ranks; an option the schedule does not take; an Action kind that does not exist.
   HF config dicts (4): unknown model_type; Mixtral sliding_window; missing config.json path;
     unsupported DeepSeek topk_method.
-  = 58 here + 15 there = 73 rejected with a clear message. Plus 9 cases this suite found
+  = 60 here + 15 there = 75 rejected with a clear message. Plus 9 cases this suite found
   unrejected and that are now fixed: a real checkpoint with a truncated shard (was a raw DCP
   traceback) and 8 values prepare() used to accept (GAPS at the end).
 """
@@ -43,6 +44,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, run_train
 
 import pipeline
@@ -89,6 +91,13 @@ CLI = {
     "nan policy": (["--train.nan_policy=ignore"], 1, ["'ignore'", "valid: skip, stop"]),
     "dtype": (["--train.dtype=fp8"], 1, ["train.dtype='fp8'", "valid: auto, fp32, bf16"]),
     "val fraction": (["--data.val_fraction=0.7"], 1, ["val_fraction=0.7", "(0, 0.5)"]),
+    "data sampling": (["--data.sampling=shuffle"], 1,
+                      ["--data.sampling='shuffle'", "valid: epoch, random"]),
+    "doc attention": (["--data.doc_attention=flash"], 1,
+                      ["--data.doc_attention='flash'", "valid: auto, flex, varlen, dense"]),
+    **({} if torch.cuda.is_available() else {
+        "flex on cpu": (["--data.doc_attention=flex", "--data.doc_mask=true"], 1,
+                        ["doc_attention=flex needs a CUDA GPU", "no CPU backward"])}),
     "positional": (["steps=5"], 1, ["unexpected argument 'steps=5'", "--section.field=value"]),
     "unknown option": (["--stepz=5"], 1, ["unknown option --stepz", "--config FILE"]),
     "config no value": (["--config"], 1, ["--config needs a value"]),

@@ -206,7 +206,7 @@ def test_jsonl_record_without_field(bpe_dir, tmp_path, bad_line):
     _jsonl(jl, recs)
     out = tmp_path / "x.bin"
     with pytest.raises(DataError, match=rf"r.jsonl:{bad_line}: the record has no field 'text' "
-                                        r"\(it has \['body'\]\); pick the text field with --field"):
+                                        r"\(it has \['body'\]\); pick the text field with --text-field"):
         prepare(bpe_dir, [str(jl)], out, workers=2, progress=False, batch_bytes=16)
     _nothing_written(out)
 

@@ -26,13 +26,14 @@ def _packed(lengths_per_row: list[list[int]], vocab: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("kernel", ["dense", "varlen", "flex"])
 @pytest.mark.parametrize("cfg", [TINY_MIXTRAL, TINY_DSV3], ids=["gqa", "mla"])
-def test_packed_documents_equal_separate_runs(cfg) -> None:
+def test_packed_documents_equal_separate_runs(cfg, kernel) -> None:
     torch.manual_seed(0)
     model = MoETransformer(cfg).eval()
     lengths = [[5, 9, 2, 8], [24], [1, 23]]
     tokens = _packed(lengths, cfg.vocab_size)
-    doc = DocLayout.from_tokens(tokens, EOS)
+    doc = DocLayout.from_tokens(tokens, EOS, kernel)
     assert doc.positions[0].tolist() == [*range(5), *range(9), *range(2), *range(8)]
     with torch.no_grad():
         packed = model(tokens, doc=doc)

@@ -83,7 +83,7 @@ def test_tensorboard_tags_and_steps(run):
                   "time/forward_backward_s", "time/grad_sync_s", "time/optimizer_s",
                   "time/ep_exchange_max_s", "time/ep_exchange_min_s", "time/pp_bubble_max_s",
                   "time/pp_bubble_frac_max", "memory/state_bytes_max",
-                  "memory/act_peak_bytes_max"]
+                  "memory/act_peak_bytes_max", "data/epoch", "data/tokens_seen"]
     every_step += [f"moe/layer_{i:02d}/{k}" for i in range(N_MOE) for k in LAYER_KEYS]
     for tag in every_step:
         assert tag in sc, (tag, sorted(sc))

@@ -92,6 +92,21 @@ class DataConfig:
     # attention stays inside each document of a packed window (EOS ends a document) and RoPE
     # positions restart per document; needs a tokenized .bin whose sidecar names eos_id
     doc_mask: bool = False
+    # training windows: "epoch" = every window once per epoch in a seeded shuffled order;
+    # "random" = offsets drawn with replacement (trainer/data/sampling.py)
+    sampling: str = "epoch"
+    # several token files in fixed shares, "a.bin:0.7,b.bin:0.3" (instead of path), each
+    # walked in its own epochs
+    blend: str = ""
+    # the loss counts only tokens the data's loss mask keeps (FILE.mask of `prepare --chat`:
+    # the assistant turns)
+    loss_mask: bool = False
+    # attention kernel under doc_mask: auto | flex (block mask) | dense ([B, 1, S, S] mask);
+    # see model/attention.py
+    doc_attention: str = "auto"
+    # test hook: each rank appends the windows it reads per step to
+    # <out_dir>/data_order.rank<r>.jsonl, in the schema of `python -m trainer.data order`
+    trace: bool = False
 
 
 @dataclass

@@ -51,10 +51,18 @@ def format_row(m: dict[str, Any], total: int, eta: float) -> str:
     bar = "#" * done + "-" * (width - done)
     s = (f"[{bar}] {m['step']:>5}/{total} | loss {m['loss']:.4f} | aux {m['aux_loss']:.4f} | "
          f"lr {m['lr']:.2e} | {m['tokens_per_s'] / 1e3:.1f}k tok/s | MFU {100 * m['mfu']:.1f}% | "
-         f"imbalance {m['imbalance']:.2f} | eta {eta:.0f}s")
+         f"imbalance {m['imbalance']:.2f} | epoch {m['epoch']:.3f} | "
+         f"{_count(m['tokens_seen'])} tok seen | eta {eta:.0f}s")
     if "val_loss" in m:
         s += f" | val {m['val_loss']:.4f}"
     return s
+
+
+def _count(n: float) -> str:
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
 
 
 def format_event(ev: dict[str, Any]) -> str:

@@ -160,10 +160,12 @@ class Trainer:
         if self.rank == 0:
             truncate_jsonl(self.out / "metrics.jsonl", self.step)
             truncate_jsonl(self.out / "counts.jsonl", self.step)
+        if self.cfg.data.trace:  # each rank its own file of windows read
+            truncate_jsonl(self.out / f"data_order.rank{self.rank}.jsonl", self.step)
         log(f"{self.mesh.describe()} | model {model_name(self.cfg)}: "
             f"{self.mcfg.num_params() / 1e6:.2f}M params ({self.mcfg.num_active_params() / 1e6:.2f}M "
-            f"active) | data {self.corpus.source}: {len(self.corpus.train):,} train / "
-            f"{len(self.corpus.val):,} val tokens | MFU vs {self.peak_src} "
+            f"active) | data {self.corpus.source}: {self.corpus.n_train:,} train / "
+            f"{self.corpus.n_val:,} val tokens | MFU vs {self.peak_src} "
             f"({self.peak / 1e9:.1f} GFLOP/s per process)", self.rank)
         zero = effective_zero(self.cfg.parallel.zero, self.mesh)
         log(f"precision: {self.precision.describe()} | ZeRO-{zero}"

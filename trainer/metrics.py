@@ -63,6 +63,8 @@ _TAGS = {
     "migration_bytes_sent": "migration/bytes_sent",
     "migration_seconds": "migration/seconds",
     "nonfinite_steps": "train/nonfinite_steps",
+    "epoch": "data/epoch",
+    "tokens_seen": "data/tokens_seen",
 }
 
 
@@ -140,6 +142,8 @@ class LayerGather:
 def tags_of(row: dict[str, Any]) -> dict[str, float]:
     """{tag: value} of one metrics.jsonl row (the step row, with its "layers")."""
     out = {tag: float(row[k]) for k, tag in _TAGS.items() if k in row}
+    for name, v in row.get("source_epochs", {}).items():  # a blend: each source's epochs
+        out[f"data/epoch/{Path(name).name}"] = float(v)
     for st in row.get("layers", ()):
         for k in LAYER_KEYS:
             v = float(st[k])

@@ -120,7 +120,14 @@ def build_stages(model: Any, pp: int, pp_idx: int, n_virtual: int, bounds: list[
 
 
 def ce_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Mean next-token cross entropy over the targets that count: -100 marks a token the data's
+    loss mask excludes (--data.loss_mask); a micro-batch with no counted token gives 0, not
+    0 / 0. Without -100 it is the plain mean (the same op as before loss masks)."""
+    flat, t = logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    if not bool((t == -100).any()):
+        return F.cross_entropy(flat, t)
+    return (F.cross_entropy(flat, t, ignore_index=-100, reduction="sum")
+            / (t != -100).sum().clamp(min=1))
 
 
 def moe_aux(stage: int, module: Stage, output: torch.Tensor) -> torch.Tensor | None:

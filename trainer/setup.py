@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
+from model.attention import DOC_ATTENTION
+
 from .checkpoint import CheckpointError, check_same_model, find_latest, read_meta
 from .config import ConfigError, RunConfig
-from .data import Corpus, load_corpus
+from .data import Blend, Corpus, load_data
 from .layout import (
     RECOMPUTE,
     TRAINER_A2A_OVERLAP,
@@ -71,7 +73,7 @@ class Prepared:
     cfg: RunConfig
     mcfg: Any
     mesh: Mesh
-    corpus: Corpus
+    corpus: Corpus | Blend
     resume_path: Path | None
     hf: Any = None  # model.HFCheckpoint of --model.hf_path (headers only), or None
     hf_skipped: tuple[int, ...] = ()  # checkpoint layers a run with fewer layers does not load
@@ -182,7 +184,16 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     check_precision(t)
     check_observability(t)
     parse_profile_steps(t.profile_steps, t.steps)
-    corpus = load_corpus(cfg.data.path, cfg.data.val_fraction)
+    d = cfg.data
+    if d.doc_attention not in DOC_ATTENTION:
+        raise ConfigError(f"--data.doc_attention={d.doc_attention!r}; valid: "
+                          f"{', '.join(DOC_ATTENTION)}")
+    if d.doc_mask and d.doc_attention == "flex" and not torch.cuda.is_available():
+        raise ConfigError("--data.doc_attention=flex needs a CUDA GPU to train: torch's "
+                          "flex_attention has no CPU backward; use auto (= varlen off CUDA), "
+                          "varlen or dense")
+    corpus = load_data(d.path, d.val_fraction, blend=d.blend, sampling=d.sampling,
+                       loss_mask=d.loss_mask)
     corpus.check(t.seq_len, mcfg.vocab_size)
     if t.export_hf:
         from .export import check_out_dir, pick_model_type

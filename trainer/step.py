@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.autograd.profiler import record_function
 
 from .common import TrainingError
 from .memory import state_bytes
+from .pipe import ce_loss
 from .replicas import replica_row_weights, sum_replica_grads
 
 __all__ = ["train_step", "forward_loss", "lr_at", "allreduce_mean", "doc_layout"]
@@ -51,15 +51,14 @@ def doc_layout(tr, tokens: torch.Tensor):
         return None
     from model import DocLayout
 
-    return DocLayout.from_tokens(tokens, tr.corpus.eos_id)
+    return DocLayout.from_tokens(tokens, tr.corpus.eos_id, tr.cfg.data.doc_attention)
 
 
 def forward_loss(tr, tokens: torch.Tensor, targets: torch.Tensor):
     """(cross-entropy, MoE aux loss) of one unpipelined forward."""
     with tr.precision.autocast_ctx(tokens.device.type):
         logits = tr.model(tokens, doc=doc_layout(tr, tokens))
-    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    return ce, tr.model.aux_loss()
+    return ce_loss(logits, targets), tr.model.aux_loss()
 
 
 def _forward_backward(tr, tokens: torch.Tensor, targets: torch.Tensor):
@@ -121,12 +120,37 @@ def _update(tr, loss: float, norm: float, lr: float, counts) -> list[dict[str, A
              "action": "skipped step", "count": tr.nonfinite_steps}]
 
 
+def _trace_windows(tr) -> None:
+    """--data.trace: this rank's windows of the step, as `python -m trainer.data order`
+    prints them (step 1-based, rank = data shard)."""
+    import json
+    from pathlib import Path
+
+    t, d = tr.cfg.train, tr.cfg.data
+    src, starts = tr.corpus.windows(tr.step, t.global_batch, t.seq_len, tr.mesh.data_idx,
+                                    tr.mesh.n_data_shards, d.seed)
+    row: dict[str, Any] = {"step": tr.step + 1, "rank": tr.mesh.data_idx,
+                           "starts": [int(s) for s in starts]}
+    files = tr.corpus.files
+    if len(files) == 1:
+        row["file"] = files[0]
+    else:
+        row["files"] = [files[i] for i in src]
+    out = Path(t.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"data_order.rank{tr.rank}.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def train_step(tr) -> dict[str, Any]:
     """One optimizer step over the global batch; returns its metrics row (with "events")."""
     t, stats = tr.cfg.train, tr.stats
     tr.model.train()
+    d = tr.cfg.data
     tokens, targets = tr.corpus.batch(tr.step, t.global_batch, t.seq_len, tr.mesh.data_idx,
-                                      tr.mesh.n_data_shards, tr.cfg.data.seed)
+                                      tr.mesh.n_data_shards, d.seed)
+    if d.trace:
+        _trace_windows(tr)
     tokens, targets = tokens.to(tr.device), targets.to(tr.device)
     tr.hooks.before_step(tr.step + 1)
     tr.logging = t.layer_metrics and not (t.logging_ab and tr.step % 2)
@@ -171,7 +195,8 @@ def train_step(tr) -> dict[str, Any]:
     tok_s = t.global_batch * t.seq_len / dt
     mfu = tr.flops_per_token * tok_s / (tr.peak * tr.mesh.world_size) if tr.peak else 0.0
     layers = gathered.pop("layers", None)
-    row = {"step": tr.step, "loss": loss, "aux_loss": aux_v, "lr": lr, "grad_norm": norm,
+    progress = tr.corpus.progress(tr.step, t.global_batch, t.seq_len, tr.cfg.data.seed)
+    row = {"step": tr.step, **progress, "loss": loss, "aux_loss": aux_v, "lr": lr, "grad_norm": norm,
            "tokens_per_s": tok_s, "mfu": mfu, **gathered, "step_time_s": dt,
            "fwd_bwd_s": t1 - t0, "grad_sync_s": t2 - t1, "optim_s": t4 - t3, **wait,
            "time": time.time()}  # wall clock: row-to-row intervals include the logging
