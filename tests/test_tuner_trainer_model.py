@@ -168,3 +168,85 @@ def test_planner_state_bytes_equal_the_trainers_meter_per_zero_level():
     # sharding really happened: ZeRO-1 holds less than ZeRO-0, ZeRO-2 less than ZeRO-1
     m = [max(r[z][0] for r in got) for z in levels]
     assert m[0] > m[1] > m[2]
+
+
+def _dtype_state_worker(rank: int, world: int, _group, configs: list[tuple[int, str]],
+                        seq: int) -> dict:
+    """One real step of the tiny preset per (ZeRO level, param dtype) on DP=`world`, set up as
+    train.py does (trainer/precision.py's bf16 weights + fp32 masters; FSDP2 for ZeRO-3):
+    `trainer.memory.state_bytes` after the step, less the 0-dim step counters the planner
+    leaves out."""
+    from trainer.grad_sync import GradSync
+    from trainer.mesh import Mesh
+    from trainer.parallel import parallelize
+    from trainer.precision import Precision, to_working_dtype
+    from trainer.zero import build_optimizer
+    from trainer.zero3 import Zero3Sync, shard_model
+
+    torch.set_num_threads(1)
+    mesh = Mesh.plan(world, rank, pp=1, ep=1).build_groups()
+    cfg = presets.get("tiny")
+    out = {}
+    for zero, pdt in configs:
+        dt = torch.bfloat16 if pdt == "bf16" else torch.float32
+        with torch.device("meta"):
+            model = MoETransformer(cfg)
+        parallelize(model, mesh, alltoall="flat")
+        model.materialize(torch.device("cpu"), seed=0)
+        fp32: dict = {}
+        if zero == 3:
+            shard_model(model, mesh, Precision(dt, dt, torch.float32), "cpu")
+            sync = Zero3Sync(model, mesh)
+        else:
+            fp32 = to_working_dtype(model, dt)
+            sync = GradSync(model, mesh, zero=zero)
+        opt = build_optimizer(model, sync, 1e-3, (0.9, 0.95), 1e-8, 0.1, fp32)
+        del fp32
+        tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1),
+                               generator=torch.Generator().manual_seed(rank))
+        sync.start_step(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=pdt == "bf16"):
+            logits = model(tokens[:, :-1])
+        ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                               tokens[:, 1:].reshape(-1))
+        (ce + model.aux_loss()).backward()
+        sync.finish()
+        opt.step()
+        counters = sum(v.numel() * v.element_size() for s in opt.state.values()
+                       for v in s.values() if isinstance(v, torch.Tensor) and v.dim() == 0)
+        out[f"{zero}-{pdt}"] = state_bytes(model, opt) - counters
+    return out
+
+
+@pytest.mark.multiproc
+def test_planner_trainer_policy_equals_the_meter_per_zero_level_and_param_dtype():
+    """DP=2, tiny: the planner's own account of the trainer (`precision_policy("trainer",
+    "gloo", param_dtype)`; ZeRO-1/2 per-parameter owners, ZeRO-3 flat shards) against the
+    trainer's meter after one real step, for ZeRO 0-3 x fp32/bf16 weights. fp32: exact (the
+    same per-tensor arithmetic). bf16: the router weight stays fp32 (no master: 16 B where
+    the policy counts 18), so the planner may exceed the meter by at most 2 B per router
+    parameter per rank, and under per-parameter ZeRO-1/2 that narrower tensor can move the
+    greedy owner by at most its own size either way: |planned - measured| <= 16 B x router
+    parameters. ZeRO-3 leaves out the gathered layer (the meter reads after the step, when
+    none is gathered)."""
+    from comm import run_local
+    from tuner.layout import precision_policy
+
+    configs = [(z, d) for d in ("fp32", "bf16") for z in (0, 1, 2, 3)]
+    seq = 32
+    got = run_local(_dtype_state_worker, 2, configs, seq)
+    cfg, pf = presets.get("tiny"), load_platform("frontier")
+    router = sum(cfg.d_model * cfg.n_routed_experts for i in range(cfg.n_layers)
+                 if cfg.is_moe_layer(i))
+    for z, d in configs:
+        plan = ParallelPlan(pp=1, ep=1, dp=2, microbatches=1, global_batch=2, seq_len=seq,
+                            zero=z)
+        asm = Assumptions(zero_sharding="flat" if z == 3 else "per-parameter")
+        st = stage_memory(cfg, plan, pf, precision_policy("trainer", "gloo", param_dtype=d),
+                          asm)[0]
+        planned = st.state - st.state_by_part.get("zero3_gathered", 0.0)
+        measured = max(r[f"{z}-{d}"] for r in got)
+        if d == "fp32":
+            assert planned == measured, (z, d, planned, measured)
+        else:
+            assert abs(planned - measured) <= 16 * router, (z, d, planned, measured, router)
