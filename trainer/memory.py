@@ -20,11 +20,18 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["state_bytes", "SavedTensorMeter", "rss_reset_peak", "rss_peak"]
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank holds; tensor parallel), else t."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _nbytes(t: torch.Tensor) -> int:
+    t = _plain(t)
     return t.numel() * t.element_size()
 
 
@@ -52,7 +59,7 @@ class SavedTensorMeter:
     """Context manager: track bytes of tensors saved for backward while it is active."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_ptrs = {_plain(p).untyped_storage().data_ptr() for p in model.parameters()}
         self._refs: dict[int, int] = {}  # storage ptr -> saved tensors referencing it
         self.live = 0
         self.peak = 0
@@ -68,7 +75,7 @@ class SavedTensorMeter:
             self.live -= nbytes
 
     def _pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
+        storage = _plain(t).untyped_storage()
         ptr = storage.data_ptr()
         if ptr in self._param_ptrs or storage.nbytes() == 0:
             return t
