@@ -294,11 +294,11 @@ def test_check_names_the_numbers_and_the_choices():
 
 def test_not_runnable_says_what_is_missing():
     assert not_runnable_because(Layout(8, pp=2, dp=2, ep=2), zero=2, alltoall="auto") == []
-    assert not_runnable_because(Layout(8, pp=2, dp=2, ep=2, tp=2)) == [
-        "tensor parallel (tp=2) is not built in the trainer yet (issue 31)"]
-    why = not_runnable_because(Layout(8, ep=4, etp=2, cp=2), zero=3, alltoall="dedup",
+    assert not_runnable_because(Layout(8, pp=2, dp=2, ep=2, tp=2)) == []  # issue 31: built
+    why = not_runnable_because(Layout(8, ep=4, etp=2, cp=2, tp=2), zero=3, alltoall="dedup",
                                a2a_overlap="fb", precision="fp8")
-    assert len(why) == 6 and "ZeRO-3" in why[2] and "'dedup'" in why[3]
+    assert len(why) == 6 and "context parallel" in why[0] and "expert tensor" in why[1]
+    assert "ZeRO-3" in why[2] and "'dedup'" in why[3]
     with pytest.raises(LayoutError, match=r"recompute='some'; valid: none, selective, full"):
         not_runnable_because(Layout(1), recompute="some")
     assert RECOMPUTE == ("none", "selective", "full") and 3 in ZERO_LEVELS
