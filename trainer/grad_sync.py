@@ -332,12 +332,12 @@ def _local_grad(p: nn.Parameter) -> torch.Tensor:
     """p's gradient as a plain tensor shaped like p's local shard (zeros without one). A
     DTensor gradient placed otherwise than its parameter (a Replicate gradient of a sharded
     weight, or a Partial one outside the "partial" kind) is redistributed to it first."""
-    g = p.grad
+    g, pd = p.grad, p.data
     if g is None:
-        return torch.zeros_like(local(p.data))
-    if isinstance(g, DTensor):
-        if g.placements != p.placements and not any(pl.is_partial() for pl in g.placements):
-            g = g.redistribute(p.device_mesh, p.placements)
+        return torch.zeros_like(local(pd))
+    if isinstance(g, DTensor) and isinstance(pd, DTensor):
+        if g.placements != pd.placements and not any(pl.is_partial() for pl in g.placements):
+            g = g.redistribute(pd.device_mesh, pd.placements)
         return g._local_tensor
     return g
 

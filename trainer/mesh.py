@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -166,8 +167,9 @@ class Mesh:
         from torch.distributed.device_mesh import DeviceMesh
 
         if "tp_mesh" not in self.groups:
+            group: Any = self.groups["tp"]
             self.groups["tp_mesh"] = DeviceMesh.from_group(
-                self.groups["tp"], device_type, mesh=self.tp_ranks(), mesh_dim_names=("tp",))
+                group, device_type, mesh=self.tp_ranks(), mesh_dim_names=("tp",))
         return self.groups["tp_mesh"]
 
     @property

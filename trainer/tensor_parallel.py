@@ -136,7 +136,7 @@ def grad_kind(model: nn.Module, name: str, p: torch.Tensor) -> str:
     return "partial" if name in plan.partial else "replicated"
 
 
-def _attention_plan(attn: nn.Module, pre: str, seq: Any, tp: int) -> dict[str, Any]:
+def _attention_plan(attn: Any, pre: str, seq: Any, tp: int) -> dict[str, Any]:
     from model.attention import GQAttention
 
     rowwise = RowwiseParallel(output_layouts=seq)
@@ -174,7 +174,7 @@ def _ffn_plan(pre: str, seq: Any) -> dict[str, Any]:
             f"{pre}.w2": RowwiseParallel(output_layouts=seq)}
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sp: bool) -> nn.Module:
+def apply_tensor_parallel(model: Any, tp_mesh: Any, sp: bool) -> Any:
     """Split the dense side of `model` (in place) over `tp_mesh` (module docstring); the
     parameters become DTensors holding this rank's shards. Returns the model."""
     from model import MoELayer
