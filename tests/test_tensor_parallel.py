@@ -98,10 +98,12 @@ def test_pp2_tp2_matches_one_process(tmp_path, small_data, one_process, sp, ep):
 @pytest.mark.slow
 def test_tp2_mla_zero2_overlap_matches_one_process(tmp_path, small_data, one_process):
     """MLA (low-rank q and kv, whole down-projections) with a shared expert under TP=2 x EP=2,
-    ZeRO-2 with gradients reduced from the backward's hooks."""
+    ZeRO-2 with gradients reduced from the backward's hooks, full activation checkpointing
+    (each block, DTensor regions included, rerun in the backward)."""
     got = _tp_run(tmp_path, "mla", 4, small_data,
                   ["--parallel.tp=2", "--parallel.ep=2", "--parallel.zero=2",
-                   "--parallel.grad_overlap=true", "--train.steps=8", *MLA])
+                   "--parallel.grad_overlap=true", "--train.checkpointing=full",
+                   "--train.steps=8", *MLA])
     _equal(one_process("mla"), got, 8)
 
 

@@ -8,7 +8,8 @@ sharding and pipeline stripping), in this fixed order, on the run's 1-D TP Devic
      (by heads) and the output projection wo row-wise; each rank runs H / tp heads (the
      module's head counts are set to the local ones). MLA's low-rank down-projections
      (wq_a, wkv_a) and latent norms stay whole: their input is the gathered sequence and their
-     gradients come out equal on every TP rank (the column-parallel input gradient is reduced);
+     gradients come out equal on every TP rank (the column-parallel input gradient is reduced;
+     the shared RoPE key, used by every head, has its gradient summed over TP: `_SumGrad`);
   2. dense FFNs and shared experts: w1, w3 column-wise, w2 row-wise;
   3. the head: column-wise over the vocabulary, logits gathered (every TP rank computes the
      same loss; no loss parallel);
@@ -38,6 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -118,6 +120,33 @@ class SeqShards:
         return d.redistribute(self.mesh, [Replicate()]).to_local()
 
 
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; backward: the gradient summed over `group` (Megatron's "f")."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _SumGradOverTP:
+    """MLA's shared RoPE key (`MLAttention.rope_key_grad`): whole on every TP rank and used by
+    every head, so each rank's gradient covers only its H / tp heads and the TP ranks' sum is
+    the gradient (one all-reduce of [B, S, qk_rope_head_dim] per layer backward)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __call__(self, k: torch.Tensor) -> torch.Tensor:
+        return _SumGrad.apply(k, self.group)
+
+
 class TPPlan:
     """What `apply_tensor_parallel` did, for the gradient sync: the TP degree, SP, and the
     names of replicated parameters whose gradients are partial sums over the TP ranks."""
@@ -136,9 +165,10 @@ def grad_kind(model: nn.Module, name: str, p: torch.Tensor) -> str:
     return "partial" if name in plan.partial else "replicated"
 
 
-def _attention_plan(attn: Any, pre: str, seq: Any, tp: int) -> dict[str, Any]:
+def _attention_plan(attn: Any, pre: str, seq: Any, tp_mesh: Any) -> dict[str, Any]:
     from model.attention import GQAttention
 
+    tp = tp_mesh.size()
     rowwise = RowwiseParallel(output_layouts=seq)
     if isinstance(attn, GQAttention):
         if attn.n_kv_heads % tp or attn.n_heads % tp:
@@ -156,6 +186,7 @@ def _attention_plan(attn: Any, pre: str, seq: Any, tp: int) -> dict[str, Any]:
     if attn.n_heads % tp:
         raise ValueError(f"tp={tp} does not divide n_heads={attn.n_heads}")
     attn.n_heads //= tp
+    attn.rope_key_grad = _SumGradOverTP(tp_mesh.get_group())
     # MLA: wq_a / wkv_a (whole) take a plain tensor, so the gathered input is local here
     plan: dict[str, Any] = {pre: PrepareModuleInput(input_layouts=(seq, None),
                                                     desired_input_layouts=(Replicate(), None),
@@ -194,7 +225,7 @@ def apply_tensor_parallel(model: Any, tp_mesh: Any, sp: bool) -> Any:
             plan[f"{pre}.attn_norm"] = SequenceParallel()
             plan[f"{pre}.ffn_norm"] = SequenceParallel()
             partial |= {f"{pre}.attn_norm.weight", f"{pre}.ffn_norm.weight"}
-        plan.update(_attention_plan(blk.attn, f"{pre}.attn", seq, tp))
+        plan.update(_attention_plan(blk.attn, f"{pre}.attn", seq, tp_mesh))
         for nm in ("q_norm", "k_norm"):  # GQA's per-head norms see this rank's heads only
             if getattr(blk.attn, nm, None) is not None and hasattr(blk.attn, "wk"):
                 partial.add(f"{pre}.attn.{nm}.weight")
