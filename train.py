@@ -7,6 +7,9 @@
     # override anything: --section.field=value; model fields go under --model.<field>
     torchrun --standalone --nproc-per-node 4 train.py --config configs/tiny.toml \
         --parallel.ep=4 --model.n_routed_experts=16 --data ./my_text_dir
+    # tensor + sequence parallel: TP=2 x EP=2 on 4 processes (TP pairs are consecutive ranks)
+    torchrun --standalone --nproc-per-node 4 train.py --config configs/tiny.toml \
+        --parallel.pp=1 --parallel.tp=2 --parallel.ep=2 --parallel.sp=true
     # continue from the newest complete checkpoint in train.out_dir
     torchrun --standalone --nproc-per-node 4 train.py --config configs/tiny.toml --resume
     # elastic: relaunch after a rank dies, resuming from the last complete checkpoint

@@ -16,6 +16,8 @@ Shape legend: B batch, S sequence, D model, H heads, G kv heads, hd head dim.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -209,6 +211,10 @@ class MLAttention(nn.Module):
         self.wo = nn.Linear(H * self.v_dim, D, bias=cfg.attn_out_bias)
         self.rope = RotaryEmbedding(cfg, cfg.qk_rope_head_dim)
         self.scale = softmax_scale(cfg)
+        # None, or (tensor parallel, set from outside) a function applied to the shared RoPE
+        # key k_rope: identity forward; its backward sums the gradients of the processes that
+        # hold the other heads (k_rope feeds every head)
+        self.rope_key_grad: Any = None
 
     def forward(self, x_BSD: torch.Tensor, doc: DocLayout | None = None) -> torch.Tensor:
         B, S, _ = x_BSD.shape
@@ -221,6 +227,8 @@ class MLAttention(nn.Module):
         q = q.view(B, S, H, self.nope + self.rope_dim).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         c_kv, k_rope = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        if self.rope_key_grad is not None:
+            k_rope = self.rope_key_grad(k_rope)
         kv = self.wkv_b(self.kv_norm(c_kv)).view(B, S, H, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_rope = k_rope.view(B, 1, S, self.rope_dim)

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .config import ModelConfig
 from .hf import SUPPORTED_MODEL_TYPES, config_from_hf
@@ -406,6 +408,13 @@ def load_hf_weights(model: MoETransformer, ckpt: HFCheckpoint) -> dict[str, int]
             continue
         src = ckpt.resolve(src)
         if src not in ckpt.files:  # e.g. a router bias the export left out: keep zeros
+            continue
+        if isinstance(t, DTensor):  # tensor parallel: read only this process's shard
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
+                                                                  t.placements)
+            t._local_tensor.copy_(ckpt.read(src, tuple(slice(o, o + n)
+                                                       for o, n in zip(offset, shape,
+                                                                       strict=True))))
             continue
         t.copy_(ckpt.read(src))
     return {"tensors": len(ckpt.reads) - n0, "bytes": sum(b for _, b in ckpt.reads[n0:])}

@@ -159,6 +159,10 @@ class MoELayer(nn.Module):
                              persistent=False)  # [E, max replicas], padded with the first
         self.register_buffer("n_rep", torch.ones(E, dtype=torch.long), persistent=False)
         self.dispatcher: Any = LocalDispatcher()
+        # None: this process holds whole sequences. Set from outside (tensor parallel,
+        # trainer/tensor_parallel.SeqShards) when each sequence is split over processes:
+        # `split_input` (the input is whole here; route a share), scatter / gather, sum, parts
+        self.seq_split: Any = None
         self.last_counts = torch.zeros(E, dtype=torch.long)
         self.last_aux_loss = torch.zeros(())
 
@@ -230,6 +234,26 @@ class MoELayer(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
+        sp = self.seq_split
+        split = sp is not None and sp.split_input
+        # a whole sequence held by several processes (tensor parallel without SP): each
+        # routes its share, so every token is routed once, and the outputs are gathered
+        y = self._routed(sp.scatter(x_BSD) if split else x_BSD)
+        if split:
+            y = sp.gather(y)
+        # a pipelined dispatcher (trainer/ep_pipeline.py) ran the shared experts itself, beside
+        # its exchanges (it is refused with tensor parallel: trainer/setup.py)
+        pipelined = getattr(self.dispatcher, "pipelined", False)
+        if self.shared_experts is not None and not pipelined:  # on [B, S, D]: the sequence
+            shared = self.shared_experts(x_BSD)  # dim stays visible to tensor parallel
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x_BSD)) * shared
+            y = y + shared
+        return y
+
+    def _routed(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output [B, S, D] (weighted by the router) for x [B, S, D]."""
+        B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         topk_idx, topk_w, aux = self.router.route(x_BSD)
         self.last_aux_loss = aux
@@ -247,8 +271,6 @@ class MoELayer(nn.Module):
         y_loc = self.experts(x_loc, counts_loc)
         y_sorted = self.dispatcher.combine(y_loc, ctx)
         y = unpermute(y_sorted, topk_w.to(y_sorted.dtype), meta)
-        if self.shared_experts is not None:
-            y = y + self.shared_forward(x_TD)
         return y.view(B, S, D)
 
     def shared_forward(self, x_TD: torch.Tensor) -> torch.Tensor:

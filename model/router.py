@@ -32,6 +32,8 @@ Shape legend: B batch, S sequence, T = B*S tokens, D model, E experts, K top-k.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,6 +68,9 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(E, cfg.d_model))
         # fp32 buffer: the sign updates of size ~1e-3 would vanish in bf16.
         self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+        # None, or (tensor parallel) the processes that share each sequence: `parts` of them,
+        # `sum(t)` sums over them (model.moe.MoELayer.seq_split); the loss stays per sequence
+        self.seq_split: Any = None
         self.track_entropy = False  # compute last_entropy_sum in route() (see module docstring)
         self.last_entropy_sum = torch.zeros(())
 
@@ -106,8 +111,14 @@ class Router(nn.Module):
         counts_BE.scatter_add_(
             1, idx_BSK.reshape(B, -1), torch.ones_like(counts_BE[:, :1]).expand(B, S * self.top_k)
         )
-        f_BE = counts_BE / (S * self.top_k)
-        P_BE = p.mean(dim=1)
+        sp = self.seq_split
+        if sp is None:
+            f_BE = counts_BE / (S * self.top_k)
+            P_BE = p.mean(dim=1)
+        else:  # the sequence is split over sp.parts processes: sum their partial statistics
+            n = S * sp.parts
+            both = sp.sum(torch.cat((counts_BE, p.sum(dim=1)), dim=1))
+            f_BE, P_BE = both[:, :E] / (n * self.top_k), both[:, E:] / n
         return self.aux_loss_coef * E * (f_BE * P_BE).sum(dim=-1).mean()
 
     def route(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,6 +19,9 @@ Distinct bad inputs covered, counted together with tests/test_trainer_bad_inputs
   pipeline requests (5): microbatches not dividing the shard batch; n_virtual > 1 without
     interleaving; unknown schedule name; layer_split not summing to n_layers; tied embeddings
     with pp > 1.
+  tensor parallel requests (7): tp=0; tp not dividing a stage; tp not dividing the kv heads;
+    seq_len not divisible by tp; tied embeddings with tp > 1; etp > 1 (not built); sp not a
+    boolean.
   plan files (4): no [run.*] table; unknown [run.section]; wrong type in [run.parallel];
     unknown field in [run.train].
   platform files (2): unknown platform name; unknown key in a platform file.
@@ -32,7 +35,7 @@ Distinct bad inputs covered, counted together with tests/test_trainer_bad_inputs
     by ranks; an option the schedule does not take; an Action kind that does not exist.
   HF config dicts (4): unknown model_type; Mixtral sliding_window; missing config.json path;
     unsupported DeepSeek topk_method.
-  = 60 here + 15 there = 75 rejected with a clear message. Plus 9 cases this suite found
+  = 67 here + 15 there = 82 rejected with a clear message. Plus 9 cases this suite found
   unrejected and that are now fixed: a real checkpoint with a truncated shard (was a raw DCP
   traceback) and 8 values prepare() used to accept (GAPS at the end).
 """
@@ -121,6 +124,20 @@ CLI = {
                     ["parallel.layer_split='1,1'", "2 positive counts", "n_layers=4"]),
     "tied embeddings pp": (["--parallel.pp=2", "--model.tie_embeddings=true"], 2,
                            ["tie_embeddings=True with pp > 1", "use pp=1 or untied"]),
+    # tensor parallel requests (trainer/tensor_parallel.py)
+    "tp zero": (["--parallel.tp=0"], 1, ["tp=0 must be >= 1"]),
+    "tp not dividing the stage": (["--parallel.tp=3"], 4,
+                                  ["tp=3 x cp=1 = 3 does not divide the 4 ranks",
+                                   "must be one of [1, 2, 4]"]),
+    "tp not dividing kv heads": (["--parallel.tp=4"], 4,
+                                 ["tp=4 does not divide the model's n_kv_heads=2",
+                                  "valid tp: [1, 2]"]),
+    "tp seq_len": (["--parallel.tp=2", "--train.seq_len=63"], 2,
+                   ["parallel.tp=2 needs train.seq_len divisible by tp", "seq_len=63"]),
+    "tp tied embeddings": (["--parallel.tp=2", "--model.tie_embeddings=true"], 2,
+                           ["parallel.tp=2 with tie_embeddings=True", "use tp=1 or untied"]),
+    "etp": (["--parallel.etp=2"], 1, ["parallel.etp=2", "not built", "valid: 1"]),
+    "sp not a bool": (["--parallel.sp=maybe"], 1, ["--parallel.sp='maybe'", "expected a boolean"]),
 }
 
 

@@ -6,7 +6,8 @@
   folder (sharded per-expert layout and the fused transformers-5 layout); fp8 block-quantized
   weights are dequantized.
 - Round trip: import -> train with lr 0 on PP=2 x EP=2 (4 gloo processes) -> export gives every
-  tensor bitwise equal to the original, and no rank reads a tensor it does not hold.
+  tensor bitwise equal to the original, and no rank reads a tensor it does not hold; under
+  TP=2 x EP=2 the same, each rank reading only its shard of every TP-split tensor.
 - Export: transformers loads it with no missing or unexpected keys and its logits equal ours
   for the same training checkpoint.
 - Bad input: each refused with a message naming the problem, before any work.
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -234,6 +236,48 @@ def test_round_trip_pp2_ep2_mixtral(tmp_path, data_bin) -> None:
                          [("qwen3_moe", "local"), ("deepseek_v3", "local"), ("mixtral", "spread")])
 def test_round_trip_pp2_ep2(tmp_path, data_bin, model_type, placement) -> None:
     round_trip(tmp_path, model_type, data_bin, placement)
+
+
+# the HF tensors split over TP (column- or row-wise): attention projections, dense and shared
+# MLPs, the head; experts, routers, norms, the embedding and MLA's down-projections stay whole
+_TP_SPLIT = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+             "q_b_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight",
+             "down_proj.weight", "lm_head.weight")
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_round_trip_tp2_ep2(tmp_path, data_bin, model_type) -> None:
+    """Import -> 2 steps at lr 0 under TP=2 (SP) x EP=2 on 4 processes -> export: every tensor
+    bitwise equal to the original; each rank read its EP rank's experts and, of every TP-split
+    tensor, exactly its half (the bytes of its shard, not of the whole tensor)."""
+    src = make_hf(tmp_path / "src", model_type)
+    run = tmp_path / "run"
+    r = run_train([f"--model.hf_path={src}", "--data", data_bin, f"--train.out_dir={run}",
+                   "--parallel.tp=2", "--parallel.ep=2", "--comm.alltoall=flat",
+                   "--train.steps=2", "--train.seq_len=32", "--train.global_batch=8",
+                   "--train.eval_every=0", "--train.eval_batches=1", "--train.plot=false",
+                   "--optim.lr=0", "--optim.min_lr=0", "--model.bias_update_rate=0"], nproc=4)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ckpt = HFCheckpoint(src)
+    E = ckpt.model_config().n_routed_experts
+    for rank in range(4):  # rank = dp_idx * 2 + ep_idx; tp_idx = rank % 2
+        rec = json.loads((run / "hf_import" / f"rank_{rank}.json").read_text())
+        mine = set(range((rank % 2) * E // 2, (rank % 2 + 1) * E // 2))
+        want = {k for k in ckpt.shapes if ".experts." not in k
+                or int(k.split(".experts.")[1].split(".")[0]) in mine}
+        assert set(rec["keys"]) == want, rank
+        split = [k for k in want if ".experts." not in k and k.endswith(_TP_SPLIT)]
+        assert split, "the model has TP-split tensors"
+        nbytes = {k: 4 * math.prod(ckpt.shapes[k]) for k in want}  # fp32
+        assert rec["bytes"] == sum(nbytes.values()) - sum(nbytes[k] // 2 for k in split), rank
+    out = export_checkpoint(run / "checkpoints" / "step_00000002", tmp_path / "out",
+                            dtype="fp32", progress=False)
+    a, b = all_tensors(src), all_tensors(out)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype == torch.float32 and torch.equal(a[k], b[k]), k
 
 
 def test_experts_land_in_their_placement_slots(tmp_path) -> None:

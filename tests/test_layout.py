@@ -294,11 +294,10 @@ def test_check_names_the_numbers_and_the_choices():
 
 def test_not_runnable_says_what_is_missing():
     assert not_runnable_because(Layout(8, pp=2, dp=2, ep=2), zero=2, alltoall="auto") == []
-    assert not_runnable_because(Layout(8, pp=2, dp=2, ep=2, tp=2)) == [
-        "tensor parallel (tp=2) is not built in the trainer yet (issue 31)"]
-    why = not_runnable_because(Layout(8, ep=4, etp=2, cp=2), zero=3, alltoall="dedup",
+    assert not_runnable_because(Layout(8, pp=2, dp=2, ep=2, tp=2)) == []  # issue 31: built
+    why = not_runnable_because(Layout(8, ep=4, etp=2, cp=2, tp=2), zero=3, alltoall="dedup",
                                a2a_overlap="fb", precision="fp8")
-    # ZeRO-3 (issue 32) and dedup (issue 26) run; cp, etp, fb overlap and fp8 do not
+    # ZeRO-3 (issue 32), dedup (issue 26) and TP (issue 31) run; cp, etp, fb overlap, fp8 not
     assert len(why) == 4 and "context parallel" in why[0] and "overlap 'fb'" in why[2], why
     assert not_runnable_because(Layout(8, pp=2, dp=2, ep=2), zero=3) == []
     assert not_runnable_because(Layout(4, ep=4), alltoall="dedup", a2a_overlap="layer") == []

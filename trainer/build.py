@@ -31,7 +31,7 @@ from .setup import build_schedule
 from .zero import build_optimizer as zero_optimizer
 from .zero import effective_zero
 
-__all__ = ["pick_device", "build_model", "Pipeline", "build_pipeline", "import_hf",
+__all__ = ["pick_device", "build_model", "Pipeline", "build_pipeline", "apply_tp", "import_hf",
            "build_grad_sync", "build_optimizer"]
 
 
@@ -90,6 +90,11 @@ def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo) -> tuple[str, str, 
     if mesh.ep == 1:
         return algo, "none", 1
     nodes = topo.num_nodes if topo is not None else 1
+    if mesh.tp > 1:  # the pipelined expert path is not built with tensor parallel
+        if overlap == "auto" or algo == "auto":
+            log("comm.alltoall / a2a_overlap=auto: no dedup, no overlap under tensor parallel "
+                f"(tp={mesh.tp})", mesh.rank)
+        return algo, "none", 1
     if algo == "auto" and nodes > 1 and mcfg.top_k > 1:
         bound = min(mcfg.topk_group, nodes) if c.route_groups == "node" else 0
         ratio = dedup_byte_ratio(nodes, mcfg.top_k, mcfg.n_routed_experts, mcfg.d_model, 4,
@@ -195,10 +200,22 @@ def build_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh, model, precision,
                           precision.autocast, stream_dtype=precision.param)
     schedule = build_schedule(par, mesh.pp)
     per_shard = t.global_batch // mesh.n_data_shards
-    act_shape = (per_shard // par.microbatches, t.seq_len, mcfg.d_model)
+    # under sequence parallel a stage boundary carries this TP rank's slice of the sequence
+    seq = t.seq_len // mesh.tp if mesh.tp > 1 and par.sp else t.seq_len
+    act_shape = (per_shard // par.microbatches, seq, mcfg.d_model)
     runtime = pipeline.PipelineRuntime(schedule, stages, ce_loss, act_shape, group=mesh.pp_group,
                                        device=device, aux_fn=moe_aux)
     return Pipeline(stages, schedule, runtime, n_stages, bounds, act_shape)
+
+
+def apply_tp(cfg: RunConfig, model, mesh: Mesh, device: torch.device) -> None:
+    """Tensor (and sequence) parallel of the dense side over the mesh's TP groups, after the
+    model is materialised with the 1-process values (trainer/tensor_parallel.py)."""
+    if mesh.tp == 1:
+        return
+    from .tensor_parallel import apply_tensor_parallel
+
+    apply_tensor_parallel(model, mesh.tp_mesh(device.type), cfg.parallel.sp)
 
 
 def import_hf(model, hf, hf_path: str, out: Path, mesh: Mesh, device: torch.device) -> None:

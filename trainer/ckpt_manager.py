@@ -20,7 +20,7 @@ class CheckpointManager:
     def save(self) -> Path:
         tr = self.tr
         meta = {"model": tr.mcfg.to_dict(), "run": tr.cfg.to_dict(),
-                "mesh": {"pp": tr.mesh.pp, "dp": tr.mesh.dp, "ep": tr.mesh.ep}}
+                "mesh": {"pp": tr.mesh.pp, "dp": tr.mesh.dp, "ep": tr.mesh.ep, "tp": tr.mesh.tp}}
         if tr.hf is not None:  # what trainer.export needs to write the same model type back
             meta["hf"] = {"model_type": tr.hf.model_type, "source": str(tr.hf.path.resolve()),
                           "config": tr.hf.config}

@@ -67,6 +67,14 @@ class ParallelConfig:
     # "local": EP groups are consecutive ranks (inside a node); "spread": EP outermost, so an
     # EP group takes one rank from each of `ep` blocks of pp * dp ranks (see trainer/mesh.py)
     ep_placement: str = "local"
+    # tensor parallel of the dense side (attention, dense FFNs, shared experts, head) over tp
+    # consecutive ranks of a stage (trainer/tensor_parallel.py); experts stay on EP, whose
+    # groups span the TP ranks (parallel folding, trainer/layout.py)
+    tp: int = 1
+    # sequence parallel (with tp > 1): norms, residuals and the router input split over the
+    # sequence between the TP regions; false: replicated there (each token still routed once)
+    sp: bool = True
+    etp: int = 1  # expert tensor parallel: not built (only 1 is accepted)
 
 
 @dataclass

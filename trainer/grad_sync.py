@@ -1,11 +1,19 @@
 """Gradient averaging over each parameter's replica group, ZeRO-2 reduction to owners, the global
 norm and clipping (`GradSync`); the sharded optimizer is trainer/zero.py.
 
-Every rank's loss is the mean over its own B/(dp*ep) sequences, so the global loss is the mean of
-the rank losses over the dp*ep ranks of a stage:
-  non-expert grads: sum over the stage group (dp x ep), / (dp*ep)
-  expert grads:     sum over the dp group, / (dp*ep)  (the EP all-to-all already summed the
-                    contributions of the whole EP group into the owner's grad)
+Every rank's loss is the mean over its data shard's sequences (B / n sequences, n = the
+stage's data shards: dp*ep, or dp*ep/tp under tensor parallel, whose TP ranks share a shard),
+so the global loss is the mean over the n shards:
+  non-expert grads ("dense"): sum over the dense group (the stage's ranks with this rank's TP
+                    index: every rank of the stage at tp = 1), / n. A TP-sharded weight's
+                    gradient is its shard's (DP only); a TP-replicated weight's is equal on
+                    the TP ranks
+  "partial":        replicated weights whose gradient is a partial sum over the TP ranks'
+                    tokens (trainer/tensor_parallel.py): sum over the whole stage, / n
+  expert grads:     sum over the dp group, / n  (the EP all-to-all already summed the
+                    contributions of the whole EP group into the owner's grad; each token is
+                    routed once, also under TP)
+DTensor (TP) parameters are reduced through their local shards.
 """
 
 from __future__ import annotations
@@ -15,10 +23,12 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .mesh import Mesh
 from .parallel import is_expert_param
 from .precision import accumulate_main_grad, grad_of, has_main_grad, set_grad
+from .tensor_parallel import grad_kind, local
 
 __all__ = ["GradSync"]
 
@@ -89,17 +99,28 @@ class GradSync:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.dense = [p for n, p in named if not is_expert_param(n)]
         self.expert = [p for n, p in named if is_expert_param(n)]
-        self.scale = 1.0 / (mesh.dp * mesh.ep)
-        self.groups = {"dense": mesh.stage_group, "expert": mesh.dp_group}
+        self.scale = 1.0 / mesh.n_data_shards
+        tp = mesh.tp
+        self.groups = {"dense": mesh.dense_group, "partial": mesh.stage_group,
+                       "expert": mesh.dp_group}
+        # gradient kind of each parameter, and its weight in the global norm: a TP-replicated
+        # gradient is held by every TP rank and counts 1/tp on each (trainer/tensor_parallel)
+        tpk = {id(p): grad_kind(model, n, p) for n, p in named if not is_expert_param(n)}
+        self._kind = {id(p): "expert" for p in self.expert}
+        self._kind.update({i: "partial" if k == "partial" and tp > 1 else "dense"
+                           for i, k in tpk.items()})
+        self.norm_w = {i: (1.0 if k == "sharded" or tp == 1 else 1.0 / tp)
+                       for i, k in tpk.items()}
         self.group_size = {k: (dist.get_world_size(g) if g is not None else 1)
                            for k, g in self.groups.items()}
         self.group_rank = {k: (dist.get_rank(g) if g is not None else 0)
                            for k, g in self.groups.items()}
         # owner (group rank) of every parameter; ZeRO-0 keeps it too (unused there)
         self._owner: dict[int, tuple[str, int]] = {}
-        for kind, ps in (("dense", self.dense), ("expert", self.expert)):
-            for p, o in zip(ps, assign_owners([p.numel() for p in ps], self.group_size[kind]),
-                            strict=True):
+        for kind in ("dense", "partial", "expert"):
+            ps = [p for p in self.dense + self.expert if self._kind[id(p)] == kind]
+            for p, o in zip(ps, assign_owners([local(p).numel() for p in ps],
+                                              self.group_size[kind]), strict=True):
                 self._owner[id(p)] = (kind, o)
         order = [p for _, p in named]
         self.buckets = self._make_buckets(order[::-1] if overlap else order,
@@ -123,7 +144,7 @@ class GradSync:
         for p in params:
             kind, owner = self._owner[id(p)]
             dtype = torch.float32 if grads and has_main_grad(p) else p.dtype
-            nbytes = p.numel() * dtype.itemsize
+            nbytes = local(p).numel() * dtype.itemsize  # this rank's shard under TP
             key = (kind, owner if by_owner else None, dtype, p.device)
             b, size = open_.get(key, (None, 0))
             if b is None or (cap is not None and size + nbytes > cap and b.params):
@@ -180,9 +201,7 @@ class GradSync:
         self._next += 1
         for p in b.params:  # a bf16 gradient a hook did not see (e.g. a hand-accumulated W)
             accumulate_main_grad(p)
-        grads = [g if (g := grad_of(p)) is not None else
-                 torch.zeros(p.shape, dtype=torch.float32 if has_main_grad(p) else p.dtype,
-                             device=p.device) for p in b.params]
+        grads = [_local_grad(p) for p in b.params]
         # one parameter: its own gradient is the buffer (a view, no copy)
         flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 \
             else grads[0].reshape(-1)
@@ -199,8 +218,8 @@ class GradSync:
         b.buf = flat
         i = 0
         for p in b.params:  # the flat buffer becomes the gradient storage (owners)
-            n = p.numel()
-            set_grad(p, flat[i:i + n].view(p.shape) if mine else None)
+            n = local(p).numel()
+            set_grad(p, _as_grad(p, flat[i:i + n]) if mine else None)
             i += n
 
     def finish(self) -> None:
@@ -221,7 +240,7 @@ class GradSync:
         self._m = 0
 
     def _allreduce(self, params: list[nn.Parameter], group, scale: float) -> None:
-        grads = [g for p in params if (g := grad_of(p)) is not None]
+        grads = [_local_grad(p) for p in params]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -232,9 +251,9 @@ class GradSync:
                 flat.copy_(wire)
         flat.mul_(scale)
         i = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[i:i + n].view_as(g))
+        for p in params:
+            n = local(p).numel()
+            set_grad(p, _as_grad(p, flat[i:i + n].clone()))
             i += n
 
     def sync(self) -> None:
@@ -243,12 +262,10 @@ class GradSync:
             raise RuntimeError(f"GradSync.sync() reduces for zero=0; with zero={self.zero} "
                                f"use start_step(m) / finish()")
         for p in self.dense + self.expert:
-            accumulate_main_grad(p)
-            if grad_of(p) is None:  # e.g. an expert that received no token: its grad is zero
-                set_grad(p, torch.zeros(p.shape, dtype=torch.float32 if has_main_grad(p)
-                                        else p.dtype, device=p.device))
-        self._allreduce(self.dense, self.mesh.stage_group, self.scale)
-        self._allreduce(self.expert, self.mesh.dp_group, self.scale)
+            accumulate_main_grad(p)  # every parameter gets a gradient: _local_grad's zeros
+        for kind in ("dense", "partial", "expert"):  # (e.g. an expert that received no token)
+            self._allreduce([p for p in self.dense + self.expert if self._kind[id(p)] == kind],
+                            self.groups[kind], self.scale)
 
     # -- after the reduction ------------------------------------------------------------------
     @staticmethod
@@ -262,19 +279,25 @@ class GradSync:
     def _sq(self, p: nn.Parameter) -> torch.Tensor:
         """Squared norm of p's gradient; expert slots of replicated experts weigh 1 / replicas
         (`row_weights`, set per step with redundant slots), so each expert counts once."""
-        g = self._grad(p).double()
+        g = local(self._grad(p)).double()
         w = self.row_weights.get(p)
         if w is None:
-            return g.pow(2).sum()
+            sq = g.pow(2).sum()
+            nw = self.norm_w.get(id(p), 1.0)
+            if self.zero == 2 and self._kind[id(p)] == "partial":
+                nw = 1.0  # one owner over the whole stage
+            return sq if nw == 1.0 else sq * nw
         return (g.pow(2).reshape(g.shape[0], -1).sum(1) * w).sum()
 
     def clip(self, max_norm: float) -> float:
         """Scale all grads so the global L2 norm is <= max_norm; returns the norm before clipping.
 
         ZeRO-2: each rank holds only its owned grads; every grad of a stage has exactly one
-        owner in the stage group (dense: one per stage group; experts: one per dp group, and
-        the EP ranks of a dp index hold different experts), so one sum over the stage group
-        gives the stage's squared norm."""
+        owner in the stage group (dense: one per dense group, i.e. per TP index, each holding
+        its shard or, for a TP-replicated weight, counting 1/tp; partial: one per stage;
+        experts: one per dp group, and the EP ranks of a dp index hold different experts),
+        so one sum over the stage group gives the stage's squared norm. Otherwise the dense
+        squares are summed over the TP group (shards differ; replicas count 1/tp each)."""
         if self.zero == 2:
             sq = sum((self._sq(p) for p in self.dense + self.expert
                       if grad_of(p) is not None), torch.zeros((), dtype=torch.float64))
@@ -282,8 +305,10 @@ class GradSync:
                 dist.all_reduce(sq, group=self.mesh.stage_group)
             total = sq
         else:
-            dense_sq = sum((self._grad(p).double().pow(2).sum() for p in self.dense),
+            dense_sq = sum((self._sq(p) for p in self.dense),
                            torch.zeros((), dtype=torch.float64))
+            if self.mesh.tp_group is not None:
+                dist.all_reduce(dense_sq, group=self.mesh.tp_group)
             expert_sq = sum((self._sq(p) for p in self.expert),
                             torch.zeros((), dtype=torch.float64))
             if self.mesh.ep_group is not None:  # expert shards differ across the EP group
@@ -310,14 +335,14 @@ class GradSync:
                 continue
             assert b.owner is not None, "broadcast buckets have one owner each (by_owner)"
             mine = b.owner == self.group_rank[b.kind]
-            single = len(b.params) == 1 and b.params[0].is_contiguous()
+            single = len(b.params) == 1 and local(b.params[0].data).is_contiguous()
             if single:
-                flat = b.params[0].data
+                flat = local(b.params[0].data)
             elif mine:
-                flat = torch.cat([p.data.reshape(-1) for p in b.params])
+                flat = torch.cat([local(p.data).reshape(-1) for p in b.params])
             else:
-                flat = torch.empty(sum(p.numel() for p in b.params), dtype=b.params[0].dtype,
-                                   device=b.params[0].device)
+                flat = torch.empty(sum(local(p).numel() for p in b.params),
+                                   dtype=b.params[0].dtype, device=b.params[0].device)
             work = dist.broadcast(flat, dist.get_global_rank(group, b.owner), group=group,
                                   async_op=True)
             pending.append((b, flat, work, mine or single))
@@ -327,6 +352,31 @@ class GradSync:
                 continue
             i = 0
             for p in b.params:
-                n = p.numel()
-                p.data.copy_(flat[i:i + n].view_as(p))
+                d = local(p.data)
+                n = d.numel()
+                d.copy_(flat[i:i + n].view_as(d))
                 i += n
+
+
+def _local_grad(p: nn.Parameter) -> torch.Tensor:
+    """p's gradient as the optimizer sees it (`precision.grad_of`: the fp32 main_grad of a
+    bf16 weight) as a plain tensor shaped like p's local shard (zeros without one). A
+    DTensor gradient placed otherwise than its parameter (a Replicate gradient of a sharded
+    weight, or a Partial one outside the "partial" kind) is redistributed to it first."""
+    g, pd = grad_of(p), p.data
+    if g is None:
+        return torch.zeros(local(pd).shape, device=p.device,
+                           dtype=torch.float32 if has_main_grad(p) else p.dtype)
+    if isinstance(g, DTensor) and isinstance(pd, DTensor):
+        if g.placements != pd.placements and not any(pl.is_partial() for pl in g.placements):
+            g = g.redistribute(pd.device_mesh, pd.placements)
+        return g._local_tensor
+    return g
+
+
+def _as_grad(p: nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
+    """The gradient for p from its flat local values (a DTensor like p for a DTensor p)."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(flat.view(p._local_tensor.shape), p.device_mesh, p.placements,
+                                  run_check=False, shape=p.shape, stride=p.stride())
+    return flat.view_as(p)

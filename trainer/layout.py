@@ -21,8 +21,9 @@ S = world / pp ranks each, and a stage's S ranks are arranged twice:
 so world = pp * dp * ep * etp and tp * cp must divide S. EP groups are formed from the dense
 side's DP x TP x CP ranks, so experts are never replicated over TP. With tp = cp = etp = 1
 this is the trainer's PP x DP x EP mesh: attn_dp = dp * ep data shards, and the stage group
-averages non-expert gradients. Only that case runs today (`not_runnable_because`); the rest
-is evaluated by the planner.
+averages non-expert gradients. The trainer runs that and tp > 1 (tensor and sequence
+parallel, trainer/tensor_parallel.py); cp > 1 and etp > 1 are evaluated by the planner only
+(`not_runnable_because`).
 
 Rank layout. Expert-side indices, outermost first (the last varies fastest):
 
@@ -484,8 +485,9 @@ def not_runnable_because(layout: Layout, *, zero: int = 0, alltoall: str = "flat
     if recompute not in RECOMPUTE:
         out.append(f"recompute {recompute!r} (Megatron-Core's whole-MoE-layer module) is not built "
                    f"in the trainer; it runs {', '.join(RECOMPUTE)}")
-    if layout.tp > 1:
-        out.append(f"tensor parallel (tp={layout.tp}) is not built in the trainer yet (issue 31)")
+    # tensor parallel with or without sequence parallel runs (trainer/tensor_parallel.py);
+    # its model rules (tp | heads, seq_len, untied embeddings) are `layout_problems`' and
+    # `trainer.tensor_parallel.tp_problems`'
     if layout.cp > 1:
         out.append(f"context parallel (cp={layout.cp}) is not built in the trainer yet")
     if layout.etp > 1:

@@ -23,6 +23,7 @@ import torch
 from .balancing import Balancer
 from .build import (
     Pipeline,
+    apply_tp,
     build_grad_sync,
     build_model,
     build_optimizer,
@@ -63,6 +64,7 @@ class Trainer:
         self.pipe = build_pipeline(self.cfg, self.mcfg, self.mesh, self.model, self.precision,
                                    self.device) if self.mesh.pp > 1 else None
         self.model.materialize(self.device, seed=t.seed)
+        apply_tp(self.cfg, self.model, self.mesh, self.device)  # slices the whole weights
         if self.hf is not None and self.resume_path is None:
             import_hf(self.model, self.hf, self.cfg.model.hf_path, self.out, self.mesh,
                       self.device)

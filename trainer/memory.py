@@ -20,32 +20,34 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["state_bytes", "SavedTensorMeter", "rss_reset_peak", "rss_peak"]
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank holds: tensor parallel, ZeRO-3's sharded
+    parameters and state), else t."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _nbytes(t: torch.Tensor) -> int:
+    t = _plain(t)
     return t.numel() * t.element_size()
 
 
 def state_bytes(model: nn.Module, optim: torch.optim.Optimizer | None) -> int:
     total = 0
     for p in model.parameters():
-        total += _nbytes(_local(p))
+        total += _nbytes(p)
         for g in (p.grad, getattr(p, "main_grad", None)):  # bf16 weights: the fp32 main_grad
             if g is not None:
-                total += _nbytes(_local(g))
+                total += _nbytes(g)
         if optim is not None:
             for v in optim.state.get(p, {}).values():
                 if isinstance(v, torch.Tensor):
-                    total += _nbytes(_local(v))
+                    total += _nbytes(v)
     return total
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (ZeRO-3's sharded parameters and state), else t."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 class _Held:
@@ -59,7 +61,7 @@ class SavedTensorMeter:
     """Context manager: track bytes of tensors saved for backward while it is active."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._param_ptrs = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_ptrs = {_plain(p).untyped_storage().data_ptr() for p in model.parameters()}
         self._refs: dict[int, int] = {}  # storage ptr -> saved tensors referencing it
         self.live = 0
         self.peak = 0
@@ -79,7 +81,7 @@ class SavedTensorMeter:
         # gathered weights are parameters too, their storage freed after the layer)
         if isinstance(t, nn.Parameter):
             return t
-        storage = t.untyped_storage()
+        storage = _plain(t).untyped_storage()
         ptr = storage.data_ptr()
         if ptr in self._param_ptrs or storage.nbytes() == 0:
             return t

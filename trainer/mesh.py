@@ -6,11 +6,16 @@ planner uses too; this module asks it and creates the `torch.distributed` groups
 
     ep_group     ranks of the same (pp, dp): the all-to-all of MoE dispatch, expert migration
     dp_group     ranks of the same (pp, ep): expert gradients are averaged here
-    stage_group  ranks of the same pp stage (dp x ep): non-expert gradients are averaged here
+    stage_group  every rank of a pp stage (dp x ep): expert counts, ZeRO-2's norm, and the
+                 gradients of replicated weights that are partial sums over TP (`tp` > 1)
+    dense_group  the stage's ranks with the same tp index (layout group "stage"): TP-sharded
+                 and TP-replicated non-expert gradients are averaged here (= stage_group at tp=1)
+    tp_group     tp consecutive ranks of a stage (only built at tp > 1), with `tp_mesh`, its
+                 DeviceMesh for torch.distributed.tensor (trainer/tensor_parallel.py)
     pp_group     ranks of the same (dp, ep): pipeline point-to-point
 
-The trainer runs tp = cp = etp = 1 (`Layout` describes more for the planner; see
-`trainer.layout.not_runnable_because`); with those the layout is PP x DP x EP:
+The trainer runs cp = etp = 1 (`Layout` describes more for the planner; see
+`trainer.layout.not_runnable_because`); with those and tp = 1 the layout is PP x DP x EP:
 
     local  (default)  rank = (pp_idx * dp + dp_idx) * ep + ep_idx      EP innermost
     spread            rank = (ep_idx * pp + pp_idx) * dp + dp_idx      EP outermost
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -31,6 +37,7 @@ MeshError = LayoutError  # the requested parallel layout cannot be built; the me
 valid_divisors = divisors
 
 _KINDS = ("ep", "dp", "stage", "pp")  # the groups the trainer creates, in creation order
+_TP_KINDS = ("tp", "dense")  # created after those, only at tp > 1
 
 
 @dataclass
@@ -41,11 +48,12 @@ class Mesh:
 
     @staticmethod
     def plan(world_size: int, rank: int, pp: int, ep: int, dp: int = 0,
-             placement: str = "local", vpp: int = 1) -> Mesh:
+             placement: str = "local", vpp: int = 1, tp: int = 1) -> Mesh:
         """Validate the degrees against the world size (no process groups are created);
-        `vpp`: virtual pipeline stages per rank (--parallel.n_virtual)."""
-        return Mesh(Layout.infer(world_size, pp=pp, ep=ep, dp=dp, vpp=vpp, placement=placement),
-                    rank)
+        `vpp`: virtual pipeline stages per rank (--parallel.n_virtual); `tp`: tensor parallel
+        of the dense side, folded into the stage (world = pp x dp x ep, tp | dp x ep)."""
+        return Mesh(Layout.infer(world_size, pp=pp, ep=ep, dp=dp, tp=tp, vpp=vpp,
+                                 placement=placement), rank)
 
     @property
     def world_size(self) -> int:
@@ -64,8 +72,16 @@ class Mesh:
         return self.layout.ep
 
     @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
     def placement(self) -> str:
         return self.layout.placement
+
+    @property
+    def tp_idx(self) -> int:
+        return self.layout.coords(self.rank).tp
 
     # coordinates ---------------------------------------------------------------------------
     def coords(self, rank: int) -> tuple[int, int, int]:
@@ -109,6 +125,18 @@ class Mesh:
     def pp_ranks(self) -> list[int]:
         return self.layout.group("pp", self.rank)
 
+    def tp_ranks(self) -> list[int]:
+        return self.layout.group("tp", self.rank)
+
+    def _stage_all(self) -> list[list[int]]:
+        """Every rank of each stage (the layout's "stage" groups split them by tp index)."""
+        return [sorted(self.layout.stage_ranks(p)) for p in range(self.pp)]
+
+    def _groups_of(self, kind: str) -> list[list[int]]:
+        if kind == "stage" and self.tp > 1:
+            return self._stage_all()
+        return self.layout.groups("stage" if kind == "dense" else kind)
+
     # process groups ---------------------------------------------------------------------------
     def build_groups(self, timeout: timedelta | None = None) -> Mesh:
         """Create every process group. Collective: all ranks call it, in the same order.
@@ -116,17 +144,33 @@ class Mesh:
         `timeout`: how long an operation on these groups may wait before failing (hang
         detection); None = torch's default."""
         if self.world_size == 1 or not dist.is_initialized():
-            self.groups = dict.fromkeys(_KINDS)
+            self.groups = dict.fromkeys(_KINDS + _TP_KINDS)
             return self
-        for kind in _KINDS:
+        # at tp = 1 no group is added, so the communicators (and losses) are those of before
+        for kind in _KINDS + (_TP_KINDS if self.tp > 1 else ()):
             mine = None
-            for ranks in self.layout.groups(kind):
+            for ranks in self._groups_of(kind):
                 # new_group must be called by every rank for every group, even non-members.
                 g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if self.rank in ranks:
                     mine = g
             self.groups[kind] = mine
+        if self.tp == 1:
+            self.groups["dense"], self.groups["tp"] = self.groups["stage"], None
         return self
+
+    def tp_mesh(self, device_type: str):
+        """The 1-D DeviceMesh of this rank's TP group (torch.distributed.tensor); None at
+        tp = 1. Not collective: it wraps the group `build_groups` created."""
+        if self.tp == 1:
+            return None
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if "tp_mesh" not in self.groups:
+            group: Any = self.groups["tp"]
+            self.groups["tp_mesh"] = DeviceMesh.from_group(
+                group, device_type, mesh=self.tp_ranks(), mesh_dim_names=("tp",))
+        return self.groups["tp_mesh"]
 
     @property
     def ep_group(self):
@@ -144,7 +188,18 @@ class Mesh:
     def pp_group(self):
         return self.groups.get("pp")
 
+    @property
+    def dense_group(self):
+        return self.groups.get("dense")
+
+    @property
+    def tp_group(self):
+        return self.groups.get("tp")
+
     def describe(self) -> str:
         where = (f"EP groups of {self.ep} consecutive ranks" if self.placement == "local" else
                  f"EP groups spread: ranks {self.pp * self.dp} apart")
-        return f"mesh pp={self.pp} x dp={self.dp} x ep={self.ep} (world {self.world_size}); {where}"
+        tp = (f"; TP groups of {self.tp} consecutive ranks (attn_dp={self.layout.attn_dp})"
+              if self.tp > 1 else "")
+        return (f"mesh pp={self.pp} x dp={self.dp} x ep={self.ep} (world {self.world_size}); "
+                f"{where}{tp}")

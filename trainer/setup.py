@@ -35,6 +35,7 @@ from .mesh import Mesh
 from .metrics import check_observability
 from .precision import check_precision
 from .profiling import parse_profile_steps
+from .tensor_parallel import tp_problems
 from .zero import check_zero
 
 __all__ = ["Prepared", "prepare", "build_model_config", "build_schedule", "model_name",
@@ -95,13 +96,25 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     par = cfg.parallel
     _check_virtual(par)
     mesh = Mesh.plan(world_size, rank, pp=par.pp, ep=par.ep, dp=par.dp, placement=par.ep_placement,
-                     vpp=par.n_virtual)
+                     vpp=par.n_virtual, tp=par.tp)
     E = mcfg.n_routed_experts
+    if not isinstance(par.sp, bool):
+        raise ConfigError(f"parallel.sp={par.sp!r}; valid: true, false")
+    tp_probs = tp_problems(par.tp, par.sp, par.etp, mcfg, cfg.train.seq_len, par.pp)
+    if tp_probs:
+        raise ConfigError("; ".join(tp_probs))
+    if par.tp > 1 and (cfg.comm.alltoall == "dedup" or cfg.comm.a2a_overlap == "layer"):
+        raise ConfigError(f"parallel.tp={par.tp} with comm.alltoall={cfg.comm.alltoall!r} / "
+                          f"comm.a2a_overlap={cfg.comm.a2a_overlap!r}: the pipelined expert path "
+                          f"(dedup, layer overlap) is not built with tensor parallel yet; use "
+                          f"alltoall flat, halo or auto and a2a_overlap none or auto (auto "
+                          f"keeps it off under TP)")
     if mesh.pp > 1 and mcfg.tie_embeddings:
         raise ConfigError("tie_embeddings=True with pp > 1 is not supported (the embedding and the "
                           "head would live on different stages); use pp=1 or untied embeddings")
     # the layout's own rules (trainer.layout, the planner's too): ep | experts, the stage split
-    check(mesh.layout, mcfg.n_layers, E, layer_split=par.layer_split)
+    check(mesh.layout, mcfg.n_layers, E, layer_split=par.layer_split, n_heads=mcfg.n_heads,
+          n_kv_heads=mcfg.n_kv_heads if mcfg.attention == "gqa" else None)
     if mesh.pp > 1:
         _check_microbatches(cfg, mesh)
     # with pp=1 the schedule is unused, but a wrong value is still a mistake worth naming
@@ -137,7 +150,8 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
                           f"1..{mcfg.max_seq_len} (model max_seq_len)")
     if t.global_batch < 1 or t.global_batch % mesh.n_data_shards:
         raise ConfigError(f"train.global_batch={t.global_batch} must be a positive multiple of the "
-                          f"{mesh.n_data_shards} data shards (dp={mesh.dp} x ep={mesh.ep})")
+                          f"{mesh.n_data_shards} data shards (dp={mesh.dp} x ep={mesh.ep}"
+                          + (f" / tp={mesh.tp})" if mesh.tp > 1 else ")"))
     if mesh.pp == 1:  # gradient accumulation (pipeline micro-batches were checked above)
         _check_microbatches(cfg, mesh)
     if t.steps < 1:

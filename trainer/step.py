@@ -37,11 +37,12 @@ def lr_at(o, step: int, total: int) -> float:
 
 def allreduce_mean(tr, values: list[float]) -> list[float]:
     """Sum over every rank, / number of data shards: the global-batch mean of per-shard values
-    (ranks that do not hold a quantity, e.g. the CE off the last stage, pass 0)."""
+    (ranks that do not hold a quantity, e.g. the CE off the last stage, pass 0). The TP ranks
+    of a shard hold the same values (tensor_parallel: the same loss on each), so / tp too."""
     t = torch.tensor(values, dtype=torch.float64, device=tr.device)
     if tr.mesh.world_size > 1:
         dist.all_reduce(t)
-        t /= tr.mesh.n_data_shards
+        t /= tr.mesh.n_data_shards * tr.mesh.tp
     return t.tolist()
 
 
