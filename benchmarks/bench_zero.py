@@ -58,15 +58,11 @@ LAYOUTS = {"dp2": (2, 1, _LEVELS), "dp4": (4, 1, _LEVELS),
            "ep2_dp2_bf16": (4, 2, ["zero0_flat", *_BF16])}
 
 
-def _nbytes(ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
-
-
 def _worker(rank: int, world: int, _group, ep: int, names: list[str], steps: int, warmup: int,
             d_model: int, batch: int, seq: int) -> dict:
     from model import MoETransformer, presets
     from trainer.grad_sync import GradSync
-    from trainer.memory import SavedTensorMeter, state_bytes
+    from trainer.memory import SavedTensorMeter, state_bytes, tensor_bytes
     from trainer.mesh import Mesh
     from trainer.parallel import parallelize
     from trainer.precision import Precision, to_working_dtype
@@ -112,9 +108,8 @@ def _worker(rank: int, world: int, _group, ep: int, names: list[str], steps: int
             (ce + model.aux_loss()).backward()
             sync.finish()
             sync.clip(1.0)
-            r["grad_bytes"] = _nbytes(_local(g) for p in model.parameters()
-                                      for g in (p.grad, getattr(p, "main_grad", None))
-                                      if g is not None)
+            r["grad_bytes"] = tensor_bytes(g for p in model.parameters()
+                                           for g in (p.grad, getattr(p, "main_grad", None)))
             opt.step()
             r["held"] = state_bytes(model, opt)  # weights + grads + optimizer state (+ masters)
             opt.zero_grad(set_to_none=True)
@@ -126,17 +121,12 @@ def _worker(rank: int, world: int, _group, ep: int, names: list[str], steps: int
     for name in names:
         r = runs[name]
         opt, model = r["opt"], r["model"]
-        out[name] = {"state_bytes": _nbytes(_local(v) for p in model.parameters()
-                                            for v in opt.state.get(p, {}).values()),
-                     "param_bytes": _nbytes(_local(p) for p in model.parameters()),
+        out[name] = {"state_bytes": tensor_bytes(v for p in model.parameters()
+                                                 for v in opt.state.get(p, {}).values()),
+                     "param_bytes": tensor_bytes(model.parameters()),
                      "grad_bytes": r["grad_bytes"], "times": r["times"], "loss": r["loss"],
                      "held_bytes": r["held"], "act_peak_bytes": r["meter"].peak}
     return out
-
-
-def _local(t):
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 def planned(d_model: int, world: int, ep: int, batch: int, seq: int, name: str) -> dict:

@@ -200,6 +200,16 @@ def _owned(rank: int, ckpt: HFCheckpoint, n_layers: int, E: int,
     return out
 
 
+def _assert_export_equals(src: Path, run: Path, out: Path) -> None:
+    """The run's step-2 checkpoint exported in fp32 holds every tensor of `src`, bitwise (lr 0:
+    the weights are only moved, never computed on)."""
+    export_checkpoint(run / "checkpoints" / "step_00000002", out, dtype="fp32", progress=False)
+    a, b = all_tensors(src), all_tensors(out)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype == torch.float32 and torch.equal(a[k], b[k]), k
+
+
 def round_trip(tmp_path: Path, model_type: str, data: str, placement: str = "local") -> None:
     src = make_hf(tmp_path / "src", model_type)
     run = tmp_path / "run"
@@ -217,12 +227,7 @@ def round_trip(tmp_path: Path, model_type: str, data: str, placement: str = "loc
         rec = json.loads((run / "hf_import" / f"rank_{rank}.json").read_text())
         want = _owned(rank, ckpt, cfg.n_layers, cfg.n_routed_experts, placement)
         assert set(rec["keys"]) == want, rank
-    out = export_checkpoint(run / "checkpoints" / "step_00000002", tmp_path / "out",
-                            dtype="fp32", progress=False)
-    a, b = all_tensors(src), all_tensors(out)
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype == torch.float32 and torch.equal(a[k], b[k]), k
+    _assert_export_equals(src, run, tmp_path / "out")
 
 
 @pytest.mark.multiproc
@@ -272,12 +277,7 @@ def test_round_trip_tp2_ep2(tmp_path, data_bin, model_type) -> None:
         assert split, "the model has TP-split tensors"
         nbytes = {k: 4 * math.prod(ckpt.shapes[k]) for k in want}  # fp32
         assert rec["bytes"] == sum(nbytes.values()) - sum(nbytes[k] // 2 for k in split), rank
-    out = export_checkpoint(run / "checkpoints" / "step_00000002", tmp_path / "out",
-                            dtype="fp32", progress=False)
-    a, b = all_tensors(src), all_tensors(out)
-    assert sorted(a) == sorted(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype == torch.float32 and torch.equal(a[k], b[k]), k
+    _assert_export_equals(src, run, tmp_path / "out")
 
 
 def test_experts_land_in_their_placement_slots(tmp_path) -> None:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["state_bytes", "SavedTensorMeter", "rss_reset_peak", "rss_peak"]
+__all__ = ["state_bytes", "tensor_bytes", "SavedTensorMeter", "rss_reset_peak", "rss_peak"]
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -34,6 +34,12 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 def _nbytes(t: torch.Tensor) -> int:
     t = _plain(t)
     return t.numel() * t.element_size()
+
+
+def tensor_bytes(ts) -> int:
+    """This rank's bytes of the tensors in `ts` (a DTensor counts its local shard; entries
+    that are not tensors, e.g. None or an optimizer's step count, are skipped)."""
+    return sum(_nbytes(t) for t in ts if isinstance(t, torch.Tensor))
 
 
 def state_bytes(model: nn.Module, optim: torch.optim.Optimizer | None) -> int:
