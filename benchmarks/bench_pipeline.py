@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from _common import add_output_args, cpu_name, git_sha, output_dir  # noqa: E402
 
 import pipeline  # noqa: E402
-from pipeline.launch import run_local  # noqa: E402
+from comm import run_local  # noqa: E402
 from tuner.measure import p2p_one_way_s  # noqa: E402
 
 SCHEDULES = [("gpipe", {}), ("1f1b", {}), ("interleaved-1f1b", {"n_virtual": 2}), ("zb-h1", {})]
@@ -108,7 +108,7 @@ def _stage(d: int, n_layers: int, seed: int) -> nn.Module:
     return nn.Sequential(*[m for _ in range(n_layers) for m in (nn.Linear(d, d), nn.ReLU())])
 
 
-def _worker(rank: int, world: int, m: int, args: dict) -> dict:
+def _worker(rank: int, world: int, group: dist.ProcessGroup, m: int, args: dict) -> dict:
     d, rows = args["dim"], args["rows"]
     out: dict[str, Any] = {}
     g = torch.Generator().manual_seed(0)

@@ -1,14 +1,16 @@
 """Run a function on N local processes joined in one torch.distributed group.
 
-Used by the comm tests and the single-machine benchmark: it gives every rank the WORLD group
-explicitly (no global state in the callee), collects each rank's return value in the parent
-and re-raises a rank's exception there with its traceback. Rendezvous goes through a file in
-a fresh temporary directory, so concurrent runs on a shared machine never race for a port.
+The one launcher of local process groups: the multi-process tests, the single-machine
+benchmarks and `tuner measure` all use it. It gives every rank the WORLD group explicitly (no
+global state in the callee), collects each rank's return value in the parent and re-raises a
+rank's exception there with its traceback. Rendezvous goes through a file in a fresh temporary
+directory, so concurrent runs on a shared machine never race for a port.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -30,12 +32,13 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
+    threads: int,
 ) -> None:
-    # One intra-op thread per rank: up to 9 ranks share 2 cores in CI, and oversubscription
-    # makes collective timings and test runtimes erratic.
+    # One intra-op thread per rank by default: up to 9 ranks share 2 cores in CI, and
+    # oversubscription makes collective timings and test runtimes erratic.
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         dist.init_process_group(
             backend, init_method=f"file://{init_file}", rank=rank, world_size=world
@@ -49,7 +52,9 @@ def _worker(
             dist.barrier()
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, out))
+        # Plain pickle bytes, not the queue's shared-memory tensor passing: that needs the
+        # sender alive until the parent reads, and ranks exit right after this put.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # report every failure (incl. KeyboardInterrupt) to the parent
         results.put((rank, False, traceback.format_exc()))
 
@@ -61,15 +66,20 @@ def run_local(
     backend: str = "gloo",
     timeout_s: float = 120.0,
     start_method: str = "forkserver",
+    threads: int = 1,
 ) -> list[Any]:
     """Call `fn(rank, world_size, group, *args)` on `world_size` spawned processes.
 
-    `fn` must be importable by name (a module-level function). `start_method="spawn"`
-    gives each rank a fresh interpreter (slower; use it where a fork server is unwanted). Returns the per-rank results
-    in rank order; raises RuntimeError with the first failing rank's traceback, or on timeout.
+    `fn` must be importable by name (a module-level function); `group` is the WORLD group,
+    also the default one. `start_method="spawn"` gives each rank a fresh interpreter (slower;
+    use it where a fork server is unwanted); `threads` is each rank's torch intra-op thread
+    count. Returns the per-rank results in rank order; raises RuntimeError with the first
+    failing rank's traceback, or on timeout.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
     if start_method not in ("forkserver", "spawn"):
         raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
     ctx: ForkServerContext | SpawnContext  # a literal name each: typeshed types them
@@ -86,7 +96,7 @@ def run_local(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, init_file, backend, fn, args, results),
+                args=(r, world_size, init_file, backend, fn, args, results, threads),
                 daemon=True,
             )
             for r in range(world_size)
@@ -105,7 +115,7 @@ def run_local(
                 if not ok:
                     failure = f"rank {rank} failed:\n{out}"
                     break
-                collected[rank] = out
+                collected[rank] = pickle.loads(out)
         finally:
             for p in procs:
                 p.join(timeout=5.0 if failure is None else 0.5)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import pipeline
-from pipeline.launch import run_local
+from comm import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -168,7 +168,7 @@ def _data() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return [t[:, :-1] for t in toks], [t[:, 1:] for t in toks]
 
 
-def _bf16_worker(rank: int, world: int) -> dict:
+def _bf16_worker(rank: int, world: int, group: dist.ProcessGroup) -> dict:
     from trainer.pipe import build_stages, ce_loss, moe_aux, split_layers
 
     model = _model()

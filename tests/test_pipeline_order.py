@@ -27,7 +27,7 @@ from torch import nn
 import comm
 import pipeline
 from pipeline.analysis import comm_plan, derive_transfers
-from pipeline.launch import run_local
+from comm import run_local
 
 SCHEDULES = [("gpipe", {}), ("1f1b", {}), ("interleaved-1f1b", {"n_virtual": 2}), ("zb-h1", {})]
 M, MB, D, VOCAB, CLASSES = 8, 4, 8, 11, 5
@@ -233,7 +233,7 @@ def _record(trace: list[tuple]) -> list:
     return saved
 
 
-def _order_worker(rank: int, world: int) -> dict:
+def _order_worker(rank: int, world: int, group: dist.ProcessGroup) -> dict:
     pp_idx, ep_idx = divmod(rank, 2)  # EP groups {0,1} {2,3}: same pipeline position
     ep_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipeline
-from pipeline.launch import run_local
+from comm import run_local
 
 pytestmark = pytest.mark.multiproc
 
@@ -102,7 +102,7 @@ def _bad_inputs(rank: int, world: int) -> list[str]:
     return msgs
 
 
-def _worker(rank: int, world: int) -> dict[str, dict]:
+def _worker(rank: int, world: int, group: dist.ProcessGroup) -> dict[str, dict]:
     out = {name: _run(name, kw, rank, world, None) for name, kw in SCHEDULES}
     # Every stage on one rank (p = 1, 3 virtual stages): the hand-offs stay in memory.
     # new_group is collective, so every rank creates every singleton group.
