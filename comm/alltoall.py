@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from comm.cost import (
-    PLATFORM_DIR,
     CostModel,
     choose_algorithm,
     decide_from_summaries,
@@ -48,6 +47,7 @@ from comm.flat import (
 )
 from comm.halo import halo_all_to_all, halo_gather_array
 from comm.halo_plan import SplitPlans
+from comm.platform import platform_names
 from comm.topology import Topology
 
 __all__ = ["ALGORITHMS", "AllToAllPlan", "all_to_all", "plan_all_to_all", "settle_plan"]
@@ -275,7 +275,7 @@ def _fixed_algorithm(algorithm: str, topology: object, cost_model: object, world
             f"algorithm='auto' across {topology.num_nodes} nodes needs cost_model=: "
             "comm.calibrate(group, topology) measures one on this job's links (the trainer "
             "does), comm.CostModel.from_platform(name) reads a platform file's link rates "
-            f"({', '.join(sorted(p.stem for p in PLATFORM_DIR.glob('*.toml')))}), "
+            f"({', '.join(platform_names())}), "
             "comm.CostModel.emulator() is the namespace emulator's NIC. There is no default: "
             "placeholder numbers would decide for another machine"
         )

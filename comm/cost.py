@@ -15,7 +15,6 @@ so all ranks pick the same algorithm without another collective.
 from __future__ import annotations
 
 import math
-import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ import numpy as np
 
 from comm.a2a_model import Rates, flat_time, halo_time, phase_time
 from comm.halo_plan import relay_table
+from comm.platform import PLATFORM_DIR, load_platform_file
 from comm.topology import Topology
 
 __all__ = [
@@ -112,28 +112,19 @@ class CostModel(Rates):
         The files carry no HALO overhead: one network latency stands for it (HALO's second
         dependent round). Values a file marks "assumed" stay assumptions; `comm.calibrate`
         measures all of them on the job's own links."""
-        path = _platform_path(name_or_path, Path(directory) if directory else PLATFORM_DIR)
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"platform file {str(path)!r} is not valid TOML: {e}") from None
-        values = {}
-        for section, key, scale in (("network", "nic_bandwidth_gbs", 1e9),
-                                    ("network", "network_latency_us", 1e-6),
-                                    ("node", "intra_node_bandwidth_gbs", 1e9),
-                                    ("node", "intra_node_latency_us", 1e-6)):
-            v = data.get(section, {}).get(key)
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                raise ValueError(f"platform file {str(path)!r} lacks a number [{section}] "
-                                 f"{key} (got {v!r})")
-            values[key] = float(v) * scale
-        backend = str(data.get("backend", "nccl"))
+        pf = load_platform_file(name_or_path, directory)
+        values = {key: pf.number(section, key, scale)
+                  for section, key, scale in (("network", "nic_bandwidth_gbs", 1e9),
+                                              ("network", "network_latency_us", 1e-6),
+                                              ("node", "intra_node_bandwidth_gbs", 1e9),
+                                              ("node", "intra_node_latency_us", 1e-6))}
+        backend = str(pf.data.get("backend", "nccl"))
         return cls.for_backend(
             backend, nic_bandwidth=values["nic_bandwidth_gbs"],
             local_bandwidth=values["intra_node_bandwidth_gbs"],
             alpha_net=values["network_latency_us"], alpha_local=values["intra_node_latency_us"],
             halo_overhead_s=values["network_latency_us"],
-            source=f"platform {data.get('name', path.stem)!r} ({path}), {backend}")
+            source=f"platform {pf.name!r} ({pf.path}), {backend}")
 
     def describe(self) -> str:
         """One line for a log: where the numbers come from and the main ones."""
@@ -165,23 +156,6 @@ class CostModel(Rates):
                 w = math.log(nic_bytes / x0) / math.log(x1 / x0)
                 return f0 + w * (f1 - f0), h0 + w * (h1 - h0)
         return points[-1][1], points[-1][2]
-
-
-PLATFORM_DIR = Path(__file__).resolve().parents[1] / "configs" / "platforms"
-
-
-def _platform_path(name_or_path: str | Path, directory: Path) -> Path:
-    """The platform file `name_or_path` names: a path to a .toml file, or <directory>/<name>.toml.
-    (comm reads the few link rates it needs itself: it never imports the tuner.)"""
-    p = Path(name_or_path)
-    if p.suffix == ".toml" and p.is_file():
-        return p
-    p = directory / f"{name_or_path}.toml"
-    if not p.is_file():
-        names = sorted(q.stem for q in directory.glob("*.toml"))
-        raise ValueError(f"unknown platform {str(name_or_path)!r}; valid: {', '.join(names)} "
-                         f"(files in {directory}), or a path to a .toml file")
-    return p
 
 
 SMALL_GROUP = 32  # up to this many ranks `choose_algorithm` runs `_predict_both_loops`

@@ -150,5 +150,5 @@ def test_from_platform_files():
     assert toy.capacity[up] == 2 * 2 * 10 * GB
     with pytest.raises(ValueError, match="lacks"):
         from_platform({"name": "x", "node": {}}, 2)
-    with pytest.raises(ValueError, match="no such file"):
+    with pytest.raises(ValueError, match="unknown platform 'no-such-platform'; valid: .*frontier"):
         from_platform("no-such-platform", 2)

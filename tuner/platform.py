@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from comm.platform import PLATFORM_DIR, load_platform_file, platform_names
+
 __all__ = ["Grid", "Platform", "PLATFORM_DIR", "load_platform", "platform_names"]
 
-PLATFORM_DIR = Path(__file__).resolve().parents[1] / "configs" / "platforms"
 
 # (toml section, toml key, dataclass field, factor to SI)
 _FIELDS: tuple[tuple[str, str, str, float], ...] = (
@@ -510,24 +510,8 @@ def _grid_from(section: str, axis_names: tuple[str, ...], body: Any, source: str
         raise ValueError(f"{source}: {e}") from None
 
 
-def platform_names(directory: Path = PLATFORM_DIR) -> list[str]:
-    """Names of the platform files under `directory`."""
-    return sorted(p.stem for p in Path(directory).glob("*.toml"))
-
-
 def load_platform(name_or_path: str | Path, directory: Path = PLATFORM_DIR) -> Platform:
-    """Load a platform by name (`frontier`) or by path to a TOML file."""
-    p = Path(name_or_path)
-    if p.suffix != ".toml" or not p.is_file():
-        p = Path(directory) / f"{name_or_path}.toml"
-    if not p.is_file():
-        raise ValueError(
-            f"unknown platform {str(name_or_path)!r}; valid: {', '.join(platform_names(directory))} "
-            f"(files in {directory}), or a path to a .toml file"
-            + ("; run `python -m tuner measure` to create 'local'" if str(name_or_path) == "local" else "")
-        )
-    try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"platform file {str(p)!r} is not valid TOML: {e}") from None
-    return Platform.from_dict(data, source=str(p))
+    """Load a platform by name (`frontier`) or by path to a TOML file (`comm.platform`
+    finds and parses it)."""
+    pf = load_platform_file(name_or_path, directory)
+    return Platform.from_dict(pf.data, source=pf.source)

@@ -19,7 +19,6 @@ stand-in for adaptive routing on a loaded network.
 from __future__ import annotations
 
 import pathlib
-import tomllib
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,7 @@ import numpy as np
 from comm.netsim.network import FabricPart, FabricPaths, Network, NetworkBuilder
 from comm.netsim.network import Path as RoutePath
 from comm.netsim.nodes import GB, assemble, frontier_template, star_template
+from comm.platform import load_platform_file
 
 __all__ = ["dgx_fat_tree", "emulator", "from_platform", "frontier", "frontier_node", "generic"]
 
@@ -38,7 +38,6 @@ SLINGSHOT_BW = 25 * GB
 # group injects 128 nodes x 4 NICs x 25 GB/s = 12.8 TB/s; the 1.75:1 taper leaves 7.31 TB/s
 # of global links, i.e. 4 x 25 GB/s to each of 73 other groups.
 FRONTIER_GROUPS = 74
-PLATFORMS = pathlib.Path(__file__).resolve().parents[2] / "configs" / "platforms"
 
 
 def _check_fraction(name: str, v: float | str) -> None:
@@ -293,15 +292,7 @@ def from_platform(platform: str | pathlib.Path | dict[str, Any], nodes: int,
     property: pass it to `simulate(message_overhead=...)`. kw (sites, scale, ...) go to
     the builder.
     """
-    if isinstance(platform, dict):
-        desc = platform
-    else:
-        path = pathlib.Path(platform)
-        if not path.exists():
-            path = PLATFORMS / f"{platform}.toml"
-        if not path.exists():
-            raise ValueError(f"platform {platform!r}: no such file or configs/platforms name")
-        desc = tomllib.loads(path.read_text())
+    desc = platform if isinstance(platform, dict) else load_platform_file(platform).data
     try:
         node, net = desc["node"], desc["network"]
         gpus, nics = int(node["gpus_per_node"]), int(net["nics_per_node"])
