@@ -7,6 +7,7 @@ import importlib
 import math
 import time
 
+import numpy as np
 import pytest
 import torch.distributed as dist
 from hypothesis import given, settings
@@ -23,10 +24,11 @@ from comm import (
 )
 from comm.calibrate import time_samples
 from comm.cost import (
-    _layout,
-    _predict_both_loops,
+    METHODS,
     busiest_nic_bytes,
     decide_from_summaries,
+    layout,
+    predict,
     reference_predict_flat,
     reference_predict_halo,
     row_summary,
@@ -201,22 +203,46 @@ def _topology_and_splits(nodes: int, gpus: int, nic_shift: int, values: list[int
     st.lists(st.integers(0, 5), min_size=256, max_size=256), st.floats(0.0, 0.9),
     st.booleans(),
 )
-def test_vectorised_predictions_match_the_loops(nodes: int, gpus: int, nic_shift: int,
+def test_every_implementation_matches_the_loops(nodes: int, gpus: int, nic_shift: int,
                                                 pairwise: bool, values: list[int],
                                                 zero_p: float, empty_messages: bool) -> None:
+    """Each implementation behind `predict` against the plain-loop definition ("loops"),
+    on lists and on an integer array. Tolerance: the same float terms summed in another order
+    (numpy's pairwise sums, per-NIC tables) differ from the loops' running sums by a few ulp;
+    the byte counts themselves are integers, exact in float64."""
     topo, S = _topology_and_splits(nodes, gpus, nic_shift, values, zero_p, 7)
     model = dataclasses.replace(MODEL, flat_pairwise=pairwise, halo_overhead_s=0.3,
                                 flat_nic_bandwidth=None if pairwise else 70.0,
                                 flat_empty_messages=empty_messages)
-    assert predict_flat(S, 64, topo, model) == pytest.approx(
-        reference_predict_flat(S, 64, topo, model))
-    assert predict_halo(S, 64, topo, model) == pytest.approx(
-        reference_predict_halo(S, 64, topo, model))
-    if not pairwise:  # the one-pass loop `auto` runs for small groups
-        flat, halo, busiest = _predict_both_loops(S, 64, _layout(topo), model)
-        assert flat == pytest.approx(reference_predict_flat(S, 64, topo, model))
-        assert halo == pytest.approx(reference_predict_halo(S, 64, topo, model))
-        assert busiest == pytest.approx(busiest_nic_bytes(S, 64, topo))
+    ref = predict(S, 64, topo, model, method="loops")
+    assert ref == (reference_predict_flat(S, 64, topo, model),
+                   reference_predict_halo(S, 64, topo, model), ref.busiest)
+    usable = [m for m in METHODS if m != "loops"
+              and not (pairwise and m in ("one-pass", "blocked"))
+              and not (m == "blocked" and layout(topo).blocked is None)]
+    assert "vectorised" in usable and ("one-pass" in usable) == (not pairwise)
+    for method in usable:
+        for M in (S, np.asarray(S, dtype=np.int64)):
+            got = predict(M, 64, topo, model, method=method)
+            assert tuple(got) == pytest.approx(tuple(ref), rel=1e-12), method
+    assert predict_flat(S, 64, topo, model) == pytest.approx(ref.flat, rel=1e-12)
+    assert predict_halo(S, 64, topo, model) == pytest.approx(ref.halo, rel=1e-12)
+    assert busiest_nic_bytes(S, 64, topo) == ref.busiest
+
+
+def test_predict_refuses_what_an_implementation_cannot_model() -> None:
+    topo = Topology.uniform(2, 2)
+    S = [[1] * 4 for _ in range(4)]
+    with pytest.raises(ValueError, match="method must be one of auto, loops, one-pass, "
+                                         "vectorised, blocked, got 'fast'"):
+        predict(S, 64, topo, MODEL, method="fast")
+    pairwise = dataclasses.replace(MODEL, flat_pairwise=True)
+    for method in ("one-pass", "blocked"):
+        with pytest.raises(ValueError, match=f"method='{method}' models the concurrent flat"):
+            predict(S, 64, topo, pairwise, method=method)
+    odd = Topology.uniform(2, 2).restrict([0, 1, 2])  # nodes of 2 and 1 ranks
+    with pytest.raises(ValueError, match="method='blocked' needs a node-major topology"):
+        predict([[1] * 3 for _ in range(3)], 64, odd, MODEL, method="blocked")
 
 
 @settings(max_examples=80, deadline=None)
@@ -244,7 +270,7 @@ def test_row_summaries_bracket_the_model(nodes: int, gpus: int, nic_shift: int,
         assert len(summary) == width
         packed += S[s] + summary
     flat, low, high, busiest = summary_bracket(packed, R, width + R, 64, topo, model)
-    exact_flat, exact_halo, exact_busiest = _predict_both_loops(S, 64, _layout(topo), model)
+    exact_flat, exact_halo, exact_busiest = predict(S, 64, topo, model, method="one-pass")
     assert flat == exact_flat and busiest == exact_busiest == busiest_nic_bytes(S, 64, topo)
     assert low <= exact_halo <= high
     decided = decide_from_summaries(packed, R, width + R, 64, topo, model)

@@ -18,19 +18,15 @@ from comm import CostModel, Topology, all_to_all, plan_all_to_all, run_local
 from comm.alltoall import settle_plan
 from comm.cost import (
     PLATFORM_DIR,
-    _blocked_terms,
-    _bytes,
-    _flat,
-    _halo,
-    _layout,
-    _predict_blocked,
-    _predict_both_loops,
     busiest_nic_bytes,
     choose_algorithm,
+    layout,
+    predict,
     reference_predict_flat,
     reference_predict_halo,
     row_summary,
 )
+from comm.cost.blocked import blocked_terms
 from comm.halo_plan import SplitPlans, halo_plan, transpose
 
 MODEL = CostModel(nic_bandwidth=100.0, local_bandwidth=1000.0, alpha_net=0.1,
@@ -43,7 +39,7 @@ MODEL = CostModel(nic_bandwidth=100.0, local_bandwidth=1000.0, alpha_net=0.1,
 def test_blocked_predictions_equal_the_loops(nodes: int, gpus: int, nic_shift: int,
                                              zero_p: float, empty: bool, dtype: type,
                                              seed: int) -> None:
-    """`_predict_blocked` (what auto runs beyond 32 ranks) equals the plain-loop model, on
+    """`predict(method="blocked")` (what auto runs beyond 32 ranks) equals the plain-loop model, on
     the matrix and on its transposed view (the mirrored exchange), int32 and int64."""
     nics = max(1, gpus >> nic_shift)
     while gpus % nics:
@@ -56,11 +52,11 @@ def test_blocked_predictions_equal_the_loops(nodes: int, gpus: int, nic_shift: i
     model = dataclasses.replace(MODEL, flat_empty_messages=empty)
     for M in (S, S.T):
         rows = M.tolist()
-        flat, halo, busiest = _predict_blocked(M, 64, _layout(topo), model)
+        flat, halo, busiest = predict(M, 64, topo, model, method="blocked")
         assert flat == pytest.approx(reference_predict_flat(rows, 64, topo, model))
         assert halo == pytest.approx(reference_predict_halo(rows, 64, topo, model))
         assert busiest == busiest_nic_bytes(rows, 64, topo)
-        loops = _predict_both_loops(rows, 64, _layout(topo), model)
+        loops = predict(rows, 64, topo, model, method="one-pass")
         assert (flat, halo) == pytest.approx(loops[:2])
 
 
@@ -81,9 +77,9 @@ def test_decision_with_the_relay_bracket_is_the_exact_one(nodes: int, nics: int,
     S[rng.random((R, R)) < zero_p] = 0
     base = dataclasses.replace(MODEL, alpha_local=0.5, halo_overhead_s=0.0, corrections=(
         (1e3, 1.1, 0.9), (1e6, 0.8, 1.2)) if corrected else ())
-    L = _layout(topo)
+    L = layout(topo)
     for M in (S, S.T):
-        t = _blocked_terms(M, 64, L, base)
+        t = blocked_terms(M, 64, L, base)
         low, high = t.halo_bounds(8)
         exact = t.halo(t.relay_peers())
         assert low <= exact <= high
@@ -91,7 +87,7 @@ def test_decision_with_the_relay_bracket_is_the_exact_one(nodes: int, nics: int,
         # overhead placing flat at `where` in the bracket (0: low, 1: high; outside beyond)
         target = t.flat * c_flat / c_halo - (low + where * (high - low))
         model = dataclasses.replace(base, halo_overhead_s=max(0.0, target))
-        _, halo, _ = _predict_blocked(M, 64, L, model)
+        _, halo, _ = predict(M, 64, topo, model, method="blocked")
         flat = t.flat
         want = "halo" if halo * c_halo < flat * c_flat else "flat"
         assert choose_algorithm(M, 64, topo, model) == want
@@ -110,8 +106,8 @@ def test_model_reads_the_matrix_where_the_exchange_left_it() -> None:
         view = values[:, 3:51]
         assert not view.flags.c_contiguous
         for M, want in ((view, S), (view.T, S.T)):
-            got = _predict_blocked(M, 64, _layout(topo), MODEL)
-            assert got == _predict_blocked(np.ascontiguousarray(want), 64, _layout(topo), MODEL)
+            got = predict(M, 64, topo, MODEL, method="blocked")
+            assert got == predict(np.ascontiguousarray(want), 64, topo, MODEL, method="blocked")
             assert choose_algorithm(M, 64, topo, MODEL) == choose_algorithm(want.tolist(), 64,
                                                                              topo, MODEL)
 
@@ -127,9 +123,8 @@ def test_choose_algorithm_reads_arrays_and_lists_alike() -> None:
     for scale in (1, 30, 3000):
         S = rng.integers(0, 4, (48, 48)) * scale
         for M in (S, S.T):
-            B = _bytes(M.tolist(), 64)
-            want = "halo" if _halo(B, _layout(topo), model) < _flat(B, _layout(topo), model) \
-                else "flat"
+            p = predict(M.tolist(), 64, topo, model, method="vectorised")
+            want = "halo" if p.halo < p.flat else "flat"
             assert choose_algorithm(M, 64, topo, model) == want
             decided.add(want)
     assert decided == {"flat", "halo"}  # the cases exercise both answers

@@ -26,8 +26,8 @@ from torch import nn
 
 import comm
 import pipeline
-from pipeline.analysis import comm_plan, derive_transfers
 from comm import run_local
+from pipeline.analysis import comm_plan, derive_transfers
 
 SCHEDULES = [("gpipe", {}), ("1f1b", {}), ("interleaved-1f1b", {"n_virtual": 2}), ("zb-h1", {})]
 M, MB, D, VOCAB, CLASSES = 8, 4, 8, 11, 5

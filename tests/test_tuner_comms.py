@@ -59,7 +59,7 @@ def test_planner_and_auto_are_one_model(name, nodes):
     import numpy as np
 
     from comm import CostModel, Topology
-    from comm.cost import _layout, _predict_blocked, predict_flat, predict_halo
+    from comm.cost import predict, predict_flat, predict_halo
     from tuner.comms import rates
 
     pf = load_platform(name)
@@ -75,5 +75,5 @@ def test_planner_and_auto_are_one_model(name, nodes):
     assert predict_flat(S, row_bytes, topo, auto) == pytest.approx(flat, rel=1e-12)
     assert predict_halo(S, row_bytes, topo, auto) == pytest.approx(halo, rel=1e-12)
     if nodes > 1:  # the blocked passes `auto` runs beyond 32 ranks read the same loads
-        got = _predict_blocked(np.asarray(S), row_bytes, _layout(topo), auto)
+        got = predict(np.asarray(S), row_bytes, topo, auto, method="blocked")
         assert got[:2] == pytest.approx((flat, halo), rel=1e-12)
