@@ -89,7 +89,7 @@ def dispatch_arms(S: list[list[int]], group, topo, model) -> dict:
     import torch.distributed as dist
 
     from comm import all_to_all, plan_all_to_all
-    from comm.flat import exchange_ints
+    from comm.collectives.flat import exchange_ints
 
     rank, R = dist.get_rank(group), len(S)
     counts = [[S[rank][d] // SLOTS + (j < S[rank][d] % SLOTS) for j in range(SLOTS)]
@@ -115,7 +115,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from comm import CostModel, Topology, calibrate, choose_algorithm
-    from comm.calibrate import time_samples
+    from comm.tools.calibrate import time_samples
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -136,7 +136,7 @@ def worker(args: argparse.Namespace) -> int:
             arms = {a: a for a in ALGORITHMS} | ({CONTROL: "flat"} if args.control else {})
             if args.dispatch:
                 arms = dispatch_arms(S, group, topo, model)
-            # Arms in every order (`comm.calibrate.arm_orders`), a whole number of rounds so
+            # Arms in every order (`comm.tools.calibrate.arm_orders`), a whole number of rounds so
             # every order occurs equally often; cheap points repeat until each arm has run
             # --min-time-s (at most --max-repeats).
             spread: dict[str, list[float]] = {}
@@ -301,7 +301,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=2400,
                    help="seconds one setup's emulated job may run before it is stopped")
     p.add_argument("--mtu", type=int, default=1500, help="emulated link MTU (bytes)")
-    # comm.calibrate.START_MODES, spelt out: the driver does not import torch.
+    # comm.tools.calibrate.START_MODES, spelt out: the driver does not import torch.
     p.add_argument("--start-at", dest="start", choices=("clock", "barrier"), default="clock",
                    help="when a repeat starts: 'clock' releases all ranks at one time on the "
                    "host's clock (the emulated nodes share it); 'barrier' times each rank "

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import ROOT, add_output_args, git_sha, output_dir  # noqa: E402
 
 import comm  # noqa: E402
-from comm.alltoall import settle_plan  # noqa: E402
+from comm.collectives.alltoall import settle_plan  # noqa: E402
 from comm.cost import row_summary  # noqa: E402
 
 G = 8  # ranks per node
@@ -208,7 +208,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--baseline", default="a865662",
-                   help="git revision of the old comm/ (default: before the vectorised path)")
+                   help="git revision of the old comm/ (default: before the vectorised path; a "
+                        "revision from before comm's sub-packages: it reads comm/*.py)")
     p.add_argument("--no-baseline", action="store_true", help="time this checkout only")
     add_output_args(p, "comm_host")
     return p

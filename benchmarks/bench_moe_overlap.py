@@ -21,7 +21,7 @@ Rows: `moe_overlap.jsonl` under runs/bench/moe_overlap/ (or --out, or --record).
 rank sends tokens x top-k rows of d_model bf16 values spread evenly over the EP group
 (uniform routing), on Frontier and DGX H100 at 256, 512 and 1024 GPUs (packed placement,
 switch-level lumping). flat and HALO as comm.netsim simulates them; dedup as HALO with its
-inter-node phase scaled by the expected dedup byte ratio (`comm.dedup.dedup_byte_ratio`: the
+inter-node phase scaled by the expected dedup byte ratio (`comm.collectives.dedup.dedup_byte_ratio`: the
 relay hop is HALO's phase II, the fan-out its phase III), once for routing uniform over all
 experts and once with every token's experts on at most --node-limit nodes (DeepSeek-V3's
 node-limited routing, M = 4; the ratio is then (M - M/N) / (k (N - 1) / N) of the copies).
@@ -93,7 +93,7 @@ def netsim_rows(args: argparse.Namespace) -> list[dict]:
     """The DeepSeek-V3 dispatch projection (module docstring)."""
     import dataclasses
 
-    from comm.dedup import dedup_byte_ratio
+    from comm.collectives.dedup import dedup_byte_ratio
     from comm.netsim.engine import simulate
     from comm.netsim.lumped import lumped_all_to_all
     from comm.netsim.topologies import from_platform

@@ -141,13 +141,13 @@ def flat_p2p(x, in_splits: list[int], group, rank: int, R: int):  # noqa: ANN001
 
     Same traffic as `all_to_all_single` (one message per non-empty peer, in-node peers
     included, own rows copied locally) and, like comm's flat path, the split sizes are
-    exchanged first; then one `batch_isend_irecv` list, receives first (as `comm.halo`
+    exchanged first; then one `batch_isend_irecv` list, receives first (as `comm.collectives.halo`
     posts its phases on gloo), and a wait on every op.
     """
     import torch
     import torch.distributed as dist
 
-    from comm.flat import exchange_splits
+    from comm.collectives.flat import exchange_splits
 
     out_splits = exchange_splits(in_splits, group, torch.device("cpu"))
     y = x.new_empty((sum(out_splits), *x.shape[1:]))

@@ -22,7 +22,6 @@ from comm import (
     predict_halo,
     run_local,
 )
-from comm.calibrate import time_samples
 from comm.cost import (
     METHODS,
     busiest_nic_bytes,
@@ -35,6 +34,7 @@ from comm.cost import (
     summary_bracket,
     summary_width,
 )
+from comm.tools.calibrate import time_samples
 
 # 1 row = 100 bytes; NICs move 1 row/s, local links 10 rows/s: numbers stay hand-checkable.
 MODEL = CostModel(nic_bandwidth=100.0, local_bandwidth=1000.0, alpha_net=0.1,

@@ -1,4 +1,4 @@
-"""comm.dedup's index algebra against loops written from its definitions (one process).
+"""comm.collectives.dedup's index algebra against loops written from its definitions (one process).
 
 The exchanges themselves are checked end to end in tests/test_ep_pipeline.py (multi-process,
 against one process); here: which rows a source sends to which relay, how a relay fans them
@@ -15,8 +15,14 @@ import pytest
 import torch
 
 from comm import Topology
-from comm.dedup import block_order, dedup_byte_ratio, distinct_remote_pairs, fanout, source_items
-from comm.halo_plan import relay_table
+from comm.collectives.dedup import (
+    block_order,
+    dedup_byte_ratio,
+    distinct_remote_pairs,
+    fanout,
+    source_items,
+)
+from comm.topology.relay import relay_table
 
 
 def _routing(T: int, K: int, n_slots: int, seed: int) -> torch.Tensor:

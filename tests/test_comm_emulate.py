@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import netns_works
 
-from comm.emulate import EmulatedCluster, EmulatorError, leftovers, node_address
+from comm.tools.emulate import EmulatedCluster, EmulatorError, leftovers, node_address
 
 needs_netns = pytest.mark.skipif(not netns_works(), reason="needs root and ip netns")
 
@@ -90,7 +90,7 @@ def test_mtu_reaches_every_emulated_link() -> None:
 
 
 def test_cli_rejects_bad_arguments() -> None:
-    from comm.emulate import main
+    from comm.tools.emulate import main
 
     assert main(["--nodes", "0", "--gpus-per-node", "1", "--nic-mbit", "1", "--", "true"]) == 2
     assert main(["--nodes", "2", "--gpus-per-node", "1", "--nic-mbit", "1", "--groups", "2",
@@ -123,9 +123,9 @@ def test_sigterm_tears_everything_down() -> None:
 
 
 def test_peer_queues_cover_every_node_and_never_limit_or_drop() -> None:
-    from comm.emulate import _peer_queues, _tbf
+    from comm.tools.emulate import peer_queues, tbf_args
 
-    batch = _peer_queues("eth0", 100.0, 1500, 3, "dst").splitlines()
+    batch = peer_queues("eth0", 100.0, 1500, 3, "dst").splitlines()
     assert batch[0] == "qdisc add dev eth0 parent 2:1 handle 3: htb default 4"
     filters = [line for line in batch if line.startswith("filter")]
     assert [f.split(" match ip ")[1].split()[:2] for f in filters] == [
@@ -135,7 +135,7 @@ def test_peer_queues_cover_every_node_and_never_limit_or_drop() -> None:
     assert len(classes) == 4 and all("rate 1000.0mbit ceil 1000.0mbit" in c for c in classes)
     queues = [line for line in batch if line.startswith("qdisc add dev eth0 parent 3:")]
     assert len(queues) == 4 and all(q.endswith("pfifo limit 12500") for q in queues)
-    tbf = _tbf(100.0)
+    tbf = tbf_args(100.0)
     assert tbf[:3] == ["tbf", "rate", "100.0mbit"]
     assert int(tbf[tbf.index("burst") + 1]) >= 65536 + 1514  # a whole GSO packet passes
 

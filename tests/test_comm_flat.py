@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from comm import all_to_all, run_local
-from comm.flat import reference_all_to_all
+from comm.collectives.flat import reference_all_to_all
 
 pytestmark = pytest.mark.multiproc
 

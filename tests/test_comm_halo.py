@@ -12,9 +12,9 @@ import torch.distributed as dist
 from conftest import value_errors
 
 from comm import CostModel, Topology, all_to_all, choose_algorithm, plan_all_to_all, run_local
+from comm.collectives.flat import reference_all_to_all
+from comm.collectives.halo import halo_gather_ints
 from comm.cost import decide_from_summaries, row_summary, summary_width
-from comm.flat import reference_all_to_all
-from comm.halo import halo_gather_ints
 
 pytestmark = pytest.mark.multiproc
 
@@ -166,9 +166,9 @@ def test_halo_equals_vendor_forward_and_backward(nodes: int, gpus: int) -> None:
 
 def _two_batch_worker(rank: int, world: int, group: dist.ProcessGroup, nodes: int,
                       gpus: int) -> int:
-    import comm.halo
+    import comm.collectives.halo
 
-    comm.halo._PIPELINE_ON_GLOO = False  # phase III as a second batch, the NCCL order
+    comm.collectives.halo._PIPELINE_ON_GLOO = False  # phase III as a second batch, the NCCL order
     topo = Topology.uniform(nodes, gpus)
     for i, (_name, S) in enumerate(split_cases(world, gpus).items()):
         _check(rank, group, S, topo, "halo", seed=100 + i)

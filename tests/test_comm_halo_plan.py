@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from comm.halo_plan import Message, RankPlan, halo_plan, relay_rank, transpose
+from comm.collectives.halo_plan import Message, RankPlan, halo_plan, transpose
 from comm.topology import Topology
+from comm.topology.relay import relay_rank
 
 
 def flat_reference(S: list[list[int]]) -> list[list[tuple[int, int]]]:

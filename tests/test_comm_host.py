@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from comm import CostModel, Topology, all_to_all, plan_all_to_all, run_local
-from comm.alltoall import settle_plan
+from comm.collectives.alltoall import settle_plan
+from comm.collectives.halo_plan import SplitPlans, halo_plan, transpose
 from comm.cost import (
     PLATFORM_DIR,
     busiest_nic_bytes,
@@ -27,7 +28,6 @@ from comm.cost import (
     row_summary,
 )
 from comm.cost.blocked import blocked_terms
-from comm.halo_plan import SplitPlans, halo_plan, transpose
 
 MODEL = CostModel(nic_bandwidth=100.0, local_bandwidth=1000.0, alpha_net=0.1,
                   alpha_local=0.01, halo_overhead_s=0.3, flat_nic_bandwidth=70.0)

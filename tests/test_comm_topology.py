@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from comm import Topology, decode_slingshot_mac, dump_topology, topology_from_records
-from comm.discover import local_record
+from comm.topology.discover import local_record
 
 
 def test_uniform_places_rank_r_on_node_r_div_g() -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from comm import Topology, run_local
-from comm.dedup import distinct_remote_pairs
+from comm.collectives.dedup import distinct_remote_pairs
 from model import MoELayer, presets
 
 pytestmark = pytest.mark.multiproc

@@ -39,7 +39,7 @@ def _multiset(tr) -> list[tuple[int, int, float, int]]:
     zeros=st.floats(0.0, 0.7),
 )
 def test_halo_traffic_matches_halo_plan(nodes, gpn_nics, seed, zeros):
-    """The vectorised generator moves exactly the messages of comm.halo_plan."""
+    """The vectorised generator moves exactly the messages of comm.collectives.halo_plan."""
     gpn, nics = gpn_nics
     topo = Topology.uniform(nodes, gpn, nics_per_node=nics)
     R = topo.world_size

@@ -1,4 +1,4 @@
-"""The one platform-file loader (`comm.platform.load_platform_file`) behind its three readers:
+"""The one platform-file loader (`comm.topology.platform.load_platform_file`) behind its three readers:
 the planner's `tuner.load_platform`, the cost model's `comm.CostModel.from_platform` and the
 simulator's `comm.netsim.from_platform`. A name and a path to the same file read the same, and
 an unknown name or a syntax error is refused with the same message by each."""
@@ -12,7 +12,7 @@ import pytest
 
 from comm import CostModel
 from comm.netsim import from_platform as network_from_platform
-from comm.platform import PLATFORM_DIR, load_platform_file, platform_names
+from comm.topology.platform import PLATFORM_DIR, load_platform_file, platform_names
 from tuner import load_platform
 
 READERS = {

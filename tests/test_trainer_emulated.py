@@ -15,7 +15,7 @@ import sys
 import pytest
 from conftest import ROOT, netns_works
 
-from comm.emulate import leftovers
+from comm.tools.emulate import leftovers
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiproc]
 

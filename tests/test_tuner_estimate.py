@@ -127,7 +127,7 @@ def test_alltoall_volume_and_time_by_hand():
     nb = 1e6
     flat = max(3 * nb / 8 / 100e9, 4 * nb / 8 / 5e9) + 3 * 1e-6 + 4 * 1e-5
     assert alltoall_time(nb, g, "flat", PF) == pytest.approx(flat)
-    # HALO (comm.a2a_model): I = 3 on-node shares and messages; II = the NIC's bytes (2 ranks
+    # HALO (comm.cost.a2a_model): I = 3 on-node shares and messages; II = the NIC's bytes (2 ranks
     # per NIC x 4 remote shares) + 1 packed message; III = the relay forwards 3 shares to 3
     # ranks; max(I, II + III) + one network latency of fixed overhead.
     t1 = 3 * nb / 8 / 100e9 + 3 * 1e-6

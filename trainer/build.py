@@ -75,13 +75,13 @@ def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo) -> tuple[str, str, 
     """(alltoall, a2a_overlap, a2a_chunks) the EP dispatcher runs, `auto` decided and logged.
 
     alltoall=auto: dedup where the EP group spans nodes, top-k > 1 and the expected inter-node
-    bytes of dedup (`comm.dedup.dedup_byte_ratio`, uniform routing, or bound to topk_group
+    bytes of dedup (`comm.collectives.dedup.dedup_byte_ratio`, uniform routing, or bound to topk_group
     nodes with --comm.route_groups=node) are at most DEDUP_AUTO_MAX_RATIO of flat's; else
     comm's per-call flat / HALO choice. a2a_overlap=auto: layer where the EP group spans nodes
     (the exchange crosses the network), none inside one node. a2a_chunks=auto: 2, the fewest
     that put one chunk's exchange beside another's GEMMs (a fixed choice, not priced; the
     planner's `tuner.costs.a2a_exposed` prices 1, 2, 4, 8)."""
-    from comm.dedup import dedup_byte_ratio
+    from comm.collectives.dedup import dedup_byte_ratio
 
     from .setup import a2a_chunks
 

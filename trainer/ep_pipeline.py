@@ -5,18 +5,18 @@
 combine -> unpermute (+ shared experts) of `model.moe.MoELayer.forward` when the EP
 dispatcher asks for it (`EPDispatcher.pipelined`). The tokens split into c contiguous chunks;
 every chunk is a generator that runs one stage per `next()` and ends each stage by starting an
-exchange (`comm.overlap.exchange_start`), whose rows the next stage waits for:
+exchange (`comm.collectives.overlap.exchange_start`), whose rows the next stage waits for:
 
     flat / halo   S0 permute, start dispatch | S1 wait, expert GEMMs, start combine |
                   S2 wait, unpermute
     dedup         S0 items, start X1 | S1 wait, fan-out, start X2 | S2 wait, expert GEMMs,
                   start X2^T | S3 wait, weighted sum per item, start X1^T | S4 wait, add
-                  (comm.dedup)
+                  (comm.collectives.dedup)
 
 Tick tau runs stage 0 of chunk tau, then stage 1 of chunk tau - 1, and so on (newest chunk
 first), so while chunk i's expert GEMMs run, chunk i+1's dispatch and chunk i-1's combine are
 in flight. The shared experts run right after chunk 0's first dispatch started. Autograd runs
-the backward in the mirrored order (comm/overlap.py): every gradient exchange is in flight
+the backward in the mirrored order (comm/collectives/overlap.py): every gradient exchange is in flight
 while the backward of what the forward ran beside it runs. With overlap "none" (dedup alone)
 each chunk runs to its end before the next starts and the shared experts run last.
 
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 import comm
-from comm.alltoall import AllToAllPlan
-from comm.dedup import block_order, fanout, plan_dedup, source_items
-from comm.overlap import ExchangeHandle, exchange_start, exchange_wait
+from comm.collectives.alltoall import AllToAllPlan
+from comm.collectives.dedup import block_order, fanout, plan_dedup, source_items
+from comm.collectives.overlap import ExchangeHandle, exchange_start, exchange_wait
 from kernels import permute, unpermute
 
 __all__ = ["moe_forward", "run_chunks", "slot_major_order"]

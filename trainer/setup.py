@@ -138,7 +138,7 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
 
         if not Path(cfg.comm.topology).is_file():
             raise ConfigError(f"comm.topology={cfg.comm.topology!r} does not exist; pass a TOML "
-                              f"topology file (see comm/topology_file.py) or omit it to discover")
+                              f"topology file (see comm/topology/file.py) or omit it to discover")
         topo = Topology.from_file(cfg.comm.topology)  # raises ValueError naming the bad node
         if topo.world_size != world_size:
             raise ConfigError(f"comm.topology={cfg.comm.topology!r} describes {topo.world_size} "

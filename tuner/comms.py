@@ -1,10 +1,10 @@
 """Communication costs for the planner: all-to-all (flat, HALO, dedup, auto), pipeline P2P,
 ring all-reduce.
 
-All-to-all times come from the one all-to-all model, `comm.a2a_model` (the one `auto` decides
+All-to-all times come from the one all-to-all model, `comm.cost.a2a_model` (the one `auto` decides
 with at run time): this module only supplies its inputs, the link rates of a platform file
 (`rates`) and the loads of a uniform exchange of a group placed on nodes
-(`comm.a2a_model.uniform_load`). `netsim_alltoall_time` runs the same exchange through
+(`comm.cost.a2a_model.uniform_load`). `netsim_alltoall_time` runs the same exchange through
 `comm.netsim`, the flow-level simulator that validates the model (tests/test_tuner_comms.py:
 within 3 % inside one locality domain) and that `tuner.estimate` uses instead when the
 assumptions say `alltoall_model = "netsim"`. See docs/architecture.md, "All-to-all cost:
@@ -32,7 +32,7 @@ of phase II scaled by the share of (token, remote node) pairs that are distinct:
 
 for uniform routing over n nodes (tests/test_tuner_comms.py checks both forms against a
 Monte Carlo count). "auto" is the cheapest of the algorithms the trainer's `--comm.alltoall
-auto` chooses among (`comm.alltoall.ALGORITHMS` but auto itself: flat and HALO today; dedup
+auto` chooses among (`comm.collectives.alltoall.ALGORITHMS` but auto itself: flat and HALO today; dedup
 joins when comm runs it).
 
 The model assumes the group's traffic meets no congestion beyond its own NIC share (every
@@ -48,7 +48,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from comm.a2a_model import Rates, uniform_load, uniform_time
+from comm.cost.a2a_model import Rates, uniform_load, uniform_time
 from tuner.platform import Platform
 
 __all__ = ["GroupPlacement", "placement", "alltoall_time", "netsim_alltoall_time", "p2p_time",
@@ -132,7 +132,7 @@ def dedup_factor(n: int, k: int, n_experts: int = 0) -> float:
 
 def auto_choices() -> tuple[str, ...]:
     """The algorithms `--comm.alltoall auto` picks among at run time (comm.alltoall)."""
-    from comm.alltoall import ALGORITHMS
+    from comm.collectives.alltoall import ALGORITHMS
 
     return tuple(a for a in ALGORITHMS if a != "auto")
 
@@ -140,7 +140,7 @@ def auto_choices() -> tuple[str, ...]:
 def alltoall_time(nbytes: float, group: GroupPlacement, algorithm: str, platform: Platform,
                   vendor_efficiency: float = 1.0, top_k: int = 1, n_experts: int = 0) -> float:
     """Seconds for one all-to-all where each rank's send buffer holds `nbytes` spread evenly
-    over the `group.size` ranks (the own share stays local): `comm.a2a_model` on the loads
+    over the `group.size` ranks (the own share stays local): `comm.cost.a2a_model` on the loads
     of that exchange, every device of a node exchanging alike. "dedup" needs the routing
     (`top_k` routed copies of each token among `n_experts`) to know how many copies share a
     node; "auto" is the cheapest of `auto_choices()`."""

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from comm.platform import PLATFORM_DIR, load_platform_file, platform_names
+from comm.topology.platform import PLATFORM_DIR, load_platform_file, platform_names
 
 __all__ = ["Grid", "Platform", "PLATFORM_DIR", "load_platform", "platform_names"]
 
@@ -511,7 +511,7 @@ def _grid_from(section: str, axis_names: tuple[str, ...], body: Any, source: str
 
 
 def load_platform(name_or_path: str | Path, directory: Path = PLATFORM_DIR) -> Platform:
-    """Load a platform by name (`frontier`) or by path to a TOML file (`comm.platform`
+    """Load a platform by name (`frontier`) or by path to a TOML file (`comm.topology.platform`
     finds and parses it)."""
     pf = load_platform_file(name_or_path, directory)
     return Platform.from_dict(pf.data, source=pf.source)

@@ -34,7 +34,7 @@ from comm.cost.reference import (
     reference_predict_halo,
 )
 from comm.cost.summary import decide_from_summaries, row_summary, summary_bracket, summary_width
-from comm.platform import PLATFORM_DIR
+from comm.topology.platform import PLATFORM_DIR
 
 __all__ = [
     "METHODS",

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from comm.a2a_model import flat_time, halo_time, phase_time
+from comm.cost.a2a_model import flat_time, halo_time, phase_time
 from comm.cost.layout import Layout
 from comm.cost.model import CostModel
 from comm.cost.reference import Prediction

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from comm.halo_plan import relay_table
 from comm.topology import Topology
+from comm.topology.relay import relay_table
 
 __all__ = ["Blocked", "Layout", "bytes_matrix", "layout", "nic_load"]
 

@@ -1,6 +1,6 @@
 """`CostModel`: the all-to-all model's parameters as `algorithm="auto"` uses them.
 
-comm.a2a_model.Rates (the link rates) plus what only `auto` needs: gloo's pairwise flat
+comm.cost.a2a_model.Rates (the link rates) plus what only `auto` needs: gloo's pairwise flat
 collective, measured corrections, where the numbers came from. Its constructors read them off
 a platform file (`from_platform`), the emulator (`emulator`) or a backend's flags
 (`for_backend`); `comm.calibrate` measures them.
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comm.a2a_model import Rates
-from comm.platform import load_platform_file
+from comm.cost.a2a_model import Rates
+from comm.topology.platform import load_platform_file
 
 __all__ = ["CostModel"]
 
@@ -29,7 +29,7 @@ class CostModel(Rates):
     emulator, never a machine's numbers, and `all_to_all(..., algorithm="auto")` refuses to
     run across nodes without a model rather than fall back to them.
 
-    The link rates and per-message costs are `comm.a2a_model.Rates`'s fields (rank2nic
+    The link rates and per-message costs are `comm.cost.a2a_model.Rates`'s fields (rank2nic
     tells which NIC a rank uses); besides them:
     flat_pairwise: the flat collective runs R-1 dependent pairwise steps whose two
         directions serialise (a pessimistic default for gloo); False: all peers at once.

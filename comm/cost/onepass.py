@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from comm.a2a_model import flat_time, halo_time, phase_time
+from comm.cost.a2a_model import flat_time, halo_time, phase_time
 from comm.cost.layout import Layout
 from comm.cost.model import CostModel
 from comm.cost.reference import Prediction

@@ -2,7 +2,7 @@
 
 Inputs: the split matrix S [R, R] (rows), bytes per row, the Topology and a `CostModel`.
 The model reads the loads off S (bytes through the busiest NIC, message counts, what each
-relay forwards) and turns them into seconds with comm.a2a_model's `flat_time`, `phase_time`
+relay forwards) and turns them into seconds with comm.cost.a2a_model's `flat_time`, `phase_time`
 and `halo_time`. The implementations behind `predict` compute the same numbers:
 
     "loops"       the definition, plain loops per entry (comm/cost/reference.py)

@@ -3,7 +3,7 @@
 `reference_predict(S, row_bytes, topo, model)` is what `comm.cost.predict` returns for
 `method="loops"`: the flat and HALO times and the bytes through the busiest NIC, read off S
 one entry at a time. Every faster implementation (comm/cost/onepass.py, vectorised.py,
-blocked.py) is tested against it; the times themselves are comm.a2a_model's `flat_time`,
+blocked.py) is tested against it; the times themselves are comm.cost.a2a_model's `flat_time`,
 `phase_time` and `halo_time` everywhere.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from comm.a2a_model import flat_time, halo_time, phase_time
+from comm.cost.a2a_model import flat_time, halo_time, phase_time
 from comm.cost.model import CostModel
-from comm.halo_plan import relay_table
 from comm.topology import Topology
+from comm.topology.relay import relay_table
 
 __all__ = ["Prediction", "decide", "reference_busiest_nic_bytes", "reference_predict",
            "reference_predict_flat", "reference_predict_halo"]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from comm.a2a_model import flat_time, halo_time, phase_time
+from comm.cost.a2a_model import flat_time, halo_time, phase_time
 from comm.cost.layout import layout
 from comm.cost.model import CostModel
 from comm.cost.onepass import pack_row, scan_row

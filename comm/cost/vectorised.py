@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from comm.a2a_model import flat_time, halo_time, phase_time
+from comm.cost.a2a_model import flat_time, halo_time, phase_time
 from comm.cost.layout import Layout, bytes_matrix, layout, nic_load
 from comm.cost.model import CostModel
 from comm.cost.reference import Prediction

@@ -14,7 +14,7 @@ against k times the capacity, so it saturates exactly when each copy would. The
 simulator's classes, rank-level dependencies and per-rank message counts (`rank_mult`)
 carry over. Tests compare lumped against full simulations.
 
-HALO's relay choice again comes from `comm.halo_plan.relay_rank` (via
+HALO's relay choice again comes from `comm.topology.relay.relay_rank` (via
 `traffic._relay_local`): the relay of a source at local index l is local relay_local[l].
 """
 

@@ -26,7 +26,7 @@ import numpy as np
 from comm.netsim.network import FabricPart, FabricPaths, Network, NetworkBuilder
 from comm.netsim.network import Path as RoutePath
 from comm.netsim.nodes import GB, assemble, frontier_template, star_template
-from comm.platform import load_platform_file
+from comm.topology.platform import load_platform_file
 
 __all__ = ["dgx_fat_tree", "emulator", "from_platform", "frontier", "frontier_node", "generic"]
 

@@ -3,8 +3,8 @@
 Shape legend: R ranks, n job nodes, g ranks per node, S [R, R] bytes rank s sends rank d.
 
 HALO's routing is not re-implemented here: the relay of every (source rank, remote node)
-comes from `comm.halo_plan.relay_rank`, and for small groups the traffic is read straight
-off `comm.halo_plan.halo_plan` (`halo_traffic_from_plan`). `halo_all_to_all` computes the
+comes from `comm.topology.relay.relay_rank`, and for small groups the traffic is read straight
+off `comm.collectives.halo_plan.halo_plan` (`halo_traffic_from_plan`). `halo_all_to_all` computes the
 same bytes with numpy for thousands of ranks: when every node has the same local -> NIC
 layout, relay(s, m) is node m's rank at the local index that `relay_rank` picks on a
 two-node restriction of the topology, so `relay_rank` is called once per local index.
@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from comm.halo_plan import halo_plan, relay_rank
+from comm.collectives.halo_plan import halo_plan
 from comm.netsim.engine import Traffic
 from comm.netsim.network import Network
 from comm.topology import Topology
+from comm.topology.relay import relay_rank
 
 __all__ = ["HALO_PHASES", "flat_all_to_all", "halo_all_to_all", "halo_traffic_from_plan",
            "place", "uniform_splits"]

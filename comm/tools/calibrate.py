@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from comm.alltoall import all_to_all
+from comm.collectives.alltoall import all_to_all
 from comm.cost import CostModel, busiest_nic_bytes, predict_flat, predict_halo
 from comm.topology import Topology
 

@@ -5,7 +5,7 @@ the network k times. Here, with R ranks on N nodes (`Topology`, group ranks) and
 rank (slot q lives on rank q // E_l as its local slot q % E_l):
 
     X1 (inter-node hop)  source s sends each distinct (token t, node m) pair once, to
-                         relay(s, m) (HALO's rail-aligned relay, `comm.halo_plan.relay_table`;
+                         relay(s, m) (HALO's rail-aligned relay, `comm.topology.relay.relay_table`;
                          s itself for its own node), grouped by relay rank, in token order.
                          The row carries x_t and the token's k routing weights, zero for the
                          choices off node m ([D + k] wide); an int32 row of the k slots (-1 off
@@ -37,10 +37,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from comm.alltoall import AllToAllPlan
-from comm.flat import _split_device, exchange_ints
-from comm.halo_plan import relay_table
+from comm.collectives.alltoall import AllToAllPlan
+from comm.collectives.flat import _split_device, exchange_ints
 from comm.topology import Topology
+from comm.topology.relay import relay_table
 
 __all__ = ["DedupChunk", "block_order", "dedup_byte_ratio", "distinct_remote_pairs", "fanout",
            "plan_dedup", "source_items"]

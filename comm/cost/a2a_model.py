@@ -118,7 +118,7 @@ def uniform_load(nbytes: float, size: int, per_node: int, ranks_per_nic: float
     """Every rank of a group of `size` sends `nbytes` spread evenly over the group (its own
     share stays local); `per_node` members to a node, the node's ranks exchanging alike
     (`ranks_per_nic` of them behind each NIC: its busiest-NIC bytes). HALO's relays are
-    rail-aligned (comm.halo_plan): each forwards the shares of one source per remote node
+    rail-aligned (comm.collectives.halo_plan): each forwards the shares of one source per remote node
     to the other `per_node - 1` members of its node.
 
     On a matrix whose entries are all nbytes / size (comm.cost, `Topology.uniform` with the

@@ -9,7 +9,7 @@ same exchange with the splits swapped. `algorithm` picks how the rows travel:
     "halo" hierarchical I (intra-node) || II (packed per remote node) -> III (redistribute)
     "auto" the cheaper of the two under `cost_model`, decided identically on every rank
 
-"halo" first gathers every rank's split row, in two levels (`comm.halo.halo_gather_ints`:
+"halo" first gathers every rank's split row, in two levels (`comm.collectives.halo.halo_gather_ints`:
 (G - 1) + (N - 1) messages per rank instead of R - 1). "auto" (calibrated, concurrent flat
 model) sends every peer the sender's row together with an O(R) summary of it
 (`comm.cost.row_summary`), in one collective like flat's exchange of split sizes. The
@@ -32,23 +32,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from comm.cost import (
-    CostModel,
-    choose_algorithm,
-    decide_from_summaries,
-    row_summary,
-)
-from comm.flat import (
+from comm.collectives.flat import (
     _split_device,
     exchange_int_array,
     exchange_ints,
     flat_all_to_all,
     normalize_splits,
 )
-from comm.halo import halo_all_to_all, halo_gather_array
-from comm.halo_plan import SplitPlans
-from comm.platform import platform_names
+from comm.collectives.halo import halo_all_to_all, halo_gather_array
+from comm.collectives.halo_plan import SplitPlans
+from comm.cost import (
+    CostModel,
+    choose_algorithm,
+    decide_from_summaries,
+    row_summary,
+)
 from comm.topology import Topology
+from comm.topology.platform import platform_names
 
 __all__ = ["ALGORITHMS", "AllToAllPlan", "all_to_all", "plan_all_to_all", "settle_plan"]
 
@@ -60,7 +60,7 @@ class AllToAllPlan:
     """Everything an exchange needs besides its rows, identical on every rank of the group
     (`plan_all_to_all`): this rank's splits, the algorithm that runs and, for HALO (and
     `auto`, which keeps it for the mirrored exchange), the whole split matrix with the rank
-    plans built from it (`comm.halo_plan.SplitPlans`: each built once, shared with
+    plans built from it (`comm.collectives.halo_plan.SplitPlans`: each built once, shared with
     `reverse()` and the backward passes)."""
 
     in_splits: tuple[int, ...]

@@ -3,13 +3,13 @@
 A `Topology` is plain immutable data indexed by rank of one process group (the maps are named
 `rank2node`, `rank2local`, ...). It is built four ways:
     Topology.uniform(nodes, gpus_per_node, ...)  rank r on node r // gpus_per_node
-    Topology.from_file(path)                      a TOML description (see `comm.topology_file`)
+    Topology.from_file(path)                      a TOML description (see `comm.topology.file`)
     Topology.discover(group)                      environment + all-gathered host facts
     Topology.from_records(records)                the same from facts already gathered
 and restricted to a sub-group with `restrict(ranks)` (an EP group is a subset of the world).
 `dump_topology` writes the TOML that `from_file` reads back.
 
-`comm.topology_file` and `comm.discover` return field values and never import this module,
+`comm.topology.file` and `comm.topology.discover` return field values and never import this module,
 so the constructors here call them at module level: the three form a chain, not a circle.
 
 Levels, coarsest first: network group (e.g. a Dragonfly cabinet) > locality domain (ranks
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comm.discover import gather_records, topology_fields_from_records
-from comm.topology_file import read_topology_file
+from comm.topology.discover import gather_records, topology_fields_from_records
+from comm.topology.file import read_topology_file
 
 __all__ = ["Topology", "dump_topology"]
 
@@ -172,7 +172,7 @@ class Topology:
 
     @classmethod
     def from_file(cls, path: str | Path) -> Topology:
-        """Read a TOML topology file; see `comm.topology_file` for the format. Every error
+        """Read a TOML topology file; see `comm.topology.file` for the format. Every error
         names the file."""
         fields = read_topology_file(path)
         try:
@@ -182,7 +182,7 @@ class Topology:
 
     @classmethod
     def from_records(cls, records: list[dict[str, Any]]) -> Topology:
-        """Derive the placement from every rank's `comm.discover.local_record` (index = group
+        """Derive the placement from every rank's `comm.topology.discover.local_record` (index = group
         rank); see `comm.discover` for the rules."""
         return cls(**topology_fields_from_records(records))
 
@@ -191,7 +191,7 @@ class Topology:
         """All-gather host facts over `group` and derive the same Topology on every rank.
 
         Collective: every rank of `group` must call it. The result is indexed by group rank.
-        `kwargs` (env, hostname, sysfs_net) go to `comm.discover.gather_records`.
+        `kwargs` (env, hostname, sysfs_net) go to `comm.topology.discover.gather_records`.
         """
         return cls.from_records(gather_records(group, **kwargs))
 

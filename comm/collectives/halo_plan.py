@@ -20,12 +20,7 @@ Phases, seen from rank s on node n:
         it can forward each source as soon as that source's phase-II message has arrived.
 Phase I does not depend on II/III, so the executor overlaps them.
 
-Relay choice (why all NICs carry traffic): every rank sends its own packed messages, so each
-NIC of the sending node carries the traffic of the ranks behind it; on the receiving node the
-relay is the rank behind the NIC with the same index as the sender's (modulo the NIC count
-of node m, rail-aligned as in a rail-optimised fat tree), spread over that NIC's ranks by the
-sender's position among its own NIC's ranks. With balanced splits every NIC sends and
-receives the same number of bytes.
+Relay choice: `comm.topology.relay` (rail-aligned, every NIC carries traffic).
 
 Messages with zero rows are never planned (RCCL can hang on zero-size uneven exchanges).
 """
@@ -40,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from comm.topology import Topology
+from comm.topology.relay import relay_table
 
 __all__ = [
     "Message",
@@ -47,8 +43,6 @@ __all__ = [
     "SplitPlans",
     "halo_plan",
     "rank_plan",
-    "relay_rank",
-    "relay_table",
     "transpose",
 ]
 
@@ -108,35 +102,6 @@ def _coalesce(segments: list[Segment]) -> tuple[Segment, ...]:
         else:
             out.append((start, n))
     return tuple(out)
-
-
-def relay_rank(topo: Topology, src: int, node: int) -> int:
-    """The rank of `node` that receives `src`'s packed phase-II message (see module doc)."""
-    src_ranks, dst_ranks = topo.node_ranks(topo.rank2node[src]), topo.node_ranks(node)
-    nic = topo.rank2nic[src]
-    src_nics = sorted({topo.rank2nic[r] for r in src_ranks})
-    dst_nics = sorted({topo.rank2nic[r] for r in dst_ranks})
-    target_nic = dst_nics[src_nics.index(nic) % len(dst_nics)]
-    position = [r for r in src_ranks if topo.rank2nic[r] == nic].index(src)
-    candidates = [r for r in dst_ranks if topo.rank2nic[r] == target_nic]
-    return candidates[position % len(candidates)]
-
-
-def relay_table(topo: Topology) -> tuple[tuple[int, ...], ...]:
-    """relay[s][m] = relay_rank(topo, s, m) (s itself for its own node), memoised on `topo`.
-
-    The memo lives on the immutable Topology instance (not in a module-level cache): the
-    cost model asks for it on every `auto` call and it costs O(R * nodes * G) to build.
-    """
-    memo = topo.__dict__.get("_relay_table")
-    if memo is None:
-        node = topo.rank2node
-        memo = tuple(
-            tuple(s if m == node[s] else relay_rank(topo, s, m) for m in range(topo.num_nodes))
-            for s in range(topo.world_size)
-        )
-        object.__setattr__(topo, "_relay_table", memo)
-    return memo
 
 
 def _as_matrix(S: Sequence[Sequence[int]] | np.ndarray, topo: Topology) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Execute a HALO plan over torch.distributed point-to-point ops, with autograd.
 
-Per call (see `comm.halo_plan` for the layout algebra), on gloo:
+Per call (see `comm.collectives.halo_plan` for the layout algebra), on gloo:
     batch 1: receives of phases I, II and III, then sends of phase II, then sends of phase I
     local copies x -> y while batch 1 is in flight
     for each phase II receive (smallest first, the plan's order): wait for it, then send its rows
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from comm.halo_plan import Message, RankPlan, Segment, SplitPlans
+from comm.collectives.halo_plan import Message, RankPlan, Segment, SplitPlans
 from comm.topology import Topology
 
 __all__ = [

@@ -41,7 +41,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["EmulatedCluster", "EmulatorError", "leftovers", "main", "node_address"]
+__all__ = ["EmulatedCluster", "EmulatorError", "leftovers", "main", "node_address", "peer_queues",
+           "tbf_args"]
 
 MASTER_PORT = 29500  # every emulated node has its own namespace, so the port is always free
 
@@ -65,7 +66,8 @@ def _run(cmd: list[str], check: bool = True,
     return proc
 
 
-def _tbf(mbit: float) -> list[str]:
+def tbf_args(mbit: float) -> list[str]:
+    """The `tc qdisc ... tbf` arguments that shape a NIC to `mbit` Mbit/s."""
     # burst >= rate/HZ is needed to reach the rate, and >= one 64 KiB TSO/GSO packet (plus
     # headers) so that tbf passes such packets whole, as a NIC puts a TSO packet on the wire
     # at line rate, instead of segmenting each one in software (CPU the emulated cluster's
@@ -77,7 +79,7 @@ def _tbf(mbit: float) -> list[str]:
     return ["tbf", "rate", f"{mbit}mbit", "burst", str(burst), "latency", "1000ms"]
 
 
-def _peer_queues(dev: str, mbit: float, mtu: int, nodes: int, field: str) -> str:
+def peer_queues(dev: str, mbit: float, mtu: int, nodes: int, field: str) -> str:
     """tc batch: under the tbf (handle 2:), an htb that only orders, never limits (every
     class may take 10x the link), with one class per emulated node matched on the packet's
     IPv4 `field` and served round-robin, a quantum of two frames each. A NIC arbitrates
@@ -195,11 +197,11 @@ class EmulatedCluster:
                     f"does not provide ({netem.stderr.strip()}); run without --latency-ms"
                 )
             _run(pre + ["tc", "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:",
-                        *_tbf(mbit)])
+                        *tbf_args(mbit)])
         else:
-            _run(pre + ["tc", "qdisc", "add", "dev", dev, "root", "handle", "2:", *_tbf(mbit)])
+            _run(pre + ["tc", "qdisc", "add", "dev", dev, "root", "handle", "2:", *tbf_args(mbit)])
         if peer_field and self.fair_queue:
-            batch = _peer_queues(dev, mbit, self.mtu, self.nodes, peer_field)
+            batch = peer_queues(dev, mbit, self.mtu, self.nodes, peer_field)
             _run(pre + ["tc", "-batch", "-"], stdin=batch)
 
     def _set_cc(self, inside: list[str]) -> None:

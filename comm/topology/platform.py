@@ -18,7 +18,7 @@ from typing import Any
 
 __all__ = ["PLATFORM_DIR", "PlatformFile", "load_platform_file", "platform_names"]
 
-PLATFORM_DIR = Path(__file__).resolve().parents[1] / "configs" / "platforms"
+PLATFORM_DIR = Path(__file__).resolve().parents[2] / "configs" / "platforms"
 
 
 @dataclass(frozen=True)

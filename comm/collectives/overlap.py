@@ -7,7 +7,7 @@
     flat, any backend   `dist.all_to_all_single(..., async_op=True)`: gloo's worker threads
                         move the rows; NCCL runs it on its own stream, and `wait()` makes the
                         caller's stream wait for it (the host does not block)
-    halo, gloo          one worker thread per process runs `comm.halo.halo_exchange` (HALO is
+    halo, gloo          one worker thread per process runs `comm.collectives.halo.halo_exchange` (HALO is
                         point-to-point with waits between its phases); exchanges are queued
                         FIFO, so every rank runs them in the order it started them
     halo, NCCL          on a communication stream that first waits for the caller's stream;
@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from comm.alltoall import AllToAllPlan
-from comm.halo import halo_exchange
+from comm.collectives.alltoall import AllToAllPlan
+from comm.collectives.halo import halo_exchange
 
 __all__ = ["Exchange", "ExchangeHandle", "exchange_start", "exchange_wait", "start_exchange"]
 

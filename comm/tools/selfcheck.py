@@ -5,7 +5,7 @@
         python -m comm.selfcheck --out /tmp/check.json
 
 Every rank builds every rank's input from a seed, so the expected output and gradient are
-computed locally in plain torch (`comm.flat.reference_all_to_all`); each algorithm must also
+computed locally in plain torch (`comm.collectives.flat.reference_all_to_all`); each algorithm must also
 equal `torch.distributed.all_to_all_single` bit for bit. Rank 0 writes a JSON summary (the
 discovered topology and the checks that passed); the exit status is non-zero on any mismatch.
 """
@@ -20,9 +20,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from comm.alltoall import all_to_all
+from comm.collectives.alltoall import all_to_all
+from comm.collectives.flat import reference_all_to_all
 from comm.cost import CostModel
-from comm.flat import reference_all_to_all
 from comm.topology import Topology
 
 __all__ = ["check_all_to_all", "main"]
