@@ -59,7 +59,7 @@ SHOW=40 step train-compiled-curve 10 "$PY" benchmarks/gpu_check_losses.py curve 
   "$OUT/train-compiled"
 # 3. Autotune one preset (6 GEMM problems x 4 candidates, ~3 s of compiling each); every
 #    winner is written to $PIPER_KERNELS_CACHE as soon as it is known.
-step autotune 105 "$PY" -m kernels.autotune --model "$PRESET" --tokens 4096 --max-configs 4
+step autotune 105 "$PY" -m model.autotune --model "$PRESET" --tokens 4096 --max-configs 4
 # 4. Grouped GEMM TFLOPS vs torch._grouped_mm, a per-expert loop and a dense GEMM.
 step bench-grouped-gemm 85 "$PY" benchmarks/bench_grouped_gemm.py --out "$OUT" --repeats 10
 # 5. MoE layer fwd+bwd vs transformers' MixtralSparseMoeBlock and a dense SwiGLU (bf16).

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._tuning import GROUP_M, pick
+from kernels.tuning import GROUP_M, pick
 
 
 @triton.jit

@@ -1,24 +1,24 @@
 """Tune the grouped GEMM kernels for one model's expert shapes on this GPU and cache the winners.
 
-    python -m kernels.autotune --model mixtral-8x7b [--tokens 8192] [--dtype bfloat16]
+    python -m model.autotune --model mixtral-8x7b [--tokens 8192] [--dtype bfloat16]
                                [--cache PATH] [--max-configs 12]
-    python -m kernels.autotune --model mixtral-8x7b --list gfx90a   # no GPU needed
+    python -m model.autotune --model mixtral-8x7b --list gfx90a   # no GPU needed
 
 Legend: D d_model, F moe_ffn_dim, E routed experts, k top-k, M = tokens * k rows.
 
 The expert SwiGLU runs six grouped GEMM problems per step, each keyed by (op, dtype, N, K, E):
 fwd w1/w3 (K=D, N=F) and w2 (K=F, N=D); dx of those (same kernel on w^T: N and K swap);
 dw of those (a grouped reduction over rows). For each, every candidate of
-``kernels._tuning.gemm_configs`` is timed with ``triton.testing.do_bench`` on balanced routing
+``kernels.tuning.gemm_configs`` is timed with ``triton.testing.do_bench`` on balanced routing
 (M / E rows per expert) and the fastest is stored in the JSON cache under
 "<device name>|triton-<version>"; ``grouped_gemm`` reads that cache at launch. Candidates are
-only those whose modelled shared memory fits the GPU (``kernels._tuning``). ``--list TARGET``
+only those whose modelled shared memory fits the GPU (``kernels.tuning``). ``--list TARGET``
 prints the candidates for a target (sm80, sm90, gfx90a, gfx942) with their modelled bytes and
 the limit, without a GPU. Without a GPU (and without ``--list``) this says so and exits with
 status 2.
 
 The command line turns a preset name into those shapes, so it lives in `model.autotune` (above
-kernels: kernels never imports model); this file hands `python -m kernels.autotune` to it.
+kernels: kernels never imports model): `python -m model.autotune`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kernels._tuning import (
+from kernels.tuning import (
     TARGETS,
     GemmConfig,
     device_target,
@@ -119,9 +119,7 @@ def list_candidates(name: str, D: int, F: int, E: int, dtype: torch.dtype,
 
 
 if __name__ == "__main__":
-    # `python -m kernels.autotune --model PRESET` keeps working: the command line needs a
-    # preset's shapes, so it lives above kernels, in model.autotune. This block runs only when
-    # the file is the program, never on import, so kernels itself does not depend on model.
-    from model.autotune import main
-
-    sys.exit(main())
+    # The command line needs a preset's shapes, so it lives above kernels, in model.autotune;
+    # kernels never imports model, not even here.
+    sys.exit("the kernel autotuner's command line is `python -m model.autotune --model PRESET` "
+             "(it reads model.presets); kernels.autotune.tune takes the shapes directly")

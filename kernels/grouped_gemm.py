@@ -146,13 +146,13 @@ def grouped_gemm(
 
     Differentiable in x and w. ``backend`` ("triton", "torch", "reference") overrides the
     per-device choice, for benchmarks and tests. ``configs`` ({"fwd"|"dx"|"dw":
-    ``kernels._tuning.GemmConfig``}, Triton backend only) launches those ops with the given
+    ``kernels.tuning.GemmConfig``}, Triton backend only) launches those ops with the given
     configs instead of ``pick()``'s: how tests run a GPU target's configs under the interpreter.
     """
     _check(x_MK, w_EKN, offs_E)
     name = resolve_backend(x_MK.device, backend)
     if configs:
-        from kernels._tuning import OPS, GemmConfig
+        from kernels.tuning import OPS, GemmConfig
 
         bad = [k for k, v in configs.items() if k not in OPS or not isinstance(v, GemmConfig)]
         if bad:

@@ -1,12 +1,11 @@
 """The kernel autotuner's command line: a model preset's expert shapes -> `kernels.autotune`.
 
-    python -m kernels.autotune --model mixtral-8x7b [--tokens 8192] [--dtype bfloat16]
+    python -m model.autotune --model mixtral-8x7b [--tokens 8192] [--dtype bfloat16]
                                [--cache PATH] [--max-configs 12]
-    python -m kernels.autotune --model mixtral-8x7b --list gfx90a   # no GPU needed
+    python -m model.autotune --model mixtral-8x7b --list gfx90a   # no GPU needed
 
-(`python -m model.autotune` is the same command.) It lives here, above `kernels`, because it
-reads `model.presets`; `kernels.autotune` does the timing and knows only shapes (D d_model,
-F moe_ffn_dim, E routed experts, k top-k).
+It lives here, above `kernels`, because it reads `model.presets`; `kernels.autotune` does the
+timing and knows only shapes (D d_model, F moe_ffn_dim, E routed experts, k top-k).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kernels import autotune as _kernel_autotune
-from kernels._tuning import TARGETS, GemmConfig, default_cache_path
+from kernels.tuning import TARGETS, GemmConfig, default_cache_path
 
 from . import presets
 
@@ -42,7 +41,7 @@ def list_candidates(model: str, dtype: torch.dtype, target: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kernels.autotune",
+    p = argparse.ArgumentParser(prog="python -m model.autotune",
                                 description=_kernel_autotune.__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="a model.presets name, e.g. mixtral-8x7b")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per step per GPU (rows = tokens*top_k)")
@@ -56,11 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print("\n".join(list_candidates(args.model, getattr(torch, args.dtype), args.list)))
         except KeyError as exc:
-            print(f"kernels.autotune: {exc}", file=sys.stderr)
+            print(f"model.autotune: {exc}", file=sys.stderr)
             return 2
         return 0
     if not torch.cuda.is_available():
-        print("kernels.autotune: no CUDA/ROCm GPU visible; autotuning measures a GPU, nothing "
+        print("model.autotune: no CUDA/ROCm GPU visible; autotuning measures a GPU, nothing "
               "to do on this machine", file=sys.stderr)
         return 2
     if args.tokens < 1 or args.max_configs < 1:
@@ -72,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         winners = tune(args.model, args.tokens, getattr(torch, args.dtype), args.max_configs,
                        device, path)
     except KeyError as exc:
-        print(f"kernels.autotune: {exc}", file=sys.stderr)
+        print(f"model.autotune: {exc}", file=sys.stderr)
         return 2
     print(f"stored {len(winners)} winners in {path} ({time.perf_counter() - t0:.0f} s)")
     return 0

@@ -8,14 +8,16 @@ neither module can be read, tested or moved without the other. Relative imports 
 against the importing module's package; ``from pkg import name`` is an edge to ``pkg.name`` when
 that is a module and to ``pkg`` (its ``__init__``) otherwise. Importing ``a.b`` also runs
 ``a/__init__``; that implicit edge is not drawn, or every module would sit in a circle with its
-own package. One exception: the body of a top-level ``if __name__ == "__main__":`` runs only when
-the file is the program (``python -m kernels.autotune``), never when it is imported, so it is
-the entry point's code, not the module's, and is left out (``kernels.autotune`` hands its
-command line to ``model.autotune`` that way).
+own package. The body of a top-level ``if __name__ == "__main__":`` counts as well: a command
+line that needs a higher layer lives in that layer (``python -m model.autotune``).
 
 LAYERS is the declared order, bottom first. A package may import its own modules and packages
 in lower layers only; packages in one layer are siblings and do not import each other.
-KEEP_APART names pairs the order alone would allow but the design forbids.
+KEEP_APART names pairs the order alone would allow but the design forbids. SUBLAYERS does the
+same inside a package whose folder holds sub-packages (comm): a sub-package imports only those
+below it; the package's own top-level modules (its ``__init__``, thin ``python -m`` entries)
+sit above all of them. No module of a package imports a private name (``_x``, or a module
+``_x``) of another package.
 """
 
 from __future__ import annotations
@@ -51,6 +53,21 @@ KEEP_APART: dict[tuple[str, str], str] = {
     ("model", "comm"): "model code is rank-agnostic; parallelism is applied from outside (STYLE 14)",
 }
 
+# Inside comm, bottom first:
+#   topology     where ranks sit (Topology, files, discovery, platform files, HALO's relays)
+#   cost         the all-to-all cost model; reads topologies only
+#   collectives  flat / HALO / auto exchanges (auto asks cost), async exchanges, dedup
+#   tools, netsim  launching, calibrating, emulating, self-checking; the network simulator
+#                (which draws HALO's traffic from the collectives' plan)
+SUBLAYERS: dict[str, tuple[frozenset[str], ...]] = {
+    "comm": (
+        frozenset({"topology"}),
+        frozenset({"cost"}),
+        frozenset({"collectives"}),
+        frozenset({"tools", "netsim"}),
+    ),
+}
+
 
 def project_modules(root: Path, layers: Iterable[frozenset[str]]) -> dict[str, Path]:
     """Dotted module name -> source file, for every package in `layers` (``x.py`` at the
@@ -75,7 +92,6 @@ def imports_of(name: str, source: str, is_package: bool, known: set[str]) -> set
     """The project modules that module `name` imports anywhere in `source`."""
     package = name if is_package else name.rpartition(".")[0]
     tree = ast.parse(source)
-    tree.body = [n for n in tree.body if not _is_main_guard(n)]
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -101,17 +117,6 @@ def imports_of(name: str, source: str, is_package: bool, known: set[str]) -> set
             if t and t != name:
                 found.add(t)
     return found
-
-
-def _is_main_guard(node: ast.stmt) -> bool:
-    """``if __name__ == "__main__":`` (either operand order)."""
-    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
-        return False
-    t = node.test
-    if len(t.ops) != 1 or not isinstance(t.ops[0], ast.Eq):
-        return False
-    sides = {ast.dump(t.left), ast.dump(t.comparators[0])}
-    return sides == {ast.dump(ast.Name("__name__", ast.Load())), ast.dump(ast.Constant("__main__"))}
 
 
 def import_graph(root: Path, layers: Iterable[frozenset[str]]) -> dict[str, set[str]]:
@@ -203,6 +208,55 @@ def upward_edges(
     return bad
 
 
+def sublayer_edges(graph: Mapping[str, Iterable[str]], package: str,
+                   layers: Iterable[frozenset[str]]) -> list[tuple[str, str]]:
+    """Edges inside `package` from one sub-package to one in the same or a higher sublayer
+    (its own modules aside), and from a sub-package up to the package's own top-level modules."""
+    layer_of = {sub: i for i, group in enumerate(layers) for sub in group}
+    top = len(layer_of) + 1  # the package's own modules: above every sub-package
+
+    def level(mod: str) -> tuple[str, int]:
+        parts = mod.split(".")
+        if len(parts) > 2 or (len(parts) == 2 and parts[1] in layer_of):
+            return parts[1], layer_of[parts[1]]
+        return mod, top  # the package itself or one of its top-level modules
+
+    bad = []
+    for src in sorted(graph):
+        if src.partition(".")[0] != package or src == package:
+            continue
+        for dst in sorted(graph[src]):
+            if dst.partition(".")[0] != package:
+                continue
+            (a, la), (b, lb) = level(src), level(dst)
+            if a != b and la != top and (lb >= la):
+                bad.append((src, dst))
+    return bad
+
+
+def private_imports(root: Path, layers: Iterable[frozenset[str]]) -> list[str]:
+    """``file:line: module imports name`` for every import of a private module or name (a
+    dotted part or an imported name starting with ``_``) of another top-level package."""
+    layers = list(layers)
+    tops = set().union(*layers)
+    bad = []
+    for mod, f in project_modules(root, layers).items():
+        own = mod.partition(".")[0]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] in tops and parts[0] != own and any(
+                        p.startswith("_") and not p.startswith("__") for p in parts[1:]):
+                    bad.append(f"{f.relative_to(root)}:{node.lineno}: {mod} imports {name}")
+    return bad
+
+
 def _layer_text(layers: Iterable[frozenset[str]]) -> str:
     return " < ".join("{" + ", ".join(sorted(g)) + "}" for g in layers)
 
@@ -242,6 +296,21 @@ def test_no_upward_import(graph: dict[str, set[str]]) -> None:
         + "\n".join(f"  {a} imports {b}" + (f" ({why[a, b]})" if why[a, b] else "")
                      for a, b in bad)
     )
+
+
+def test_no_upward_import_inside_comm(graph: dict[str, set[str]]) -> None:
+    for pkg, layers in SUBLAYERS.items():
+        subs = {p.name for p in (ROOT / pkg).iterdir() if (p / "__init__.py").is_file()}
+        assert subs == set().union(*layers), f"{pkg}: sub-packages {sorted(subs)} vs SUBLAYERS"
+        bad = sublayer_edges(graph, pkg, layers)
+        assert not bad, (
+            f"imports that run up or sideways in {pkg}'s order {_layer_text(layers)}:\n"
+            + "\n".join(f"  {a} imports {b}" for a, b in bad))
+
+
+def test_no_private_import_across_packages() -> None:
+    bad = private_imports(ROOT, LAYERS)
+    assert not bad, "private names imported from another package:\n  " + "\n  ".join(bad)
 
 
 # ---- the checker itself, on synthetic graphs and sources ------------------------------------
@@ -294,6 +363,31 @@ def test_imports_of_resolves_relative_and_lazy_imports() -> None:
         "pkg.b",
         "pkg.sub.c",
     }
-    # Only a top-level `if __name__ == "__main__":` is the program's own code.
-    main = 'if __name__ == "__main__":\n    import other\nif __name__ != "__main__":\n    import pkg.a\n'
-    assert imports_of("pkg.b", main, False, known) == {"pkg.a"}
+    # A command line's imports count: `python -m pkg.b` needs `other` as much as an import does.
+    main = 'if __name__ == "__main__":\n    import other\n'
+    assert imports_of("pkg.b", main, False, known) == {"other"}
+
+
+def test_sublayer_edges_flags_up_sideways_and_into_the_top() -> None:
+    layers = (frozenset({"low"}), frozenset({"mid", "side"}))
+    g = {
+        "p": {"p.low.a", "p.entry"},  # the package's own modules may import anything below
+        "p.entry": {"p.mid.x"},
+        "p.low.a": {"p.low", "p.mid.x", "p.entry"},  # own package fine; up; into the top
+        "p.mid.x": {"p.low.a", "p.side"},  # down fine; sideways
+        "p.low": set(),
+        "p.side": set(),
+        "q.other": {"p.mid.x"},  # another package: not this check's business
+    }
+    assert sublayer_edges(g, "p", layers) == [
+        ("p.low.a", "p.entry"), ("p.low.a", "p.mid.x"), ("p.mid.x", "p.side")]
+
+
+def test_private_imports_names_each_one(tmp_path: Path) -> None:
+    for rel, text in {"a/__init__.py": "from b._x import y\nfrom b import _z\nfrom a._own import k\n"
+                                       "import b.c\n",
+                      "a/_own.py": "", "b/__init__.py": "", "b/_x.py": "", "b/c.py": ""}.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert private_imports(tmp_path, (frozenset({"a", "b"}),)) == [
+        f"{Path('a/__init__.py')}:1: a imports b._x.y", f"{Path('a/__init__.py')}:2: a imports b._z"]

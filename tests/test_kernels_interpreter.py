@@ -93,7 +93,7 @@ def _configs_for(case, dtype: torch.dtype, every_candidate: bool) -> list[dict]:
     (``every_candidate``) every autotune candidate of every target, each at least once. The
     interpreter ignores num_warps and num_stages, so candidates that differ only there run once.
     """
-    from kernels._tuning import TARGETS, gemm_configs, pick
+    from kernels.tuning import TARGETS, gemm_configs, pick
 
     _, counts, _, K, N = case
     E = len(counts)
@@ -120,7 +120,7 @@ def _configs_for(case, dtype: torch.dtype, every_candidate: bool) -> list[dict]:
 
 def _check_case(case, dtype: torch.dtype, configs: dict, full_groups: bool = True) -> None:
     from kernels import grouped_gemm, offsets_from_counts, reference_grouped_gemm
-    from kernels._tuning import GROUP_M
+    from kernels.tuning import GROUP_M
 
     _, counts, tail, K, N = case
     counts_E = _counts(counts)
@@ -151,7 +151,7 @@ def _check_case(case, dtype: torch.dtype, configs: dict, full_groups: bool = Tru
 def test_child_pick_is_pinned_without_target() -> None:
     # Without target= the interpreter process gets the pinned 32x32 config: the tests below
     # must pass the GPU targets' configs explicitly, or they would test nothing new.
-    from kernels._tuning import PINNED, pick
+    from kernels.tuning import PINNED, pick
 
     assert pick("fwd", torch.float32, 200, 80, 5, torch.device("cpu")) == PINNED
     assert all(c != PINNED for c in _configs_for(CASES[0], torch.float32, False)[0].values())

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import _backend, _tuning
-from kernels._tuning import (
+from kernels import _backend, tuning
+from kernels.autotune import problems
+from kernels.tuning import (
     OPS,
     TARGETS,
     GemmConfig,
@@ -21,7 +22,6 @@ from kernels._tuning import (
     problem_key,
     store,
 )
-from kernels.autotune import problems
 from model import presets
 
 
@@ -106,7 +106,7 @@ def test_smem_model_reproduces_compiled_bytes(op, cfg, elem, target, prec, compi
 def test_unvalidated_target_is_bounded_from_above() -> None:
     # A live GPU outside the validated families (here a made-up sm_100 entry) gets every stage
     # counted: never less than either rule would give.
-    sm100 = _tuning.Target("sm100", "cuda", 100, 32, 227 * 1024, "test")
+    sm100 = tuning.Target("sm100", "cuda", 100, 32, 227 * 1024, "test")
     c = GemmConfig(64, 128, 64, 4, 4)
     assert not sm100.validated and all(TARGETS[t].validated for t in TARGETS)
     assert c.smem_bytes("dw", 2, sm100) == (64 * 64 + 64 * 128) * 2 * 4
@@ -116,7 +116,7 @@ def test_unvalidated_target_is_bounded_from_above() -> None:
 def test_smaller_live_gpu_drops_the_default() -> None:
     # A device reporting less than TARGETS' limits (e.g. a partitioned or future part) gets
     # only configs that fit it, led by the first that does.
-    small = _tuning.Target("gfx90a", "hip", "gfx90a", 64, 48 * 1024, "test")
+    small = tuning.Target("gfx90a", "hip", "gfx90a", 64, 48 * 1024, "test")
     cfgs = gemm_configs("fwd", 14336, 4096, 8, 2, small)
     assert cfgs and default_config("fwd", 14336, 4096, 8, 2) not in cfgs
     assert all(c.smem_bytes("fwd", 2, small) <= 48 * 1024 for c in cfgs)
@@ -129,6 +129,18 @@ def test_list_candidates_without_gpu() -> None:
     assert "limit 65536 B" in lines[0] and len(lines) > 6
     for line in lines[1:]:
         assert int(line.rsplit(" B", 1)[0].rsplit(" ", 1)[1]) <= 65536, line
+
+
+def test_command_line_lists_candidates_and_names_bad_presets(capsys) -> None:
+    """`python -m model.autotune` (main) prints what list_candidates returns; an unknown
+    preset is a clear error with status 2."""
+    from model.autotune import list_candidates, main
+
+    assert main(["--model", "tiny", "--list", "gfx90a"]) == 0
+    want = list_candidates("tiny", torch.bfloat16, "gfx90a")
+    assert capsys.readouterr().out.splitlines() == want
+    assert main(["--model", "no-such-model", "--list", "gfx90a"]) == 2
+    assert "model.autotune: " in capsys.readouterr().err
 
 
 def test_old_defaults_over_mi250x_limit_new_ones_fit() -> None:
@@ -151,7 +163,7 @@ def test_configs_bad_input() -> None:
     with pytest.raises(ValueError, match="input_precision='tf64'"):
         GemmConfig(64, 64, 64, 4, 2).smem_bytes("fwd", 4, "sm90", "tf64")
     with pytest.raises(ValueError, match="not a CUDA/ROCm GPU"):
-        _tuning.device_target(torch.device("cpu"))
+        tuning.device_target(torch.device("cpu"))
 
 
 def test_explicit_configs_bad_input() -> None:
@@ -160,9 +172,9 @@ def test_explicit_configs_bad_input() -> None:
     x, w = torch.randn(6, 4), torch.randn(2, 4, 3)
     offs = offsets_from_counts(torch.tensor([2, 4]))
     with pytest.raises(ValueError, match=r"\['bwd'\] are not ops.*valid keys: fwd, dx, dw"):
-        grouped_gemm(x, w, offs, configs={"bwd": _tuning.PINNED})
+        grouped_gemm(x, w, offs, configs={"bwd": tuning.PINNED})
     with pytest.raises(ValueError, match="Triton backend only.*backend='torch'"):
-        grouped_gemm(x, w, offs, backend="torch", configs={"fwd": _tuning.PINNED})
+        grouped_gemm(x, w, offs, backend="torch", configs={"fwd": tuning.PINNED})
 
 
 def test_cache_round_trip(tmp_path: Path) -> None:
@@ -171,7 +183,7 @@ def test_cache_round_trip(tmp_path: Path) -> None:
     win = GemmConfig(64, 256, 64, 8, 4)
     store(path, dev, {problem_key("fwd", torch.bfloat16, 512, 256, 8): win})
     data = json.loads(path.read_text())
-    assert list(data) == [_tuning.device_key(dev)]  # keyed by device name and Triton version
+    assert list(data) == [tuning.device_key(dev)]  # keyed by device name and Triton version
     # An explicit target ignores stored winners (they belong to a device) and pinning.
     assert pick("fwd", torch.bfloat16, 512, 256, 8, dev, cache_path=path, target="gfx90a") == \
         default_config("fwd", 512, 256, 8, 2)

@@ -5,7 +5,7 @@ Legend: M token-sorted rows, K in features, N out features, E experts.
 
 Candidates depend only on (N, K, E), the sizes that move the optimum (docs/architecture.md,
 "Conventions"); M changes every step and is deliberately not a key. Winners measured by
-``python -m kernels.autotune`` are stored per (device name, Triton version) in one JSON file and
+``python -m model.autotune`` are stored per (device name, Triton version) in one JSON file and
 looked up at launch; without a stored winner the first candidate (a safe default) is used.
 
 Shared memory (LDS on AMD). A config the target cannot hold fails at launch (Triton compares
