@@ -44,7 +44,7 @@ def _rss_kb() -> int:
 def child(a: argparse.Namespace) -> dict:
     import torch
 
-    from model.attention import DocLayout, _sdpa
+    from model.attention import DocLayout, sdpa
 
     torch.set_num_threads(a.threads)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -62,7 +62,7 @@ def child(a: argparse.Namespace) -> dict:
     grad = torch.randn(a.batch, a.heads, a.seq, a.head_dim, generator=g).to(dev)
 
     def call():
-        o = _sdpa(q, k, v, a.head_dim ** -0.5, doc)
+        o = sdpa(q, k, v, a.head_dim ** -0.5, doc)
         o.backward(grad)
         return o
 

@@ -127,7 +127,9 @@ def _varlen(q, k, v, scale: float, doc: DocLayout, gqa: bool) -> torch.Tensor:
     return torch.cat(rows, dim=0)
 
 
-def _sdpa(q, k, v, scale: float, doc: DocLayout | None, gqa: bool = False) -> torch.Tensor:
+def sdpa(q, k, v, scale: float, doc: DocLayout | None, gqa: bool = False) -> torch.Tensor:
+    """Causal attention of q, k, v [B, H, T, D], inside documents when `doc` is given (by
+    `doc.kernel`), else plain causal SDPA; `gqa`: fewer kv heads than query heads."""
     if doc is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=gqa)
@@ -173,7 +175,7 @@ class GQAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         cos, sin = self.rope(S, q.dtype, None if doc is None else doc.positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = _sdpa(q, k, v, self.scale, doc, gqa=self.n_heads != self.n_kv_heads)
+        o = sdpa(q, k, v, self.scale, doc, gqa=self.n_heads != self.n_kv_heads)
         return self.wo(o.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -238,7 +240,7 @@ class MLAttention(nn.Module):
         q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(B, H, S, self.rope_dim)), dim=-1)
-        o = _sdpa(q, k, v, self.scale, doc)
+        o = sdpa(q, k, v, self.scale, doc)
         return self.wo(o.transpose(1, 2).reshape(B, S, H * self.v_dim))
 
 

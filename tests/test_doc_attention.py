@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from model.attention import DocLayout, _sdpa
+from model.attention import DocLayout, sdpa
 
 
 def _layout(lengths_per_row: list[list[int]], kernel: str) -> DocLayout:
@@ -42,7 +42,7 @@ def _compare(kernel: str, case: str, device: str, backward: bool, S: int = 64) -
     for kern in ("dense", kernel):
         doc = _layout(lengths, kern)
         doc = DocLayout(doc.doc_ids.to(device), kern)
-        o = _sdpa(q, k, v, dqk ** -0.5, doc, gqa=H != G)
+        o = sdpa(q, k, v, dqk ** -0.5, doc, gqa=H != G)
         outs[kern] = [o.detach()]
         if backward:
             o.backward(grad)

@@ -214,10 +214,10 @@ def test_redundant_slots_state_matches_a_real_run(tmp_path):
 def test_reproduce_paper_writes_under_runs_unless_recording():
     """The benchmarks' convention (benchmarks/_common.py): by default `reproduce-paper` leaves
     the tracked table alone; --record writes it; --out and --record exclude each other."""
-    from tuner.cli import _parser, reproduce_path
+    from tuner.cli import parser, reproduce_path
 
     root = Path(__file__).resolve().parents[1]
-    p = _parser()
+    p = parser()
     assert reproduce_path(p.parse_args(["reproduce-paper"])) == \
         root / "runs" / "bench" / "reproduce_paper" / "reproduce_paper.md"
     assert reproduce_path(p.parse_args(["reproduce-paper", "--record"])) == \

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, cast
 if TYPE_CHECKING:
     from tuner.search import Candidate
 
-__all__ = ["main"]
+__all__ = ["main", "parser", "reproduce_path"]
 
 _ROOT = Path(__file__).resolve().parents[1]  # the checkout: tracked records and runs/
 
@@ -296,7 +296,8 @@ def _measure(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The `python -m tuner` argument parser (every subcommand)."""
     from tuner.layout import PRECISION_POLICIES
 
     ap = argparse.ArgumentParser(prog="python -m tuner", description=__doc__.split("\n")[0])
@@ -427,7 +428,7 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
 def main(argv: list[str] | None = None) -> int:
     from tuner.launch import LaunchError
 
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         return args.func(args)
     except LaunchError as e:
