@@ -41,7 +41,7 @@ from _common import ROOT, add_output_args, cpu_name, git_sha, output_dir
 sys.path.insert(0, str(ROOT))
 
 from trainer.data import default_corpus_files  # noqa: E402
-from trainer.data.prepare import _available_cores, prepare  # noqa: E402
+from trainer.data.prepare import available_cores, prepare  # noqa: E402
 
 
 def _cpu() -> str:
@@ -135,9 +135,9 @@ def main(argv: list[str] | None = None) -> None:
         with jsonl.open("w") as fh:
             for f in files:
                 fh.write(json.dumps({"text": f.read_text(encoding="utf-8")}) + "\n")
-    workers = args.workers or sorted({1, _available_cores()})
+    workers = args.workers or sorted({1, available_cores()})
     common = {"bench": "tokenize", "git": git_sha(), "device": _cpu(),
-              "cores": _available_cores(), "tokenizer": str(tok_json), "mb": n_bytes / 1e6,
+              "cores": available_cores(), "tokenizer": str(tok_json), "mb": n_bytes / 1e6,
               "documents": len(files), "repeats": args.repeats,
               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     print(f"corpus: {len(files)} stdlib files, {n_bytes / 1e6:.1f} MB; tokenizer {tok_json}; "

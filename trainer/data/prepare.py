@@ -50,7 +50,7 @@ from . import SIDECAR_FORMAT, SIDECAR_VERSION, TOKEN_DTYPES, DataError, mask_pat
 from .chat import chat_ids, check_messages, load_chat_tokenizer
 from .tables import TABLE_SUFFIXES, check_table, dataset_files, is_dataset_dir, iter_rows
 
-__all__ = ["prepare", "resolve_tokenizer", "resolve_eos", "list_inputs", "main"]
+__all__ = ["available_cores", "prepare", "resolve_tokenizer", "resolve_eos", "list_inputs", "main"]
 
 UINT16_VOCAB = 1 << 16  # ids 0..65535
 BATCH_BYTES = 1 << 20  # ~1 MB of text per task: ~1 s of one core at ~250k tokens per CPU-s
@@ -339,7 +339,8 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _available_cores() -> int:
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask; the CPU count elsewhere)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -367,7 +368,7 @@ def prepare(tokenizer: str | Path, inputs: list[str], out: str | Path, field: st
             if p.exists():
                 raise DataError(f"{str(p)!r} already exists; pass --overwrite to replace it")
     if workers is None:
-        workers = _available_cores()
+        workers = available_cores()
     if workers < 1:
         raise DataError(f"--workers={workers} must be >= 1")
     if batch_bytes < 1:
@@ -524,7 +525,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eos", default=None, metavar="TOKEN",
                    help="end-of-document token (default: eos_token of tokenizer_config.json)")
     p.add_argument("--workers", type=int, default=None,
-                   help=f"processes (default: the cores available, {_available_cores()} here)")
+                   help=f"processes (default: the cores available, {available_cores()} here)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing FILE.bin")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     from .order import add_parser
