@@ -19,13 +19,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from model import cross_entropy
+
 from .common import log
 from .config import ConfigError, RunConfig
 from .grad_sync import GradSync
 from .memory import rss_peak, rss_reset_peak
 from .mesh import Mesh
 from .parallel import parallelize
-from .pipe import build_stages, ce_loss, moe_aux, split_layers
+from .pipe import build_stages, moe_aux, split_layers
 from .precision import resolve_precision
 from .setup import build_schedule
 from .zero import build_optimizer as zero_optimizer
@@ -203,7 +205,7 @@ def build_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh, model, precision,
     # under sequence parallel a stage boundary carries this TP rank's slice of the sequence
     seq = t.seq_len // mesh.tp if mesh.tp > 1 and par.sp else t.seq_len
     act_shape = (per_shard // par.microbatches, seq, mcfg.d_model)
-    runtime = pipeline.PipelineRuntime(schedule, stages, ce_loss, act_shape, group=mesh.pp_group,
+    runtime = pipeline.PipelineRuntime(schedule, stages, cross_entropy, act_shape, group=mesh.pp_group,
                                        device=device, aux_fn=moe_aux)
     return Pipeline(stages, schedule, runtime, n_stages, bounds, act_shape)
 

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+
+from model import cross_entropy
 
 from .config import ConfigError
 from .layout import LayoutError, stage_bounds, stage_rank
@@ -119,17 +120,6 @@ def build_stages(model: Any, pp: int, pp_idx: int, n_virtual: int, bounds: list[
     return stages
 
 
-def ce_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over the targets that count: -100 marks a token the data's
-    loss mask excludes (--data.loss_mask); a micro-batch with no counted token gives 0, not
-    0 / 0. Without -100 it is the plain mean (the same op as before loss masks)."""
-    flat, t = logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
-    if not bool((t == -100).any()):
-        return F.cross_entropy(flat, t)
-    return (F.cross_entropy(flat, t, ignore_index=-100, reduction="sum")
-            / (t != -100).sum().clamp(min=1))
-
-
 def moe_aux(stage: int, module: Stage, output: torch.Tensor) -> torch.Tensor | None:
     """The runtime's aux hook: the summed aux loss of the stage's MoE layers for this forward."""
     layers = module.moe_layers()
@@ -158,5 +148,5 @@ def pp_eval_forward(stages: dict[int, Stage], pp: int, n_stages: int, pp_ranks: 
                 dist.send(x.contiguous(), dst=pp_ranks[stage_rank(s + 1, pp)])
     if n_stages - 1 in stages:
         assert x is not None and targets is not None, "the last stage has the targets"
-        return float(ce_loss(x, targets))
+        return float(cross_entropy(x, targets))
     return None

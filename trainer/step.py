@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from model import cross_entropy
+
 from .common import TrainingError
 from .memory import state_bytes
-from .pipe import ce_loss
 from .replicas import replica_row_weights, sum_replica_grads
 
 __all__ = ["train_step", "forward_loss", "lr_at", "allreduce_mean", "doc_layout"]
@@ -59,7 +60,7 @@ def forward_loss(tr, tokens: torch.Tensor, targets: torch.Tensor):
     """(cross-entropy, MoE aux loss) of one unpipelined forward."""
     with tr.precision.autocast_ctx(tokens.device.type):
         logits = tr.model(tokens, doc=doc_layout(tr, tokens))
-    return ce_loss(logits, targets), tr.model.aux_loss()
+    return cross_entropy(logits, targets), tr.model.aux_loss()
 
 
 def _forward_backward(tr, tokens: torch.Tensor, targets: torch.Tensor):
