@@ -84,7 +84,7 @@ JOBS: dict[str, tuple[int, list[list[str]]]] = {
 LEGACY = {"debug.force_every": "balance.force_every", "debug.skew": "balance.skew",
           "debug.logging_ab": "train.logging_ab", "debug.fault_rank": "train.fault_rank",
           "debug.fault_nan_step": "train.fault_nan_step",
-          "debug.fault_stall_step": "train.fault_stall_step"}
+          "debug.fault_stall_step": "train.fault_stall_step", "debug.trace_data": "data.trace"}
 
 WALL_CLOCK = {"time", "mfu", "pp_idle_frac_max", "migration_seconds", "seconds"}
 

@@ -50,7 +50,7 @@ def run(tmp_path_factory, data) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("pp2ep2")
     r = run_train([*SMALL, "--data", data, f"--train.out_dir={out}", "--train.tensorboard=true",
                    "--train.memory_report=true", "--balance.enabled=true",
-                   "--balance.force_every=2", "--train.profile_steps=3,3"], nproc=4)
+                   "--debug.force_every=2", "--train.profile_steps=3,3"], nproc=4)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return out, r.stdout
 

@@ -137,7 +137,7 @@ def test_trainer_zero3_losses_migration_and_resume(tmp_path, tmp_path_factory):
 
     data = stdlib_corpus(tmp_path_factory.mktemp("d") / "c.txt", 40, 400_000)
     base = [*COMMON, "--data", data, "--parallel.ep=2", "--train.steps=8",
-            "--balance.enabled=true", "--balance.force_every=3", "--train.eval_every=4"]
+            "--balance.enabled=true", "--debug.force_every=3", "--train.eval_every=4"]
     z0 = step_losses(train_ok([*base, "--train.ckpt_every=4"], tmp_path / "z0", 4))
     z3 = train_ok([*base, "--parallel.zero=3", "--train.ckpt_every=4"], tmp_path / "z3", 4)
     _same(z0, step_losses(z3), 8, 1e-5)

@@ -13,7 +13,7 @@ owns only; ownership is decided by parameter shape and index, so the EP ranks of
 (the ranks that swap rows) own the same expert parameters: both move their rows' moments, or
 neither has any (their replica's owner keeps the whole parameter's state and moves it).
 
-`force_every` (tests and demos) swaps one expert pair per rank pair every N steps regardless of
+`force_every` (--debug.force_every, tests and demos) swaps one expert pair per rank pair every N steps regardless of
 load, so migration is exercised on every step it is asked for.
 """
 
@@ -34,10 +34,12 @@ __all__ = ["Balancer"]
 
 class Balancer:
     def __init__(self, cfg: BalanceConfig, layers: dict[str, MoELayer], ep: int, ep_group,
-                 optim: torch.optim.Optimizer, blocks: list[list[int]] | None = None) -> None:
+                 optim: torch.optim.Optimizer, blocks: list[list[int]] | None = None,
+                 force_every: int = 0) -> None:
         from balance import MigrationPolicy, Monitor
 
         self.cfg, self.layers, self.ep, self.group, self.optim = cfg, layers, ep, ep_group, optim
+        self.force_every = force_every
         self.names = list(layers)
         E = next(iter(layers.values())).expert2slot.numel()
         self.E, self.El = E, E // ep
@@ -66,7 +68,7 @@ class Balancer:
     def _forced(self, step: int) -> dict[int, list]:
         from balance import Swap
 
-        k = step // self.cfg.force_every
+        k = step // self.force_every
         plans = {}
         for i, layer in enumerate(self.layers.values()):
             slot2expert = layer.slot_map()
@@ -94,8 +96,8 @@ class Balancer:
         maps, R = self._slot_maps(), self.ep
         S = maps[0].size // R if maps else 0
         out: dict[int, tuple[np.ndarray, dict[str, float]]] = {}
-        if self.cfg.force_every:
-            if step % self.cfg.force_every:
+        if self.force_every:
+            if step % self.force_every:
                 return {}
             for i, m in enumerate(maps):
                 new = m.reshape(R, S).copy()
@@ -156,8 +158,8 @@ class Balancer:
             events = self._replace(step)
             self.events += events
             return events
-        if self.cfg.force_every:
-            plans = self._forced(step) if step % self.cfg.force_every == 0 else {}
+        if self.force_every:
+            plans = self._forced(step) if step % self.force_every == 0 else {}
             planned = {}
         else:
             plans = self.monitor.plan(step, self._e2r())

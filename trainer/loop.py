@@ -68,11 +68,11 @@ class Trainer:
         if self.hf is not None and self.resume_path is None:
             import_hf(self.model, self.hf, self.cfg.model.hf_path, self.out, self.mesh,
                       self.device)
-        if self.cfg.balance.skew:  # benchmark knob: a skewed router from step 0
+        if self.cfg.debug.skew:  # benchmark knob: a skewed router from step 0
             for layer in self.model.moe_layers():
                 E = layer.expert2slot.numel()
                 layer.router.e_score_correction_bias.copy_(
-                    -self.cfg.balance.skew * torch.log1p(torch.arange(E, dtype=torch.float32)))
+                    -self.cfg.debug.skew * torch.log1p(torch.arange(E, dtype=torch.float32)))
         # the fp32 values above become the optimizer's masters (trainer/zero.py); the model
         # keeps bf16 working weights from here on (ZeRO-3: FSDP2 casts its fp32 shards)
         self.compiled = compile_blocks(self.model) if t.compile else 0  # lazily, on 1st use
@@ -95,7 +95,7 @@ class Trainer:
         self.sync = build_grad_sync(self.cfg, self.model, self.mesh, self.device)
         self.optim = build_optimizer(self.cfg, self.model, self.sync, fp32_values)
         del fp32_values  # the masters the optimizer did not take are freed
-        self.hooks = install_faults(t, self.rank)
+        self.hooks = install_faults(self.cfg.debug, self.rank, t.timeout_s)
         self.step, self.phase, self.nonfinite_steps, self.logging = 0, "setup", 0, True
         self.balancer = None
         if self.cfg.balance.enabled and self.mesh.ep > 1 and self.model.moe_layers():
@@ -106,7 +106,8 @@ class Trainer:
                 topo = self.model.moe_layers()[0].dispatcher.topology
                 blocks = node_blocks(self.mcfg, self.mesh, topo)
             self.balancer = Balancer(self.cfg.balance, named_moe_layers(self.model), self.mesh.ep,
-                                     self.mesh.ep_group, self.optim, blocks)
+                                     self.mesh.ep_group, self.optim, blocks,
+                                     force_every=self.cfg.debug.force_every)
         self.ckpt = CheckpointManager(self)
         self.peak, self.peak_src = (t.peak_tflops * 1e12, "--train.peak_tflops") \
             if t.peak_tflops > 0 else peak_flops(self.device)
@@ -162,7 +163,7 @@ class Trainer:
         if self.rank == 0:
             truncate_jsonl(self.out / "metrics.jsonl", self.step)
             truncate_jsonl(self.out / "counts.jsonl", self.step)
-        if self.cfg.data.trace:  # each rank its own file of windows read
+        if self.cfg.debug.trace_data:  # each rank its own file of windows read
             truncate_jsonl(self.out / f"data_order.rank{self.rank}.jsonl", self.step)
         log(f"{self.mesh.describe()} | model {model_name(self.cfg)}: "
             f"{self.mcfg.num_params() / 1e6:.2f}M params ({self.mcfg.num_active_params() / 1e6:.2f}M "
@@ -177,7 +178,7 @@ class Trainer:
         end = min(t.steps, t.stop_after) if t.stop_after > 0 else t.steps
         sinks = Sinks(t, self.out, self.cfg.to_dict(), self.step, self.rank,
                       lambda msg: log(msg, self.rank))
-        writer = StepWriter(t, self.out, sinks, self.step)
+        writer = StepWriter(t, self.out, sinks, self.step, self.cfg.debug.logging_ab)
         try:
             history, last_val = self._loop(end, writer)
         finally:

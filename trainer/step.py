@@ -123,7 +123,7 @@ def _update(tr, loss: float, norm: float, lr: float, counts) -> list[dict[str, A
 
 
 def _trace_windows(tr) -> None:
-    """--data.trace: this rank's windows of the step, as `python -m trainer.data order`
+    """--debug.trace_data: this rank's windows of the step, as `python -m trainer.data order`
     prints them (step 1-based, rank = data shard)."""
     import json
     from pathlib import Path
@@ -151,11 +151,11 @@ def train_step(tr) -> dict[str, Any]:
     d = tr.cfg.data
     tokens, targets = tr.corpus.batch(tr.step, t.global_batch, t.seq_len, tr.mesh.data_idx,
                                       tr.mesh.n_data_shards, d.seed)
-    if d.trace:
+    if tr.cfg.debug.trace_data:
         _trace_windows(tr)
     tokens, targets = tokens.to(tr.device), targets.to(tr.device)
     tr.hooks.before_step(tr.step + 1)
-    tr.logging = t.layer_metrics and not (t.logging_ab and tr.step % 2)
+    tr.logging = t.layer_metrics and not (tr.cfg.debug.logging_ab and tr.step % 2)
     stats.begin(tr.logging)
     t0 = time.perf_counter()
     tr.phase = "forward/backward (MoE all-to-all, pipeline P2P)"
