@@ -182,10 +182,13 @@ def calibrate_auto(mesh: Mesh, mcfg: Any, topo):
 
 @dataclass
 class Pipeline:
-    """This rank's pipeline stages (global stage index -> Stage) and the runtime that runs them."""
+    """This rank's pipeline stages (global stage index -> Stage) and the runtimes that run
+    them: `runtime` the training schedule, `eval_runtime` the forward-only one (evaluation,
+    one micro-batch of the shard's whole batch)."""
     stages: dict
     schedule: Any
     runtime: Any
+    eval_runtime: Any
     n_stages: int
     bounds: list[int]
     act_shape: tuple[int, int, int]  # one micro-batch's activation at a stage boundary
@@ -207,7 +210,10 @@ def build_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh, model, precision,
     act_shape = (per_shard // par.microbatches, seq, mcfg.d_model)
     runtime = pipeline.PipelineRuntime(schedule, stages, cross_entropy, act_shape, group=mesh.pp_group,
                                        device=device, aux_fn=moe_aux)
-    return Pipeline(stages, schedule, runtime, n_stages, bounds, act_shape)
+    evaluation = pipeline.PipelineRuntime(pipeline.forward_only(mesh.pp, 1, par.n_virtual), stages,
+                                          cross_entropy, (per_shard, seq, mcfg.d_model),
+                                          group=mesh.pp_group, device=device)
+    return Pipeline(stages, schedule, runtime, evaluation, n_stages, bounds, act_shape)
 
 
 def apply_tp(cfg: RunConfig, model, mesh: Mesh, device: torch.device) -> None:

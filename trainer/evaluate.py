@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from .pipe import pp_eval_forward
 from .step import allreduce_mean, forward_loss
 
 __all__ = ["evaluate"]
@@ -20,13 +19,13 @@ def evaluate(tr) -> float:
         tokens, targets = tr.corpus.batch(v, t.global_batch, t.seq_len, tr.mesh.data_idx,
                                           tr.mesh.n_data_shards, tr.cfg.data.seed, "val")
         tokens, targets = tokens.to(tr.device), targets.to(tr.device)
-        if tr.pipe is not None:
+        if tr.pipe is not None:  # the forward-only schedule, one micro-batch
+            first, last = 0 in tr.pipe.stages, tr.pipe.n_stages - 1 in tr.pipe.stages
             tr.queue_docs([tokens])
-            ce = pp_eval_forward(tr.pipe.stages, tr.mesh.pp, tr.pipe.n_stages,
-                                 tr.mesh.pp_ranks(), tokens, targets,
-                                 (tokens.shape[0], *tr.pipe.act_shape[1:]), tr.device)
+            losses = tr.pipe.eval_runtime.step([tokens] if first else None,
+                                               [targets] if last else None)
             tr.check_docs_used()
-            total += ce or 0.0
+            total += float(losses[0]) if losses else 0.0
         else:
             ce, _ = forward_loss(tr, tokens, targets)
             total += float(ce)
