@@ -151,6 +151,7 @@ def run_job(code: Path, name: str, nproc: int, invocations: list[list[str]], out
 def record(code: Path, out: Path, jobs: list[str]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     legacy = not _has_debug_section(code)
+    sys.path.insert(0, str(code))  # the corpus helper of the code under test
     data = corpus(out / "corpus.txt")
     result: dict[str, Any] = {"code": str(code), "jobs": {}}
     for name in jobs:
