@@ -9,7 +9,9 @@
     y = unpermute(y_sorted, topk_w, meta) (+ shared_experts(x))
 
 Single process: `LocalDispatcher` is the identity and this process holds all E slots. The
-trainer swaps `dispatcher` for an all-to-all one and shrinks `experts` to its E_local slots.
+trainer swaps `dispatcher` for an all-to-all one (`comm.ep.EPDispatcher`) and shrinks `experts`
+to its E_local slots. Both implement the `comm.ep.Dispatcher` Protocol (this package does not
+import comm: LocalDispatcher satisfies it by shape; tests/test_model_moe.py checks it).
 
 Shape legend: B batch, S sequence, T = B*S tokens, D model, F expert ffn, E experts (slots),
 K top-k, M rows after dispatch.
@@ -111,15 +113,25 @@ class GroupedExperts(nn.Module):
 
 
 class LocalDispatcher:
-    """Single-process dispatcher: every slot is local, so dispatch and combine are identities."""
+    """Single-process dispatcher (`comm.ep.Dispatcher`): every slot is local, so dispatch and
+    combine are identities and there are no exchanges to report."""
+
+    pipelined = False
 
     def dispatch(
         self, x_sorted: torch.Tensor, counts_E: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         return x_sorted, counts_E, None
 
-    def combine(self, y_sorted: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return y_sorted
+    def combine(self, y_loc: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return y_loc
+
+    def moe_forward(self, layer: Any, x_TD: torch.Tensor, slot_idx: torch.Tensor,
+                    topk_w: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("LocalDispatcher is not pipelined: MoELayer runs dispatch/combine")
+
+    def take_stats(self) -> None:
+        return None
 
 
 class MoELayer(nn.Module):
@@ -241,10 +253,9 @@ class MoELayer(nn.Module):
         y = self._routed(sp.scatter(x_BSD) if split else x_BSD)
         if split:
             y = sp.gather(y)
-        # a pipelined dispatcher (trainer/ep_pipeline.py) ran the shared experts itself, beside
+        # a pipelined dispatcher (comm/ep/pipeline.py) ran the shared experts itself, beside
         # its exchanges (it is refused with tensor parallel: trainer/setup.py)
-        pipelined = getattr(self.dispatcher, "pipelined", False)
-        if self.shared_experts is not None and not pipelined:  # on [B, S, D]: the sequence
+        if self.shared_experts is not None and not self.dispatcher.pipelined:  # on [B, S, D]: the sequence
             shared = self.shared_experts(x_BSD)  # dim stays visible to tensor parallel
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x_BSD)) * shared
@@ -262,16 +273,27 @@ class MoELayer(nn.Module):
             slot_idx = replica_slots(topk_idx, self.rep_slots, self.n_rep)
         else:
             slot_idx = self.expert2slot[topk_idx]
-        if getattr(self.dispatcher, "pipelined", False):
+        if self.dispatcher.pipelined:
             # the dispatcher runs the whole expert path, shared experts included: chunked and
-            # overlapped with its exchanges, or deduplicated (trainer/ep_pipeline.py)
+            # overlapped with its exchanges, or deduplicated (comm/ep/pipeline.py)
             return self.dispatcher.moe_forward(self, x_TD, slot_idx, topk_w).view(B, S, D)
-        x_sorted, counts, meta = permute(x_TD, slot_idx, self.n_slots)
+        x_sorted, counts, meta = self.sort_rows(x_TD, slot_idx)
         x_loc, counts_loc, ctx = self.dispatcher.dispatch(x_sorted, counts)
         y_loc = self.experts(x_loc, counts_loc)
         y_sorted = self.dispatcher.combine(y_loc, ctx)
-        y = unpermute(y_sorted, topk_w.to(y_sorted.dtype), meta)
+        y = self.unsort_rows(y_sorted, topk_w.to(y_sorted.dtype), meta)
         return y.view(B, S, D)
+
+    def sort_rows(self, x_TD: torch.Tensor, slot_idx: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """One row per (token, choice) grouped by slot [T*K, D], the counts per slot [n_slots],
+        and what `unsort_rows` needs (kernels.permute)."""
+        return permute(x_TD, slot_idx, self.n_slots)
+
+    def unsort_rows(self, y_sorted: torch.Tensor, topk_w: torch.Tensor, meta: Any
+                    ) -> torch.Tensor:
+        """The weighted sum per token [T, D] of its choices' rows (kernels.unpermute)."""
+        return unpermute(y_sorted, topk_w, meta)
 
     def shared_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The shared experts' output [T, D] (gated per token when the model has the gate)."""

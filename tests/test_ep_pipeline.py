@@ -64,7 +64,7 @@ def _grads(layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def _worker(rank: int, world: int, group, algorithm: str, overlap: str, chunks: int,
             spread: bool, n_slots: int, permute_slots: bool) -> dict:
-    from trainer.parallel import EPDispatcher
+    from comm.ep import EPDispatcher
 
     torch.set_default_dtype(torch.float64)
     # two nodes of two ranks; "spread" interleaves them (node = rank % 2)
@@ -102,7 +102,8 @@ def _worker(rank: int, world: int, group, algorithm: str, overlap: str, chunks: 
     with torch.no_grad():
         idx, _, _ = ref.router.route(xs[rank])
         slots = ref.expert2slot[idx] if not ref.replicated else None
-    out = {"remote_rows": disp.remote_rows, "flat_remote_rows": disp.flat_remote_rows}
+    sent = disp.take_stats()
+    out = {"remote_rows": sent.remote_rows, "flat_remote_rows": sent.flat_remote_rows}
     if slots is not None:
         out["distinct"] = distinct_remote_pairs(slots, El, topo, rank)
         node = topo.rank2node

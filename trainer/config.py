@@ -98,7 +98,7 @@ class CommConfig:
                         "flat, halo, dedup, auto")
     a2a_overlap: str = opt("none", "the expert all-to-all overlapped with compute: layer = "
                                    "shared experts beside the dispatch, rows in a2a_chunks "
-                                   "chunks pipelined (trainer/ep_pipeline.py); auto = layer "
+                                   "chunks pipelined (comm/ep/pipeline.py); auto = layer "
                                    "where the EP group spans nodes", "none, layer, auto")
     a2a_chunks: str = opt("auto", "chunks of the layer pipeline", "an int >= 1, or auto")
     route_groups: str = opt("none", "node: the model's routing groups (--model.n_group, a "

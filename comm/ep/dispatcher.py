@@ -1,11 +1,7 @@
-"""Apply expert parallelism to a rank-agnostic `model.MoETransformer` (gradient averaging over
-the replica groups: trainer/grad_sync.py).
-
-Order of application (fixed):
-  1. every rank builds the full model from the same seed (so initial weights equal a 1-process run),
-  2. each MoE layer keeps only the expert slots of its EP rank: slots [ep_idx*E_l, (ep_idx+1)*E_l)
-     of the global slot space (logical expert e lives in slot expert2slot[e]),
-  3. its dispatcher is replaced by an `EPDispatcher` over the mesh's EP group.
+"""`EPDispatcher`: a MoE layer's rows to the EP ranks holding their slots and back (the
+`comm.ep.Dispatcher` of a layer whose experts are sharded over an EP group; installed by
+`trainer.parallel.parallelize`). Logical expert e lives in global slot expert2slot[e]; rank
+r holds slots [r*E_l, (r+1)*E_l).
 
 Shape legend: T tokens, D model, E experts (global slots), E_l = E / ep local slots, R = ep ranks.
 """
@@ -17,18 +13,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.autograd.profiler import record_function
 
-from model import MoETransformer
+import comm
+from comm.ep.protocol import ExchangeStats, ExpertLayer
 
-from .mesh import Mesh, MeshError, valid_divisors
-
-__all__ = ["EPDispatcher", "parallelize", "is_expert_param"]
-
-
-def is_expert_param(name: str) -> bool:
-    return ".experts." in name or name.startswith("experts.")
+__all__ = ["EPDispatcher"]
 
 
 class EPDispatcher:
@@ -44,8 +34,8 @@ class EPDispatcher:
     def __init__(self, group, ep: int, num_slots: int, algorithm: str = "flat", topology=None,
                  cost_model=None, overlap: str = "none", chunks: int = 1):
         if num_slots % ep:
-            raise MeshError(f"ep={ep} does not divide {num_slots} experts; valid ep: "
-                            f"{valid_divisors(num_slots)}")
+            valid = [d for d in range(1, num_slots + 1) if num_slots % d == 0]
+            raise ValueError(f"ep={ep} does not divide {num_slots} experts; valid ep: {valid}")
         if overlap not in ("none", "layer"):
             raise ValueError(f"overlap={overlap!r}; valid: none, layer")
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
@@ -54,42 +44,43 @@ class EPDispatcher:
         self.local = num_slots // ep
         self.algorithm, self.topology = algorithm, topology
         if algorithm == "dedup" and topology is None:  # one node: nothing crosses, no relay
-            from comm import Topology
-
-            self.topology = Topology.uniform(1, ep)
+            self.topology = comm.Topology.uniform(1, ep)
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         # comm.CostModel for "auto"; None only where auto runs on one node (it is flat there):
         # across nodes comm refuses auto without a model (calibrate / from_platform / emulator)
         self.cost_model = cost_model
-        # --comm.a2a_overlap / a2a_chunks: "layer" runs trainer.ep_pipeline's chunk pipeline
+        # --comm.a2a_overlap / a2a_chunks: "layer" runs comm.ep.pipeline's chunk pipeline
         self.overlap, self.chunks = overlap, chunks if overlap == "layer" else 1
-        # wall seconds this rank spent inside forward exchanges since the last reset: with
-        # uneven expert loads it is dominated by waiting for the most-loaded rank. In the
-        # pipeline: the seconds the forward blocked waiting for rows (the exposed part).
-        self.exchange_s = 0.0
-        # forward dispatch rows (and bytes) this rank sent to ranks on other nodes since the
-        # last reset, and the rows a flat dispatch would have sent (one per (token, slot))
-        self.remote_rows = 0
-        self.remote_bytes = 0
-        self.flat_remote_rows = 0
+        # this step's forward exchanges so far (returned and restarted by take_stats)
+        self.stats = self._fresh_stats()
         self.handles: list = []  # the pipeline's exchanges of the running forward
+
+    def _fresh_stats(self) -> ExchangeStats:
+        return ExchangeStats(spans_nodes=self.topology is not None
+                             and self.topology.num_nodes > 1)
+
+    def take_stats(self) -> ExchangeStats:
+        """The forward exchanges since the last call (`comm.ep.ExchangeStats`); counting
+        starts afresh."""
+        out, self.stats = self.stats, self._fresh_stats()
+        return out
 
     @property
     def pipelined(self) -> bool:
         """Whether `model.moe.MoELayer` hands its whole expert path to `moe_forward`."""
         return self.overlap != "none" or self.algorithm == "dedup"
 
-    def moe_forward(self, layer, x_TD: torch.Tensor, slot_idx: torch.Tensor,
+    def moe_forward(self, layer: ExpertLayer, x_TD: torch.Tensor, slot_idx: torch.Tensor,
                     topk_w: torch.Tensor) -> torch.Tensor:
-        """Routed (+ shared) experts' output [T, D]: trainer.ep_pipeline."""
-        from .ep_pipeline import moe_forward
+        """Routed (+ shared) experts' output [T, D]: comm.ep.pipeline."""
+        from comm.ep.pipeline import moe_forward
 
         self.handles = []
         try:
             with record_function("ep.pipeline"):
                 return moe_forward(self, layer, x_TD, slot_idx, topk_w)
         finally:
-            self.exchange_s += sum(h.waited_s for h in self.handles)
+            self.stats.exchange_s += sum(h.waited_s for h in self.handles)
             self.handles = []
 
     def remote_pair_rows(self, counts: list[int]) -> int:
@@ -101,8 +92,6 @@ class EPDispatcher:
         return sum(sum(counts[r * El:(r + 1) * El]) for r in range(self.ep) if node[r] != me)
 
     def dispatch(self, x_sorted: torch.Tensor, counts_E: torch.Tensor):
-        import comm  # the trainer wires packages together; model/ never imports comm
-
         R, El = self.ep, self.local
         counts_RE = counts_E.to(torch.int64).reshape(R, El)
         in_splits = counts_RE.sum(1).tolist()
@@ -118,13 +107,13 @@ class EPDispatcher:
         if self.topology is not None:
             node = self.topology.rank2node
             remote = sum(n for r, n in enumerate(in_splits) if node[r] != node[self.rank])
-            self.remote_rows += remote
-            self.remote_bytes += remote * row_bytes
-            self.flat_remote_rows += remote
+            self.stats.remote_rows += remote
+            self.stats.remote_bytes += remote * row_bytes
+            self.stats.flat_remote_rows += remote
         t0 = time.perf_counter()
         with record_function("ep.dispatch_all_to_all"):  # named range in profiler traces
             y, _ = comm.all_to_all(x_sorted, in_splits, self.group, plan=plan)
-        self.exchange_s += time.perf_counter() - t0
+        self.stats.exchange_s += time.perf_counter() - t0
         # rows arrive source-major: block (s, j) starts at starts_SE[s, j]. Output is slot-major:
         # blocks in (j, s) order; position p of output block b reads starts[b] + (p - out_start[b]).
         lens = recv_SE.flatten()
@@ -139,8 +128,6 @@ class EPDispatcher:
         return x_loc, counts_loc.to(counts_E.device), (order, plan)
 
     def combine(self, y_loc: torch.Tensor, ctx):
-        import comm
-
         order, plan = ctx
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)
@@ -148,29 +135,5 @@ class EPDispatcher:
         t0 = time.perf_counter()
         with record_function("ep.combine_all_to_all"):
             back, _ = comm.all_to_all(y_src, plan.out_splits, self.group, plan=plan.reverse())
-        self.exchange_s += time.perf_counter() - t0
+        self.stats.exchange_s += time.perf_counter() - t0
         return back
-
-
-def parallelize(model: MoETransformer, mesh: Mesh, alltoall: str = "flat", topology=None,
-                cost_model=None, redundant: int = 0, overlap: str = "none",
-                chunks: int = 1) -> MoETransformer:
-    """Shard the experts of every MoE layer over the mesh's EP group (in place); with
-    `redundant` = r > 0 every EP rank hosts E / ep + r slots (trainer/replicas.py)."""
-    if mesh.ep == 1:
-        return model
-    from .replicas import initial_slot_map
-
-    for layer in model.moe_layers():
-        if redundant:
-            layer.resize_slots(initial_slot_map(layer.num_experts, mesh.ep, redundant))
-        disp = EPDispatcher(mesh.ep_group, mesh.ep, layer.n_slots, alltoall, topology,
-                            cost_model, overlap, chunks)
-        lo, hi = mesh.ep_idx * disp.local, (mesh.ep_idx + 1) * disp.local
-        ex = layer.experts
-        for name in ("w1", "w2", "w3"):
-            full = getattr(ex, name)
-            setattr(ex, name, nn.Parameter(full.detach()[lo:hi].clone()))
-        ex.first_slot = lo
-        layer.dispatcher = disp
-    return model
