@@ -74,9 +74,11 @@ def _worker(rank: int, world: int, group, algorithm: str, overlap: str, chunks: 
     ref = _layer(CFG, n_slots)
     ep = _layer(CFG, n_slots)
     if permute_slots:  # a migration: experts moved to other slots (and ranks)
-        perm = torch.tensor([3, 6, 0, 7, 1, 4, 2, 5])
+        perm = torch.tensor([3, 6, 0, 7, 1, 4, 2, 5])  # expert e -> slot perm[e]
+        slots = torch.empty_like(perm)
+        slots[perm] = torch.arange(8)
         for lay in (ref, ep):
-            lay.expert2slot.copy_(perm)
+            lay.set_slots(slots)
             with torch.no_grad():
                 for name in ("w1", "w2", "w3"):
                     w = getattr(lay.experts, name)

@@ -150,7 +150,10 @@ def test_expert2slot_remap_keeps_output() -> None:
             moved = torch.empty_like(w)
             moved[perm] = w
             w.copy_(moved)
-        layer.expert2slot.copy_(perm)
+        slots = torch.empty_like(perm)
+        slots[perm] = torch.arange(GROUPED.n_routed_experts)
+        layer.set_slots(slots)  # the slot map: slot perm[e] holds expert e
+    assert torch.equal(layer.expert2slot, perm)
     torch.testing.assert_close(layer(x), want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(reference_moe(layer, GROUPED, x), want, atol=1e-5, rtol=1e-5)
 

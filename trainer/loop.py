@@ -69,7 +69,7 @@ class Trainer:
                       self.device)
         if self.cfg.debug.skew:  # benchmark knob: a skewed router from step 0
             for layer in self.model.moe_layers():
-                E = layer.expert2slot.numel()
+                E = layer.num_experts
                 layer.router.e_score_correction_bias.copy_(
                     -self.cfg.debug.skew * torch.log1p(torch.arange(E, dtype=torch.float32)))
         # the fp32 values above become the optimizer's masters (trainer/zero.py); the model

@@ -4,7 +4,7 @@ the replica groups: trainer/grad_sync.py).
 Order of application (fixed):
   1. every rank builds the full model from the same seed (so initial weights equal a 1-process run),
   2. each MoE layer keeps only the expert slots of its EP rank: slots [ep_idx*E_l, (ep_idx+1)*E_l)
-     of the global slot space (logical expert e lives in slot expert2slot[e]),
+     of the global slot space (slot g holds logical expert slot_map()[g]),
   3. its dispatcher is replaced by a `comm.ep.EPDispatcher` over the mesh's EP group.
 
 Shape legend: E experts (global slots), E_l = E / ep local slots.
