@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -108,26 +107,6 @@ def _spell(args: list[str], legacy: bool) -> list[str]:
     return out
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def corpus(path: Path, n_bytes: int = 200_000) -> Path:
-    """The first `n_bytes` of the standard library's sources, sorted (the default corpus)."""
-    from trainer.data import default_corpus_files
-
-    if not path.exists():
-        data = b""
-        for f in default_corpus_files():
-            data += f.read_bytes()
-            if len(data) >= n_bytes:
-                break
-        path.write_bytes(data[:n_bytes])
-    return path
-
-
 def run_job(code: Path, name: str, nproc: int, invocations: list[list[str]], out: Path,
             data: Path, legacy: bool) -> list[dict[str, Any]]:
     job_dir = out / name
@@ -136,9 +115,8 @@ def run_job(code: Path, name: str, nproc: int, invocations: list[list[str]], out
     for args in invocations:
         argv = [*_spell(args, legacy), *COMMON, "--data", str(data),
                 f"--train.out_dir={job_dir}"]
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                  "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-                  "--master-port", str(_port())] if nproc > 1 else [sys.executable]
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
         r = subprocess.run([*launch, str(code / "train.py"), *argv], cwd=code, env=env,
                            capture_output=True, text=True, timeout=900)
         if r.returncode != 0:
@@ -152,7 +130,9 @@ def record(code: Path, out: Path, jobs: list[str]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     legacy = not _has_debug_section(code)
     sys.path.insert(0, str(code))  # the corpus helper of the code under test
-    data = corpus(out / "corpus.txt")
+    from tuner.launch import small_corpus  # the first 200 kB of the stdlib sources
+
+    data = small_corpus(out / "corpus.txt", 200_000)
     result: dict[str, Any] = {"code": str(code), "jobs": {}}
     for name in jobs:
         nproc, invocations = JOBS[name]
