@@ -117,6 +117,7 @@ class LocalDispatcher:
     combine are identities and there are no exchanges to report."""
 
     pipelined = False
+    ep, group, topology = 1, None, None  # every slot on this process
 
     def dispatch(
         self, x_sorted: torch.Tensor, counts_E: torch.Tensor

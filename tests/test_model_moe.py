@@ -135,6 +135,7 @@ def test_both_dispatchers_implement_the_declared_protocol() -> None:
             want = list(inspect.signature(getattr(Dispatcher, name)).parameters)[1:]
             assert list(inspect.signature(getattr(d, name)).parameters) == want, name
     assert local.pipelined is False and local.take_stats() is None
+    assert (local.ep, local.group, local.topology) == (1, None, None) and ep.ep == 2
     ep.stats.exchange_s, ep.stats.remote_rows = 0.5, 3
     assert ep.take_stats() == ExchangeStats(exchange_s=0.5, remote_rows=3)
     assert ep.take_stats() == ExchangeStats()

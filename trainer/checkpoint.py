@@ -79,11 +79,9 @@ def _expert_rows(model: MoETransformer) -> dict[str, list[tuple[int, int]]]:
 
 
 def _slot_offset(layer: MoELayer, E: int, El: int) -> int:
-    disp = layer.dispatcher
     if El == E:
         return 0
-    group = getattr(disp, "group", None)
-    return dist.get_rank(group) * El
+    return dist.get_rank(layer.dispatcher.group) * El
 
 
 def _weights(p: nn.Parameter, st: dict, load: bool) -> torch.Tensor | None:
@@ -293,7 +291,7 @@ def _restore_placement(path: Path, name: str, layer: MoELayer, saved: Any,
         except ValueError as e:
             raise CheckpointError(str(e)) from None
         if layer.replicated and len(slots) == layer.n_slots and \
-                saved_ep == getattr(layer.dispatcher, "ep", 1):
+                saved_ep == layer.dispatcher.ep:
             layer.set_slots(slots)
         return
     if saved is None or len(saved) != E:

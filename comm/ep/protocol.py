@@ -60,6 +60,21 @@ class Dispatcher(Protocol):
     """The seam between a MoE layer and where its expert slots live."""
 
     @property
+    def ep(self) -> int:
+        """Processes the layer's slots are spread over (1: all here)."""
+        ...
+
+    @property
+    def group(self) -> Any:
+        """Their process group (None: one process)."""
+        ...
+
+    @property
+    def topology(self) -> Any:
+        """Where the group's ranks sit (a `comm.Topology`; None: one process or not known)."""
+        ...
+
+    @property
     def pipelined(self) -> bool:
         """True: the layer hands its whole expert path (shared experts included) to
         `moe_forward`; False: it calls dispatch -> its experts -> combine itself."""
