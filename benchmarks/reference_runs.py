@@ -1,7 +1,8 @@
 """Reference runs: a handful of short, deterministic train.py jobs on the CPU (gloo) whose
 per-step metrics, wall-clock fields removed, must stay bitwise identical across a refactor.
 
-    # record: every job, into DIR/reference.json (plus each job's metrics.jsonl)
+    # record: every job, into DIR/reference.json (plus each job's metrics.jsonl; default DIR:
+    # runs/bench/reference_runs/)
     flock /tmp/piper-cpu.lock python benchmarks/reference_runs.py --out /tmp/ref_after
     # run another checkout's code (its train.py, with PYTHONPATH set to it)
     python benchmarks/reference_runs.py --code /work/main --out /tmp/ref_before
@@ -35,12 +36,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import ROOT, add_output_args, output_dir, print_written
 
 COMMON = ["--train.seq_len=32", "--train.global_batch=8", "--train.eval_every=0",
           "--train.eval_batches=2", "--optim.warmup_steps=2", "--train.plot=false",
@@ -186,17 +186,21 @@ def compare(a: Path, b: Path) -> int:
     return 1 if bad else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--code", type=Path, default=ROOT,
                    help="checkout whose train.py runs, with PYTHONPATH set to it (default: this one)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="folder for the record (default: a new temporary folder)")
     p.add_argument("--jobs", default=",".join(JOBS),
                    help=f"comma-separated subset of: {', '.join(JOBS)}")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"),
                    help="compare two records (folders or reference.json files); exit 1 if unequal")
+    add_output_args(p, "reference_runs")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.compare:
         return compare(*args.compare)
@@ -204,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [j for j in jobs if j not in JOBS]
     if bad:
         p.error(f"unknown job(s) {', '.join(bad)}; valid: {', '.join(JOBS)}")
-    out = args.out or Path(tempfile.mkdtemp(prefix="piper-ref-"))
+    out = output_dir(args)
     record(args.code.resolve(), out.resolve(), jobs)
+    print_written(out)
     return 0
 
 
