@@ -48,7 +48,7 @@ def opt(default: Any, help: str, valid: str, *, factory: Any = None) -> Any:
 @dataclass
 class ModelSection:
     preset: str = opt("tiny", "model preset (model/presets.py); ignored with hf_path",
-                      "a preset name, e.g. tiny, mixtral-8x7b, qwen3-235b-a22b, deepseek-v3")
+                      "a name of model.presets.names()")
     hf_path: str = opt("", "a Hugging Face checkpoint folder (config.json + *.safetensors): the "
                            "architecture from its config.json, the initial weights from its "
                            "tensors (each rank reads what it holds); other [model] fields still "
@@ -402,6 +402,11 @@ def _help() -> str:
                 lines.append("  --model.<field>=VALUE  " + f.metadata["help"]
                              + f"; valid: {f.metadata['valid']}")
                 continue
+            valid = f.metadata["valid"]
+            if name == "model" and f.name == "preset":
+                from model import presets
+
+                valid += ": " + ", ".join(presets.names())
             lines.append(f"  --{name}.{f.name}={json.dumps(getattr(sec, f.name))}  {f.metadata['help']}; "
-                         f"valid: {f.metadata['valid']}")
+                         f"valid: {valid}")
     return "\n".join(lines)
