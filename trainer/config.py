@@ -63,7 +63,7 @@ class ParallelConfig:
     pp: int = opt(1, "pipeline-parallel degree (stages over ranks)", "int >= 1")
     ep: int = opt(1, "expert-parallel degree (each MoE layer's experts split over ep ranks)",
                   "int >= 1 dividing the number of experts")
-    dp: int = opt(0, "data-parallel degree", "0 (= world / (pp * tp * ep)) or int >= 1")
+    dp: int = opt(0, "data-parallel degree", "0 (= world / (pp * ep); EP folds over TP) or int >= 1")
     schedule: str = opt("1f1b", "pipeline schedule (with pp > 1; validated with pp = 1 too)",
                         "gpipe, 1f1b, interleaved-1f1b, zb-h1")
     microbatches: int = opt(1, "micro-batches per step: pipeline micro-batches with pp > 1, "
@@ -116,7 +116,7 @@ class DataConfig:
                                                    'library sources), a file, a folder, a '
                                                    'tokenized .bin, Parquet/Arrow')
     val_fraction: float = opt(0.005, "share of the tokens held out for validation",
-                              "0 < x < 1")
+                              "0 < x < 0.5")
     seed: int = opt(1234, "seed of the window order and the train/validation split", "any int")
     doc_mask: bool = opt(False, "attention stays inside each document of a packed window (EOS "
                                 "ends one) and RoPE positions restart per document; needs a "
@@ -154,7 +154,7 @@ class BalanceConfig:
                                 "window exceeds this", ">= 1")
     window: int = opt(10, "steps of expert counts the policy averages", "int >= 1")
     cooldown: int = opt(20, "steps between two migrations of a layer", "int >= 0")
-    max_swaps: int = opt(8, "expert swaps per migration at most", "int >= 1")
+    max_swaps: int = opt(8, "expert swaps per migration at most", "int >= 0")
     method: str = opt("default", "swap planner", "default (= minmax), minmax, hill-climb, "
                                                  "greedy-repack")
     redundant: int = opt(0, "redundant expert slots per EP rank (issue 20): each rank hosts "
