@@ -65,7 +65,7 @@ def test_migration_keeps_losses_and_resumes(tmp_path, small_data):
     checkpoint resume in the middle (the placement is restored from the checkpoint)."""
     base = ["--parallel.ep=2", "--train.steps=10", "--comm.alltoall=flat"]
     plain = step_losses(_run(tmp_path, "plain", 2, base, small_data))
-    mig = [*base, "--balance.enabled=true", "--balance.force_every=2"]
+    mig = [*base, "--balance.enabled=true", "--debug.force_every=2"]
     out = tmp_path / "mig"
     _run(tmp_path, "mig", 2, [*mig, "--train.stop_after=5"], small_data)
     meta = json.loads((out / "checkpoints" / "step_00000005" / "meta.json").read_text())
