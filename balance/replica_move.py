@@ -1,4 +1,5 @@
-"""Replica placement executor: change an EP group's slot map, moving expert rows with it.
+"""The placement executor: change an EP group's slot map, moving expert rows with it (replica
+re-placement, and migration's swaps once :func:`balance.swap_slots` made them a new map).
 
 A slot map ``slot2expert [R * S]`` (see :mod:`balance.replicas`) says which logical expert each
 global slot holds; slot ``g`` is row ``g % S`` of rank ``g // S``'s per-slot tensors (a layer's

@@ -6,7 +6,7 @@ The default job (configs/tiny.toml: PP=2 x EP=2 on 4 CPU processes, seq_len 256,
         per-layer table gathered from both stages, the "layers" rows, the TensorBoard event)
   off   neither (metrics.jsonl and the progress line as always; the EP-imbalance all-reduce)
 
---mode ab (default): in ONE run, on and off alternate step by step (`--train.logging_ab`:
+--mode ab (default): in ONE run, on and off alternate step by step (`--debug.logging_ab`:
 odd steps on, even steps off), so both see the same machine load; a shared CPU whose
 neighbours come and go makes separate runs differ by far more than 2 % (--mode runs shows it).
 Per step after --skip warm-up steps: cycle = step_time_s (the training step, including the
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = {"on": ["--train.tensorboard=true", "--train.layer_metrics=true"],
          "off": ["--train.tensorboard=false", "--train.layer_metrics=false"],
          "ab": ["--train.tensorboard=true", "--train.layer_metrics=true",
-                "--train.logging_ab=true"]}
+                "--debug.logging_ab=true"]}
 
 
 def _run(out: Path, steps: int, mode: str) -> list[dict]:

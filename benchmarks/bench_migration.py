@@ -1,7 +1,7 @@
 """Expert migration and replication on a skewed CPU training run (EP=4): do they cut the wait?
 
 Four runs of the same job on 4 processes (EP=4, tiny preset: 8 experts, 2 per rank), with the
-router skewed by a fixed selection bias (`--balance.skew`, hot experts 0 and 1 both on EP rank 0
+router skewed by a fixed selection bias (`--debug.skew`, hot experts 0 and 1 both on EP rank 0
 at the start) and no aux loss:
   static       r=0, no migration
   migrate      r=0, balance.enabled: swaps (threshold/window/cooldown below)
@@ -56,7 +56,7 @@ def _run(out: Path, steps: int, skew: float, redundant: int, migrate: bool) -> l
             "train.py", "--config", "configs/tiny-ep-dp.toml", f"--train.out_dir={out}",
             f"--train.steps={steps}", "--train.eval_every=0", "--train.eval_batches=1",
             "--train.plot=false", "--parallel.ep=4", "--model.aux_loss_coef=0",
-            "--model.moe_ffn_dim=1024", f"--balance.skew={skew}", "--comm.alltoall=flat",
+            "--model.moe_ffn_dim=1024", f"--debug.skew={skew}", "--comm.alltoall=flat",
             f"--balance.redundant={redundant}"]
     if migrate:
         args += ["--balance.enabled=true", "--balance.threshold=1.1", "--balance.window=4",

@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -60,7 +59,7 @@ LAYOUTS = {"dp2": (2, 1, _LEVELS), "dp4": (4, 1, _LEVELS),
 
 def _worker(rank: int, world: int, _group, ep: int, names: list[str], steps: int, warmup: int,
             d_model: int, batch: int, seq: int) -> dict:
-    from model import MoETransformer, presets
+    from model import MoETransformer, cross_entropy, presets
     from trainer.grad_sync import GradSync
     from trainer.memory import SavedTensorMeter, state_bytes, tensor_bytes
     from trainer.mesh import Mesh
@@ -103,8 +102,7 @@ def _worker(rank: int, world: int, _group, ep: int, names: list[str], steps: int
             r["meter"].reset_peak()
             with r["meter"], torch.autocast("cpu", dtype=torch.bfloat16, enabled=r["bf16"]):
                 logits = model(tokens[:, :-1])
-            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                 tokens[:, 1:].reshape(-1))
+            ce = cross_entropy(logits, tokens[:, 1:])
             (ce + model.aux_loss()).backward()
             sync.finish()
             sync.clip(1.0)
@@ -162,7 +160,7 @@ def _compile_worker(rank: int, world: int, _group, steps: int, d_model: int, bat
     """One process: the same model eager and with --train.compile's regions compiled
     (trainer/compile.py), taking turns step by step; the first step of each is timed apart
     (compile time = the compiled first step minus the eager first step)."""
-    from model import MoETransformer, presets
+    from model import MoETransformer, cross_entropy, presets
     from trainer.compile import compile_blocks, graph_count
 
     torch.set_num_threads(1)
@@ -182,7 +180,7 @@ def _compile_worker(rank: int, world: int, _group, steps: int, d_model: int, bat
         for r in runs.values():
             t0 = time.perf_counter()
             logits = r["model"](tokens[:, :-1])
-            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            ce = cross_entropy(logits, tokens[:, 1:])
             (ce + r["model"].aux_loss()).backward()
             r["opt"].step()
             r["opt"].zero_grad(set_to_none=True)

@@ -6,14 +6,14 @@ and the step):
                 --train.resume=auto continues from the newest complete checkpoint
   kill-in-save  kill -9 one worker while checkpoint step_K is being written (its .tmp folder
                 exists); the half-written folder must never be picked up
-  stall         one rank sleeps at step K (--train.fault_stall_step); with a short
+  stall         one rank sleeps at step K (--debug.fault_stall_step); with a short
                 --train.timeout_s its peers must fail with an error naming rank and step
   nan-skip      rank R's loss and one gradient become NaN at step K, policy skip: the step is
                 skipped and logged, training continues with finite losses
   nan-stop      the same with policy stop: the run stops with an error naming the step
-  one-expert    --balance.skew=50 --model.top_k=1: every token goes to expert 0, so EP rank 1
+  one-expert    --debug.skew=50 --model.top_k=1: every token goes to expert 0, so EP rank 1
                 gets zero tokens every step; losses must equal a 1-process run of that config
-  zero-tokens   --balance.skew=50 (top-2): every token goes to experts 0-1 (EP rank 0); EP rank 1
+  zero-tokens   --debug.skew=50 (top-2): every token goes to experts 0-1 (EP rank 0); EP rank 1
                 gets zero tokens for every step; same check
 Outcomes:
   recovered     exit 0, per-step losses identical (rel 1e-6) to the unfaulted run of the same
@@ -79,7 +79,7 @@ SMALL = ["--config", str(ROOT / "configs" / "tiny.toml"), "--train.seq_len=32",
          "--train.timeout_s=60"]
 LAYOUT = ["--parallel.pp=2", "--parallel.ep=2", "--parallel.microbatches=2"]
 NPROC = 4
-SKEW = ["--balance.skew=50"]  # -50*ln(1+e): experts >= 2 never chosen (docs/reference.md 1.4)
+SKEW = ["--debug.skew=50"]  # -50*ln(1+e): experts >= 2 never chosen (docs/reference.md 1.4)
 SAME_LAYOUT_REL = 1e-6  # same layout, same summation order: only resume exactness is tested
 OTHER_LAYOUT_REL = 2e-4  # as tests/test_trainer_pipeline.py: fp32 reordering over 12 AdamW steps
 
@@ -343,9 +343,9 @@ def run_fault(fault: str, seed: int, base: Path, steps: int, refs: dict[str, dic
             verdict, detail = ("recovered", r.note) if not bad else ("FAILED", bad)
     elif fault in ("stall", "nan-stop"):
         k = pick(fault, seed, list(range(2, steps + 1)))
-        knob = (["--train.fault_stall_step", "--train.timeout_s=20"] if fault == "stall"
-                else ["--train.fault_nan_step", "--train.nan_policy=stop"])
-        r = run_plain([*common, f"{knob[0]}={k}", knob[1], f"--train.fault_rank={rank}"], out,
+        knob = (["--debug.fault_stall_step", "--train.timeout_s=20"] if fault == "stall"
+                else ["--debug.fault_nan_step", "--train.nan_policy=stop"])
+        r = run_plain([*common, f"{knob[0]}={k}", knob[1], f"--debug.fault_rank={rank}"], out,
                       limit_s=limit_s)
         row["step"] = k
         line = clear_error(r.stderr, k)
@@ -356,7 +356,7 @@ def run_fault(fault: str, seed: int, base: Path, steps: int, refs: dict[str, dic
             detail = bad or f"rc {r.rc}, no `error: rank R: ... at step {k}` line"
     elif fault == "nan-skip":
         k = pick(fault, seed, list(range(2, steps)))
-        r = run_plain([*recover, f"--train.fault_nan_step={k}", f"--train.fault_rank={rank}"],
+        r = run_plain([*recover, f"--debug.fault_nan_step={k}", f"--debug.fault_rank={rank}"],
                       out, max_restarts=1, limit_s=limit_s)
         row["step"] = k
         got = losses(out)

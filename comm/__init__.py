@@ -5,6 +5,7 @@ Sub-packages, bottom first (each imports only those before it; tests/test_import
                       HALO's relay choice
     comm.cost         the all-to-all cost model `auto` decides with (one predict())
     comm.collectives  flat / HALO / auto all-to-all, async exchanges, dedup plans
+    comm.ep           a MoE layer's exchanges under EP: the Dispatcher Protocol, EPDispatcher
     comm.tools        run_local, calibrate, the namespace emulator, the self-check
     comm.netsim       the flow-level network simulator
 `python -m comm.emulate` and `python -m comm.selfcheck` are thin entries into comm.tools.

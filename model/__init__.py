@@ -9,7 +9,7 @@ from .config import ModelConfig
 from .moe import GroupedExperts, LocalDispatcher, MoELayer, SwiGLU
 from .recompute import is_recomputing
 from .router import Router
-from .transformer import Block, MoETransformer
+from .transformer import Block, MoETransformer, cross_entropy
 
 __all__ = [
     "CHECKPOINTING",
@@ -22,6 +22,7 @@ __all__ = [
     "MoETransformer",
     "Router",
     "SwiGLU",
+    "cross_entropy",
     "is_recomputing",
     "presets",
     "set_checkpointing",

@@ -8,7 +8,7 @@ or shards listed in `model.safetensors.index.json`).
 `load_hf_weights` walks the parameters this process actually holds (its pipeline stage's layers,
 its EP rank's expert slots) and reads exactly those tensors with `safe_open(...).get_slice`, so
 no process ever loads the whole checkpoint: a routed expert is read one logical expert at a
-time and lands in the local slot that the layer's placement (`expert2slot`, `first_slot`) says.
+time and lands in the local slot that the layer's placement (its slot map, `first_slot`) says.
 Both expert layouts load: the per-expert tensors of published checkpoints (and of
 `save_pretrained` in transformers 5, which writes that layout) and transformers' fused
 `experts.gate_up_proj` / `experts.down_proj`.

@@ -1,7 +1,7 @@
 """The MoE feed-forward layer and its seam for expert parallelism.
 
     topk_idx, topk_w = router(x)                    logical expert ids [T, K], weights [T, K]
-    slot_idx = expert2slot[topk_idx]                physical slots (migration remaps them)
+    slot_idx = slot of each choice                  from the slot map (migration changes it)
     x_sorted, counts, meta = permute(x, slot_idx)   rows grouped by slot, counts over E slots
     x_loc, counts_loc, ctx = dispatcher.dispatch(x_sorted, counts)    (all-to-all under EP)
     h = silu(x_loc W1[e]) * (x_loc W3[e]);  y_loc = h W2[e]           (grouped GEMMs)
@@ -9,7 +9,9 @@
     y = unpermute(y_sorted, topk_w, meta) (+ shared_experts(x))
 
 Single process: `LocalDispatcher` is the identity and this process holds all E slots. The
-trainer swaps `dispatcher` for an all-to-all one and shrinks `experts` to its E_local slots.
+trainer swaps `dispatcher` for an all-to-all one (`comm.ep.EPDispatcher`) and shrinks `experts`
+to its E_local slots. Both implement the `comm.ep.Dispatcher` Protocol (this package does not
+import comm: LocalDispatcher satisfies it by shape; tests/test_model_moe.py checks it).
 
 Shape legend: B batch, S sequence, T = B*S tokens, D model, F expert ffn, E experts (slots),
 K top-k, M rows after dispatch.
@@ -111,15 +113,26 @@ class GroupedExperts(nn.Module):
 
 
 class LocalDispatcher:
-    """Single-process dispatcher: every slot is local, so dispatch and combine are identities."""
+    """Single-process dispatcher (`comm.ep.Dispatcher`): every slot is local, so dispatch and
+    combine are identities and there are no exchanges to report."""
+
+    pipelined = False
+    ep, group, topology = 1, None, None  # every slot on this process
 
     def dispatch(
         self, x_sorted: torch.Tensor, counts_E: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         return x_sorted, counts_E, None
 
-    def combine(self, y_sorted: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return y_sorted
+    def combine(self, y_loc: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return y_loc
+
+    def moe_forward(self, layer: Any, x_TD: torch.Tensor, slot_idx: torch.Tensor,
+                    topk_w: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("LocalDispatcher is not pipelined: MoELayer runs dispatch/combine")
+
+    def take_stats(self) -> None:
+        return None
 
 
 class MoELayer(nn.Module):
@@ -129,7 +142,8 @@ class MoELayer(nn.Module):
     tokens only) and `last_aux_loss` (0-dim, differentiable; see `model.router`).
     """
 
-    # buffers (register_buffer in __init__), declared for the type checker
+    # buffers (register_buffer in __init__), declared for the type checker; all three are
+    # derived from the slot map by set_slots (write the map, never them)
     expert2slot: torch.Tensor  # [E] logical expert -> its first slot
     rep_slots: torch.Tensor  # [E, max replicas]
     n_rep: torch.Tensor  # [E]
@@ -145,19 +159,22 @@ class MoELayer(nn.Module):
         )
         # Qwen2-MoE gates the shared expert per token with sigmoid(x . g).
         self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.shared_expert_gate else None
-        self.register_buffer("expert2slot", torch.arange(E, dtype=torch.long))
-        # Redundant slots (balance.plan_replicas): n_slots >= E physical slots, slot2expert maps
-        # each to its logical expert (on the host: the trainer reads it every step without a
-        # device sync); a token for expert e goes to one of e's replicas (`replica_slots`, from
-        # the device tables rep_slots / n_rep). Without replicas (n_slots == E) `expert2slot`
-        # alone is the map and migration permutes it; these are then unused.
+        # The placement is one slot map: slot2expert [n_slots] (n_slots >= E physical slots,
+        # each holding a logical expert; on the host: the trainer reads it every step without a
+        # device sync), every expert at least once, with redundant slots (balance.plan_replicas)
+        # hot experts several times. Migration and replica re-placement both change it
+        # (set_slots). Derived from it: the replica counts n_rep [E], the replicas' slots
+        # rep_slots [E, max replicas] (a token for expert e goes to one of them,
+        # `replica_slots`), and expert2slot [E], each expert's first slot (a state_dict key
+        # since before the slot map; a load_state_dict re-derives the map from it).
         self.n_slots = E
-        self.replicated = False
-        self.initial_slots: list[int] | None = None  # what reset_state restores (None: identity)
+        self.initial_slots: list[int] = list(range(E))  # what reset_state restores
         self.slot2expert = torch.arange(E, dtype=torch.long)
+        self.register_buffer("expert2slot", torch.arange(E, dtype=torch.long))
         self.register_buffer("rep_slots", torch.arange(E, dtype=torch.long)[:, None],
                              persistent=False)  # [E, max replicas], padded with the first
         self.register_buffer("n_rep", torch.ones(E, dtype=torch.long), persistent=False)
+        self.register_load_state_dict_post_hook(MoELayer._slots_from_state_dict)
         self.dispatcher: Any = LocalDispatcher()
         # None: this process holds whole sequences. Set from outside (tensor parallel,
         # trainer/tensor_parallel.SeqShards) when each sequence is split over processes:
@@ -203,17 +220,30 @@ class MoELayer(nn.Module):
         self.slot2expert = m
         self.rep_slots, self.n_rep = reps.to(dev), n_rep.to(dev)
         self.expert2slot.copy_(order[starts].to(dev))
-        self.replicated = self.n_slots > E
+
+    @property
+    def replicated(self) -> bool:
+        """Whether the layer has redundant slots (n_slots > E: some expert holds several)."""
+        return self.n_slots > self.num_experts
+
+    @staticmethod
+    def _slots_from_state_dict(module: nn.Module, incompatible: Any) -> None:
+        """After load_state_dict: the loaded expert2slot is the placement of a layer without
+        redundant slots (each expert's only slot); with them it names first slots only, and
+        the map stays (checkpoints keep it in meta.json: trainer/checkpoint.py)."""
+        assert isinstance(module, MoELayer)
+        if not module.replicated:
+            e2s = module.expert2slot.cpu()
+            if sorted(e2s.tolist()) != list(range(module.num_experts)):
+                raise ValueError(f"loaded expert2slot {e2s.tolist()} is not a permutation of "
+                                 f"0..{module.num_experts - 1}")
+            m = torch.empty_like(e2s)
+            m[e2s] = torch.arange(module.num_experts)
+            module.set_slots(m)
 
     def slot_map(self) -> torch.Tensor:
-        """slot -> logical expert for every slot ([n_slots], on the host; the inverse of
-        expert2slot when there are no replicas, which migration keeps as the one map)."""
-        if self.replicated:
-            return self.slot2expert
-        e2s = self.expert2slot.cpu()
-        m = torch.empty_like(e2s)
-        m[e2s] = torch.arange(self.num_experts)
-        return m
+        """slot -> logical expert for every slot ([n_slots], on the host): the placement."""
+        return self.slot2expert
 
     def replica_counts(self) -> torch.Tensor:
         """Replicas of each logical expert ([E], on the host)."""
@@ -224,10 +254,7 @@ class MoELayer(nn.Module):
         """Initial buffers and per-forward outputs: identity placement (or the initial slot map
         of `resize_slots`), zero router bias."""
         dev = self.expert2slot.device
-        if self.initial_slots is not None:
-            self.set_slots(self.initial_slots)
-        else:
-            self.expert2slot.copy_(torch.arange(self.num_experts, dtype=torch.long, device=dev))
+        self.set_slots(self.initial_slots)
         self.router.e_score_correction_bias.zero_()
         self.last_counts = torch.zeros(self.num_experts, dtype=torch.long, device=dev)
         self.last_aux_loss = torch.zeros((), device=dev)
@@ -241,10 +268,9 @@ class MoELayer(nn.Module):
         y = self._routed(sp.scatter(x_BSD) if split else x_BSD)
         if split:
             y = sp.gather(y)
-        # a pipelined dispatcher (trainer/ep_pipeline.py) ran the shared experts itself, beside
+        # a pipelined dispatcher (comm/ep/pipeline.py) ran the shared experts itself, beside
         # its exchanges (it is refused with tensor parallel: trainer/setup.py)
-        pipelined = getattr(self.dispatcher, "pipelined", False)
-        if self.shared_experts is not None and not pipelined:  # on [B, S, D]: the sequence
+        if self.shared_experts is not None and not self.dispatcher.pipelined:  # on [B, S, D]: the sequence
             shared = self.shared_experts(x_BSD)  # dim stays visible to tensor parallel
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x_BSD)) * shared
@@ -262,16 +288,27 @@ class MoELayer(nn.Module):
             slot_idx = replica_slots(topk_idx, self.rep_slots, self.n_rep)
         else:
             slot_idx = self.expert2slot[topk_idx]
-        if getattr(self.dispatcher, "pipelined", False):
+        if self.dispatcher.pipelined:
             # the dispatcher runs the whole expert path, shared experts included: chunked and
-            # overlapped with its exchanges, or deduplicated (trainer/ep_pipeline.py)
+            # overlapped with its exchanges, or deduplicated (comm/ep/pipeline.py)
             return self.dispatcher.moe_forward(self, x_TD, slot_idx, topk_w).view(B, S, D)
-        x_sorted, counts, meta = permute(x_TD, slot_idx, self.n_slots)
+        x_sorted, counts, meta = self.sort_rows(x_TD, slot_idx)
         x_loc, counts_loc, ctx = self.dispatcher.dispatch(x_sorted, counts)
         y_loc = self.experts(x_loc, counts_loc)
         y_sorted = self.dispatcher.combine(y_loc, ctx)
-        y = unpermute(y_sorted, topk_w.to(y_sorted.dtype), meta)
+        y = self.unsort_rows(y_sorted, topk_w.to(y_sorted.dtype), meta)
         return y.view(B, S, D)
+
+    def sort_rows(self, x_TD: torch.Tensor, slot_idx: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """One row per (token, choice) grouped by slot [T*K, D], the counts per slot [n_slots],
+        and what `unsort_rows` needs (kernels.permute)."""
+        return permute(x_TD, slot_idx, self.n_slots)
+
+    def unsort_rows(self, y_sorted: torch.Tensor, topk_w: torch.Tensor, meta: Any
+                    ) -> torch.Tensor:
+        """The weighted sum per token [T, D] of its choices' rows (kernels.unpermute)."""
+        return unpermute(y_sorted, topk_w, meta)
 
     def shared_forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The shared experts' output [T, D] (gated per token when the model has the gate)."""

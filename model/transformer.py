@@ -32,6 +32,23 @@ from .recompute import recompute
 from .rope import RotaryEmbedding
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy (nats/token) in fp32 over the targets that count: -100
+    marks a token the data's loss mask excludes (--data.loss_mask); a batch with no counted
+    token gives 0, not 0 / 0. Without -100 it is the plain mean. The one cross-entropy of the
+    project: the model's `forward(tokens, targets)`, the trainer's step, evaluation and every
+    pipeline stage's loss use it. logits [..., V], targets [...] (the same leading shape)."""
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} != tokens shape {tuple(logits.shape[:-1])}"
+        )
+    flat, t = logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    if not bool((t == -100).any()):
+        return F.cross_entropy(flat, t)
+    return (F.cross_entropy(flat, t, ignore_index=-100, reduction="sum")
+            / (t != -100).sum().clamp(min=1))
+
+
 def _normal(t: torch.Tensor, std: float, seed: int, *key: object) -> None:
     """Fill `t` with normal(0, std) from a generator seeded by hash(seed, *key)."""
     digest = hashlib.blake2b("/".join(map(str, (seed, *key))).encode(), digest_size=8).digest()
@@ -147,16 +164,7 @@ class MoETransformer(nn.Module):
         logits = self.lm_head(self.norm(h))
         if targets is None:
             return logits
-        return self.ce_loss(logits, targets), self.aux_loss()
-
-    @staticmethod
-    def ce_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross entropy (nats/token) in fp32; targets == -100 are ignored."""
-        if targets.shape != logits.shape[:-1]:
-            raise ValueError(
-                f"targets shape {tuple(targets.shape)} != tokens shape {tuple(logits.shape[:-1])}"
-            )
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return cross_entropy(logits, targets), self.aux_loss()
 
     def loss(
         self, tokens: torch.Tensor, targets: torch.Tensor

@@ -13,7 +13,8 @@ Schedules (pure Python, no torch.distributed):
     pipeline.chrome_trace(spans, "t.json"); pipeline.plot_timeline(spans, "t.png")
 
 Names: "gpipe", "1f1b", "interleaved-1f1b" (n_virtual=v, stage s on rank s % p,
-n_microbatches % n_ranks == 0), "zb-h1" (backward split into B and W).
+n_microbatches % n_ranks == 0), "zb-h1" (backward split into B and W); evaluation runs
+`pipeline.forward_only(n_ranks, n_microbatches, n_virtual)` (forwards only) on the same runtime.
 `derive_transfers` / `comm_plan` give the sends and receives the runtime posts.
 
 Runtime (one call per rank of the PP group; see `pipeline.runtime` for the details):
@@ -35,6 +36,7 @@ from pipeline.analysis import (
     bubble_from_spans,
     comm_plan,
     derive_transfers,
+    is_forward_only,
     peak_activation_bytes,
     peak_inflight,
     simulate,
@@ -43,7 +45,16 @@ from pipeline.analysis import (
 )
 from pipeline.render import chrome_trace, format_table, plot_timeline
 from pipeline.runtime import PipelineRuntime
-from pipeline.schedule import KINDS, Action, Schedule, build, n_stages, schedule_names, stage2rank
+from pipeline.schedule import (
+    KINDS,
+    Action,
+    Schedule,
+    build,
+    forward_only,
+    n_stages,
+    schedule_names,
+    stage2rank,
+)
 
 __all__ = [
     "KINDS",
@@ -60,6 +71,8 @@ __all__ = [
     "comm_plan",
     "derive_transfers",
     "format_table",
+    "forward_only",
+    "is_forward_only",
     "n_stages",
     "peak_activation_bytes",
     "peak_inflight",

@@ -21,6 +21,7 @@ __all__ = [
     "derive_transfers",
     "comm_plan",
     "validate",
+    "is_forward_only",
     "simulate",
     "timeline_spans",
     "bubble_fraction",
@@ -133,18 +134,25 @@ def _check_coverage(schedule: Schedule) -> None:
     n_stage = n_stages(schedule)
     m = max(a.microbatch for a in seen) + 1
     s2r = stage2rank(schedule)
+    forward = is_forward_only(schedule)
     for s in range(n_stage):
         if s not in s2r:
             raise ValueError(f"stage {s} has no actions (stages run 0..{n_stage - 1})")
         split = any(Action(s, "W", i) in seen for i in range(m))
+        kinds = ("F",) if forward else ("F", "B", "W") if split else ("F", "B")
         for i in range(m):
-            for kind in ("F", "B", "W") if split else ("F", "B"):
+            for kind in kinds:
                 if Action(s, kind, i) not in seen:
                     why = " (stage splits its backward into B and W)" if kind == "W" else ""
                     raise ValueError(
                         f"{Action(s, kind, i)} is missing on rank {s2r[s]}: every stage runs "
                         f"each of micro-batches 0..{m - 1} once{why}"
                     )
+
+
+def is_forward_only(schedule: Schedule) -> bool:
+    """Whether `schedule` has forwards only (evaluation: `pipeline.schedule.forward_only`)."""
+    return all(a is None or a.kind == "F" for slots in schedule.values() for a in slots)
 
 
 def _check_dependencies(schedule: Schedule) -> None:
@@ -181,7 +189,7 @@ def _check_comm(schedule: Schedule) -> None:
 def validate(schedule: Schedule) -> None:
     """Raise ValueError naming the first offending action unless `schedule` is runnable:
     every stage on one rank; F and B (and W, if the stage has any) exactly once per stage and
-    micro-batch; each dependency in an earlier step; sends match receives pair by pair; and
+    micro-batch (F only in a forward-only schedule: no B or W anywhere); each dependency in an earlier step; sends match receives pair by pair; and
     executing each rank's actions in order (ignoring steps) cannot deadlock."""
     _check_structure(schedule)
     if all(a is None for slots in schedule.values() for a in slots):

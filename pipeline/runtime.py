@@ -66,6 +66,10 @@ read after the step's last wait (the runtime blocks the host on the device only 
 of a step and after its last wait: `_host_sync`, never with a receive outstanding). `spans` holds this
 rank's `Span`s of the last step; `gather_spans()` collects all ranks' on every rank.
 
+Forward-only schedules (`pipeline.forward_only`, evaluation): the same walk, P2P and issue
+order, without autograd (no graph is kept, nothing is stashed for a backward); `step` returns
+the last stage's per-micro-batch losses as for training.
+
 Legend: M micro-batches, p pipeline ranks, s stage, m micro-batch.
 """
 
@@ -80,7 +84,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from pipeline.analysis import Span, Transfer, comm_plan, derive_transfers, validate
+from pipeline.analysis import (
+    Span,
+    Transfer,
+    comm_plan,
+    derive_transfers,
+    is_forward_only,
+    validate,
+)
 from pipeline.schedule import Action, Schedule, n_stages, stage2rank
 from pipeline.split_backward import WeightWork, backward_input, backward_weight
 
@@ -146,6 +157,7 @@ class PipelineRuntime(Generic[StageT]):
         )
         self._s2r = s2r
         self.split = {a.stage for a in schedule[self.rank] if a is not None and a.kind == "W"}
+        self.forward_only = is_forward_only(schedule)
         self._shape = self._shapes(act_shape)
         if device is None:
             params = [p for s in mine for p in self.stages[s].parameters()]
@@ -264,7 +276,9 @@ class PipelineRuntime(Generic[StageT]):
             if isinstance(x, torch.Tensor):
                 x = x.to(self.device)
         else:
-            x = self._take(a).requires_grad_()
+            x = self._take(a)
+            if not self.forward_only:
+                x.requires_grad_()
         module = self.stages[s]
         y = module(x)
         extra = []
@@ -281,7 +295,8 @@ class PipelineRuntime(Generic[StageT]):
         else:
             self._hand_off(a, Action(s + 1, "F", m), y)
             outs = [y] + extra
-        self._stash[(s, m)] = (x, outs)
+        if not self.forward_only:  # the backward's inputs
+            self._stash[(s, m)] = (x, outs)
 
     def _backward(self, a: Action) -> None:
         s, m = a.stage, a.microbatch
@@ -342,6 +357,15 @@ class PipelineRuntime(Generic[StageT]):
         self.last_aux = {}
         self._aux: dict[tuple[int, int], torch.Tensor] = {}
         self._ready_group()
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.forward_only):
+            self._walk(inputs, targets)
+        if last not in self.stages:
+            return None
+        return [self._losses[m] for m in range(M)]
+
+    def _walk(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None) -> None:
+        """This rank's slots of the schedule, their boundary batches, the final waits."""
+        last = self.n_stages - 1
         timer = _Timer(self.device, self.clock, self._host_sync)
         for t, a in enumerate(self.schedule[self.rank]):
             if a is not None:
@@ -375,9 +399,6 @@ class PipelineRuntime(Generic[StageT]):
         self._sent.clear()
         self._send_works.clear()
         self._waited.clear()
-        if last not in self.stages:
-            return None
-        return [self._losses[m] for m in range(M)]
 
     def gather_spans(self) -> list[Span]:
         """All ranks' spans of the last step (a collective over the PP group)."""

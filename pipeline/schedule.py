@@ -22,6 +22,8 @@ Builders (all pure, deterministic):
     interleaved-1f1b  Megatron's interleaved 1F1B over v chunks per rank (m % p == 0)
     zb-h1             1F1B with the backward split into B (input grad) and W (weight grad);
                       rank r defers W by r micro-batches so W fills the cool-down bubble
+    forward_only      (not a training schedule: `forward_only`, not `build`) every stage's
+                      forwards and no backward, for evaluation; stage s on rank s % p
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Action", "KINDS", "Schedule", "build", "schedule_names", "stage2rank", "n_stages"]
+__all__ = ["Action", "KINDS", "Schedule", "build", "forward_only", "schedule_names", "stage2rank",
+           "n_stages"]
 
 KINDS = ("F", "B", "W")
 
@@ -210,6 +213,21 @@ _BUILDERS: dict[str, Callable[..., Schedule]] = {
     "interleaved-1f1b": _interleaved,
     "zb-h1": _zb_h1,
 }
+
+
+def forward_only(n_ranks: int, n_microbatches: int = 1, n_virtual: int = 1) -> Schedule:
+    """Evaluation: only forwards, no backward. Rank r runs its stages r, r + p, ... (the
+    interleaved layout; one stage per rank with n_virtual = 1), each micro-batch through
+    one stage after another; `PipelineRuntime` runs it without autograd. Not one of
+    `schedule_names()` (those train)."""
+    _check_common(n_ranks, n_microbatches)
+    if not isinstance(n_virtual, int) or n_virtual < 1:
+        raise ValueError(f"n_virtual={n_virtual!r} is invalid; need an int >= 1")
+    p, m, v = n_ranks, n_microbatches, n_virtual
+    sched = _place({r: [Action(c * p + r, "F", i) for c in range(v) for i in range(m)]
+                    for r in range(p)}, p * v)
+    length = max(len(s) for s in sched.values())
+    return {r: s + [None] * (length - len(s)) for r, s in sched.items()}
 
 
 def schedule_names() -> list[str]:

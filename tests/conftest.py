@@ -72,16 +72,25 @@ def step_losses(out: Path) -> dict[int, float]:
 
 
 def run_train(args: list[str], nproc: int = 1, timeout: float = 600,
-              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run train.py (through torchrun when nproc > 1) from the repository root."""
+              env: dict[str, str] | None = None,
+              launcher: str = "fork") -> subprocess.CompletedProcess:
+    """Run train.py from the repository root: one process directly; nproc > 1 as forks of one
+    interpreter that imported the trainer once (tests/forklaunch.py: torchrun's worker
+    environment and failure handling, without its per-process start-up) or, with
+    launcher="torchrun", through torchrun itself."""
+    if launcher not in ("fork", "torchrun"):
+        raise ValueError(f"launcher={launcher!r}: use 'fork' or 'torchrun'")
     e = dict(os.environ)
     e.pop("TRITON_INTERPRET", None)
     e.update(env or {})
     e.setdefault("OMP_NUM_THREADS", "1")
-    if nproc > 1:
+    if nproc > 1 and launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), "train.py", *args]
+    elif nproc > 1:
+        cmd = [sys.executable, str(ROOT / "tests" / "forklaunch.py"), str(nproc),
+               str(free_port()), *args]
     else:
         cmd = [sys.executable, "train.py", *args]
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)

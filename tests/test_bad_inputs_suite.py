@@ -368,7 +368,11 @@ GAPS = {
     "beta1 >= 1": (["--optim.beta1=1.5"], ["optim.beta1=1.5"]),
     "negative ckpt_every": (["--train.ckpt_every=-3"], ["train.ckpt_every=-3"]),
     "negative eval_batches": (["--train.eval_batches=-1"], ["train.eval_batches=-1"]),
-    "fault_rank >= world": (["--train.fault_rank=7"], ["train.fault_rank=7", "0..0"]),
+    "fault_rank >= world": (["--debug.fault_rank=7"], ["debug.fault_rank=7", "0..0"]),
+    "negative fault step": (["--debug.fault_nan_step=-2"], ["debug.fault_nan_step=-2", ">= 0"]),
+    # checked without balance.enabled too (before issue 28 only with it)
+    "negative force_every": (["--debug.force_every=-1"], ["debug.force_every=-1", ">= 0"]),
+    "nan skew": (["--debug.skew=nan"], ["debug.skew=nan", "finite"]),
     "unknown balance method": (["--balance.enabled=true", "--balance.method=bogus"],
                                ["balance.method='bogus'"]),
     "zero level": (["--parallel.zero=4"], ["parallel.zero=4", "valid: 0", "3 (parameters"]),

@@ -1,8 +1,12 @@
-"""migrate() on real gloo process groups against a single-process permutation of full tensors.
+"""Migration (swaps as slot-map changes, `swap_slots`, carried out by the one placement
+executor `move_slots`) on real gloo process groups against a single-process permutation of
+full tensors.
 
-Every rank builds the same full ``[E, ...]`` tensors from a seed and keeps its ``[S, ...]``
-slice; after a migration its slice must equal the matching rows of the full tensor permuted
-in one process (``full_new[new_slot[e]] = full[old_slot[e]]``), bit for bit. The Adam case
+The reference keeps the textbook map, ``expert2slot [E]``, and swaps its entries; the slot map
+the trainer uses is its inverse. Every rank builds the same full ``[E, ...]`` tensors from a
+seed and keeps its ``[S, ...]`` slice; after a migration its slice must equal the matching rows
+of the full tensor permuted in one process (``full_new[new_slot[e]] = full[old_slot[e]]``),
+bit for bit. The Adam case
 moves the weight, grad and moments bit for bit too, then continues training after the move and
 compares with an unmigrated single-process run (to fp32 rounding: other tensor shapes).
 """
@@ -17,11 +21,11 @@ from balance import (
     MigrationPolicy,
     Monitor,
     Swap,
+    expert_ranks,
     expert_state_tensors,
-    migrate,
-    permute_slots,
-    placement_of,
+    move_slots,
     plan_swaps,
+    swap_slots,
 )
 from comm import run_local
 
@@ -31,6 +35,23 @@ def _reference_map(old: list[int], swaps: list[Swap]) -> list[int]:
     for s in swaps:
         new[s.expert_a], new[s.expert_b] = new[s.expert_b], new[s.expert_a]
     return new
+
+
+def _inverse(perm: list[int]) -> list[int]:
+    """expert2slot <-> slot2expert (a permutation's inverse)."""
+    out = [0] * len(perm)
+    for i, v in enumerate(perm):
+        out[v] = i
+    return out
+
+
+def _migrate(swaps: list[Swap], e2s: list[int], tensors: list, group, n: int) -> tuple:
+    """The trainer's path: swaps -> new slot map -> move_slots. Returns (new expert2slot,
+    move_slots' result)."""
+    old_map = _inverse(e2s)
+    new_map = swap_slots(old_map, swaps, n)
+    res = move_slots(old_map, new_map, tensors, group, n, n_experts=len(e2s))
+    return _inverse(new_map), res
 
 
 def _permute_full(full: torch.Tensor, old: list[int], new: list[int]) -> torch.Tensor:
@@ -68,13 +89,15 @@ def _check_plans(rank: int, world: int, group: object, members: list[int]) -> No
         lambda place: plan_swaps(load, place, n, 3, "minmax"),
         lambda place: [],
     ]
+    e2s = e2s.tolist()
     for planner in planners:
-        plan = planner(placement_of(e2s, n))
-        old = e2s.tolist()
+        plan = planner(expert_ranks(_inverse(e2s), n))
+        assert expert_ranks(_inverse(e2s), n) == [s // slots for s in e2s]
+        old = e2s
         ref_new = _reference_map(old, plan)
         tensors = [local[0], None, local[1], local[2]]
-        res = migrate(plan, e2s, tensors, group)
-        assert res.expert2slot.tolist() == ref_new
+        new_e2s, res = _migrate(plan, e2s, tensors, group, n)
+        assert new_e2s == ref_new
         fulls = [_permute_full(f, old, ref_new) for f in fulls]
         for t, f in zip(local, fulls, strict=True):
             assert torch.equal(t, f[me * slots : (me + 1) * slots])
@@ -82,9 +105,9 @@ def _check_plans(rank: int, world: int, group: object, members: list[int]) -> No
         out_rows = sum(
             1 for o, m in zip(old, ref_new, strict=True) if o // slots == me != m // slots
         )
-        assert res.bytes_sent == out_rows * row_bytes
-        assert res.moved_experts == sum(o != m for o, m in zip(old, ref_new, strict=True))
-        e2s = res.expert2slot
+        assert res["bytes_sent"] == out_rows * row_bytes
+        assert res["moved_slots"] == sum(o != m for o, m in zip(old, ref_new, strict=True))
+        e2s = new_e2s
 
 
 def _check_adam(rank: int, world: int) -> None:
@@ -110,7 +133,7 @@ def _check_adam(rank: int, world: int) -> None:
 
     step(grads[0])
     load = torch.arange(e, dtype=torch.float64) ** 2  # hot experts all on the last rank
-    swaps = plan_swaps(load, placement_of(e2s, world), world, 3)
+    swaps = plan_swaps(load, expert_ranks(_inverse(e2s.tolist()), world), world, 3)
     assert swaps
     st = opt.state[p]
     tensors = expert_state_tensors([p], opt)
@@ -121,8 +144,7 @@ def _check_adam(rank: int, world: int) -> None:
         dist.all_gather(parts, t.detach().contiguous())
         fulls.append(torch.cat(parts))
     old = e2s.tolist()
-    res = migrate(swaps, e2s, tensors, dist.group.WORLD)
-    e2s = res.expert2slot
+    e2s = torch.tensor(_migrate(swaps, e2s.tolist(), tensors, dist.group.WORLD, world)[0])
     for t, f in zip(tensors, fulls, strict=True):  # the move itself is a copy: bit for bit
         want = _permute_full(f, old, e2s.tolist())[rank * slots : (rank + 1) * slots]
         assert torch.equal(t.detach(), want)
@@ -171,12 +193,19 @@ def test_migrate_matches_single_process_permutation() -> None:
     run_local(_body, 3)
 
 
-def test_permute_slots_and_errors() -> None:
-    assert permute_slots([0, 1, 2, 3], [Swap(0, 2)], 2) == [2, 1, 0, 3]
-    assert placement_of(torch.tensor([3, 0, 1, 2]), 2) == [1, 0, 0, 1]
+def test_swap_slots_and_errors() -> None:
+    # slot map [1, 2, 3, 0] = expert2slot [3, 0, 1, 2]: expert 0 in slot 3 (rank 1), ...
+    assert expert_ranks(torch.tensor([1, 2, 3, 0]), 2) == [1, 0, 0, 1]
+    assert swap_slots([0, 1, 2, 3], [Swap(0, 2)], 2) == [2, 1, 0, 3]
+    # a chain: expert 0 ends in its final slot, the others shift once
+    assert swap_slots([0, 1, 2, 3], [Swap(0, 2), Swap(0, 1)], 2) == [2, 0, 1, 3]
+    assert _inverse(swap_slots(_inverse([3, 0, 1, 2]), [Swap(1, 0)], 2)) == \
+        _reference_map([3, 0, 1, 2], [Swap(1, 0)])
     with pytest.raises(ValueError, match="both experts are on rank 0"):
-        permute_slots([0, 1, 2, 3], [Swap(0, 1)], 2)
-    with pytest.raises(ValueError, match="permutation of 0..3"):
-        permute_slots([0, 1, 1, 3], [], 2)
+        swap_slots([0, 1, 2, 3], [Swap(0, 1)], 2)
+    with pytest.raises(ValueError, match="replicas cannot be swapped"):
+        swap_slots([0, 1, 1, 2], [Swap(1, 2)], 2)
+    with pytest.raises(ValueError, match="misses expert"):
+        expert_ranks([0, 1, 3, 3], 2)
     with pytest.raises(ValueError, match="cannot be split evenly over n_ranks=3"):
-        placement_of([0, 1, 2, 3], 3)
+        expert_ranks([0, 1, 2, 3], 3)

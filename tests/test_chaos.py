@@ -54,8 +54,8 @@ def reference(tmp_path_factory, data) -> dict[int, float]:
 
 def test_nan_skip_continues(tmp_path, data, reference):
     k = 3
-    r = chaos.run_plain([*ARGS, "--data", data, f"--train.fault_nan_step={k}",
-                         "--train.fault_rank=1", "--train.nan_policy=skip"], tmp_path / "run",
+    r = chaos.run_plain([*ARGS, "--data", data, f"--debug.fault_nan_step={k}",
+                         "--debug.fault_rank=1", "--train.nan_policy=skip"], tmp_path / "run",
                         nproc=NPROC, limit_s=300)
     assert r.rc == 0, r.stderr[-3000:]
     got = chaos.losses(r.out)
@@ -73,8 +73,8 @@ def test_nan_skip_continues(tmp_path, data, reference):
 def test_stall_stops_with_clear_error(tmp_path, data, reference):
     k, timeout_s = 3, 10
     t0 = time.monotonic()
-    r = chaos.run_plain([*ARGS, "--data", data, f"--train.fault_stall_step={k}",
-                         "--train.fault_rank=1", f"--train.timeout_s={timeout_s}"],
+    r = chaos.run_plain([*ARGS, "--data", data, f"--debug.fault_stall_step={k}",
+                         "--debug.fault_rank=1", f"--train.timeout_s={timeout_s}"],
                         tmp_path / "run", nproc=NPROC, limit_s=300)
     assert r.rc not in (0, None), (r.rc, r.stderr[-3000:])
     line = chaos.clear_error(r.stderr, k)

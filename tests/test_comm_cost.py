@@ -147,7 +147,7 @@ def _timing_worker(rank: int, world: int, group: dist.ProcessGroup, start: str,
                    behind_s: float) -> tuple:
     if rank == 1 and behind_s:  # rank 1 reads a clock behind rank 0's, as on a second host
         # (comm.calibrate the module: the package exports the function of that name)
-        importlib.import_module("comm.calibrate")._clock = lambda: time.perf_counter() - behind_s
+        importlib.import_module("comm.tools.calibrate")._clock = lambda: time.perf_counter() - behind_s
     spread: dict[str, list[float]] = {}
     try:
         samples = time_samples(group, Topology.uniform(2, 2), [[1] * 4 for _ in range(4)], 4,

@@ -14,9 +14,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from model import cross_entropy
 from trainer.data import DataError, load_corpus, load_data, mask_path
 from trainer.data.prepare import prepare
-from trainer.pipe import ce_loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,10 +114,10 @@ def test_batches_mask_targets_and_the_loss_counts_only_them(tmp_path):
     t = torch.where(y >= 0, y % 50, y)
     keep = t >= 0
     logp = torch.log_softmax(logits, -1).gather(-1, t.clamp(min=0)[..., None])[..., 0]
-    torch.testing.assert_close(ce_loss(logits, t), -logp[keep].mean())
+    torch.testing.assert_close(cross_entropy(logits, t), -logp[keep].mean())
     none = torch.full_like(t, -100)  # a micro-batch without an assistant token: 0, not NaN
     z = logits.clone().requires_grad_()
-    loss = ce_loss(z, none)
+    loss = cross_entropy(z, none)
     loss.backward()
     assert loss.item() == 0 and torch.isfinite(z.grad).all()
 

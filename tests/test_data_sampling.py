@@ -3,7 +3,7 @@
 References: the windows' own tokens (every token file here holds 0, 1, 2, ... so a window's
 first token names its offset, and sources hold disjoint id ranges so a token names its file),
 the set of all windows, and the target shares; the trainer's consumption is read from its
---data.trace rows and compared with the CLI's."""
+--debug.trace_data rows and compared with the CLI's."""
 
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ SMALL = ["--model.d_model=32", "--model.moe_ffn_dim=32", "--model.n_heads=2",
          "--model.n_kv_heads=1", "--model.head_dim=16", "--model.n_layers=2",
          "--train.seq_len=16", "--train.global_batch=4", "--train.eval_every=0",
          "--train.eval_batches=1", "--train.plot=false", "--train.peak_tflops=1",
-         "--data.trace=true", "--data.seed=11", "--data.val_fraction=0.02"]
+         "--debug.trace_data=true", "--data.seed=11", "--data.val_fraction=0.02"]
 
 
 def _cli_rows(capsys, spec, dp, steps) -> list[dict]:

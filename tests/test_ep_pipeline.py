@@ -64,7 +64,7 @@ def _grads(layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def _worker(rank: int, world: int, group, algorithm: str, overlap: str, chunks: int,
             spread: bool, n_slots: int, permute_slots: bool) -> dict:
-    from trainer.parallel import EPDispatcher
+    from comm.ep import EPDispatcher
 
     torch.set_default_dtype(torch.float64)
     # two nodes of two ranks; "spread" interleaves them (node = rank % 2)
@@ -74,9 +74,11 @@ def _worker(rank: int, world: int, group, algorithm: str, overlap: str, chunks: 
     ref = _layer(CFG, n_slots)
     ep = _layer(CFG, n_slots)
     if permute_slots:  # a migration: experts moved to other slots (and ranks)
-        perm = torch.tensor([3, 6, 0, 7, 1, 4, 2, 5])
+        perm = torch.tensor([3, 6, 0, 7, 1, 4, 2, 5])  # expert e -> slot perm[e]
+        slots = torch.empty_like(perm)
+        slots[perm] = torch.arange(8)
         for lay in (ref, ep):
-            lay.expert2slot.copy_(perm)
+            lay.set_slots(slots)
             with torch.no_grad():
                 for name in ("w1", "w2", "w3"):
                     w = getattr(lay.experts, name)
@@ -102,7 +104,8 @@ def _worker(rank: int, world: int, group, algorithm: str, overlap: str, chunks: 
     with torch.no_grad():
         idx, _, _ = ref.router.route(xs[rank])
         slots = ref.expert2slot[idx] if not ref.replicated else None
-    out = {"remote_rows": disp.remote_rows, "flat_remote_rows": disp.flat_remote_rows}
+    sent = disp.take_stats()
+    out = {"remote_rows": sent.remote_rows, "flat_remote_rows": sent.flat_remote_rows}
     if slots is not None:
         out["distinct"] = distinct_remote_pairs(slots, El, topo, rank)
         node = topo.rank2node

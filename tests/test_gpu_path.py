@@ -169,12 +169,13 @@ def _data() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 def _bf16_worker(rank: int, world: int, group: dist.ProcessGroup) -> dict:
-    from trainer.pipe import build_stages, ce_loss, moe_aux, split_layers
+    from model import cross_entropy
+    from trainer.pipe import build_stages, moe_aux, split_layers
 
     model = _model()
     stages = build_stages(model, world, rank, 1, split_layers(4, world), autocast=True)
     sched = pipeline.build("1f1b", world, M)
-    rt = pipeline.PipelineRuntime(sched, stages, ce_loss, (MB, SEQ, 32), aux_fn=moe_aux)
+    rt = pipeline.PipelineRuntime(sched, stages, cross_entropy, (MB, SEQ, 32), aux_fn=moe_aux)
     sent: list[tuple[str, torch.dtype]] = []
     real = dist.batch_isend_irecv
 
@@ -211,13 +212,13 @@ def test_pp2_bf16_matches_one_process_bf16() -> None:
     res = run_local(_bf16_worker, 2, timeout_s=240)
     xs, ys = _data()
     model = _model()
-    from trainer.pipe import ce_loss
+    from model import cross_entropy
 
     ref = []
     for x, y in zip(xs, ys, strict=True):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(x)
-        ce = ce_loss(logits, y)
+        ce = cross_entropy(logits, y)
         ((ce + model.aux_loss()) / M).backward()
         ref.append(ce.detach())
     for r in res:

@@ -287,9 +287,9 @@ def test_experts_land_in_their_placement_slots(tmp_path) -> None:
     ckpt = HFCheckpoint(src)
     cfg = ckpt.model_config()
     model = MoETransformer(cfg)
-    expert2slot = torch.tensor([3, 0, 2, 1])  # expert e lives in slot expert2slot[e]
+    slot2expert = [1, 3, 2, 0]  # slot g holds expert slot2expert[g] (expert2slot [3, 0, 2, 1])
     for layer in model.moe_layers():
-        layer.expert2slot.copy_(expert2slot)
+        layer.set_slots(slot2expert)
         ex = layer.experts
         for name in ("w1", "w2", "w3"):
             setattr(ex, name, torch.nn.Parameter(getattr(ex, name).detach()[2:4].clone()))

@@ -57,14 +57,15 @@ KEEP_APART: dict[tuple[str, str], str] = {
 #   topology     where ranks sit (Topology, files, discovery, platform files, HALO's relays)
 #   cost         the all-to-all cost model; reads topologies only
 #   collectives  flat / HALO / auto exchanges (auto asks cost), async exchanges, dedup
-#   tools, netsim  launching, calibrating, emulating, self-checking; the network simulator
-#                (which draws HALO's traffic from the collectives' plan)
+#   ep, tools, netsim  a MoE layer's exchanges under EP (dispatch / combine, the chunk
+#                pipeline); launching, calibrating, emulating, self-checking; the network
+#                simulator (which draws HALO's traffic from the collectives' plan)
 SUBLAYERS: dict[str, tuple[frozenset[str], ...]] = {
     "comm": (
         frozenset({"topology"}),
         frozenset({"cost"}),
         frozenset({"collectives"}),
-        frozenset({"tools", "netsim"}),
+        frozenset({"ep", "tools", "netsim"}),
     ),
 }
 

@@ -119,6 +119,28 @@ def test_moe_layer_forward_and_grads_match_loop(cfg: ModelConfig) -> None:
     assert torch.equal(layer.last_counts, counts)
 
 
+def test_both_dispatchers_implement_the_declared_protocol() -> None:
+    """model's LocalDispatcher (which cannot import comm) and comm.ep's EPDispatcher are both
+    `comm.ep.Dispatcher`s, with the Protocol's method signatures; their per-step numbers come
+    back from take_stats (None: nothing exchanged), restarted by each call."""
+    import inspect
+
+    from comm.ep import Dispatcher, EPDispatcher, ExchangeStats
+    from model import LocalDispatcher
+
+    local, ep = LocalDispatcher(), EPDispatcher(None, 2, 8)
+    for d in (local, ep):
+        assert isinstance(d, Dispatcher)
+        for name in ("dispatch", "combine", "moe_forward", "take_stats"):
+            want = list(inspect.signature(getattr(Dispatcher, name)).parameters)[1:]
+            assert list(inspect.signature(getattr(d, name)).parameters) == want, name
+    assert local.pipelined is False and local.take_stats() is None
+    assert (local.ep, local.group, local.topology) == (1, None, None) and ep.ep == 2
+    ep.stats.exchange_s, ep.stats.remote_rows = 0.5, 3
+    assert ep.take_stats() == ExchangeStats(exchange_s=0.5, remote_rows=3)
+    assert ep.take_stats() == ExchangeStats()
+
+
 def test_expert2slot_remap_keeps_output() -> None:
     layer = make_layer(GROUPED)
     x = torch.randn(2, 6, GROUPED.d_model)
@@ -129,7 +151,10 @@ def test_expert2slot_remap_keeps_output() -> None:
             moved = torch.empty_like(w)
             moved[perm] = w
             w.copy_(moved)
-        layer.expert2slot.copy_(perm)
+        slots = torch.empty_like(perm)
+        slots[perm] = torch.arange(GROUPED.n_routed_experts)
+        layer.set_slots(slots)  # the slot map: slot perm[e] holds expert e
+    assert torch.equal(layer.expert2slot, perm)
     torch.testing.assert_close(layer(x), want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(reference_moe(layer, GROUPED, x), want, atol=1e-5, rtol=1e-5)
 

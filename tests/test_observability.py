@@ -50,7 +50,7 @@ def run(tmp_path_factory, data) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("pp2ep2")
     r = run_train([*SMALL, "--data", data, f"--train.out_dir={out}", "--train.tensorboard=true",
                    "--train.memory_report=true", "--balance.enabled=true",
-                   "--balance.force_every=2", "--train.profile_steps=3,3"], nproc=4)
+                   "--debug.force_every=2", "--train.profile_steps=3,3"], nproc=4)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return out, r.stdout
 
@@ -264,3 +264,19 @@ def test_wandb_offline_run(tmp_path, data):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     runs = list((out / "wandb").glob("offline-run-*/*.wandb"))
     assert runs, list((out / "wandb").rglob("*"))
+
+
+def test_step_result_carries_every_tagged_number():
+    """Every per-step number the sinks tag (trainer.metrics.ROW_TAGS) is a field of the step's
+    StepResult, and row() leaves out exactly the numbers a run did not measure (None)."""
+    from trainer.metrics import ROW_TAGS
+    from trainer.step import StepResult
+
+    names = {f.name for f in dataclasses.fields(StepResult)}
+    assert set(ROW_TAGS) <= names, sorted(set(ROW_TAGS) - names)
+    values = {f.name: 1.0 for f in dataclasses.fields(StepResult)
+              if f.name not in ("events", "logged")}
+    full = StepResult(**{**values, "pp_idle_max_s": None, "layers": None})
+    row = full.row()
+    assert "pp_idle_max_s" not in row and "layers" not in row and "events" not in row
+    assert set(row) == set(values) - {"pp_idle_max_s", "layers"}

@@ -75,6 +75,21 @@ def _run(name: str, kw: dict, rank: int, world: int, group: dist.ProcessGroup | 
             "aux": rt.last_aux}
 
 
+def _evaluate(v: int, rank: int, world: int) -> dict:
+    """The forward-only schedule (evaluation) on the same runtime: losses, and whether any
+    parameter got a gradient or any graph was kept."""
+    xs, ys = _data()
+    sched = pipeline.forward_only(world, M, v)
+    model = _model()
+    split = _split(pipeline.n_stages(sched))
+    mine = {s: nn.Sequential(*[model[i] for i in split[s]])
+            for s, r in pipeline.stage2rank(sched).items() if r == rank}
+    rt = pipeline.PipelineRuntime(sched, mine, F.cross_entropy, act_shape=(MB, D), group=None)
+    losses = rt.step(xs, ys)
+    return {"losses": losses, "grad_fn": [x.grad_fn is not None for x in losses or []],
+            "grads": [n for n, p in model.named_parameters() if p.grad is not None]}
+
+
 def _bad_inputs(rank: int, world: int) -> list[str]:
     """Messages of the ValueErrors a misconfigured runtime raises (checked in the parent)."""
     sched = pipeline.build("1f1b", world, M)
@@ -109,6 +124,8 @@ def _worker(rank: int, world: int, group: dist.ProcessGroup) -> dict[str, dict]:
     singles = [dist.new_group([r]) for r in range(world)]
     out["local"] = _run("interleaved-1f1b", {"n_virtual": 3}, 0, 1, singles[rank])
     out["bad"] = _bad_inputs(rank, world)
+    out["eval"] = _evaluate(1, rank, world)
+    out["eval_v2"] = _evaluate(2, rank, world)
     return out
 
 
@@ -190,6 +207,24 @@ def test_all_stages_on_one_rank(runs: tuple[int, list[dict]]) -> None:
                                    rtol=1e-5, atol=1e-6)
         for n, g in ref_grads.items():
             torch.testing.assert_close(r["grads"][n], g, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("key, v", [("eval", 1), ("eval_v2", 2)])
+def test_forward_only_schedule_evaluates(runs: tuple[int, list[dict]], key: str, v: int) -> None:
+    """Evaluation on the training executor: the last stage's losses equal the whole model's
+    forward per micro-batch bit for bit (the same ops on the same shapes in the same order;
+    the hand-offs copy tensors exactly), no graph, no gradient anywhere."""
+    world, results = runs
+    ref_losses, _ = _reference(world * v)
+    last = (world * v - 1) % world
+    for rank, res in enumerate(results):
+        r = res[key]
+        assert r["grads"] == []
+        if rank == last:
+            assert torch.equal(torch.stack(r["losses"]), torch.stack(ref_losses))
+            assert r["grad_fn"] == [False] * M
+        else:
+            assert r["losses"] is None
 
 
 def test_bad_inputs_raise_clear_errors(runs: tuple[int, list[dict]]) -> None:

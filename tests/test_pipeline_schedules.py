@@ -46,6 +46,26 @@ def test_interleaved_validates(p: int, k: int, v: int) -> None:
     assert len(_all_actions(sched)) == 2 * p * v * m
 
 
+@given(p=ranks, m=mbs, v=st.integers(1, 3))
+def test_forward_only_validates(p: int, m: int, v: int) -> None:
+    """Evaluation's schedule: each stage's forward once per micro-batch, no backward, stage s
+    on rank s % p; not a training schedule (not among the names `build` takes)."""
+    sched = pipeline.forward_only(p, m, v)
+    validate(sched)
+    assert pipeline.is_forward_only(sched)
+    assert pipeline.stage2rank(sched) == {s: s % p for s in range(p * v)}
+    assert sorted(_all_actions(sched)) == sorted(Action(s, "F", i) for s in range(p * v)
+                                                 for i in range(m))
+    assert "forward_only" not in pipeline.schedule_names()
+    training = build("1f1b", p, m)
+    assert not pipeline.is_forward_only(training)
+    if p * m == 1:
+        return  # without its only B, 1f1b's one F is a forward-only schedule
+    with pytest.raises(ValueError, match="is missing"):  # a training schedule without one B
+        validate({r: [a if a != Action(0, "B", 0) else None for a in slots]
+                  for r, slots in training.items()})
+
+
 @given(p=ranks, m=mbs)
 def test_gpipe_1f1b_bubble_and_memory(p: int, m: int) -> None:
     expected = Fraction(p - 1, m + p - 1)

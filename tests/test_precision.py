@@ -187,7 +187,7 @@ def test_trainer_bf16_zero1_migration_and_resume(tmp_path, tmp_path_factory):
 
     data = stdlib_corpus(tmp_path_factory.mktemp("d") / "c.txt", 40, 400_000)
     base = [*COMMON, "--data", data, "--parallel.ep=2", "--train.steps=8", "--parallel.zero=1",
-            "--balance.enabled=true", "--balance.force_every=3"]
+            "--balance.enabled=true", "--debug.force_every=3"]
     full = step_losses(train_ok([*base, "--train.dtype=bf16"], tmp_path / "full", 4))
     part = [*base, "--train.dtype=bf16"]
     train_ok([*part, "--train.stop_after=4"], tmp_path / "part", 4)

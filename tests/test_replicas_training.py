@@ -4,7 +4,7 @@ Reference: the same run on one process (no EP, no replicas). Replicas of an expe
 weights and, after `trainer.replicas.sum_replica_grads`, the same gradient, so the model's
 function and update are those of one copy per expert; what differs is only the fp32 summation
 order (an expert's tokens split over replicas), hence rel 1e-5. Re-placement is forced every 2
-steps (`balance.force_every`): each rank's redundant slots take other experts, so weights and
+steps (`debug.force_every`): each rank's redundant slots take other experts, so weights and
 AdamW state move between ranks (balance.move_slots) during the run. Resuming at another r loads
 one copy per logical expert into whatever slots the new run has.
 """
@@ -23,7 +23,7 @@ COMMON = ["--config", "configs/tiny-ep-dp.toml", "--train.seq_len=64", "--train.
           "--model.d_model=64", "--model.moe_ffn_dim=64", "--train.eval_every=0",
           "--train.eval_batches=1", "--optim.warmup_steps=2", "--train.plot=false",
           "--train.steps=4", "--train.tensorboard=false", "--comm.alltoall=flat"]
-FORCED = ["--balance.enabled=true", "--balance.force_every=2"]
+FORCED = ["--balance.enabled=true", "--debug.force_every=2"]
 
 
 @pytest.fixture(scope="module")

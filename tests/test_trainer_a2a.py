@@ -65,7 +65,7 @@ def test_node_bound_routing_keeps_tokens_on_one_node(tmp_path, small_data):
     args = [*COMMON, "--data", small_data, "--model.n_routed_experts=16", "--model.n_group=2",
             "--model.topk_group=1", "--comm.route_groups=node", "--comm.alltoall=dedup",
             "--comm.a2a_overlap=layer", "--comm.a2a_chunks=2", "--balance.enabled=true",
-            "--balance.force_every=2", "--train.steps=6", f"--train.out_dir={out}"]
+            "--debug.force_every=2", "--train.steps=6", f"--train.out_dir={out}"]
     r = run_train(args, nproc=4)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "a token reaches at most 1 node(s)" in r.stdout

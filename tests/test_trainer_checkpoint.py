@@ -76,3 +76,58 @@ def test_kill_during_save_keeps_previous(tmp_path):
     for k, v in model.state_dict().items():
         assert torch.equal(v, expected[k]), k
     assert all(float(opt.state[p]["step"]) == 1.0 for p in model.parameters())
+
+
+def _tiny():
+    from model import MoETransformer, presets
+
+    cfg = presets.get("tiny").replace(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                                      moe_ffn_dim=32)
+    return cfg, MoETransformer(cfg)
+
+
+def test_migrated_placement_round_trips_in_the_unchanged_format(tmp_path):
+    """A layer's slot map after a migration is saved as expert2slot [E] (meta.json, the format
+    from before the slot map) and restored as the same slot map; the model computes the same.
+    A placement that is not a permutation is refused by name; a state dict's expert2slot sets
+    the slot map too."""
+    import json
+
+    from trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    torch.manual_seed(0)
+    cfg, model = _tiny()
+    slots = [3, 0, 6, 1, 7, 2, 4, 5]  # slot g holds expert slots[g]
+    with torch.no_grad():
+        for layer in model.moe_layers():
+            for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3):
+                w.copy_(w[torch.tensor(slots)])  # each expert's rows follow it to its slot
+            layer.set_slots(slots)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 256, (2, 16))
+    model.loss(tokens, tokens)[0].backward()  # AdamW state to save
+    opt.step()
+    with torch.no_grad():
+        want = model(tokens)
+    ck = save_checkpoint(tmp_path, 1, model, opt, {"model": cfg.to_dict()})
+    saved = json.loads((ck / "meta.json").read_text())["placement"]
+    e2s = [slots.index(e) for e in range(8)]
+    assert all(v == e2s for v in saved.values()), saved  # expert -> slot, as before
+
+    torch.manual_seed(1)
+    _, fresh = _tiny()  # identity placement, other weights
+    load_checkpoint(ck, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2), cfg.to_dict())
+    for layer in fresh.moe_layers():
+        assert layer.slot_map().tolist() == slots and layer.expert2slot.tolist() == e2s
+    with torch.no_grad():  # the same ops on the same shapes: equal bit for bit
+        assert torch.equal(fresh(tokens), want)
+
+    meta = json.loads((ck / "meta.json").read_text())
+    meta["placement"] = {k: [0, 0, 1, 2, 3, 4, 5, 6] for k in meta["placement"]}
+    (ck / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="is not a permutation of 0..7"):
+        load_checkpoint(ck, fresh, torch.optim.AdamW(fresh.parameters()), cfg.to_dict())
+
+    _, other = _tiny()
+    other.load_state_dict(model.state_dict())
+    assert [m.slot_map().tolist() for m in other.moe_layers()] == [slots] * 2

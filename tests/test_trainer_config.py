@@ -36,6 +36,40 @@ def test_bad_cli(argv, needle):
     assert needle in str(e.value)
 
 
+def test_debug_knobs_have_their_own_section():
+    cfg = parse_args(["--debug.fault_rank=1", "--debug.skew=2.5", "--debug.force_every=3"])
+    assert (cfg.debug.fault_rank, cfg.debug.skew, cfg.debug.force_every) == (1, 2.5, 3)
+    for old in ("--train.fault_rank=1", "--balance.skew=1", "--balance.force_every=2",
+                "--train.logging_ab=true", "--data.trace=true"):
+        with pytest.raises(ConfigError, match="unknown option"):
+            parse_args([old])
+
+
+def test_help_documents_every_field(capsys):
+    """`train.py --help`: every field of every section, under its section's heading, with the
+    default, the meaning and the valid values from the field's `opt` docs."""
+    import dataclasses
+
+    from trainer.config import RunConfig
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    assert e.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    cfg = RunConfig()
+    for section in dataclasses.fields(cfg):
+        heading = next(i for i, ln in enumerate(lines) if ln.startswith(f"[{section.name}]"))
+        body = lines[heading + 1:]
+        body = body[:body.index("")] if "" in body else body
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            help_, valid = f.metadata["help"], f.metadata["valid"]
+            assert help_ and valid, f"{section.name}.{f.name} has no help / valid values"
+            flag = "--model.<field>=" if f.name == "overrides" else f"--{section.name}.{f.name}="
+            line = next((ln for ln in body if ln.strip().startswith(flag)), None)
+            assert line is not None, f"--help does not list {flag} under [{section.name}]"
+            assert help_ in line and f"valid: {valid}" in line
+
+
 def test_bad_toml(tmp_path):
     f = tmp_path / "bad.toml"
     f.write_text("[train\nsteps=")

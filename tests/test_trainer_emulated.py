@@ -24,9 +24,11 @@ pytestmark = [pytest.mark.netns, pytest.mark.multiproc]
 
 @pytest.mark.skipif(not netns_works(), reason="needs root, iproute2 and tc (ip netns)")
 @pytest.mark.parametrize("algos", [
-    # default tier: discovery from the namespaces + auto's calibration across nodes (~45 s a run
-    # on 2 cores); HALO on a declared topology trains equal to flat in test_trainer_distributed
-    ("flat", "auto"),
+    # both slow (CI time: ~45 s a run on 2 cores). The default tier covers the parts: discovery
+    # from the namespaces and auto/halo exchanges on an emulated cluster in test_comm_emulate
+    # (comm.selfcheck), HALO training equal to flat on a declared topology in
+    # test_trainer_distributed
+    pytest.param(("flat", "auto"), marks=pytest.mark.slow),
     pytest.param(("flat", "halo"), marks=pytest.mark.slow),
 ], ids=["auto", "halo"])
 def test_halo_equals_flat_on_emulated_cluster(tmp_path, algos):

@@ -317,7 +317,7 @@ def test_trainer_migration_under_zero1(tmp_path, small_data):
     ZeRO-1 at EP=2 x DP=2 give the losses of ZeRO-0 with the same migrations, and of no
     migration at all; experts really moved."""
     base = ["--parallel.ep=2", "--train.steps=6"]
-    mig = [*base, "--balance.enabled=true", "--balance.force_every=2"]
+    mig = [*base, "--balance.enabled=true", "--debug.force_every=2"]
     plain = step_losses(_run(tmp_path, "plain", 4, base, small_data))
     z0 = step_losses(_run(tmp_path, "z0", 4, mig, small_data))
     out = _run(tmp_path, "z1", 4, [*mig, "--parallel.zero=1"], small_data)

@@ -70,15 +70,16 @@ def _step(mesh, model, sync, opt, step: int) -> float:
 
 
 def _migrate(mesh, model, opt) -> None:
-    from balance import Swap
-    from balance.migrate import expert_state_tensors, migrate
+    from balance import Swap, expert_state_tensors, move_slots, swap_slots
 
     layer = model.moe_layers()[0]
     ex = layer.experts
     E = layer.num_experts
-    res = migrate([Swap(0, E - 1)], layer.expert2slot,
-                  expert_state_tensors([ex.w1, ex.w2, ex.w3], opt), mesh.ep_group)
-    layer.expert2slot.copy_(torch.as_tensor(res.expert2slot, dtype=torch.int64))
+    old = layer.slot_map()
+    new = swap_slots(old, [Swap(0, E - 1)], mesh.ep)  # what trainer.balancing does
+    move_slots(old, new, expert_state_tensors([ex.w1, ex.w2, ex.w3], opt), mesh.ep_group,
+               mesh.ep, n_experts=E)
+    layer.set_slots(new)
 
 
 def _worker(rank: int, world: int, _group, ckpt: str) -> dict:
@@ -137,7 +138,7 @@ def test_trainer_zero3_losses_migration_and_resume(tmp_path, tmp_path_factory):
 
     data = stdlib_corpus(tmp_path_factory.mktemp("d") / "c.txt", 40, 400_000)
     base = [*COMMON, "--data", data, "--parallel.ep=2", "--train.steps=8",
-            "--balance.enabled=true", "--balance.force_every=3", "--train.eval_every=4"]
+            "--balance.enabled=true", "--debug.force_every=3", "--train.eval_every=4"]
     z0 = step_losses(train_ok([*base, "--train.ckpt_every=4"], tmp_path / "z0", 4))
     z3 = train_ok([*base, "--parallel.zero=3", "--train.ckpt_every=4"], tmp_path / "z3", 4)
     _same(z0, step_losses(z3), 8, 1e-5)

@@ -1,11 +1,14 @@
-"""Expert migration during training: `balance.Monitor` + `balance.migrate` wired to the model.
+"""Expert migration during training: `balance.Monitor`, the swap and replica planners and the
+one placement executor `balance.move_slots`, wired to the model.
 
 After every optimizer step the trainer hands this object the step's per-layer, per-logical-expert
 token counts (already summed over the stage's data shards, so every rank of an EP group and every
 DP replica sees the same numbers and plans the same swaps). When the policy fires for a layer,
 the experts move inside the EP group with their weights and AdamW moments (`exp_avg`,
-`exp_avg_sq`; grads are already released at that point), and the layer's `expert2slot` map, which
-the dispatcher reads, is updated. The model's function is unchanged: a logical expert computes
+`exp_avg_sq`; grads are already released at that point), and the layer's slot map, which the
+dispatcher reads, is updated. Swaps (without redundant slots) and replica re-placement (with
+them) are both a new slot map (`balance.swap_slots` turns swaps into one), carried out by
+`_move` (balance.move_slots, then MoELayer.set_slots). The model's function is unchanged: a logical expert computes
 the same thing in any slot.
 
 Under ZeRO-1/2 (trainer/zero.py) the optimizer keeps AdamW state for the parameters this rank
@@ -13,7 +16,7 @@ owns only; ownership is decided by parameter shape and index, so the EP ranks of
 (the ranks that swap rows) own the same expert parameters: both move their rows' moments, or
 neither has any (their replica's owner keeps the whole parameter's state and moves it).
 
-`force_every` (tests and demos) swaps one expert pair per rank pair every N steps regardless of
+`force_every` (--debug.force_every, tests and demos) swaps one expert pair per rank pair every N steps regardless of
 load, so migration is exercised on every step it is asked for.
 """
 
@@ -34,12 +37,14 @@ __all__ = ["Balancer"]
 
 class Balancer:
     def __init__(self, cfg: BalanceConfig, layers: dict[str, MoELayer], ep: int, ep_group,
-                 optim: torch.optim.Optimizer, blocks: list[list[int]] | None = None) -> None:
+                 optim: torch.optim.Optimizer, blocks: list[list[int]] | None = None,
+                 force_every: int = 0) -> None:
         from balance import MigrationPolicy, Monitor
 
         self.cfg, self.layers, self.ep, self.group, self.optim = cfg, layers, ep, ep_group, optim
+        self.force_every = force_every
         self.names = list(layers)
-        E = next(iter(layers.values())).expert2slot.numel()
+        E = next(iter(layers.values())).num_experts
         self.E, self.El = E, E // ep
         method = "minmax" if cfg.method == "default" else cfg.method
         self.policy = MigrationPolicy(threshold=cfg.threshold, window=cfg.window,
@@ -61,12 +66,27 @@ class Balancer:
                                    "group; migration would pair rows with missing AdamW state")
 
     def _e2r(self) -> np.ndarray:
-        return np.stack([(layer.expert2slot.cpu() // self.El).numpy() for layer in self.layers.values()])
+        from balance import expert_ranks
+
+        return np.stack([np.asarray(expert_ranks(layer.slot_map(), self.ep))
+                         for layer in self.layers.values()])
+
+    def _move(self, layer: MoELayer, new: Any) -> dict[str, Any]:
+        """Carry out a placement change of `layer` to slot map `new` (the same on every rank
+        of the EP group): rows of weights and AdamW moments move, then the map is set."""
+        from balance import expert_state_tensors, move_slots
+
+        ex = layer.experts
+        res = move_slots(layer.slot_map().numpy(), new,
+                         expert_state_tensors([ex.w1, ex.w2, ex.w3], self.optim), self.group,
+                         self.ep, n_experts=self.E)
+        layer.set_slots([int(e) for e in new])
+        return res
 
     def _forced(self, step: int) -> dict[int, list]:
         from balance import Swap
 
-        k = step // self.cfg.force_every
+        k = step // self.force_every
         plans = {}
         for i, layer in enumerate(self.layers.values()):
             slot2expert = layer.slot_map()
@@ -94,8 +114,8 @@ class Balancer:
         maps, R = self._slot_maps(), self.ep
         S = maps[0].size // R if maps else 0
         out: dict[int, tuple[np.ndarray, dict[str, float]]] = {}
-        if self.cfg.force_every:
-            if step % self.cfg.force_every:
+        if self.force_every:
+            if step % self.force_every:
                 return {}
             for i, m in enumerate(maps):
                 new = m.reshape(R, S).copy()
@@ -131,17 +151,10 @@ class Balancer:
         return out
 
     def _replace(self, step: int) -> list[dict[str, Any]]:
-        from balance import expert_state_tensors, move_slots
-
         events = []
         for i, (new, info) in self._replica_plans(step).items():
             name = self.names[i]
-            layer = self.layers[name]
-            ex = layer.experts
-            old = layer.slot_map().numpy()
-            res = move_slots(old, new, expert_state_tensors([ex.w1, ex.w2, ex.w3], self.optim),
-                             self.group, self.ep, n_experts=self.E)
-            layer.set_slots(new.tolist())
+            res = self._move(self.layers[name], new)
             events.append({"event": "migration", "step": step, "layer": name, "replicas": True,
                            "swaps": res["moved_slots"], "moved_experts": res["moved_slots"],
                            "bytes_sent": res["bytes_sent"], "seconds": res["seconds"], **info})
@@ -149,15 +162,15 @@ class Balancer:
 
     def after_step(self, step: int, counts: list[torch.Tensor]) -> list[dict[str, Any]]:
         """Record the step's counts; plan and carry out migrations when due. Returns events."""
-        from balance import expert_state_tensors, migrate
+        from balance import swap_slots
 
         self.monitor.record(torch.stack([c.cpu() for c in counts]))
         if self.cfg.redundant:
             events = self._replace(step)
             self.events += events
             return events
-        if self.cfg.force_every:
-            plans = self._forced(step) if step % self.cfg.force_every == 0 else {}
+        if self.force_every:
+            plans = self._forced(step) if step % self.force_every == 0 else {}
             planned = {}
         else:
             plans = self.monitor.plan(step, self._e2r())
@@ -166,13 +179,11 @@ class Balancer:
         for i, swaps in plans.items():
             name = self.names[i]
             layer = self.layers[name]
-            ex = layer.experts
-            res = migrate(swaps, layer.expert2slot,
-                          expert_state_tensors([ex.w1, ex.w2, ex.w3], self.optim), self.group)
-            layer.expert2slot.copy_(torch.as_tensor(res.expert2slot, dtype=torch.int64))
+            res = self._move(layer, swap_slots(layer.slot_map(), swaps, self.ep))
+            # a permutation: the experts that moved are the slots that changed
             ev = {"event": "migration", "step": step, "layer": name, "swaps": len(swaps),
-                  "moved_experts": res.moved_experts, "bytes_sent": res.bytes_sent,
-                  "seconds": res.seconds}
+                  "moved_experts": res["moved_slots"], "bytes_sent": res["bytes_sent"],
+                  "seconds": res["seconds"]}
             if i in planned:
                 ev["imbalance_before"] = planned[i]["imbalance_before"]
                 ev["imbalance_after_planned"] = planned[i]["imbalance_after"]

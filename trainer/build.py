@@ -19,13 +19,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from model import cross_entropy
+
 from .common import log
 from .config import ConfigError, RunConfig
 from .grad_sync import GradSync
 from .memory import rss_peak, rss_reset_peak
 from .mesh import Mesh
 from .parallel import parallelize
-from .pipe import build_stages, ce_loss, moe_aux, split_layers
+from .pipe import build_stages, moe_aux, split_layers
 from .precision import resolve_precision
 from .setup import build_schedule
 from .zero import build_optimizer as zero_optimizer
@@ -180,10 +182,13 @@ def calibrate_auto(mesh: Mesh, mcfg: Any, topo):
 
 @dataclass
 class Pipeline:
-    """This rank's pipeline stages (global stage index -> Stage) and the runtime that runs them."""
+    """This rank's pipeline stages (global stage index -> Stage) and the runtimes that run
+    them: `runtime` the training schedule, `eval_runtime` the forward-only one (evaluation,
+    one micro-batch of the shard's whole batch)."""
     stages: dict
     schedule: Any
     runtime: Any
+    eval_runtime: Any
     n_stages: int
     bounds: list[int]
     act_shape: tuple[int, int, int]  # one micro-batch's activation at a stage boundary
@@ -203,9 +208,12 @@ def build_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh, model, precision,
     # under sequence parallel a stage boundary carries this TP rank's slice of the sequence
     seq = t.seq_len // mesh.tp if mesh.tp > 1 and par.sp else t.seq_len
     act_shape = (per_shard // par.microbatches, seq, mcfg.d_model)
-    runtime = pipeline.PipelineRuntime(schedule, stages, ce_loss, act_shape, group=mesh.pp_group,
+    runtime = pipeline.PipelineRuntime(schedule, stages, cross_entropy, act_shape, group=mesh.pp_group,
                                        device=device, aux_fn=moe_aux)
-    return Pipeline(stages, schedule, runtime, n_stages, bounds, act_shape)
+    evaluation = pipeline.PipelineRuntime(pipeline.forward_only(mesh.pp, 1, par.n_virtual), stages,
+                                          cross_entropy, (per_shard, seq, mcfg.d_model),
+                                          group=mesh.pp_group, device=device)
+    return Pipeline(stages, schedule, runtime, evaluation, n_stages, bounds, act_shape)
 
 
 def apply_tp(cfg: RunConfig, model, mesh: Mesh, device: torch.device) -> None:

@@ -10,8 +10,10 @@ A save writes into `step_N.tmp/`; only after every rank finished and rank 0 wrot
 any point therefore leaves the previous complete checkpoint untouched and discoverable.
 
 Experts are stored by LOGICAL expert id (`model.<layer>.experts.w1.<e>`), not by rank or slot,
-so a checkpoint loads under any EP degree or expert placement; the placement (expert2slot of
-every MoE layer) lives in `meta.json` and is restored before the expert rows are read.
+so a checkpoint loads under any EP degree or expert placement; the placement (every MoE
+layer's slot map) lives in `meta.json` and is restored before the expert rows are read. Its
+format: a layer without redundant slots keeps `expert2slot` [E] (each expert's slot: the
+inverse of its slot map, as since before redundant slots), one with them `{"slots": slot map}`.
 Optimizer state (AdamW exp_avg / exp_avg_sq / step) uses the same keys under `optim.<kind>.`.
 Under ZeRO-1/2 (trainer/zero.py) each parameter's state lives on its owner only: the owner
 contributes those keys (DCP writes each key once, from whichever rank has it), and a load fills
@@ -77,11 +79,9 @@ def _expert_rows(model: MoETransformer) -> dict[str, list[tuple[int, int]]]:
 
 
 def _slot_offset(layer: MoELayer, E: int, El: int) -> int:
-    disp = layer.dispatcher
     if El == E:
         return 0
-    group = getattr(disp, "group", None)
-    return dist.get_rank(group) * El
+    return dist.get_rank(layer.dispatcher.group) * El
 
 
 def _weights(p: nn.Parameter, st: dict, load: bool) -> torch.Tensor | None:
@@ -291,14 +291,20 @@ def _restore_placement(path: Path, name: str, layer: MoELayer, saved: Any,
         except ValueError as e:
             raise CheckpointError(str(e)) from None
         if layer.replicated and len(slots) == layer.n_slots and \
-                saved_ep == getattr(layer.dispatcher, "ep", 1):
+                saved_ep == layer.dispatcher.ep:
             layer.set_slots(slots)
         return
     if saved is None or len(saved) != E:
         raise CheckpointError(f"checkpoint {str(path)!r}: no placement of {E} experts for "
                               f"{name!r}; it is from another model")
-    if not layer.replicated:
-        layer.expert2slot.copy_(torch.tensor(saved, dtype=torch.int64))
+    if sorted(saved) != list(range(E)):
+        raise CheckpointError(f"checkpoint {str(path)!r}: placement of {name!r} {saved} is not "
+                              f"a permutation of 0..{E - 1} (expert -> slot)")
+    if not layer.replicated:  # expert2slot [E] -> the slot map
+        slots = [0] * E
+        for expert, g in enumerate(saved):
+            slots[g] = expert
+        layer.set_slots(slots)
 
 
 def load_checkpoint(path: str | Path, model: MoETransformer, optim: torch.optim.Optimizer,

@@ -11,6 +11,7 @@ plus any `model.ModelConfig` field as an override.
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ __all__ = [
     "OptimConfig",
     "TrainConfig",
     "BalanceConfig",
+    "DebugConfig",
     "RunConfig",
     "ConfigError",
     "load_config",
@@ -35,168 +37,215 @@ class ConfigError(ValueError):
     """A user-facing configuration mistake; the message names the value and what is valid."""
 
 
+def opt(default: Any, help: str, valid: str, *, factory: Any = None) -> Any:
+    """A config field with its one-line meaning and its valid values (what `--help` prints)."""
+    meta = {"help": help, "valid": valid}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class ModelSection:
-    preset: str = "tiny"
-    # a Hugging Face checkpoint folder (config.json + *.safetensors): the architecture comes from
-    # its config.json (the preset is ignored) and the initial weights from its tensors, each
-    # rank reading only what it holds; other [model] fields still override (e.g. n_layers)
-    hf_path: str = ""
-    overrides: dict[str, Any] = field(default_factory=dict)
+    preset: str = opt("tiny", "model preset (model/presets.py); ignored with hf_path",
+                      "a name of model.presets.names()")
+    hf_path: str = opt("", "a Hugging Face checkpoint folder (config.json + *.safetensors): the "
+                           "architecture from its config.json, the initial weights from its "
+                           "tensors (each rank reads what it holds); other [model] fields still "
+                           "override", '"" (use the preset) or a folder')
+    overrides: dict[str, Any] = opt(None, "any model.ModelConfig field given as [model] "
+                                          "<field> (or --model.<field>=value)",
+                                    "the ModelConfig field's type", factory=dict)
 
 
 @dataclass
 class ParallelConfig:
-    pp: int = 1
-    ep: int = 1
-    dp: int = 0  # 0 = infer from the world size: world / (pp * ep)
-    schedule: str = "1f1b"
-    # micro-batches per step: pipeline micro-batches with pp > 1, gradient accumulation with
-    # pp = 1 (gradients are synchronised once, after the last)
-    microbatches: int = 1
-    # sharding over each parameter's data-parallel replicas: 0 = replicated, 1 = optimizer state
-    # sharded (ZeRO-1), 2 = optimizer state and gradients sharded (ZeRO-2), 3 = parameters too,
-    # gathered per layer (ZeRO-3, FSDP2: trainer/zero3.py)
-    zero: int = 0
-    # reduce gradients in buckets as the backward produces them (DDP-style overlap): true |
-    # false | auto (= on with ZeRO-1/2 and on GPUs; off for ZeRO-0 on CPU, where gloo's
-    # threads share the cores with the backward and the flat post-backward all-reduce is faster)
-    grad_overlap: str = "auto"
-    n_virtual: int = 1
-    layer_split: str = ""  # layers per stage, e.g. "3,5"; "" = even split
-    # "local": EP groups are consecutive ranks (inside a node); "spread": EP outermost, so an
-    # EP group takes one rank from each of `ep` blocks of pp * dp ranks (see trainer/mesh.py)
-    ep_placement: str = "local"
-    # tensor parallel of the dense side (attention, dense FFNs, shared experts, head) over tp
-    # consecutive ranks of a stage (trainer/tensor_parallel.py); experts stay on EP, whose
-    # groups span the TP ranks (parallel folding, trainer/layout.py)
-    tp: int = 1
-    # sequence parallel (with tp > 1): norms, residuals and the router input split over the
-    # sequence between the TP regions; false: replicated there (each token still routed once)
-    sp: bool = True
-    etp: int = 1  # expert tensor parallel: not built (only 1 is accepted)
+    pp: int = opt(1, "pipeline-parallel degree (stages over ranks)", "int >= 1")
+    ep: int = opt(1, "expert-parallel degree (each MoE layer's experts split over ep ranks)",
+                  "int >= 1 dividing the number of experts")
+    dp: int = opt(0, "data-parallel degree", "0 (= world / (pp * ep); EP folds over TP) or int >= 1")
+    schedule: str = opt("1f1b", "pipeline schedule (with pp > 1; validated with pp = 1 too)",
+                        "gpipe, 1f1b, interleaved-1f1b, zb-h1")
+    microbatches: int = opt(1, "micro-batches per step: pipeline micro-batches with pp > 1, "
+                               "gradient accumulation with pp = 1 (one gradient sync after the "
+                               "last)", "int >= 1 dividing each rank's batch")
+    zero: int = opt(0, "sharding over each parameter's data-parallel replicas: 0 replicated, 1 "
+                       "optimizer state (ZeRO-1), 2 + gradients (ZeRO-2), 3 + parameters, "
+                       "gathered per layer (FSDP2, trainer/zero3.py)", "0, 1, 2, 3")
+    grad_overlap: str = opt("auto", "reduce gradients in buckets as the backward produces them "
+                                    "(DDP-style); auto = on with ZeRO-1/2 and on GPUs, off for "
+                                    "ZeRO-0 on CPU", "true, false, auto")
+    n_virtual: int = opt(1, "virtual stages per PP rank", "1, or >= 2 with "
+                                                          "schedule=interleaved-1f1b")
+    layer_split: str = opt("", "layers per pipeline stage", '"" (as even as possible) or '
+                                                            'comma-separated counts, e.g. "3,5"')
+    ep_placement: str = opt("local", "where EP groups sit: local = consecutive ranks (inside a "
+                                     "node); spread = EP outermost, one rank from each of ep "
+                                     "blocks of pp * dp ranks (trainer/mesh.py)", "local, spread")
+    tp: int = opt(1, "tensor parallel of the dense side (attention, dense FFNs, shared experts, "
+                     "head) over tp consecutive ranks of a stage; experts stay on EP, whose "
+                     "groups span the TP ranks (trainer/tensor_parallel.py)",
+                  "int >= 1 dividing the heads and FFN widths")
+    sp: bool = opt(True, "sequence parallel with tp > 1: norms, residuals and the router input "
+                         "split over the sequence between the TP regions; false: replicated "
+                         "there (each token still routed once)", "true, false")
+    etp: int = opt(1, "expert tensor parallel (not built)", "1")
 
 
 @dataclass
 class CommConfig:
-    alltoall: str = "auto"  # flat | halo | dedup | auto (trainer.layout.TRAINER_ALLTOALL)
-    # the expert all-to-all overlapped with compute: none | layer (shared experts beside the
-    # dispatch, rows in a2a_chunks chunks pipelined: trainer/ep_pipeline.py) | auto (layer
-    # where the EP group spans nodes, else none) (trainer.layout.TRAINER_A2A_OVERLAP)
-    a2a_overlap: str = "none"
-    a2a_chunks: str = "auto"  # chunks of the layer pipeline: an int >= 1, or auto
-    # none | node: the model's routing groups (--model.n_group, a multiple of the EP group's
-    # nodes) are bound to nodes, so a token reaches at most --model.topk_group nodes, and
-    # migration keeps every expert on its group's node (balance.plan_swaps_within)
-    route_groups: str = "none"
-    topology: str = ""  # optional TOML topology file; default: discovered
+    alltoall: str = opt("auto", "the expert all-to-all (trainer.layout.TRAINER_ALLTOALL)",
+                        "flat, halo, dedup, auto")
+    a2a_overlap: str = opt("none", "the expert all-to-all overlapped with compute: layer = "
+                                   "shared experts beside the dispatch, rows in a2a_chunks "
+                                   "chunks pipelined (comm/ep/pipeline.py); auto = layer "
+                                   "where the EP group spans nodes", "none, layer, auto")
+    a2a_chunks: str = opt("auto", "chunks of the layer pipeline", "an int >= 1, or auto")
+    route_groups: str = opt("none", "node: the model's routing groups (--model.n_group, a "
+                                    "multiple of the EP group's nodes) are bound to nodes, so a "
+                                    "token reaches at most --model.topk_group nodes and "
+                                    "migration keeps every expert on its group's node",
+                            "none, node")
+    topology: str = opt("", "topology file of the nodes and their ranks",
+                        '"" (discovered) or a TOML file (configs/topologies/)')
 
 
 @dataclass
 class DataConfig:
-    path: str = ""  # "" = the running interpreter's standard library sources
-    val_fraction: float = 0.005
-    seed: int = 1234
-    # attention stays inside each document of a packed window (EOS ends a document) and RoPE
-    # positions restart per document; needs a tokenized .bin whose sidecar names eos_id
-    doc_mask: bool = False
-    # training windows: "epoch" = every window once per epoch in a seeded shuffled order;
-    # "random" = offsets drawn with replacement (trainer/data/sampling.py)
-    sampling: str = "epoch"
-    # several token files in fixed shares, "a.bin:0.7,b.bin:0.3" (instead of path), each
-    # walked in its own epochs
-    blend: str = ""
-    # the loss counts only tokens the data's loss mask keeps (FILE.mask of `prepare --chat`:
-    # the assistant turns)
-    loss_mask: bool = False
-    # attention kernel under doc_mask: auto | flex (block mask) | dense ([B, 1, S, S] mask);
-    # see model/attention.py
-    doc_attention: str = "auto"
-    # test hook: each rank appends the windows it reads per step to
-    # <out_dir>/data_order.rank<r>.jsonl, in the schema of `python -m trainer.data order`
-    trace: bool = False
+    path: str = opt("", "training text or tokens", '"" (the running interpreter\'s standard '
+                                                   'library sources), a file, a folder, a '
+                                                   'tokenized .bin, Parquet/Arrow')
+    val_fraction: float = opt(0.005, "share of the tokens held out for validation",
+                              "0 < x < 0.5")
+    seed: int = opt(1234, "seed of the window order and the train/validation split", "any int")
+    doc_mask: bool = opt(False, "attention stays inside each document of a packed window (EOS "
+                                "ends one) and RoPE positions restart per document; needs a "
+                                "tokenized .bin whose sidecar names eos_id", "true, false")
+    sampling: str = opt("epoch", "training windows: epoch = every window once per epoch in a "
+                                 "seeded shuffled order; random = offsets drawn with "
+                                 "replacement (trainer/data/sampling.py)", "epoch, random")
+    blend: str = opt("", "several token files in fixed shares (instead of path), each walked "
+                         "in its own epochs", '"" or "a.bin:0.7,b.bin:0.3"')
+    loss_mask: bool = opt(False, "the loss counts only tokens the data's loss mask keeps "
+                                 "(FILE.mask of `prepare --chat`: the assistant turns)",
+                          "true, false")
+    doc_attention: str = opt("auto", "attention kernel under doc_mask: flex = block mask, dense "
+                                     "= [B, 1, S, S] mask (model/attention.py)",
+                             "auto, flex, dense")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
+    lr: float = opt(3e-3, "peak AdamW learning rate (after warm-up)", "> 0")
+    min_lr: float = opt(3e-4, "learning rate at the end of the cosine decay", "0 <= x <= lr")
+    warmup_steps: int = opt(20, "steps of linear warm-up", "int >= 0")
+    weight_decay: float = opt(0.1, "AdamW decoupled weight decay", ">= 0")
+    beta1: float = opt(0.9, "AdamW first-moment decay", "0 <= x < 1")
+    beta2: float = opt(0.95, "AdamW second-moment decay", "0 <= x < 1")
+    eps: float = opt(1e-8, "AdamW epsilon", "> 0")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this", "> 0, or 0 = off")
 
 
 @dataclass
 class BalanceConfig:
-    enabled: bool = False
-    threshold: float = 1.2
-    window: int = 10
-    cooldown: int = 20
-    max_swaps: int = 8
-    method: str = "default"
-    force_every: int = 0  # test hook: migrate every N steps regardless of imbalance
-    # Experiment knob: a fixed router selection bias -skew * ln(1 + e) for logical expert e, so
-    # the first experts (all on EP rank 0 at start) are hot. 0 = off. Used by bench_migration.
-    skew: float = 0.0
-    # redundant expert slots per EP rank (issue 20): each rank hosts E / ep + redundant slots
-    # and hot experts get replicas (balance.plan_replicas); 0 = one slot per expert
-    redundant: int = 0
+    enabled: bool = opt(False, "expert migration during training (balance/, "
+                               "trainer/balancing.py)", "true, false")
+    threshold: float = opt(1.2, "migrate a layer when its EP-rank load max / mean over the "
+                                "window exceeds this", ">= 1")
+    window: int = opt(10, "steps of expert counts the policy averages", "int >= 1")
+    cooldown: int = opt(20, "steps between two migrations of a layer", "int >= 0")
+    max_swaps: int = opt(8, "expert swaps per migration at most", "int >= 0")
+    method: str = opt("default", "swap planner", "default (= minmax), minmax, hill-climb, "
+                                                 "greedy-repack")
+    redundant: int = opt(0, "redundant expert slots per EP rank (issue 20): each rank hosts "
+                            "E / ep + redundant slots and hot experts get replicas "
+                            "(balance.plan_replicas)", "int >= 0, at most E - E / ep")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
-    global_batch: int = 16  # sequences per optimizer step, summed over all data-parallel ranks
-    seq_len: int = 256
-    seed: int = 0
-    log_every: int = 1
-    eval_every: int = 50
-    eval_batches: int = 8  # validation batches of `global_batch` sequences
-    ckpt_every: int = 0  # 0 = only at the end
-    ckpt_keep: int = 2
-    stop_after: int = 0  # end this invocation after that many total steps (checkpointed); 0 = run to `steps`
-    out_dir: str = "runs/default"
-    resume: str = ""  # "" = no; "latest" = newest complete checkpoint in out_dir (error if none);
-    # "auto" = newest if any, else start fresh (for torchrun --max-restarts); or a path
-    # precision (trainer/precision.py): compute dtype auto (= bf16 on GPUs, fp32 on CPU) | fp32 |
-    # bf16 (bf16 really runs on CPU too); working weights auto (= compute) | bf16 | fp32, with
-    # fp32 masters + AdamW moments in the optimizer and fp32 gradients; the gradient reduction
-    # on the wire in fp32 | bf16
-    dtype: str = "auto"
-    param_dtype: str = "auto"
-    reduce_dtype: str = "fp32"
-    # each block's attention, norms, router and dense FFN through torch.compile (the MoE
-    # dispatch / expert GEMMs / combine stay eager): trainer/compile.py
-    compile: bool = False
-    peak_tflops: float = 0.0  # per device; 0 = known GPU peak, or a measured matmul rate on CPU
-    plot: bool = True
-    checkpointing: str = "none"  # activation checkpointing: none | selective | full (model/checkpointing.py)
-    memory_report: bool = False  # log per-rank state bytes and peak saved-activation bytes (max over ranks)
-    export_hf: str = ""  # at the end, also write a Hugging Face checkpoint here (trainer.export)
-    trace_counts: bool = False  # write per-step, per-expert token counts to <out_dir>/counts.jsonl
-    # observability (docs/observability.md): per-MoE-layer load and router entropy in
-    # metrics.jsonl (and the sinks below); TensorBoard under <out_dir>/tensorboard: true | false
-    # | auto (= on when the tensorboard package is installed); Weights & Biases when a project
-    # is named; torch.profiler traces of steps "A,B" under <out_dir>/profile/
-    layer_metrics: bool = True
-    tensorboard: str = "auto"
-    wandb_project: str = ""
-    wandb_mode: str = "offline"  # offline (no network; `wandb sync` later) | online
-    profile_steps: str = ""
-    # benchmark hook (benchmarks/bench_logging.py): layer_metrics and TensorBoard on odd steps
-    # only, so one run measures steps with and without them under the same machine load
-    logging_ab: bool = False
-    threads: int = 0  # torch intra-op threads per process; 0 = cores / local processes
-    timeout_s: float = 600.0  # a collective or P2P waiting longer than this fails the run
-    nan_policy: str = "skip"  # non-finite loss/grad: "skip" the step (up to max) or "stop"
-    max_nonfinite_steps: int = 3
-    # fault injection (tests, benchmarks/chaos.py): at that step, on rank `fault_rank`
-    fault_rank: int = 0
-    fault_nan_step: int = 0  # the loss and one gradient become NaN
-    fault_stall_step: int = 0  # the rank stops responding (sleeps) before its forward
+    steps: int = opt(200, "optimizer steps of the run", "int >= 1")
+    global_batch: int = opt(16, "sequences per optimizer step, summed over all data-parallel "
+                                "ranks", "int >= 1, a multiple of the data shards")
+    seq_len: int = opt(256, "tokens per training window", "1 .. the model's max_seq_len")
+    seed: int = opt(0, "seed of the initial weights", "any int")
+    log_every: int = opt(1, "steps between two console progress lines", "int >= 1")
+    eval_every: int = opt(50, "steps between two validation passes (and one at the end)",
+                          "int >= 0 (0 = only at the end)")
+    eval_batches: int = opt(8, "validation batches of global_batch sequences", "int >= 1")
+    ckpt_every: int = opt(0, "steps between two checkpoints (and one at the end)",
+                          "int >= 0 (0 = only at the end)")
+    ckpt_keep: int = opt(2, "complete checkpoints kept in <out_dir>/checkpoints", "int >= 1")
+    stop_after: int = opt(0, "end this invocation after that many total steps (checkpointed); "
+                             "continue with --resume", "int >= 0 (0 = run to steps)")
+    out_dir: str = opt("runs/default", "folder of metrics.jsonl, checkpoints, plots", "a path")
+    resume: str = opt("", "continue from a checkpoint: latest = the newest complete one in "
+                          "out_dir (error if none); auto = the newest if any, else start "
+                          "fresh (for torchrun --max-restarts)",
+                      '"" (no), latest, auto, or a checkpoint path')
+    dtype: str = opt("auto", "compute dtype (trainer/precision.py); auto = bf16 on GPUs, fp32 "
+                             "on CPU (bf16 really runs on CPU too)", "auto, fp32, bf16")
+    param_dtype: str = opt("auto", "working weights (fp32 masters + AdamW moments stay in the "
+                                   "optimizer, gradients fp32); auto = the compute dtype",
+                           "auto, fp32, bf16")
+    reduce_dtype: str = opt("fp32", "dtype of the gradient reduction on the wire", "fp32, bf16")
+    compile: bool = opt(False, "each block's attention, norms, router and dense FFN through "
+                               "torch.compile (the MoE dispatch, expert GEMMs and combine stay "
+                               "eager): trainer/compile.py", "true, false")
+    peak_tflops: float = opt(0.0, "peak TFLOP/s per device for the MFU",
+                             "> 0, or 0 = the known GPU peak / a measured matmul rate on CPU")
+    plot: bool = opt(True, "write <out_dir>/loss.png at the end", "true, false")
+    checkpointing: str = opt("none", "activation checkpointing (model/checkpointing.py)",
+                             "none, selective, full")
+    memory_report: bool = opt(False, "log per-rank state bytes and peak saved-activation bytes "
+                                     "(max over ranks)", "true, false")
+    export_hf: str = opt("", "at the end, also write a Hugging Face checkpoint here "
+                             "(trainer.export)", '"" or a folder')
+    trace_counts: bool = opt(False, "write per-step, per-expert token counts to "
+                                    "<out_dir>/counts.jsonl", "true, false")
+    layer_metrics: bool = opt(True, "per-MoE-layer load and router entropy in metrics.jsonl "
+                                    "and the sinks (docs/observability.md)", "true, false")
+    tensorboard: str = opt("auto", "TensorBoard under <out_dir>/tensorboard; auto = on when the "
+                                   "tensorboard package is installed", "true, false, auto")
+    wandb_project: str = opt("", "Weights & Biases project", '"" (off) or a project name')
+    wandb_mode: str = opt("offline", "Weights & Biases mode (offline: no network; `wandb sync` "
+                                     "later)", "offline, online")
+    profile_steps: str = opt("", "torch.profiler traces of steps A..B under <out_dir>/profile/",
+                             '"" or "A,B" (1 <= A <= B <= steps)')
+    threads: int = opt(0, "torch intra-op threads per process", "int >= 0 (0 = cores / local "
+                                                                "processes)")
+    timeout_s: float = opt(600.0, "a collective or P2P waiting longer than this many seconds "
+                                  "fails the run", "> 0")
+    nan_policy: str = opt("skip", "a non-finite loss or gradient: skip the step (up to "
+                                  "max_nonfinite_steps) or stop", "skip, stop")
+    max_nonfinite_steps: int = opt(3, "non-finite steps skipped before the run stops",
+                                   "int >= 0")
+
+
+@dataclass
+class DebugConfig:
+    """Test and benchmark knobs: not for training runs. Fault injection for the tests and the
+    chaos harness (benchmarks/chaos.py), a skewed router and forced migrations for the balance
+    tests and benchmarks, alternating logging for benchmarks/bench_logging.py, the data-order
+    trace for tests/test_data_sampling.py."""
+
+    fault_rank: int = opt(0, "the rank the fault_* injections hit", "0 .. world size - 1")
+    fault_nan_step: int = opt(0, "at that step the loss and one gradient of fault_rank become "
+                                 "NaN", "int >= 0 (0 = never)")
+    fault_stall_step: int = opt(0, "at that step fault_rank stops responding (sleeps) before its "
+                                   "forward", "int >= 0 (0 = never)")
+    logging_ab: bool = opt(False, "layer_metrics and TensorBoard on odd steps only, so one run "
+                                  "measures steps with and without them under the same machine "
+                                  "load (benchmarks/bench_logging.py)", "true, false")
+    skew: float = opt(0.0, "a fixed router selection bias -skew * ln(1 + e) for logical expert "
+                           "e, so the first experts (all on EP rank 0 at start) are hot "
+                           "(benchmarks/bench_migration.py, chaos.py)", "a finite number (0 = off)")
+    force_every: int = opt(0, "with balance.enabled: migrate every N steps regardless of "
+                              "imbalance (swap one expert pair per rank pair, or move every "
+                              "replica)", "int >= 0 (0 = off)")
+    trace_data: bool = opt(False, "each rank appends the windows it reads per step to "
+                                  "<out_dir>/data_order.rank<r>.jsonl, in the schema of "
+                                  "`python -m trainer.data order`", "true, false")
 
 
 @dataclass
@@ -208,6 +257,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -331,16 +381,32 @@ def parse_args(argv: list[str]) -> RunConfig:
 
 
 def _help() -> str:
+    """Every section and field: its default, what it means and its valid values (the fields'
+    `opt` docs), section by section."""
     lines = [
         "usage: torchrun --nproc-per-node N train.py [--config FILE] [--plan FILE] [--data PATH]",
         "                [--resume [PATH]] [--section.field=value ...]",
         "",
-        "sections and fields (defaults):",
+        "  --config FILE    a TOML run config ([section] tables of the fields below)",
+        "  --plan FILE      a plan file of `python -m tuner plan` (its [run.*] tables)",
+        "  --data PATH      = --data.path=PATH",
+        "  --resume [PATH]  = --train.resume=PATH (latest without PATH)",
+        "Later sources win: defaults, --config, --plan, then --section.field=value.",
     ]
     for name in _SECTIONS:
         sec = getattr(RunConfig(), name)
-        fields_ = ", ".join(f"{f.name}={getattr(sec, f.name)!r}" for f in dataclasses.fields(sec))
-        lines.append(f"  [{name}] {fields_}")
-    lines.append("  [model] also takes any model.ModelConfig field as an override; hf_path=DIR "
-                 "starts from a Hugging Face checkpoint folder")
+        doc = (type(sec).__doc__ or "") if name == "debug" else ""
+        lines += ["", f"[{name}]" + (f"  {' '.join(doc.split())}" if doc else "")]
+        for f in dataclasses.fields(sec):
+            if name == "model" and f.name == "overrides":
+                lines.append("  --model.<field>=VALUE  " + f.metadata["help"]
+                             + f"; valid: {f.metadata['valid']}")
+                continue
+            valid = f.metadata["valid"]
+            if name == "model" and f.name == "preset":
+                from model import presets
+
+                valid += ": " + ", ".join(presets.names())
+            lines.append(f"  --{name}.{f.name}={json.dumps(getattr(sec, f.name))}  {f.metadata['help']}; "
+                         f"valid: {valid}")
     return "\n".join(lines)

@@ -13,15 +13,15 @@ __all__ = ["StepWriter", "format_row", "format_event", "truncate_jsonl"]
 
 
 class StepWriter:
-    def __init__(self, t, out: Path, sinks, start_step: int):
-        self.t, self.out, self.sinks = t, out, sinks
+    def __init__(self, t, out: Path, sinks, start_step: int, logging_ab: bool = False):
+        self.t, self.out, self.sinks, self.logging_ab = t, out, sinks, logging_ab
         self.metrics_path = out / "metrics.jsonl"
         self.start_step = start_step
 
     def write(self, m: dict[str, Any], events: list[dict[str, Any]], stats, logged: bool,
               elapsed: float) -> None:
         """Rank 0 only. `stats` is the step's `trainer.stats.StepStats`; `logged` says whether
-        this step's per-layer values were collected (--train.logging_ab alternates)."""
+        this step's per-layer values were collected (--debug.logging_ab alternates)."""
         t, step = self.t, m["step"]
         if t.trace_counts and stats.last_counts:
             # routing trace, for benchmarks/bench_balance.py --trace: every stage's MoE layers
@@ -36,7 +36,7 @@ class StepWriter:
             f.write(json.dumps(m) + "\n")
             for ev in events:
                 f.write(json.dumps(ev) + "\n")
-        if logged or not t.logging_ab:
+        if logged or not self.logging_ab:
             self.sinks.write(m)
         for ev in events:
             log(format_event(ev))

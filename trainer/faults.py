@@ -2,7 +2,7 @@
 
 The step knows only `StepHooks`: `before_step(step)` runs before the forward, and
 `after_backward(step, model, ce)` may change the loss after the backward. A run without
---train.fault_* options gets the no-op hooks; with them, `install_faults` returns hooks that
+--debug.fault_* options gets the no-op hooks; with them, `install_faults` returns hooks that
 stall one rank (a hung peer) or poison its gradients and loss with NaN (a non-finite step).
 """
 
@@ -54,10 +54,11 @@ class FaultHooks(StepHooks):
         return ce
 
 
-def install_faults(t, my_rank: int) -> StepHooks:
-    """The hooks the train config asks for (`t` = its [train] section)."""
-    if not (t.fault_stall_step or t.fault_nan_step):
+def install_faults(d, my_rank: int, timeout_s: float) -> StepHooks:
+    """The hooks the run config asks for (`d` = its [debug] section; `timeout_s` =
+    train.timeout_s)."""
+    if not (d.fault_stall_step or d.fault_nan_step):
         return StepHooks()
     # a stall longer than the collective timeout, so the peers' watchdog fires first
-    return FaultHooks(t.fault_rank, my_rank, t.fault_stall_step, t.fault_nan_step,
-                      stall_s=10 * t.timeout_s + 60)
+    return FaultHooks(d.fault_rank, my_rank, d.fault_stall_step, d.fault_nan_step,
+                      stall_s=10 * timeout_s + 60)

@@ -88,7 +88,7 @@ ZERO_LEVELS = (0, 1, 2, 3)
 TRAINER_ZERO_LEVELS = (0, 1, 2, 3)  # --parallel.zero (3: FSDP2, trainer/zero3.py)
 # dedup: a token crosses to a remote node once (DeepEP-style; issue 26)
 ALLTOALL_ALGORITHMS = ("flat", "halo", "dedup", "auto")
-# --comm.alltoall: what comm.all_to_all runs, and dedup (comm/collectives/dedup.py, trainer/ep_pipeline.py)
+# --comm.alltoall: what comm.all_to_all runs, and dedup (comm/collectives/dedup.py, comm/ep/pipeline.py)
 TRAINER_ALLTOALL = (*(a for a in _COMM_ALGORITHMS if a != "auto"), "dedup", "auto")
 # all-to-all overlapped with compute: none, inside the MoE layer, across micro-batches
 A2A_OVERLAP = ("none", "layer", "fb")

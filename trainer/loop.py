@@ -22,7 +22,6 @@ import torch
 
 from .balancing import Balancer
 from .build import (
-    Pipeline,
     apply_tp,
     build_grad_sync,
     build_model,
@@ -43,7 +42,7 @@ from .precision import resolve_precision, to_working_dtype
 from .profiling import StepProfiler, parse_profile_steps, stage_ranges
 from .setup import Prepared, build_model_config, model_name, peak_flops, prepare
 from .stats import StepStats
-from .step import doc_layout, lr_at, train_step
+from .step import StepParts, StepResult, StepState, lr_at, train_step
 from .zero import effective_zero
 
 __all__ = ["Trainer", "TrainingError", "prepare", "build_model_config", "log"]
@@ -68,11 +67,11 @@ class Trainer:
         if self.hf is not None and self.resume_path is None:
             import_hf(self.model, self.hf, self.cfg.model.hf_path, self.out, self.mesh,
                       self.device)
-        if self.cfg.balance.skew:  # benchmark knob: a skewed router from step 0
+        if self.cfg.debug.skew:  # benchmark knob: a skewed router from step 0
             for layer in self.model.moe_layers():
-                E = layer.expert2slot.numel()
+                E = layer.num_experts
                 layer.router.e_score_correction_bias.copy_(
-                    -self.cfg.balance.skew * torch.log1p(torch.arange(E, dtype=torch.float32)))
+                    -self.cfg.debug.skew * torch.log1p(torch.arange(E, dtype=torch.float32)))
         # the fp32 values above become the optimizer's masters (trainer/zero.py); the model
         # keeps bf16 working weights from here on (ZeRO-3: FSDP2 casts its fp32 shards)
         self.compiled = compile_blocks(self.model) if t.compile else 0  # lazily, on 1st use
@@ -91,12 +90,11 @@ class Trainer:
                                      self.rank, self.device)
         if self.profiler.window and self.pipe is not None:
             stage_ranges(self.pipe.stages)
-        self.pp_idle: tuple[float, float] | None = None
         self.sync = build_grad_sync(self.cfg, self.model, self.mesh, self.device)
         self.optim = build_optimizer(self.cfg, self.model, self.sync, fp32_values)
         del fp32_values  # the masters the optimizer did not take are freed
-        self.hooks = install_faults(t, self.rank)
-        self.step, self.phase, self.nonfinite_steps, self.logging = 0, "setup", 0, True
+        self.hooks = install_faults(self.cfg.debug, self.rank, t.timeout_s)
+        self.state = StepState()
         self.balancer = None
         if self.cfg.balance.enabled and self.mesh.ep > 1 and self.model.moe_layers():
             blocks = None
@@ -106,21 +104,43 @@ class Trainer:
                 topo = self.model.moe_layers()[0].dispatcher.topology
                 blocks = node_blocks(self.mcfg, self.mesh, topo)
             self.balancer = Balancer(self.cfg.balance, named_moe_layers(self.model), self.mesh.ep,
-                                     self.mesh.ep_group, self.optim, blocks)
+                                     self.mesh.ep_group, self.optim, blocks,
+                                     force_every=self.cfg.debug.force_every)
         self.ckpt = CheckpointManager(self)
         self.peak, self.peak_src = (t.peak_tflops * 1e12, "--train.peak_tflops") \
             if t.peak_tflops > 0 else peak_flops(self.device)
         self.flops_per_token = self.mcfg.flops_per_token(t.seq_len)
+        self.parts = StepParts(self.cfg, self.mcfg, self.mesh, self.corpus, self.device,
+                               self.precision, self.model, self.pipe, self.sync, self.optim,
+                               self.stats, self.hooks, self.balancer, self.flops_per_token,
+                               self.peak)
+
+    # -- where the run is (the step's StepState) -----------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:  # resume
+        self.state.step = value
+
+    @property
+    def phase(self) -> str:
+        return self.state.phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self.state.phase = value
 
     # -- the public surface ------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
         return lr_at(self.cfg.optim, step, self.cfg.train.steps)
 
-    def train_step(self) -> dict[str, Any]:
-        return train_step(self)
+    def train_step(self) -> StepResult:
+        return train_step(self.parts, self.state)
 
     def evaluate(self) -> float:
-        val = evaluate(self)
+        val = evaluate(self.parts)
         for m in self.fsdp:  # FSDP2 keeps a root gathered after a forward without backward
             m.reshard()
         return val
@@ -130,26 +150,6 @@ class Trainer:
 
     def resume(self, path: Path) -> None:
         self.ckpt.resume(path)
-
-    # -- document masking with pp > 1 ---------------------------------------------------------
-    def queue_docs(self, microbatches) -> None:
-        """Under --data.doc_mask with pp > 1: every stage gets the layouts of its coming
-        forwards, one per micro-batch (every rank holds the whole batch's tokens)."""
-        if self.cfg.data.doc_mask:
-            layouts = [doc_layout(self, mb) for mb in microbatches]
-            for stage in self._pipeline().stages.values():
-                stage.docs.extend(layouts)
-
-    def _pipeline(self) -> Pipeline:
-        if self.pipe is None:  # the step and eval call the two above only with pp > 1
-            raise RuntimeError("this run has no pipeline (pp = 1)")
-        return self.pipe
-
-    def check_docs_used(self) -> None:
-        left = {s: len(st.docs) for s, st in self._pipeline().stages.items() if st.docs}
-        if left:
-            raise RuntimeError(f"document layouts left unused after the step: {left} "
-                               f"(a stage ran fewer forwards than micro-batches)")
 
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -162,7 +162,7 @@ class Trainer:
         if self.rank == 0:
             truncate_jsonl(self.out / "metrics.jsonl", self.step)
             truncate_jsonl(self.out / "counts.jsonl", self.step)
-        if self.cfg.data.trace:  # each rank its own file of windows read
+        if self.cfg.debug.trace_data:  # each rank its own file of windows read
             truncate_jsonl(self.out / f"data_order.rank{self.rank}.jsonl", self.step)
         log(f"{self.mesh.describe()} | model {model_name(self.cfg)}: "
             f"{self.mcfg.num_params() / 1e6:.2f}M params ({self.mcfg.num_active_params() / 1e6:.2f}M "
@@ -177,7 +177,7 @@ class Trainer:
         end = min(t.steps, t.stop_after) if t.stop_after > 0 else t.steps
         sinks = Sinks(t, self.out, self.cfg.to_dict(), self.step, self.rank,
                       lambda msg: log(msg, self.rank))
-        writer = StepWriter(t, self.out, sinks, self.step)
+        writer = StepWriter(t, self.out, sinks, self.step, self.cfg.debug.logging_ab)
         try:
             history, last_val = self._loop(end, writer)
         finally:
@@ -201,9 +201,9 @@ class Trainer:
                 f"{export_checkpoint(ckpt, t.export_hf, progress=False)}", self.rank)
         return {"val_loss": last_val, "history": history}
 
-    def _loop(self, end: int, writer: StepWriter) -> tuple[list[dict[str, Any]], float]:
+    def _loop(self, end: int, writer: StepWriter) -> tuple[list[StepResult], float]:
         t = self.cfg.train
-        history: list[dict[str, Any]] = []
+        history: list[StepResult] = []
         last_val = float("nan")
         t_start = time.perf_counter()
         graphs_warm = None
@@ -212,7 +212,7 @@ class Trainer:
                 self.profiler.before(self.step + 1)
                 m = self.train_step()
                 if self.compiled:  # graphs compiled so far; after warm-up it must not grow
-                    m["compiled_graphs"] = graph_count()
+                    m.compiled_graphs = graph_count()
                 if self.profiler.after(self.step):
                     log(f"profiler trace of steps {t.profile_steps} (one per rank; open in "
                         f"Perfetto or chrome://tracing): {self.out / 'profile'}/rank_<r>.json for "
@@ -220,7 +220,7 @@ class Trainer:
                 self.phase = "evaluation"
                 if (t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps) \
                         or self.step == t.steps:
-                    last_val = m["val_loss"] = self.evaluate()
+                    last_val = m.val_loss = self.evaluate()
             except RuntimeError as e:
                 if isinstance(e, TrainingError):
                     raise
@@ -230,11 +230,11 @@ class Trainer:
                                             or self.step == t.steps):
                     graphs_warm = graph_count()  # warm-up: first step (and first evaluation)
                 elif graphs_warm is not None:
-                    m["recompilations"] = graph_count() - graphs_warm
+                    m.recompilations = graph_count() - graphs_warm
             history.append(m)
-            events = m.pop("events")
             if self.rank == 0:
-                writer.write(m, events, self.stats, self.logging, time.perf_counter() - t_start)
+                writer.write(m.row(), m.events, self.stats, m.logged,
+                             time.perf_counter() - t_start)
             if t.ckpt_every and self.step % t.ckpt_every == 0 and self.step < t.steps:
                 self.phase = "checkpoint save"
                 try:

@@ -29,14 +29,14 @@ import torch.distributed as dist
 from .config import ConfigError
 
 __all__ = ["LayerGather", "Sinks", "layer_stats", "tags_of", "check_observability",
-           "tensorboard_wanted", "LAYER_KEYS"]
+           "tensorboard_wanted", "LAYER_KEYS", "ROW_TAGS"]
 
 # the per-layer keys of a metrics.jsonl row's "layers" entries that become tags
 LAYER_KEYS = ("load_max_over_mean", "load_cv", "empty_experts", "router_entropy")
 _MIG = ("swaps", "moved_experts", "bytes_sent", "seconds")  # migration event fields, summed
 
-# metrics.jsonl row key -> tag
-_TAGS = {
+# metrics.jsonl row key -> tag (every key a StepResult field: trainer/step.py)
+ROW_TAGS = {
     "loss": "train/loss",
     "aux_loss": "train/aux_loss",
     "lr": "train/lr",
@@ -141,7 +141,7 @@ class LayerGather:
 
 def tags_of(row: dict[str, Any]) -> dict[str, float]:
     """{tag: value} of one metrics.jsonl row (the step row, with its "layers")."""
-    out = {tag: float(row[k]) for k, tag in _TAGS.items() if k in row}
+    out = {tag: float(row[k]) for k, tag in ROW_TAGS.items() if k in row}
     for name, v in row.get("source_epochs", {}).items():  # a blend: each source's epochs
         out[f"data/epoch/{Path(name).name}"] = float(v)
     for st in row.get("layers", ()):

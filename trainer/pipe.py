@@ -1,4 +1,5 @@
-"""Pipeline parallelism for `MoETransformer`: stage split, stage modules, train and eval steps.
+"""Pipeline parallelism for `MoETransformer`: stage split, stage modules, the aux-loss hook
+(training and evaluation both run on `pipeline.PipelineRuntime`: trainer/build.py).
 
 Each rank builds the full model from the seed (so weights equal a 1-process run), shards its
 experts (`parallelize`), then keeps only the layers of its stages: the others are replaced by
@@ -18,14 +19,12 @@ import contextlib
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from .config import ConfigError
 from .layout import LayoutError, stage_bounds, stage_rank
 
-__all__ = ["split_layers", "RemovedLayer", "Stage", "build_stages", "pp_eval_forward"]
+__all__ = ["split_layers", "RemovedLayer", "Stage", "build_stages", "moe_aux"]
 
 
 def split_layers(n_layers: int, n_stages: int, spec: str = "") -> list[int]:
@@ -119,17 +118,6 @@ def build_stages(model: Any, pp: int, pp_idx: int, n_virtual: int, bounds: list[
     return stages
 
 
-def ce_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over the targets that count: -100 marks a token the data's
-    loss mask excludes (--data.loss_mask); a micro-batch with no counted token gives 0, not
-    0 / 0. Without -100 it is the plain mean (the same op as before loss masks)."""
-    flat, t = logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
-    if not bool((t == -100).any()):
-        return F.cross_entropy(flat, t)
-    return (F.cross_entropy(flat, t, ignore_index=-100, reduction="sum")
-            / (t != -100).sum().clamp(min=1))
-
-
 def moe_aux(stage: int, module: Stage, output: torch.Tensor) -> torch.Tensor | None:
     """The runtime's aux hook: the summed aux loss of the stage's MoE layers for this forward."""
     layers = module.moe_layers()
@@ -139,24 +127,3 @@ def moe_aux(stage: int, module: Stage, output: torch.Tensor) -> torch.Tensor | N
     for layer in layers[1:]:
         total = total + layer.last_aux_loss
     return total
-
-
-@torch.no_grad()
-def pp_eval_forward(stages: dict[int, Stage], pp: int, n_stages: int, pp_ranks: list[int],
-                    tokens: torch.Tensor | None, targets: torch.Tensor | None,
-                    act_shape: tuple[int, ...], device: torch.device) -> float | None:
-    """Forward one batch through all stages in order with blocking P2P; CE on the last stage."""
-    x = tokens
-    for s in range(n_stages):
-        r = stage_rank(s, pp)
-        if s in stages:
-            if s > 0 and stage_rank(s - 1, pp) != r:
-                x = torch.empty(act_shape, dtype=stages[s].boundary_dtype, device=device)
-                dist.recv(x, src=pp_ranks[stage_rank(s - 1, pp)])
-            x = stages[s](x)
-            if s < n_stages - 1 and stage_rank(s + 1, pp) != r:
-                dist.send(x.contiguous(), dst=pp_ranks[stage_rank(s + 1, pp)])
-    if n_stages - 1 in stages:
-        assert x is not None and targets is not None, "the last stage has the targets"
-        return float(ce_loss(x, targets))
-    return None

@@ -8,7 +8,7 @@ Named ranges in the traces (`record_function`):
     pipeline.wait_sends                                 pipeline.runtime: every action, the
                                                         waits for inputs and for sends (pp > 1)
     ep.plan_all_to_all, ep.dispatch_all_to_all,
-    ep.combine_all_to_all                               trainer.parallel.EPDispatcher (ep > 1)
+    ep.combine_all_to_all                               comm.ep.EPDispatcher (ep > 1)
     moe.grouped_gemm                                    model.moe.GroupedExperts (3 grouped GEMMs)
 """
 

@@ -178,9 +178,7 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     if t.eval_batches < 1 or t.log_every < 1 or t.ckpt_keep < 1:
         raise ConfigError(f"train.eval_batches={t.eval_batches}, log_every={t.log_every}, "
                           f"ckpt_keep={t.ckpt_keep} must be >= 1")
-    if not 0 <= t.fault_rank < world_size:
-        raise ConfigError(f"train.fault_rank={t.fault_rank} is not a rank of this run: "
-                          f"valid 0..{world_size - 1}")
+    _check_debug(cfg.debug, world_size)
     if cfg.balance.enabled:
         from balance import METHODS, MigrationPolicy
 
@@ -189,8 +187,6 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
             raise ConfigError(f"balance.method={bal.method!r}; valid: default, {', '.join(METHODS)}")
         MigrationPolicy(threshold=bal.threshold, window=bal.window, cooldown=bal.cooldown,
                         max_swaps=bal.max_swaps)  # raises ValueError naming a bad value
-        if bal.force_every < 0:
-            raise ConfigError(f"balance.force_every={bal.force_every} must be >= 0")
     if t.nan_policy not in ("skip", "stop"):
         raise ConfigError(f"train.nan_policy={t.nan_policy!r}; valid: skip, stop")
     if t.timeout_s <= 0:
@@ -256,6 +252,18 @@ def a2a_chunks(value: object) -> int:
     if n < 1 or isinstance(value, bool):
         raise ConfigError(f"comm.a2a_chunks={value!r}; valid: an integer >= 1, or auto")
     return n
+
+
+def _check_debug(d, world_size: int) -> None:
+    """The [debug] knobs (tests and benchmarks), checked whether or not the run uses them."""
+    if not 0 <= d.fault_rank < world_size:
+        raise ConfigError(f"debug.fault_rank={d.fault_rank} is not a rank of this run: "
+                          f"valid 0..{world_size - 1}")
+    for name in ("fault_nan_step", "fault_stall_step", "force_every"):
+        if getattr(d, name) < 0:
+            raise ConfigError(f"debug.{name}={getattr(d, name)} must be >= 0 (0 = off)")
+    if not math.isfinite(d.skew):
+        raise ConfigError(f"debug.skew={d.skew} must be a finite number (0 = off)")
 
 
 def _check_redundant(r: int, E: int, ep: int) -> None:

@@ -61,8 +61,7 @@ class StepStats:
         self.gather.per_layer = per_layer
         for layer in self.model.moe_layers():
             layer.router.track_entropy = per_layer
-            if hasattr(layer.dispatcher, "exchange_s"):  # exclude eval-time exchanges
-                layer.dispatcher.exchange_s = 0.0
+            layer.dispatcher.take_stats()  # exclude eval-time exchanges
 
     def expert_counts(self) -> list[torch.Tensor]:
         """Tokens per logical expert of this step (all micro-batches), summed over the stage's
@@ -93,26 +92,22 @@ class StepStats:
         return vals
 
     def exchange_time(self) -> dict[str, float]:
-        """Seconds this step's forward MoE exchanges took, max and min over the EP group."""
-        disps = [layer.dispatcher for layer in self.model.moe_layers()
-                 if hasattr(layer.dispatcher, "exchange_s")]
-        if not disps:
+        """Seconds this step's forward MoE exchanges took, max and min over the EP group (the
+        dispatchers' `take_stats()`, comm.ep.ExchangeStats; none without EP)."""
+        got = [layer.dispatcher.take_stats() for layer in self.model.moe_layers()]
+        stats = [st for st in got if st is not None]
+        if not stats:
             return {}
-        mine = sum(d.exchange_s for d in disps)
+        mine = sum(st.exchange_s for st in stats)
         # forward dispatch rows and bytes sent to other nodes this step, summed over the EP
         # group, and the rows flat would have sent (they differ under comm.alltoall=dedup)
-        sent = [float(sum(getattr(d, k, 0) for d in disps))
-                for k in ("remote_rows", "remote_bytes", "flat_remote_rows")]
-        for d in disps:
-            d.exchange_s = 0.0
-            for k in ("remote_rows", "remote_bytes", "flat_remote_rows"):
-                if hasattr(d, k):
-                    setattr(d, k, 0)
+        sent = [float(sum(st.remote_rows for st in stats)),
+                float(sum(st.remote_bytes for st in stats)),
+                float(sum(st.flat_remote_rows for st in stats))]
         t = torch.tensor([mine, -mine], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.ep_group)
         out = {"ep_exchange_max_s": float(t[0]), "ep_exchange_min_s": float(-t[1])}
-        topo = getattr(disps[0], "topology", None)
-        if topo is not None and topo.num_nodes > 1:  # the EP group spans nodes: rows counted
+        if stats[0].spans_nodes:  # the EP group spans nodes: rows counted
             v = torch.tensor(sent, dtype=torch.float64, device=self.device)
             dist.all_reduce(v, group=self.mesh.ep_group)
             out.update(ep_remote_rows=float(v[0]), ep_remote_bytes=float(v[1]),

@@ -8,7 +8,7 @@ one object per (step, data rank): `{"step", "rank", "starts": [...], "file": FIL
 `"files": [...]`, the file of each start, beside `starts`). Steps are numbered from 1 as in
 metrics.jsonl; a start is the window's token offset in its file's training split (the file's
 first 1 - val_fraction of tokens, which is where the file begins). `--dp` is the number of
-data shards, dp x ep of the run. The trainer's `--data.trace=true` writes the same rows.
+data shards, dp x ep of the run. The trainer's `--debug.trace_data=true` writes the same rows.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 
 `moe_forward(disp, layer, x, slot_idx, topk_w)` replaces permute -> dispatch -> experts ->
 combine -> unpermute (+ shared experts) of `model.moe.MoELayer.forward` when the EP
-dispatcher asks for it (`EPDispatcher.pipelined`). The tokens split into c contiguous chunks;
+dispatcher asks for it (`EPDispatcher.pipelined`). What it uses of the layer is
+`comm.ep.ExpertLayer` (its row sort and unsort, experts, shared experts): comm does not
+import the model or its kernels. The tokens split into c contiguous chunks;
 every chunk is a generator that runs one stage per `next()` and ends each stage by starting an
 exchange (`comm.collectives.overlap.exchange_start`), whose rows the next stage waits for:
 
@@ -32,11 +34,10 @@ from typing import Any
 
 import torch
 
-import comm
-from comm.collectives.alltoall import AllToAllPlan
+from comm.collectives.alltoall import AllToAllPlan, plan_all_to_all
 from comm.collectives.dedup import block_order, fanout, plan_dedup, source_items
 from comm.collectives.overlap import ExchangeHandle, exchange_start, exchange_wait
-from kernels import permute, unpermute
+from comm.ep.protocol import ExpertLayer
 
 __all__ = ["moe_forward", "run_chunks", "slot_major_order"]
 
@@ -105,7 +106,7 @@ def _exchange(x: torch.Tensor, plan: AllToAllPlan, group: Any, disp: Any,
     return exchange_start(x, h), h
 
 
-def moe_forward(disp: Any, layer: Any, x_TD: torch.Tensor, slot_idx: torch.Tensor,
+def moe_forward(disp: Any, layer: ExpertLayer, x_TD: torch.Tensor, slot_idx: torch.Tensor,
                 topk_w: torch.Tensor) -> torch.Tensor:
     """The routed experts' output plus the shared experts' for tokens x [T, D] routed to
     slots slot_idx [T, K] with weights topk_w [T, K] (module docstring)."""
@@ -135,9 +136,9 @@ def moe_forward(disp: Any, layer: Any, x_TD: torch.Tensor, slot_idx: torch.Tenso
         K = slot_idx.shape[1]
         elt = x_TD.element_size()
         for p in plans:
-            disp.remote_rows += p.remote_items
-            disp.remote_bytes += p.remote_items * ((x_TD.shape[1] + K) * elt + 4 * K)
-            disp.flat_remote_rows += p.remote_pairs
+            disp.stats.remote_rows += p.remote_items
+            disp.stats.remote_bytes += p.remote_items * ((x_TD.shape[1] + K) * elt + 4 * K)
+            disp.stats.flat_remote_rows += p.remote_pairs
         gens = [_dedup_chunk(disp, layer, x_TD[a:b], slot_idx[a:b], topk_w[a:b], it, p)
                 for (a, b), it, p in zip(spans, items, plans, strict=True)]
     else:
@@ -145,9 +146,9 @@ def moe_forward(disp: Any, layer: Any, x_TD: torch.Tensor, slot_idx: torch.Tenso
         chunk_plans = _plan_chunks(disp, counts_cQ, row_bytes, x_TD.device)
         for cq in counts_cQ:
             remote = disp.remote_pair_rows(cq)
-            disp.remote_rows += remote
-            disp.remote_bytes += remote * row_bytes
-            disp.flat_remote_rows += remote
+            disp.stats.remote_rows += remote
+            disp.stats.remote_bytes += remote * row_bytes
+            disp.stats.flat_remote_rows += remote
         gens = [_flat_chunk(disp, layer, x_TD[a:b], slot_idx[a:b], topk_w[a:b], plan, recv)
                 for (a, b), (plan, recv) in zip(spans, chunk_plans, strict=True)]
     side = None
@@ -174,7 +175,7 @@ def _plan_chunks(disp: Any, counts_cQ: list[list[int]], row_bytes: int, device: 
     if disp.algorithm == "flat" or disp.topology is None:
         payload = [[v for cq in counts_cQ for v in cq[d * El:(d + 1) * El]] for d in range(R)]
         total = [sum(col) for col in zip(*(splits(cq) for cq in counts_cQ), strict=True)]
-        _, recv = comm.plan_all_to_all(total, disp.group, "flat", None, None, row_bytes,
+        _, recv = plan_all_to_all(total, disp.group, "flat", None, None, row_bytes,
                                        payload, device)
         out = []
         for i, cq in enumerate(counts_cQ):
@@ -185,16 +186,16 @@ def _plan_chunks(disp: Any, counts_cQ: list[list[int]], row_bytes: int, device: 
     out = []
     for i in range(c):
         cq = counts_cQ[i]
-        plan, recv = comm.plan_all_to_all(splits(cq), disp.group, disp.algorithm,
+        plan, recv = plan_all_to_all(splits(cq), disp.group, disp.algorithm,
                                           disp.topology, disp.cost_model, row_bytes,
                                           [cq[d * El:(d + 1) * El] for d in range(R)], device)
         out.append((plan, recv))
     return out
 
 
-def _flat_chunk(disp: Any, layer: Any, x: torch.Tensor, slot: torch.Tensor, w: torch.Tensor,
+def _flat_chunk(disp: Any, layer: ExpertLayer, x: torch.Tensor, slot: torch.Tensor, w: torch.Tensor,
                 plan: AllToAllPlan, recv_SE: list[list[int]]) -> Chunk:
-    x_sorted, _, meta = permute(x, slot, layer.n_slots)
+    x_sorted, _, meta = layer.sort_rows(x, slot)
     tok, h = _exchange(x_sorted, plan, disp.group, disp)
     yield
     got = exchange_wait(tok, h)
@@ -205,10 +206,10 @@ def _flat_chunk(disp: Any, layer: Any, x: torch.Tensor, slot: torch.Tensor, w: t
                        reverse=plan)
     yield
     back = exchange_wait(tok, h)
-    return unpermute(back, w.to(back.dtype), meta)
+    return layer.unsort_rows(back, w.to(back.dtype), meta)
 
 
-def _dedup_chunk(disp: Any, layer: Any, x: torch.Tensor, slot: torch.Tensor, w: torch.Tensor,
+def _dedup_chunk(disp: Any, layer: ExpertLayer, x: torch.Tensor, slot: torch.Tensor, w: torch.Tensor,
                  items: tuple[torch.Tensor, torch.Tensor, torch.Tensor], p: Any) -> Chunk:
     item_tok, item_on, _ = items
     D, K = x.shape[1], slot.shape[1]
