@@ -161,6 +161,13 @@ class TrainConfig:
     out_dir: str = "runs/default"
     resume: str = ""  # "" = no; "latest" = newest complete checkpoint in out_dir (error if none);
     # "auto" = newest if any, else start fresh (for torchrun --max-restarts); or a path
+    # elastic restarts (trainer/elastic.py): an attempt whose world size differs from its
+    # checkpoint's re-plans the layout with the planner ("auto") or keeps the configured one
+    # and refuses when it does not fit ("off"); the planner's trials and platform file (a name
+    # under configs/platforms or a path; "" = the --plan file's platform, else "local")
+    replan: str = "off"
+    replan_trials: int = 100
+    platform: str = ""
     # precision (trainer/precision.py): compute dtype auto (= bf16 on GPUs, fp32 on CPU) | fp32 |
     # bf16 (bf16 really runs on CPU too); working weights auto (= compute) | bf16 | fp32, with
     # fp32 masters + AdamW moments in the optimizer and fp32 gradients; the gradient reduction
@@ -323,6 +330,9 @@ def parse_args(argv: list[str]) -> RunConfig:
     for kind, path in sorted(files, key=lambda f: f[0] == "plan"):  # config before plan
         data = load_config(path)
         if kind == "plan":
+            planned_on = (data.get("plan") or {}).get("platform")
+            if isinstance(planned_on, str) and planned_on:  # re-plans price the same platform
+                cfg.train.platform = planned_on
             data = data.get("run", data)  # plan files keep the run config under [run.*]
         apply_dict(cfg, data, path)
     for section, name, value in overrides:

@@ -22,6 +22,7 @@ from model.attention import DOC_ATTENTION
 from .checkpoint import CheckpointError, check_same_model, find_latest, read_meta
 from .config import ConfigError, RunConfig
 from .data import Blend, Corpus, load_data
+from .elastic import check_options as check_elastic
 from .layout import (
     RECOMPUTE,
     TRAINER_A2A_OVERLAP,
@@ -78,6 +79,9 @@ class Prepared:
     resume_path: Path | None
     hf: Any = None  # model.HFCheckpoint of --model.hf_path (headers only), or None
     hf_skipped: tuple[int, ...] = ()  # checkpoint layers a run with fewer layers does not load
+    # what checkpoints record for elastic restarts (trainer.elastic.resolve): the world the
+    # configured layout is for, and whether this attempt runs a re-planned layout
+    elastic: dict = dataclasses.field(default_factory=dict)
 
 
 def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
@@ -197,6 +201,7 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
         raise ConfigError(f"train.timeout_s={t.timeout_s} must be > 0 seconds")
     check_precision(t)
     check_observability(t)
+    check_elastic(cfg)
     parse_profile_steps(t.profile_steps, t.steps)
     d = cfg.data
     if d.doc_attention not in DOC_ATTENTION:
