@@ -296,7 +296,7 @@ def resolve(cfg: RunConfig, world: int, rank: int, planner: Planner,
             except ValueError as e:
                 payload[0] = ("error", f"--train.replan=auto: {d.reason}; no layout of "
                                        f"{world} ranks: {e}", {})
-        if world > 1:
+        if world > 1 and _distributed():  # every rank takes rank 0's layout (or its error)
             _broadcast(payload)
         status, sections, extra = payload[0]
         if status == "error":
@@ -343,6 +343,12 @@ def _replan(cfg: RunConfig, mcfg: Any, world: int, planner: Planner):
         problems.append(f"{_describe(layout_of(trial.to_dict()))}: {problem}")
     raise ValueError(f"the planner's {len(props)} runnable layouts all break a trainer rule "
                      f"with this run's options, e.g. {'; '.join(problems[:3])}")
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _broadcast(payload: list[Any]) -> None:
