@@ -85,7 +85,8 @@ def test_decide_kinds(tmp_path):
     argv = [*SMALL, f"--train.out_dir={tmp_path}", "--train.resume=auto", "--train.replan=auto"]
     cfg = parse_args(argv)
     mcfg = build_model_config(cfg)
-    assert decide(cfg, mcfg, 4).kind == "none"  # no checkpoint yet
+    assert decide(cfg, mcfg, 4).kind == "none"  # no checkpoint yet, the configured layout fits
+    assert decide(cfg, mcfg, 2).kind == "replan"  # no checkpoint yet, pp=2 x ep=2 > 2 ranks
     _fake_checkpoint(tmp_path, 3, argv, {"pp": 2, "dp": 1, "ep": 2, "tp": 1},
                      elastic={"configured_world": 4, "replanned": False})
     assert decide(cfg, mcfg, 4).kind == "none"  # same world

@@ -215,6 +215,14 @@ def decide(cfg: RunConfig, mcfg: Any, world: int) -> Decision:
     """Which layout this attempt needs (reads the checkpoint's meta.json only; no collective)."""
     path = _resume_path(cfg)
     if path is None or not (path / "meta.json").is_file():
+        # no complete checkpoint yet (e.g. a node lost while the first one was written): with
+        # auto, a start that the configured layout cannot hold is planned for this world
+        problem = layout_problem(cfg, mcfg, world) if cfg.train.replan == "auto" and \
+            (path is None or cfg.train.resume in ("latest", "auto")) else ""
+        if problem:
+            return Decision("replan", None, {}, 0,
+                            f"no complete checkpoint yet and the configured layout does not fit "
+                            f"this attempt's {world} ranks ({problem})")
         return Decision("none")  # prepare() names a missing or incomplete checkpoint
     try:
         meta = read_meta(path)
@@ -268,6 +276,8 @@ def resolve(cfg: RunConfig, world: int, rank: int, planner: Planner,
     # the world the configured layout is meant for: carried from checkpoint to checkpoint (a
     # checkpoint without the record was written by the configured layout itself)
     first = d.ckpt_world if d.checkpoint is not None else world
+    if d.kind == "replan" and d.checkpoint is None:
+        first = 0  # started re-planned: the configured layout's world is not known
     record = {"configured_world": int(el.get("configured_world", first)), "replanned": False}
     if d.kind == "refuse":
         raise ConfigError(d.reason)
