@@ -201,7 +201,7 @@ def test_one_process_checkpoint_resumes_replanned_on_two(tmp_path, data):
     shutil.copytree(first, ref)
     train_ok([*args, "--train.resume=auto"], ref)
     r = run_train([*args, "--train.resume=auto", "--train.replan=auto",
-                   "--train.replan_trials=30", f"--train.out_dir={first}"], nproc=2)
+                   "--train.replan_trials=10", f"--train.out_dir={first}"], nproc=2)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "elastic: checkpoint" in r.stdout and "re-planned with the planner" in r.stdout
     row = json.loads((first / "elastic.jsonl").read_text().splitlines()[-1])
