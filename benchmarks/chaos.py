@@ -66,7 +66,7 @@ from _common import (  # noqa: E402  (this script's own folder is on sys.path)
     output_dir,
     print_written,
 )
-from chaos_nodes import NODE_FAULTS, node_row, run_node_fault  # noqa: E402
+from chaos_nodes import NODE_FAULTS, node_row, node_table, run_node_fault  # noqa: E402
 
 FAULTS = ("kill9", "kill-in-save", "stall", "nan-skip", "nan-stop", "one-expert", "zero-tokens",
           *NODE_FAULTS)
@@ -541,6 +541,8 @@ def main(argv: list[str] | None = None) -> None:
         mine = [r for r in rows if r["fault"] == fault]
         print(f"{fault:14s}" + "".join(f"{sum(r['outcome'] == k for r in mine):>14d}"
                                        for k in kinds) + f"{max(r['wall_s'] for r in mine):>12.1f}")
+    if any(r["fault"] in NODE_FAULTS for r in rows):
+        print("\n" + node_table(rows))
     n_bad = sum(r["outcome"] in ("FAILED", "not-injected") for r in rows)
     print(f"\n{len(rows)} runs, {n_bad} failed, {time.monotonic() - t0:.0f} s total; rows appended to "
           f"{out / 'chaos.jsonl'}")

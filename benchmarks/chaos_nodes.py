@@ -286,3 +286,37 @@ def node_row(fault: str, res: dict[str, Any], got: dict[int, float], ref: dict[i
                       + (f", regrown at {res['regrown_at']}" if fault == "node-return" else ""))
     row.update(outcome=verdict, detail=detail, wall_s=res["wall_s"])
     return row
+
+
+def node_table(rows: list[dict[str, Any]]) -> str:
+    """The docs' table of node-fault rows (markdown): outcomes, lost steps, seconds from the
+    loss to the first new step (and from the return to the first step at full size), the
+    largest loss deviation after the re-plan, the longest run."""
+    def med_max(vals: list[float], fmt: str) -> str:
+        vals = sorted(v for v in vals if v is not None)
+        if not vals:
+            return "-"
+        return f"{vals[len(vals) // 2]:{fmt}} / {vals[-1]:{fmt}}"
+
+    head = ("| node fault (seeds) | continued with a re-plan | stopped with a clear error | "
+            "failed / hung | lost steps (median / max) | loss -> first new step, s | "
+            "return -> first step at full size, s | max rel. loss deviation after | "
+            "max wall s |")
+    lines = [head, "|" + "---|" * 9]
+    for fault in NODE_FAULTS:
+        mine = [r for r in rows if r["fault"] == fault]
+        if not mine:
+            continue
+        n = {k: sum(r["outcome"] == k for r in mine) for k in
+             ("continued-replan", "clear-error")}
+        bad = len(mine) - sum(n.values())
+        dev = [r["max_rel_after"] for r in mine if r.get("max_rel_after") is not None]
+        lines.append(
+            f"| {fault} ({len(mine)}) | {n['continued-replan']} | {n['clear-error']} | {bad} | "
+            f"{med_max([r.get('lost_steps') for r in mine], 'd')} | "
+            f"{med_max([r.get('loss_to_step_s') for r in mine], '.1f')} | "
+            f"{med_max([r.get('return_to_step_s') for r in mine], '.1f') if fault == 'node-return' else '-'} | "
+            f"{max(dev):.1e} | {max(r['wall_s'] for r in mine):.1f} |" if dev else
+            f"| {fault} ({len(mine)}) | {n['continued-replan']} | {n['clear-error']} | {bad} | "
+            f"- | - | - | - | {max(r['wall_s'] for r in mine):.1f} |")
+    return "\n".join(lines)

@@ -217,8 +217,8 @@ def decide(cfg: RunConfig, mcfg: Any, world: int) -> Decision:
     if path is None or not (path / "meta.json").is_file():
         # no complete checkpoint yet (e.g. a node lost while the first one was written): with
         # auto, a start that the configured layout cannot hold is planned for this world
-        problem = layout_problem(cfg, mcfg, world) if cfg.train.replan == "auto" and \
-            (path is None or cfg.train.resume in ("latest", "auto")) else ""
+        problem = layout_problem(cfg, mcfg, world) \
+            if cfg.train.replan == "auto" and cfg.train.resume == "auto" else ""
         if problem:
             return Decision("replan", None, {}, 0,
                             f"no complete checkpoint yet and the configured layout does not fit "
