@@ -60,17 +60,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the trainer package lives at the root
     sys.path.insert(0, str(ROOT))
+from _chaos_nodes import NODE_FAULTS, node_row, node_table, run_node_fault  # noqa: E402
 from _common import (  # noqa: E402  (this script's own folder is on sys.path)
     add_output_args,
     cpu_name,
     output_dir,
     print_written,
 )
-from chaos_nodes import NODE_FAULTS, node_row, node_table, run_node_fault  # noqa: E402
 
 FAULTS = ("kill9", "kill-in-save", "stall", "nan-skip", "nan-stop", "one-expert", "zero-tokens",
           *NODE_FAULTS)
-# node faults (chaos_nodes.py): 2 agents x 2 workers of the same PP=2 x EP=2 job, elastic
+# node faults (_chaos_nodes.py): 2 agents x 2 workers of the same PP=2 x EP=2 job, elastic
 # rendezvous 1:2 nodes, re-plan on resume; more steps, so a returning node finds the job running
 NODE_STEPS = 40
 NODES, PER_NODE = 2, 2
@@ -331,7 +331,7 @@ def node_common(base: Path) -> list[str]:
 
 def run_node(fault: str, seed: int, base: Path, refs: dict[str, dict[int, float]],
              limit_s: float) -> dict[str, Any]:
-    """A node fault (chaos_nodes.py): the seed picks the step (node 1 is the one lost)."""
+    """A node fault (_chaos_nodes.py): the seed picks the step (node 1 is the one lost)."""
     steps = NODE_STEPS
     if fault == "node-loss-in-save":
         k = pick(fault, seed, [s for s in range(3, steps // 2, 3)])

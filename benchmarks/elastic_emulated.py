@@ -5,7 +5,7 @@
 
 comm.emulate builds one network namespace per node (root and iproute2 needed; everything is
 torn down at the end). One torchrun agent per namespace joins an elastic c10d rendezvous of
-1..N nodes at node 0 (`chaos_nodes.Cluster`, `--local-addr` the node's address,
+1..N nodes at node 0 (`_chaos_nodes.Cluster`, `--local-addr` the node's address,
 GLOO_SOCKET_IFNAME=eth0) and trains PP=3 x EP=2 (a pipeline stage per node, EP inside it)
 with `--train.resume=auto --train.replan=auto`. After step K every process of the last node
 is killed (SIGKILL: agent and workers); the survivors re-plan for N-1 nodes with a platform
@@ -28,9 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from _chaos_nodes import node_row, run_node_fault  # noqa: E402
 from _common import add_output_args, cpu_name, git_sha, output_dir  # noqa: E402
 from chaos import OTHER_LAYOUT_REL, SAME_LAYOUT_REL, SMALL, free_port, losses, run_plain  # noqa: E402
-from chaos_nodes import node_row, run_node_fault  # noqa: E402
 
 LAYOUT = ["--parallel.pp=3", "--parallel.ep=2", "--parallel.microbatches=3",
           "--train.global_batch=12"]
@@ -47,7 +47,7 @@ def platform_file(path: Path, per_node: int, nic_mbit: float) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--per-node", type=int, default=2)
@@ -57,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit-s", type=float, default=420)
     ap.add_argument("--work-dir", default="/tmp/piper-elastic-emu")
     add_output_args(ap, "elastic_emulated")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     from comm.emulate import EmulatedCluster, EmulatorError
     from trainer.data import default_corpus_files
 

@@ -1,5 +1,7 @@
 """Node faults for the chaos harness (benchmarks/chaos.py): lose a node, keep training.
 
+A helper module of the harness (not a script of its own; hence the leading underscore).
+
 A "node" is one torchrun agent with its workers. Every node's agent joins one elastic c10d
 rendezvous (`--nnodes 1:N`, `--rdzv-id`, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so each round
 gets a fresh worker store) and runs train.py with `--train.resume=auto --train.replan=auto`.
