@@ -43,13 +43,20 @@ import torch
 from .checkpoint import CheckpointError, find_latest, read_meta
 from .common import log
 from .config import ConfigError, RunConfig, apply_dict
-from .layout import check_choice
+from .setup import (
+    REPLAN_MODES,
+    build_model_config,
+    check_elastic,
+    layout_problem,
+    replan_platform,
+)
 
 __all__ = ["REPLAN_MODES", "LAYOUT_FIELDS", "Planner", "Decision", "check_options", "decide",
            "resolve", "layout_problem", "with_layout", "remap_placement", "LoadRecord",
            "checkpoint_world"]
 
-REPLAN_MODES = ("auto", "off")
+check_options = check_elastic  # the option checks live with prepare()'s (trainer/setup.py)
+
 # the run config fields a layout consists of (what a plan file's [run.*] sets, plus tp/sp)
 LAYOUT_FIELDS: dict[str, tuple[str, ...]] = {
     "parallel": ("pp", "ep", "dp", "tp", "sp", "schedule", "microbatches", "n_virtual",
@@ -57,11 +64,6 @@ LAYOUT_FIELDS: dict[str, tuple[str, ...]] = {
     "comm": ("alltoall",),
     "train": ("checkpointing",),
 }
-# platform names resolve here (tuner.platform.PLATFORM_DIR, which owns the format; the trainer
-# sits below the tuner and only checks that the file exists, the planner reads it)
-PLATFORM_DIR = Path(__file__).resolve().parents[1] / "configs" / "platforms"
-
-
 class Proposal(Protocol):
     """One layout the planner proposes (`tuner.replan.Proposal`)."""
 
@@ -76,38 +78,6 @@ class Planner(Protocol):
 
     def __call__(self, mcfg: Any, platform: str, n_gpus: int, seq_len: int, global_batch: int,
                  redundant: int = 0, trials: int = 100) -> Sequence[Proposal]: ...
-
-
-def platform_file(name: str) -> Path | None:
-    """The platform TOML `--train.platform` names (a path, or a name under configs/platforms)."""
-    p = Path(name)
-    if p.suffix == ".toml" and p.is_file():
-        return p
-    q = PLATFORM_DIR / f"{name}.toml"
-    return q if q.is_file() else None
-
-
-def _platform(cfg: RunConfig) -> str:
-    return cfg.train.platform or "local"
-
-
-def check_options(cfg: RunConfig) -> None:
-    """--train.replan, --train.replan_trials, --train.platform: a ConfigError naming the bad
-    value and what is valid (checked on every run, whether it re-plans or not)."""
-    t = cfg.train
-    check_choice("train.replan", t.replan, REPLAN_MODES)
-    if isinstance(t.replan_trials, bool) or t.replan_trials < 1:
-        raise ConfigError(f"train.replan_trials={t.replan_trials} must be >= 1 (planner trials "
-                          f"when an attempt re-plans; default 100)")
-    if (t.platform or t.replan == "auto") and platform_file(_platform(cfg)) is None:
-        names = sorted(p.stem for p in PLATFORM_DIR.glob("*.toml"))
-        raise ConfigError(f"train.platform={_platform(cfg)!r} is not a platform file; valid: "
-                          f"{', '.join(names)} (in {PLATFORM_DIR}) or a path to a .toml file "
-                          f"(python -m tuner measure writes one for this machine)")
-    if t.replan == "auto" and not t.resume:
-        raise ConfigError("train.replan=auto re-plans when an attempt resumes a checkpoint of "
-                          "another world size; it needs --train.resume=auto (or latest, or a "
-                          "checkpoint path)")
 
 
 def checkpoint_world(meta: dict[str, Any]) -> int:
@@ -141,37 +111,6 @@ def with_layout(cfg: RunConfig, sections: dict[str, dict[str, Any]]) -> RunConfi
                     or (s, f) == ("balance", "redundant")} for s, body in sections.items()}
     apply_dict(new, sections, "the re-planned layout")
     return new
-
-
-def layout_problem(cfg: RunConfig, mcfg: Any, world: int) -> str:
-    """Why `cfg`'s layout cannot run on `world` ranks ('' when it can): the mesh, the layer
-    and expert split, micro-batches, schedule, ZeRO and redundant-slot rules of `prepare()`."""
-    from .layout import check
-    from .mesh import Mesh
-    from .setup import _check_microbatches, _check_redundant, _check_schedule, _check_virtual
-    from .zero import check_zero
-
-    par = cfg.parallel
-    try:
-        _check_virtual(par)
-        mesh = Mesh.plan(world, 0, pp=par.pp, ep=par.ep, dp=par.dp, placement=par.ep_placement,
-                         vpp=par.n_virtual, tp=par.tp)
-        check(mesh.layout, mcfg.n_layers, mcfg.n_routed_experts, layer_split=par.layer_split,
-              n_heads=mcfg.n_heads,
-              n_kv_heads=mcfg.n_kv_heads if mcfg.attention == "gqa" else None)
-        if mesh.pp > 1 and mcfg.tie_embeddings:
-            return "tie_embeddings=True needs pp=1"
-        t = cfg.train
-        if t.global_batch % mesh.n_data_shards:
-            return (f"train.global_batch={t.global_batch} is not a multiple of the "
-                    f"{mesh.n_data_shards} data shards (dp={mesh.dp} x ep={mesh.ep})")
-        _check_microbatches(cfg, mesh)
-        _check_schedule(par, mesh.pp)
-        check_zero(cfg, mesh)
-        _check_redundant(cfg.balance.redundant, mcfg.n_routed_experts, mesh.ep)
-    except ValueError as e:
-        return str(e)
-    return ""
 
 
 def _describe(lay: dict[str, dict[str, Any]]) -> str:
@@ -262,8 +201,6 @@ def resolve(cfg: RunConfig, world: int, rank: int, planner: Planner,
     """The run config this attempt trains with and the elastic record its checkpoints carry
     (`{"configured_world", "replanned"}`). Collective only when it re-plans (then it calls
     `init_pg()` first: rank 0 plans, every rank receives the layout or the same error)."""
-    from .setup import build_model_config
-
     check_options(cfg)
     hf = None
     if cfg.model.hf_path:
@@ -320,7 +257,7 @@ def resolve(cfg: RunConfig, world: int, rank: int, planner: Planner,
         "nothing"
     how = {"keep-replanned": "keeping the checkpoint's re-planned layout",
            "configured": "back to the configured layout",
-           "replan": f"re-planned with the planner (platform {_platform(cfg)}, "
+           "replan": f"re-planned with the planner (platform {replan_platform(cfg)}, "
                      f"{cfg.train.replan_trials} trials)"}[d.kind]
     log(f"elastic: {d.reason}; {how}: {_describe(before)} -> {_describe(after)} ({what}); "
         f"global batch {new.train.global_batch} and seq {new.train.seq_len} kept"
@@ -342,7 +279,7 @@ def resolve(cfg: RunConfig, world: int, rank: int, planner: Planner,
 def _replan(cfg: RunConfig, mcfg: Any, world: int, planner: Planner):
     """The fastest planned layout the trainer accepts: (sections, proposal)."""
     t = cfg.train
-    props = planner(mcfg, _platform(cfg), world, t.seq_len, t.global_batch,
+    props = planner(mcfg, replan_platform(cfg), world, t.seq_len, t.global_batch,
                     redundant=cfg.balance.redundant, trials=t.replan_trials)
     problems = []
     for prop in props:
