@@ -175,11 +175,16 @@ def test_load_record_sums_the_last_window():
 
 # -- training across a change of world size ------------------------------------------------------------
 def _windows(out: Path) -> dict[int, list[int]]:
-    """{step: sorted window starts read by all ranks} from --data.trace files."""
-    got: dict[int, list[int]] = {}
-    for f in out.glob("data_order.rank*.jsonl"):
+    """{step: sorted window starts of all data shards} from --data.trace files (the ranks of
+    one data shard, e.g. the stages of a pipeline, read the same windows: counted once)."""
+    shards: dict[tuple[int, int], list[int]] = {}
+    for f in sorted(out.glob("data_order.rank*.jsonl")):
         for row in map(json.loads, f.read_text().splitlines()):
-            got.setdefault(row["step"], []).extend(row["starts"])
+            prev = shards.setdefault((row["step"], row["rank"]), row["starts"])
+            assert prev == row["starts"], row  # one shard, one list of windows
+    got: dict[int, list[int]] = {}
+    for (step, _), starts in shards.items():
+        got.setdefault(step, []).extend(starts)
     return {s: sorted(v) for s, v in got.items()}
 
 
