@@ -15,6 +15,12 @@
     # elastic: relaunch after a rank dies, resuming from the last complete checkpoint
     torchrun --standalone --nproc-per-node 4 --max-restarts 3 train.py --config configs/tiny.toml \
         --train.resume=auto --train.ckpt_every=20
+    # lose a node, keep training: each node's agent joins an elastic rendezvous of 1-2 nodes;
+    # an attempt with another world size than its checkpoint re-plans the layout (planner)
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 2 \
+        --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id job1 \
+        train.py --config configs/tiny.toml --train.resume=auto --train.replan=auto \
+        --train.platform=local --train.ckpt_every=20
     # multi-node (one agent per node; NCCL on GPUs, gloo on CPUs)
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
         train.py --config configs/tiny.toml --parallel.ep=8
@@ -69,10 +75,26 @@ def check_local_gpus(local_world: int, visible_gpus: int) -> None:
             f'or train on the CPU (gloo) with CUDA_VISIBLE_DEVICES=""')
 
 
-def main(argv: list[str]) -> int:
+def _init_process_group(cfg, rank: int, world: int) -> None:
     from datetime import timedelta
 
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        timeout = timedelta(seconds=cfg.train.timeout_s)
+        dist.init_process_group(backend, timeout=timeout, **_restart_safe_store(rank, world, timeout))
+
+
+def _planner(*args, **kw):
+    """`tuner.replan.runnable_layouts`, imported only when an attempt re-plans (the tuner
+    package takes seconds to import: optuna, the estimate model)."""
+    from tuner.replan import runnable_layouts
+
+    return runnable_layouts(*args, **kw)
+
+
+def main(argv: list[str]) -> int:
     from trainer import Trainer, parse_args, prepare
+    from trainer.elastic import resolve
     from trainer.loop import TrainingError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -81,15 +103,20 @@ def main(argv: list[str]) -> int:
     try:
         cfg = parse_args(argv)
         check_local_gpus(local_world, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        # elastic restarts: the layout of this attempt's world size (re-planned by rank 0 when
+        # it differs from the checkpoint's: the one step that needs the process group early)
+        cfg, record = resolve(cfg, world, rank, _planner,
+                              lambda: _init_process_group(cfg, rank, world))
         prep = prepare(cfg, world, rank)  # every check on the request happens here, before any work
+        prep.elastic = record
     except ValueError as e:
-        return _report_bad_request(e, rank)
+        code = _report_bad_request(e, rank)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return code
     threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
-    if world > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        timeout = timedelta(seconds=cfg.train.timeout_s)
-        dist.init_process_group(backend, timeout=timeout, **_restart_safe_store(rank, world, timeout))
+    _init_process_group(cfg, rank, world)
     try:
         Trainer(prep).run()
         if dist.is_initialized():

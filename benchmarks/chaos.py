@@ -60,6 +60,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the trainer package lives at the root
     sys.path.insert(0, str(ROOT))
+from _chaos_nodes import NODE_FAULTS, node_row, node_table, run_node_fault  # noqa: E402
 from _common import (  # noqa: E402  (this script's own folder is on sys.path)
     add_output_args,
     cpu_name,
@@ -67,7 +68,13 @@ from _common import (  # noqa: E402  (this script's own folder is on sys.path)
     print_written,
 )
 
-FAULTS = ("kill9", "kill-in-save", "stall", "nan-skip", "nan-stop", "one-expert", "zero-tokens")
+FAULTS = ("kill9", "kill-in-save", "stall", "nan-skip", "nan-stop", "one-expert", "zero-tokens",
+          *NODE_FAULTS)
+# node faults (_chaos_nodes.py): 2 agents x 2 workers of the same PP=2 x EP=2 job, elastic
+# rendezvous 1:2 nodes, re-plan on resume; more steps, so a returning node finds the job running
+NODE_STEPS = 40
+NODES, PER_NODE = 2, 2
+ELASTIC = ["--train.resume=auto", "--train.replan=auto", "--train.platform=local"]
 # The smallest model the pipeline tests use: startup dominates, a step takes ~0.1 s on CPU.
 SMALL = ["--config", str(ROOT / "configs" / "tiny.toml"), "--train.seq_len=32",
          "--train.global_batch=8", "--model.d_model=32", "--model.moe_ffn_dim=32",
@@ -317,8 +324,37 @@ def pick(fault: str, seed: int, choices: list[int]) -> int:
     return order[seed % len(order)]
 
 
+def node_common(base: Path) -> list[str]:
+    return [*SMALL, *LAYOUT, f"--train.steps={NODE_STEPS}", "--train.ckpt_every=3",
+            "--data", str(base / "corpus.txt")]
+
+
+def run_node(fault: str, seed: int, base: Path, refs: dict[str, dict[int, float]],
+             limit_s: float) -> dict[str, Any]:
+    """A node fault (_chaos_nodes.py): the seed picks the step (node 1 is the one lost)."""
+    steps = NODE_STEPS
+    if fault == "node-loss-in-save":
+        k = pick(fault, seed, [s for s in range(3, steps // 2, 3)])
+    else:  # early enough that a returning node finds the shrunk run still training
+        k = pick(fault, seed, list(range(2, 9)))
+    out = base / f"{fault}-s{seed}"
+    res = run_node_fault(fault, k, out, [*node_common(base), *ELASTIC], NODES, PER_NODE,
+                         free_port(), steps, limit_s)
+    row = {"fault": fault, "seed": seed, "rank": f"node {res['victim_node']}", "step": k,
+           **node_row(fault, res, losses(out), refs["nodes"], steps, SAME_LAYOUT_REL,
+                      OTHER_LAYOUT_REL, limit_s)}
+    ck = check_checkpoint(out, node_common(base))
+    if ck:
+        row.update(outcome="FAILED", detail=ck)
+    row["resumed_at"] = [x for x in (row.get("resumed_at"), row.get("regrown_at")) if x is not None]
+    row.update(steps=steps, layout=f"{NODES} nodes x {PER_NODE}: pp2-ep2", launcher="c10d-elastic")
+    return row
+
+
 def run_fault(fault: str, seed: int, base: Path, steps: int, refs: dict[str, dict[int, float]],
               limit_s: float) -> dict[str, Any]:
+    if fault in NODE_FAULTS:
+        return run_node(fault, seed, base, refs, limit_s)
     rank = pick(fault, seed, list(range(NPROC)))
     out = base / f"{fault}-s{seed}"
     common = [*SMALL, *LAYOUT, f"--train.steps={steps}", "--train.ckpt_every=3",
@@ -469,12 +505,19 @@ def main(argv: list[str] | None = None) -> None:
     common = [*SMALL, *LAYOUT, f"--train.steps={args.steps}", "--train.ckpt_every=3",
               "--data", str(base / "corpus.txt")]
     t0 = time.monotonic()
-    ref = run_plain(common, base / "reference", limit_s=args.limit_s)
-    if ref.rc != 0:
-        sys.exit(f"the unfaulted reference run failed (rc {ref.rc}):\n{ref.stderr[-3000:]}")
-    refs = {"base": losses(ref.out)}
-    print(f"reference (unfaulted) run: {ref.wall_s:.0f} s, final loss {refs['base'][args.steps]:.4f}",
-          flush=True)
+    refs: dict[str, dict[int, float]] = {}
+    if set(faults) - set(NODE_FAULTS):  # the uninterrupted run of the process faults' steps
+        ref = run_plain(common, base / "reference", limit_s=args.limit_s)
+        if ref.rc != 0:
+            sys.exit(f"the unfaulted reference run failed (rc {ref.rc}):\n{ref.stderr[-3000:]}")
+        refs["base"] = losses(ref.out)
+        print(f"reference (unfaulted) run: {ref.wall_s:.0f} s, final loss "
+              f"{refs['base'][args.steps]:.4f}", flush=True)
+    if set(faults) & set(NODE_FAULTS):  # the uninterrupted run of the node faults' steps
+        nref = run_plain(node_common(base), base / "reference-nodes", limit_s=args.limit_s)
+        if nref.rc != 0:
+            sys.exit(f"the unfaulted node reference failed (rc {nref.rc}):\n{nref.stderr[-3000:]}")
+        refs["nodes"] = losses(nref.out)
     meta = _meta()
     rows: list[dict[str, Any]] = []
     out = output_dir(args)
@@ -483,20 +526,25 @@ def main(argv: list[str] | None = None) -> None:
             row = run_fault(fault, seed, base, args.steps, refs, args.limit_s)
             if row["outcome"] == "not-injected":  # missed the window: one retry, next seed slot
                 row = run_fault(fault, seed + 1000, base, args.steps, refs, args.limit_s)
-            row.update(meta, steps=args.steps, layout="pp2-ep2", limit_s=args.limit_s,
-                       launcher=args.launcher)
+            row.update(meta, limit_s=args.limit_s)
+            row.setdefault("launcher", args.launcher)
+            row.setdefault("steps", args.steps)
+            row.setdefault("layout", "pp2-ep2")
             rows.append(row)
             with open(out / "chaos.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"{fault:13s} seed {seed}: {row['outcome']:12s} rank {row['rank']!s:4s} step "
                   f"{row['step']:>2} {row['wall_s']:6.1f} s resumed at {row['resumed_at']}  "
                   f"{row['detail'][:100]}", flush=True)
-    kinds = ["recovered", "skipped-step", "clear-error", "not-injected", "FAILED"]
+    kinds = ["recovered", "continued-replan", "skipped-step", "clear-error", "not-injected",
+             "FAILED"]
     print(f"\n{'fault':14s}" + "".join(f"{k:>14s}" for k in kinds) + f"{'max wall s':>12s}")
     for fault in faults:
         mine = [r for r in rows if r["fault"] == fault]
         print(f"{fault:14s}" + "".join(f"{sum(r['outcome'] == k for r in mine):>14d}"
                                        for k in kinds) + f"{max(r['wall_s'] for r in mine):>12.1f}")
+    if any(r["fault"] in NODE_FAULTS for r in rows):
+        print("\n" + node_table(rows))
     n_bad = sum(r["outcome"] in ("FAILED", "not-injected") for r in rows)
     print(f"\n{len(rows)} runs, {n_bad} failed, {time.monotonic() - t0:.0f} s total; rows appended to "
           f"{out / 'chaos.jsonl'}")

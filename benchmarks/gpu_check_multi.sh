@@ -82,5 +82,19 @@ for arm in flat/none flat/layer halo/layer dedup/none dedup/layer; do
   fi
 done
 
+# Elastic re-plan (issue 30, trainer/elastic.py): one GPU writes the checkpoint of step
+# STEPS/2, then NPROC processes resume it with --train.replan=auto: rank 0 plans, the layout
+# goes to every rank through NCCL (broadcast_object_list on cuda:LOCAL_RANK), and the losses
+# must equal the uninterrupted one-GPU run (fp32, the rtol of the layouts above).
+step "elastic-first" 70 "$PY" train.py "${COMMON[@]}" --parallel.pp=1 --parallel.ep=1 \
+  --train.dtype=fp32 --train.stop_after=$((STEPS / 2)) \
+  --train.out_dir="$OUT/elastic"
+step "elastic-replan" 150 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+  train.py "${COMMON[@]}" --parallel.pp=1 --parallel.ep=1 \
+  --train.dtype=fp32 --train.resume=auto --train.replan=auto --train.platform=h200-node \
+  --train.out_dir="$OUT/elastic"
+step "compare-elastic" 20 "$PY" benchmarks/gpu_check_losses.py compare "$OUT/ref-fp32" \
+  "$OUT/elastic" --rtol 1e-3
+
 echo "results in $OUT (status $status)"
 exit $status

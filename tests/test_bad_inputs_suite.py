@@ -8,14 +8,16 @@ Distinct bad inputs covered, counted together with tests/test_trainer_bad_inputs
     field; bad top_k; global batch vs data shards; bad comm.alltoall; pp vs microbatches
     (pipeline not wired); incomplete checkpoint; corrupt meta.json; checkpoint meta of another
     model; --resume with no checkpoint.
-  this file, run configs (27): TOML syntax; missing config file; unknown [section] in TOML;
+  this file, run configs (31): TOML syntax; missing config file; unknown [section] in TOML;
     unknown section on the CLI; unknown field in a section; a section that is not a table; integer field given a word (CLI); integer
     field given 2.5 (TOML); boolean given "maybe"; float given a word; negative steps; zero
     seq_len; negative global batch; timeout_s <= 0; unknown nan_policy; unknown dtype;
     val_fraction outside (0, 0.5); positional argument; unknown --option; --config without a
     value; --section.field without a value; pp=0; negative dp; an unknown router kind;
     comm.topology naming a missing file; an unknown data.sampling; an unknown
-    data.doc_attention (blend specs, loss masks: tests/test_data_sampling.py).
+    data.doc_attention (blend specs, loss masks: tests/test_data_sampling.py); elastic
+    restarts (4): unknown train.replan, replan_trials=0, an unknown train.platform, replan=auto
+    without a resume source.
   pipeline requests (5): microbatches not dividing the shard batch; n_virtual > 1 without
     interleaving; unknown schedule name; layer_split not summing to n_layers; tied embeddings
     with pp > 1.
@@ -35,7 +37,7 @@ Distinct bad inputs covered, counted together with tests/test_trainer_bad_inputs
     by ranks; an option the schedule does not take; an Action kind that does not exist.
   HF config dicts (4): unknown model_type; Mixtral sliding_window; missing config.json path;
     unsupported DeepSeek topk_method.
-  = 67 here + 15 there = 82 rejected with a clear message. Plus 9 cases this suite found
+  = 71 here + 15 there = 86 rejected with a clear message. Plus 9 cases this suite found
   unrejected and that are now fixed: a real checkpoint with a truncated shard (was a raw DCP
   traceback) and 8 values prepare() used to accept (GAPS at the end).
 """
@@ -138,6 +140,13 @@ CLI = {
                            ["parallel.tp=2 with tie_embeddings=True", "use tp=1 or untied"]),
     "etp": (["--parallel.etp=2"], 1, ["parallel.etp=2", "not built", "valid: 1"]),
     "sp not a bool": (["--parallel.sp=maybe"], 1, ["--parallel.sp='maybe'", "expected a boolean"]),
+    # elastic restarts (trainer/elastic.py)
+    "replan mode": (["--train.replan=yes"], 1, ["train.replan='yes'", "valid: auto, off"]),
+    "replan trials": (["--train.replan_trials=0"], 1, ["train.replan_trials=0", ">= 1"]),
+    "replan platform": (["--train.platform=nowhere"], 1,
+                        ["train.platform='nowhere'", "not a platform file", "local"]),
+    "replan without resume": (["--train.replan=auto"], 1,
+                              ["train.replan=auto", "needs --train.resume=auto"]),
 }
 
 

@@ -38,14 +38,17 @@ ROOT = Path(__file__).resolve().parent.parent
 #   pipeline, balance  schedules and the expert balancer: pure planning code that a trainer
 #                   drives; may use model/comm, are not used by them.
 #   trainer         composes all of the above into a run.
-#   tuner, train    the entry points: the planner (which launches train.py and borrows the
-#                   trainer's corpus helper) and the training script.
+#   tuner           the planner (which launches train.py as a process and borrows the
+#                   trainer's corpus helper).
+#   train           the training script, on top: it runs the trainer and, when an elastic
+#                   attempt must re-plan its layout, asks the planner (tuner.replan, issue 30).
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"kernels", "comm"}),
     frozenset({"model"}),
     frozenset({"pipeline", "balance"}),
     frozenset({"trainer"}),
-    frozenset({"tuner", "train"}),
+    frozenset({"tuner"}),
+    frozenset({"train"}),
 )
 
 # (importer, imported) -> why not, although `imported` sits in a lower layer.

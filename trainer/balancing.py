@@ -199,7 +199,7 @@ class Balancer:
                 for i, name in enumerate(self.names)}
 
     def load_state_by_layer(self, saved: dict[str, Any]) -> None:
-        if not all(n in saved for n in self.names):
+        if not all("ring" in saved.get(n, {}) for n in self.names):
             return  # checkpoint written without migration: start the window afresh
         ring = np.stack([np.asarray(saved[n]["ring"], dtype=np.float64) for n in self.names], axis=1)
         if ring.shape[0] != self.policy.window:

@@ -308,17 +308,27 @@ def _restore_placement(path: Path, name: str, layer: MoELayer, saved: Any,
 
 
 def load_checkpoint(path: str | Path, model: MoETransformer, optim: torch.optim.Optimizer,
-                    expect_model: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Collective. Restores placement, weights and optimizer state in place; returns meta."""
+                    expect_model: dict[str, Any] | None = None,
+                    placement: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Collective. Restores placement, weights and optimizer state in place; returns meta.
+
+    `placement` ({layer name: expert2slot or {"slots": slot2expert}} for THIS run's EP size,
+    e.g. `trainer.elastic.remap_placement` after a change of EP size) replaces the saved
+    placement of the layers it names, before their expert rows are read."""
     path = Path(path)
     meta = read_meta(path)
     if expect_model is not None:
         check_same_model(path, meta, expect_model)
     layers = named_moe_layers(model)
-    placement = meta.get("placement", {})
+    saved = meta.get("placement", {})
+    saved_ep = int((meta.get("mesh") or {}).get("ep", 1))
+    placement = placement or {}
     for name, layer in layers.items():  # this rank's MoE layers (one pipeline stage's under PP)
-        _restore_placement(path, name, layer, placement.get(name),
-                           int((meta.get("mesh") or {}).get("ep", 1)))
+        if name in placement:
+            _restore_placement(path, name, layer, placement[name],
+                               getattr(layer.dispatcher, "ep", 1))
+        else:
+            _restore_placement(path, name, layer, saved.get(name), saved_ep)
     # AdamW state must exist before DCP can load into it (under ZeRO: the owned parameters')
     for p in model.parameters():
         if not _owns(optim, p):

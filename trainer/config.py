@@ -183,6 +183,13 @@ class TrainConfig:
                           "out_dir (error if none); auto = the newest if any, else start "
                           "fresh (for torchrun --max-restarts)",
                       '"" (no), latest, auto, or a checkpoint path')
+    replan: str = opt("off", "an attempt whose world size differs from its checkpoint's: auto "
+                             "= rank 0 re-plans the layout with the planner (same model, seq "
+                             "and global batch; trainer/elastic.py), off = keep the configured "
+                             "layout and refuse when it does not fit", "auto, off")
+    replan_trials: int = opt(100, "planner trials of an elastic re-plan", "int >= 1")
+    platform: str = opt("", "platform file of an elastic re-plan", '"" (the --plan file\'s '
+                            'platform, else local), a name under configs/platforms, or a path')
     dtype: str = opt("auto", "compute dtype (trainer/precision.py); auto = bf16 on GPUs, fp32 "
                              "on CPU (bf16 really runs on CPU too)", "auto, fp32, bf16")
     param_dtype: str = opt("auto", "working weights (fp32 masters + AdamW moments stay in the "
@@ -373,6 +380,9 @@ def parse_args(argv: list[str]) -> RunConfig:
     for kind, path in sorted(files, key=lambda f: f[0] == "plan"):  # config before plan
         data = load_config(path)
         if kind == "plan":
+            planned_on = (data.get("plan") or {}).get("platform")
+            if isinstance(planned_on, str) and planned_on:  # re-plans price the same platform
+                cfg.train.platform = planned_on
             data = data.get("run", data)  # plan files keep the run config under [run.*]
         apply_dict(cfg, data, path)
     for section, name, value in overrides:

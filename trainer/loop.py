@@ -52,6 +52,7 @@ class Trainer:
     def __init__(self, prep: Prepared):
         self.cfg, self.mcfg, self.mesh, self.corpus = prep.cfg, prep.mcfg, prep.mesh, prep.corpus
         self.resume_path, self.hf, self.rank = prep.resume_path, prep.hf, prep.mesh.rank
+        self.elastic = prep.elastic  # the record checkpoints carry (trainer/elastic.py)
         t = self.cfg.train
         self.device = pick_device()
         # compute / weight / reduction dtypes (trainer/precision.py); never silently fp32
@@ -232,6 +233,7 @@ class Trainer:
                 elif graphs_warm is not None:
                     m.recompilations = graph_count() - graphs_warm
             history.append(m)
+            self.ckpt.after_step(self.stats.last_counts)
             if self.rank == 0:
                 writer.write(m.row(), m.events, self.stats, m.logged,
                              time.perf_counter() - t_start)

@@ -39,7 +39,8 @@ from .tensor_parallel import tp_problems
 from .zero import check_zero
 
 __all__ = ["Prepared", "prepare", "build_model_config", "build_schedule", "model_name",
-           "peak_flops"]
+           "peak_flops", "REPLAN_MODES", "check_elastic", "layout_problem", "replan_platform",
+           "platform_file"]
 
 # bf16 dense matrix peak per device (docs/reference.md 3); unknown devices: --train.peak_tflops
 _GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "MI250X": 191.5, "MI250": 191.5}
@@ -78,6 +79,9 @@ class Prepared:
     resume_path: Path | None
     hf: Any = None  # model.HFCheckpoint of --model.hf_path (headers only), or None
     hf_skipped: tuple[int, ...] = ()  # checkpoint layers a run with fewer layers does not load
+    # what checkpoints record for elastic restarts (trainer.elastic.resolve): the world the
+    # configured layout is for, and whether this attempt runs a re-planned layout
+    elastic: dict = dataclasses.field(default_factory=dict)
 
 
 def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
@@ -193,6 +197,7 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
         raise ConfigError(f"train.timeout_s={t.timeout_s} must be > 0 seconds")
     check_precision(t)
     check_observability(t)
+    check_elastic(cfg)
     parse_profile_steps(t.profile_steps, t.steps)
     d = cfg.data
     if d.doc_attention not in DOC_ATTENTION:
@@ -334,3 +339,69 @@ def peak_flops(device: torch.device) -> tuple[float, str]:
         a @ a
         best = max(best, 2 * n**3 / (time.perf_counter() - t0))
     return best, "best measured fp32 matmul rate of this process"
+
+
+# -- elastic restarts (trainer/elastic.py decides; the checks are prepare()'s) ------------------
+REPLAN_MODES = ("auto", "off")
+# platform names resolve here (tuner.platform.PLATFORM_DIR, which owns the format; the trainer
+# sits below the tuner and only checks that the file exists, the planner reads it)
+PLATFORM_DIR = Path(__file__).resolve().parents[1] / "configs" / "platforms"
+
+
+def platform_file(name: str) -> Path | None:
+    """The platform TOML `--train.platform` names (a path, or a name under configs/platforms)."""
+    p = Path(name)
+    if p.suffix == ".toml" and p.is_file():
+        return p
+    q = PLATFORM_DIR / f"{name}.toml"
+    return q if q.is_file() else None
+
+
+def replan_platform(cfg: RunConfig) -> str:
+    """The platform a re-plan prices layouts on: --train.platform, default `local`."""
+    return cfg.train.platform or "local"
+
+
+def check_elastic(cfg: RunConfig) -> None:
+    """--train.replan, --train.replan_trials, --train.platform: a ConfigError naming the bad
+    value and what is valid (checked on every run, whether it re-plans or not)."""
+    t = cfg.train
+    check_choice("train.replan", t.replan, REPLAN_MODES)
+    if isinstance(t.replan_trials, bool) or t.replan_trials < 1:
+        raise ConfigError(f"train.replan_trials={t.replan_trials} must be >= 1 (planner trials "
+                          f"when an attempt re-plans; default 100)")
+    if (t.platform or t.replan == "auto") and platform_file(replan_platform(cfg)) is None:
+        names = sorted(p.stem for p in PLATFORM_DIR.glob("*.toml"))
+        raise ConfigError(f"train.platform={replan_platform(cfg)!r} is not a platform file; valid: "
+                          f"{', '.join(names)} (in {PLATFORM_DIR}) or a path to a .toml file "
+                          f"(python -m tuner measure writes one for this machine)")
+    if t.replan == "auto" and not t.resume:
+        raise ConfigError("train.replan=auto re-plans when an attempt resumes a checkpoint of "
+                          "another world size; it needs --train.resume=auto (or latest, or a "
+                          "checkpoint path)")
+
+
+def layout_problem(cfg: RunConfig, mcfg: Any, world: int) -> str:
+    """Why `cfg`'s layout cannot run on `world` ranks ('' when it can): the mesh, the layer
+    and expert split, micro-batches, schedule, ZeRO and redundant-slot rules of `prepare()`."""
+    par = cfg.parallel
+    try:
+        _check_virtual(par)
+        mesh = Mesh.plan(world, 0, pp=par.pp, ep=par.ep, dp=par.dp, placement=par.ep_placement,
+                         vpp=par.n_virtual, tp=par.tp)
+        check(mesh.layout, mcfg.n_layers, mcfg.n_routed_experts, layer_split=par.layer_split,
+              n_heads=mcfg.n_heads,
+              n_kv_heads=mcfg.n_kv_heads if mcfg.attention == "gqa" else None)
+        if mesh.pp > 1 and mcfg.tie_embeddings:
+            return "tie_embeddings=True needs pp=1"
+        t = cfg.train
+        if t.global_batch % mesh.n_data_shards:
+            return (f"train.global_batch={t.global_batch} is not a multiple of the "
+                    f"{mesh.n_data_shards} data shards (dp={mesh.dp} x ep={mesh.ep})")
+        _check_microbatches(cfg, mesh)
+        _check_schedule(par, mesh.pp)
+        check_zero(cfg, mesh)
+        _check_redundant(cfg.balance.redundant, mcfg.n_routed_experts, mesh.ep)
+    except ValueError as e:
+        return str(e)
+    return ""
