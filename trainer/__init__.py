@@ -6,7 +6,7 @@ Only this package (and `train.py`) imports several of the project's packages at 
 from __future__ import annotations
 
 from .config import ConfigError, RunConfig, parse_args
+from .distributed.mesh import Mesh, MeshError
 from .loop import Trainer, prepare
-from .mesh import Mesh, MeshError
 
 __all__ = ["ConfigError", "RunConfig", "parse_args", "Trainer", "prepare", "Mesh", "MeshError"]

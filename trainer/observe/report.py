@@ -3,7 +3,7 @@
     python -m trainer.report RUN_DIR
 
 prints a table (steps, final loss and validation loss, median tokens/s, MFU, step time and its
-parts, and per MoE layer the load statistics of `trainer.metrics` over the run) and draws
+parts, and per MoE layer the load statistics of `trainer.observe.metrics` over the run) and draws
 into RUN_DIR: loss.png (training and validation loss), load_heatmap.png (max/mean expert
 load per MoE layer and step) and step_time.png (the measured parts of each step's time).
 """
