@@ -17,8 +17,8 @@ KEEP_APART names pairs the order alone would allow but the design forbids. SUBLA
 same inside a package whose folder holds sub-packages (comm, trainer): a sub-package imports
 only those below it; the package's own top-level modules (its ``__init__``, thin ``python -m``
 entries) sit above all of them, except those SUBLAYERS places among them by name (trainer's
-config, layout, common at the base, its checkpoint between distributed and observe). No module of a package imports a private name (``_x``, or a module
-``_x``) of another package.
+config, layout, common at the base, its checkpoint between distributed and observe). No
+module of a package imports a private name (``_x``, or a module ``_x``) of another package.
 """
 
 from __future__ import annotations
