@@ -164,7 +164,7 @@ def _first_new_step(out: Path, after_wall: float, world: int, deadline: float, a
                     ) -> tuple[float | None, dict[str, Any] | None]:
     """Wall time at which the first step of an attempt of `world` ranks that started after
     `after_wall` (its elastic.jsonl row) shows in metrics.jsonl, and that row. The resumed
-    run first truncates metrics.jsonl to its checkpoint's step s (trainer.console): a row of
+    run first truncates metrics.jsonl to its checkpoint's step s (trainer.observe.console): a row of
     step s + 1 counts once the file has been seen without one."""
     found: dict[str, Any] = {}
     truncated = [False]

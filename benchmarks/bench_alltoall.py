@@ -81,7 +81,7 @@ SLOTS = 4  # --dispatch: experts per rank whose counts travel ahead of the rows
 
 
 def dispatch_arms(S: list[list[int]], group, topo, model) -> dict:
-    """--dispatch: the MoE dispatcher's exchange, per-slot counts first (trainer.parallel).
+    """--dispatch: the MoE dispatcher's exchange, per-slot counts first (trainer.distributed.parallel).
     Planned arms send the counts in `comm.plan_all_to_all`'s one small exchange;
     "auto-unplanned" is the dispatcher before it: the counts in their own exchange, then
     all_to_all(auto) with the out splits known, which still makes its summary round."""

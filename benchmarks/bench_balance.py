@@ -280,7 +280,7 @@ def replication_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     """max / mean rank load and slot changes with r redundant slots per rank (issue 20 item 5).
 
     Per case three windows of counts (multinomial draws, Zipf popularity shuffled over experts):
-    w0, planned from the identity placement (the trainer's start: trainer.replicas
+    w0, planned from the identity placement (the trainer's start: trainer.distributed.replicas
     .initial_slot_map, rank q's spare slots hold the next rank's first experts); then, each
     planned from w0's plan, w1-same (a fresh draw, same popularity: sampling noise only) and
     w1-drift (~10 % of the experts traded popularity, drift_counts' rule). Methods:
@@ -293,7 +293,7 @@ def replication_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     Imbalance: the plan's max rank load / mean rank load on the window it was planned on
     (replica-aware: an expert's tokens shared evenly by its replicas)."""
     from balance.replicas import replica_loads
-    from trainer.replicas import initial_slot_map
+    from trainer.distributed.replicas import initial_slot_map
 
     rows = []
     for s, E, R in REPL_CASES:
@@ -365,12 +365,12 @@ def print_replication(rows: list[dict], args: argparse.Namespace) -> None:
 def simulate_replicas(counts_TLE: np.ndarray, R: int, r: int, replan: bool,
                       args: argparse.Namespace) -> dict:
     """Replay a trace with r redundant slots per rank, the way trainer/balancing.py runs them:
-    start from trainer.replicas.initial_slot_map; with `replan`, when the window is full, the
+    start from trainer.distributed.replicas.initial_slot_map; with `replan`, when the window is full, the
     cooldown has passed and the replica-aware window imbalance exceeds the threshold, re-place
     with plan_replicas(current, max_moves = 2 * policy_swaps). Imbalance: each step's own
     counts on the map it ran with."""
     from balance.replicas import plan_replicas, replica_loads, slot_changes
-    from trainer.replicas import initial_slot_map
+    from trainer.distributed.replicas import initial_slot_map
 
     steps, n_layers, e = counts_TLE.shape
     S = e // R + r

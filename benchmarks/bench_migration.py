@@ -6,7 +6,7 @@ at the start) and no aux loss:
   static       r=0, no migration
   migrate      r=0, balance.enabled: swaps (threshold/window/cooldown below)
   r1-static    --balance.redundant=1 (3 slots per rank), balance disabled: only the initial
-               replicas (trainer/replicas.initial_slot_map: rank q's spare slot holds expert
+               replicas (trainer/distributed/replicas.initial_slot_map: rank q's spare slot holds expert
                2(q+1) mod 8, so experts 2, 4, 6 and 0 have two replicas)
   r1-replace   --balance.redundant=1 and balance.enabled: replicas re-placed by
                balance.plan_replicas (same threshold/window/cooldown, <= 2*max_swaps slot

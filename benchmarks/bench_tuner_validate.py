@@ -229,7 +229,7 @@ def predict(cfg: ModelConfig, plan: ParallelPlan, platform: Path,
     """Predicted per-rank peak memory (state + activations, bytes), step time (s) and its
     parts on the platform file `platform`."""
     pf = load_platform(platform)
-    # ZeRO as the trainer shards it: whole parameters per owner (trainer/zero.py)
+    # ZeRO as the trainer shards it: whole parameters per owner (trainer/distributed/zero.py)
     asm = Assumptions(activation_set="trainer", routing_imbalance=imbalance,
                       activation_traffic_passes=4.0, zero_sharding="per-parameter")
     e = estimate(cfg, plan, pf, FP32_TRAINER_PRECISION, asm)
@@ -260,7 +260,7 @@ def predicted_parts(p: dict) -> dict[str, float]:
     """The estimate's parts grouped as the trainer times them: forward/backward = compute +
     all-to-all + P2P + bubble (+ TP/CP/ETP/ZeRO-3 terms); grad sync = the gradient reduction
     (all-reduce or reduce to owners, replica sums); optimizer = the update + ZeRO's broadcast
-    of the updated weights (trainer/zero.py broadcasts inside its step)."""
+    of the updated weights (trainer/distributed/zero.py broadcasts inside its step)."""
     t, dc = p["time"], p["dp_collectives"]
     bcast = dc.get("broadcast", 0.0) + dc.get("all_gather", 0.0)
     return {"fwd_bwd_s": sum(v for k, v in t.items() if k not in ("dp_sync", "optimizer")),

@@ -11,7 +11,7 @@ the configurations take turns step by step (round robin), so machine noise hits 
 Per configuration and rank: optimizer-state bytes (the tensors in `optim.state`), gradient
 bytes held after the reduction, and the median step time (forward, backward, `finish`, clip,
 optimizer step incl. the ZeRO parameter broadcast) over the measured steps; the max over ranks
-is reported, and `held` = `trainer.memory.state_bytes` (weights + grads + optimizer state incl.
+is reported, and `held` = `trainer.observe.memory.state_bytes` (weights + grads + optimizer state incl.
 fp32 masters) after the optimizer step, next to `tuner.estimate.stage_memory`'s state for the
 same layout and precision (`planned`). Layouts: DP=2 and DP=4 (EP=1: every parameter has dp
 replicas) for ZeRO-0/1/2/3, EP=2 x DP=2 for ZeRO-0/1/2/3 with overlap on and off, and
@@ -60,13 +60,13 @@ LAYOUTS = {"dp2": (2, 1, _LEVELS), "dp4": (4, 1, _LEVELS),
 def _worker(rank: int, world: int, _group, ep: int, names: list[str], steps: int, warmup: int,
             d_model: int, batch: int, seq: int) -> dict:
     from model import MoETransformer, cross_entropy, presets
-    from trainer.grad_sync import GradSync
-    from trainer.memory import SavedTensorMeter, state_bytes, tensor_bytes
-    from trainer.mesh import Mesh
-    from trainer.parallel import parallelize
-    from trainer.precision import Precision, to_working_dtype
-    from trainer.zero import build_optimizer
-    from trainer.zero3 import Zero3Sync, shard_model
+    from trainer.distributed.grad_sync import GradSync
+    from trainer.distributed.mesh import Mesh
+    from trainer.distributed.parallel import parallelize
+    from trainer.distributed.precision import Precision, to_working_dtype
+    from trainer.distributed.zero import build_optimizer
+    from trainer.distributed.zero3 import Zero3Sync, shard_model
+    from trainer.observe.memory import SavedTensorMeter, state_bytes, tensor_bytes
 
     torch.set_num_threads(1)
     mesh = Mesh.plan(world, rank, pp=1, ep=ep).build_groups()
@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, _group, ep: int, names: list[str], steps: int
         parallelize(model, mesh, alltoall="flat")
         model.materialize(torch.device("cpu"), seed=0)
         fp32: dict = {}
-        if zero == 3:  # FSDP2, the trainer's way (trainer/zero3.py)
+        if zero == 3:  # FSDP2, the trainer's way (trainer/distributed/zero3.py)
             shard_model(model, mesh, Precision(dt, dt, torch.float32), "cpu")
             sync = Zero3Sync(model, mesh)
         else:
@@ -130,7 +130,7 @@ def _worker(rank: int, world: int, _group, ep: int, names: list[str], steps: int
 def planned(d_model: int, world: int, ep: int, batch: int, seq: int, name: str) -> dict:
     """The planner's per-rank state for one configuration (`tuner.estimate.stage_memory`),
     with the planner's own account of what the trainer holds
-    (`tuner.layout.precision_policy("trainer", "gloo", param_dtype)`, trainer/precision.py):
+    (`tuner.layout.precision_policy("trainer", "gloo", param_dtype)`, trainer/distributed/precision.py):
     fp32: 4 + 4 + 8 B; bf16 at ZeRO-0/1/2: 2 B weights, 4 B main_grad, 4 B master + 8 B moments;
     bf16 at ZeRO-3 (FSDP2): the fp32 shard is the master, 4 + 4 + 8 B sharded, and the gathered
     layer is bf16 (2 B). ZeRO-1/2 shard per parameter, ZeRO-3 flat.
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
                    "state_bytes_min": min(r["state_bytes"] for r in per_rank),
                    "grad_bytes_max": max(r["grad_bytes"] for r in per_rank),
                    "param_bytes": max(r["param_bytes"] for r in per_rank),
-                   # the trainer's meter (trainer.memory): weights + grads + optimizer state
+                   # the trainer's meter (trainer.observe.memory): weights + grads + optimizer state
                    "held_bytes_max": max(r["held_bytes"] for r in per_rank),
                    "act_peak_bytes_max": max(r["act_peak_bytes"] for r in per_rank),
                    "planned_state": pred["state"], "planned_state_sharded": pred["state_sharded"],

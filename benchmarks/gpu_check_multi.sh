@@ -56,7 +56,7 @@ for dtype in fp32 bf16; do
     train.py "${COMMON[@]}" "${LAYOUT[@]}" --train.dtype="$dtype" --train.out_dir="$OUT/$NAME-$dtype"
   step "compare-$dtype" 20 "$PY" benchmarks/gpu_check_losses.py compare "$OUT/ref-$dtype" \
     "$OUT/$NAME-$dtype" --rtol "$rtol"
-  # ZeRO-3 (FSDP2 over NCCL, trainer/zero3.py): pure data parallel over the GPUs, parameters
+  # ZeRO-3 (FSDP2 over NCCL, trainer/distributed/zero3.py): pure data parallel over the GPUs, parameters
   # sharded and gathered per layer, against the one-GPU run
   step "zero3-$dtype" 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
     train.py "${COMMON[@]}" --parallel.pp=1 --parallel.ep=1 --parallel.zero=3 \

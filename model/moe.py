@@ -104,7 +104,7 @@ class GroupedExperts(nn.Module):
     def _swiglu(self, x_MD: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # a named range in torch.profiler traces (--train.profile_steps); ~free when not profiling
         with record_function("moe.grouped_gemm"):
-            # bf16 working weights (trainer/precision.py) are used as they are: no per-call
+            # bf16 working weights (trainer/distributed/precision.py) are used as they are: no per-call
             # copy; fp32 weights under bf16 autocast are cast here (autocast's own rule)
             w1, w3, w2 = (w if w.dtype == dtype else w.to(dtype)
                           for w in (self.w1, self.w3, self.w2))
@@ -177,7 +177,7 @@ class MoELayer(nn.Module):
         self.register_load_state_dict_post_hook(MoELayer._slots_from_state_dict)
         self.dispatcher: Any = LocalDispatcher()
         # None: this process holds whole sequences. Set from outside (tensor parallel,
-        # trainer/tensor_parallel.SeqShards) when each sequence is split over processes:
+        # trainer/distributed/tensor_parallel.SeqShards) when each sequence is split over processes:
         # `split_input` (the input is whole here; route a share), scatter / gather, sum, parts
         self.seq_split: Any = None
         self.last_counts = torch.zeros(E, dtype=torch.long)

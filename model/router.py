@@ -24,7 +24,7 @@ every token puts all its probability on one expert.
 fp32 guard: logits, softmax / sigmoid, top-k weights and the aux loss are computed with
 autocast disabled (`fp32_region`) on fp32 inputs, so a bf16 autocast region around the model
 (the trainer's GPU and CPU bf16 runs) cannot turn the logits' GEMM into bf16. The router
-weight stays an fp32 parameter under bf16 weights (trainer/precision.py), so `weight.float()`
+weight stays an fp32 parameter under bf16 weights (trainer/distributed/precision.py), so `weight.float()`
 is the tensor itself, not a per-forward cast; only the activations are upcast.
 
 Shape legend: B batch, S sequence, T = B*S tokens, D model, E experts, K top-k.

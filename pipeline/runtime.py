@@ -28,7 +28,7 @@ are issued in different orders on different ranks, so give every operation a key
 (t, 0, i) for the i-th collective inside the step-t action, (t, 1) for the step-t boundary
 batch. Each rank issues its operations in increasing key order (the program order above).
 Every participant of an operation gives it the same key: the members of an EP group share a
-pipeline position (`trainer.mesh`: same pp index), hence the same slot list, and run the same
+pipeline position (`trainer.distributed.mesh`: same pp index), hence the same slot list, and run the same
 action at step t, whose collectives come in the same program order (the MoE layers run
 their exchanges whatever the routing, never skipping one on some ranks); both ends of a P2P
 transfer post it in their step-t batch, t being the producer's step; the one collective of
@@ -110,7 +110,7 @@ class PipelineRuntime(Generic[StageT]):
     act_shape  shape of the tensor crossing each stage boundary for one micro-batch (one
                tuple for all, or `{s: shape of stage s's output}`); gradients share it.
     dtype      dtype of those tensors; default: the stages' `boundary_dtype` when they declare
-               one (`trainer.pipe.Stage`: bf16 under autocast), else fp32.
+               one (`trainer.distributed.pipe.Stage`: bf16 under autocast), else fp32.
     group      the PP process group (None = WORLD); its rank i runs `schedule[i]`.
     device     where receive buffers live (default: the first stage's parameters' device).
     aux_fn     optional auxiliary-loss hook (see the module docstring).

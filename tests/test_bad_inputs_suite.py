@@ -126,7 +126,7 @@ CLI = {
                     ["parallel.layer_split='1,1'", "2 positive counts", "n_layers=4"]),
     "tied embeddings pp": (["--parallel.pp=2", "--model.tie_embeddings=true"], 2,
                            ["tie_embeddings=True with pp > 1", "use pp=1 or untied"]),
-    # tensor parallel requests (trainer/tensor_parallel.py)
+    # tensor parallel requests (trainer/distributed/tensor_parallel.py)
     "tp zero": (["--parallel.tp=0"], 1, ["tp=0 must be >= 1"]),
     "tp not dividing the stage": (["--parallel.tp=3"], 4,
                                   ["tp=3 x cp=1 = 3 does not divide the 4 ranks",

@@ -235,7 +235,7 @@ def test_sum_replica_grads_gives_every_replica_the_expert_gradient() -> None:
     layer without replicas computes for that expert."""
     import torch
 
-    from trainer.replicas import replica_row_weights, sum_replica_grads
+    from trainer.distributed.replicas import replica_row_weights, sum_replica_grads
 
     m = [0, 1, 2, 3, 0, 2, 2]
     plain, rep = _layer_pair(m)
@@ -263,7 +263,7 @@ def test_sum_replica_grads_gives_every_replica_the_expert_gradient() -> None:
 
 def test_replica_exchange_pairs_senders_with_receivers() -> None:
     """What rank a sends to b is, slot for slot, what b expects from a; only experts both hold."""
-    from trainer.replicas import initial_slot_map, replica_exchange
+    from trainer.distributed.replicas import initial_slot_map, replica_exchange
 
     for m, R in ((initial_slot_map(8, 4, 1), 4), (initial_slot_map(16, 4, 2), 4),
                  ([0, 1, 4, 2, 3, 0, 4, 5, 1], 3)):

@@ -67,11 +67,11 @@ def _zero3_worker(rank: int, world: int, _group) -> dict:
     import test_zero3 as z3
 
     from model import MoETransformer as Model
-    from trainer.mesh import Mesh
-    from trainer.parallel import parallelize
-    from trainer.precision import Precision
-    from trainer.zero import build_optimizer
-    from trainer.zero3 import Zero3Sync, shard_model
+    from trainer.distributed.mesh import Mesh
+    from trainer.distributed.parallel import parallelize
+    from trainer.distributed.precision import Precision
+    from trainer.distributed.zero import build_optimizer
+    from trainer.distributed.zero3 import Zero3Sync, shard_model
 
     torch.set_num_threads(1)
     mesh = Mesh.plan(world, rank, pp=1, ep=1).build_groups()

@@ -170,7 +170,7 @@ def _data() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 def _bf16_worker(rank: int, world: int, group: dist.ProcessGroup) -> dict:
     from model import cross_entropy
-    from trainer.pipe import build_stages, moe_aux, split_layers
+    from trainer.distributed.pipe import build_stages, moe_aux, split_layers
 
     model = _model()
     stages = build_stages(model, world, rank, 1, split_layers(4, world), autocast=True)
@@ -194,7 +194,7 @@ def _bf16_worker(rank: int, world: int, group: dist.ProcessGroup) -> dict:
 
 
 def test_stage_boundaries_carry_bf16_and_the_loss_stays_fp32() -> None:
-    from trainer.pipe import build_stages, split_layers
+    from trainer.distributed.pipe import build_stages, split_layers
 
     xs, _ = _data()
     first, last = build_stages(_model(), 1, 0, 2, split_layers(4, 2), autocast=True).values()
@@ -241,9 +241,9 @@ def test_pp2_bf16_matches_one_process_bf16() -> None:
 
 def test_planner_p2p_bytes_are_the_boundary_dtype() -> None:
     """The planner prices a pipeline hop at the bytes the trainer's stages send: bf16 under
-    autocast (GPUs; trainer/pipe.py's Stage.boundary_dtype), fp32 on CPU; and the hop time
+    autocast (GPUs; trainer/distributed/pipe.py's Stage.boundary_dtype), fp32 on CPU; and the hop time
     it adds to a PP=2 step scales with those bytes."""
-    from trainer.pipe import build_stages, split_layers
+    from trainer.distributed.pipe import build_stages, split_layers
     from tuner import ParallelPlan, estimate, load_platform
     from tuner.layout import precision_policy
 

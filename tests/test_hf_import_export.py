@@ -175,8 +175,8 @@ def test_fp8_block_quantized_weights_are_dequantized(tmp_path) -> None:
 def _owned(rank: int, ckpt: HFCheckpoint, n_layers: int, E: int,
            placement: str = "local") -> set[str]:
     """Keys rank `rank` of PP=2 x EP=2 must read: its stage's layers, its EP rank's experts."""
-    from trainer.mesh import Mesh
-    from trainer.pipe import split_layers
+    from trainer.distributed.mesh import Mesh
+    from trainer.distributed.pipe import split_layers
 
     mesh = Mesh.plan(4, rank, pp=2, ep=2, dp=0, placement=placement)
     pp_idx, ep_idx = mesh.pp_idx, mesh.ep_idx

@@ -14,10 +14,11 @@ line that needs a higher layer lives in that layer (``python -m model.autotune``
 LAYERS is the declared order, bottom first. A package may import its own modules and packages
 in lower layers only; packages in one layer are siblings and do not import each other.
 KEEP_APART names pairs the order alone would allow but the design forbids. SUBLAYERS does the
-same inside a package whose folder holds sub-packages (comm): a sub-package imports only those
-below it; the package's own top-level modules (its ``__init__``, thin ``python -m`` entries)
-sit above all of them. No module of a package imports a private name (``_x``, or a module
-``_x``) of another package.
+same inside a package whose folder holds sub-packages (comm, trainer): a sub-package imports
+only those below it; the package's own top-level modules (its ``__init__``, thin ``python -m``
+entries) sit above all of them, except those SUBLAYERS places among them by name (trainer's
+config, layout, common at the base, its checkpoint between distributed and observe). No
+module of a package imports a private name (``_x``, or a module ``_x``) of another package.
 """
 
 from __future__ import annotations
@@ -63,12 +64,28 @@ KEEP_APART: dict[tuple[str, str], str] = {
 #   ep, tools, netsim  a MoE layer's exchanges under EP (dispatch / combine, the chunk
 #                pipeline); launching, calibrating, emulating, self-checking; the network
 #                simulator (which draws HALO's traffic from the collectives' plan)
+#
+# Inside trainer, bottom first (a name is a sub-package or one of the package's own modules;
+# its modules not named here, the ones that compose a run, sit above all):
+#   common, config, layout, data  the base: logging and errors, the run's config, the rank
+#                arithmetic of a layout, the corpora; they import nothing else of trainer
+#   distributed  process groups, EP / TP / PP, gradient sync, ZeRO-1/2/3, precision, replicas
+#   checkpoint   save / load (it reads precision's fp32 masters)
+#   observe      metrics, per-step stats, console rows, report, profiling, memory (stats reads
+#                the mesh and names the MoE layers through checkpoint)
+#   and above: setup, build, step, loop, elastic, ckpt_manager, export, faults, ...
 SUBLAYERS: dict[str, tuple[frozenset[str], ...]] = {
     "comm": (
         frozenset({"topology"}),
         frozenset({"cost"}),
         frozenset({"collectives"}),
         frozenset({"ep", "tools", "netsim"}),
+    ),
+    "trainer": (
+        frozenset({"common", "config", "layout", "data"}),
+        frozenset({"distributed"}),
+        frozenset({"checkpoint"}),
+        frozenset({"observe"}),
     ),
 }
 
@@ -277,7 +294,8 @@ def graph() -> dict[str, set[str]]:
 
 def test_graph_sees_the_project(graph: dict[str, set[str]]) -> None:
     # A guard against a reader that silently finds nothing: known modules and edges exist.
-    for m in ("comm", "comm.topology", "model.transformer", "kernels.permute", "trainer", "train"):
+    for m in ("comm", "comm.topology", "model.transformer", "kernels.permute", "trainer",
+              "trainer.distributed.mesh", "trainer.observe.stats", "train"):
         assert m in graph, f"{m} missing from the import graph"
     assert "model.config" in graph["model.transformer"]  # relative `from .config import`
     assert "trainer" in graph["train"]  # function-level `from trainer import ...`
@@ -304,10 +322,14 @@ def test_no_upward_import(graph: dict[str, set[str]]) -> None:
     )
 
 
-def test_no_upward_import_inside_comm(graph: dict[str, set[str]]) -> None:
+def test_no_upward_import_inside_packages(graph: dict[str, set[str]]) -> None:
     for pkg, layers in SUBLAYERS.items():
         subs = {p.name for p in (ROOT / pkg).iterdir() if (p / "__init__.py").is_file()}
-        assert subs == set().union(*layers), f"{pkg}: sub-packages {sorted(subs)} vs SUBLAYERS"
+        mods = {p.stem for p in (ROOT / pkg).glob("*.py") if p.stem != "__init__"}
+        named = set().union(*layers)
+        # Every sub-package has its place; every name placed is a sub-package or a module.
+        assert subs <= named, f"{pkg}: sub-packages {sorted(subs - named)} not in SUBLAYERS"
+        assert named <= subs | mods, f"{pkg}: SUBLAYERS names {sorted(named - subs - mods)}"
         bad = sublayer_edges(graph, pkg, layers)
         assert not bad, (
             f"imports that run up or sideways in {pkg}'s order {_layer_text(layers)}:\n"

@@ -1,7 +1,7 @@
 """The one layout model (trainer/layout.py): the planner's stages and groups are the trainer's.
 
-References: the rank formulas of trainer/mesh.py's docstring, written out here by hand; the
-trainer's own stage builder (`trainer.pipe.build_stages`) and config parser (`train.py --plan`);
+References: the rank formulas of trainer/distributed/mesh.py's docstring, written out here by hand; the
+trainer's own stage builder (`trainer.distributed.pipe.build_stages`) and config parser (`train.py --plan`);
 the layer splits the issue reports the trainer ran. No processes.
 """
 
@@ -16,6 +16,8 @@ import pytest
 from torch import nn
 
 from trainer.config import parse_args
+from trainer.distributed.mesh import Mesh
+from trainer.distributed.pipe import build_stages, split_layers
 from trainer.layout import (
     ALLTOALL_ALGORITHMS,
     EP_PLACEMENTS,
@@ -32,8 +34,6 @@ from trainer.layout import (
     rank_chunks,
     stage_layers,
 )
-from trainer.mesh import Mesh
-from trainer.pipe import build_stages, split_layers
 
 SEED = 33
 
@@ -41,14 +41,14 @@ SEED = 33
 # ---- references --------------------------------------------------------------------------------
 
 def ref_rank(placement: str, pp: int, dp: int, ep: int, p: int, d: int, e: int) -> int:
-    """trainer/mesh.py's formulas (the trainer's rank layout since before trainer.layout)."""
+    """trainer/distributed/mesh.py's formulas (the trainer's rank layout since before trainer.layout)."""
     if placement == "local":
         return (p * dp + d) * ep + e
     return (e * pp + p) * dp + d
 
 
 def ref_groups(placement: str, pp: int, dp: int, ep: int) -> dict[str, list[list[int]]]:
-    """The group lists trainer/mesh.py's build_groups created, in its order."""
+    """The group lists trainer/distributed/mesh.py's build_groups created, in its order."""
     r = lambda p, d, e: ref_rank(placement, pp, dp, ep, p, d, e)  # noqa: E731
     return {
         "ep": [[r(p, d, e) for e in range(ep)] for p in range(pp) for d in range(dp)],

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model import CHECKPOINTING, GroupedExperts, MoETransformer, presets, set_checkpointing
-from trainer.memory import SavedTensorMeter
+from trainer.observe.memory import SavedTensorMeter
 
 B, S = 2, 24
 

@@ -59,7 +59,7 @@ def test_meta_build_sliced_equals_full(name):
     with torch.device("meta"):
         m = MoETransformer(cfg)
     assert m.embed.weight.is_meta
-    for layer in m.moe_layers():  # what trainer.parallel does under EP
+    for layer in m.moe_layers():  # what trainer.distributed.parallel does under EP
         ex = layer.experts
         for w in ("w1", "w2", "w3"):
             setattr(ex, w, nn.Parameter(getattr(ex, w).detach()[rank * local:(rank + 1) * local]))

@@ -182,7 +182,7 @@ def test_report_prints_summary_and_draws(run):
 
 
 def test_report_on_a_folder_without_a_run(tmp_path, capsys):
-    from trainer.report import main
+    from trainer.observe.report import main
 
     assert main([str(tmp_path / "nope")]) == 2
     assert "nope/metrics.jsonl does not exist" in capsys.readouterr().err
@@ -267,9 +267,9 @@ def test_wandb_offline_run(tmp_path, data):
 
 
 def test_step_result_carries_every_tagged_number():
-    """Every per-step number the sinks tag (trainer.metrics.ROW_TAGS) is a field of the step's
+    """Every per-step number the sinks tag (trainer.observe.metrics.ROW_TAGS) is a field of the step's
     StepResult, and row() leaves out exactly the numbers a run did not measure (None)."""
-    from trainer.metrics import ROW_TAGS
+    from trainer.observe.metrics import ROW_TAGS
     from trainer.step import StepResult
 
     names = {f.name for f in dataclasses.fields(StepResult)}

@@ -1,4 +1,4 @@
-"""Mixed precision (trainer/precision.py): bf16 working weights with fp32 masters and fp32
+"""Mixed precision (trainer/distributed/precision.py): bf16 working weights with fp32 masters and fp32
 gradients against fp32 training, no weight cast in the forward, the router's fp32 guard under
 autocast, checkpoints holding the masters, and the flags' bad values.
 
@@ -18,10 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from model import MoETransformer, presets
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import ConfigError, RunConfig
-from trainer.grad_sync import GradSync
-from trainer.mesh import Mesh
-from trainer.precision import check_precision, resolve_precision, to_working_dtype
-from trainer.zero import ZeroOptimizer, build_optimizer
+from trainer.distributed.grad_sync import GradSync
+from trainer.distributed.mesh import Mesh
+from trainer.distributed.precision import check_precision, resolve_precision, to_working_dtype
+from trainer.distributed.zero import ZeroOptimizer, build_optimizer
 
 CFG = dataclasses.replace(presets.get("tiny"), d_model=32, n_layers=2, moe_ffn_dim=32,
                           dense_ffn_dim=64, vocab_size=96, n_heads=4, n_kv_heads=2)
@@ -199,7 +199,7 @@ def test_trainer_bf16_zero1_migration_and_resume(tmp_path, tmp_path_factory):
 
 
 def _reduce_worker(rank: int, world: int, _group) -> dict:
-    from trainer.precision import grad_of
+    from trainer.distributed.precision import grad_of
 
     torch.manual_seed(0)
     mesh = Mesh.plan(world, rank, pp=1, ep=1).build_groups()

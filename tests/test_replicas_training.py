@@ -1,7 +1,7 @@
 """Training with redundant expert slots (--balance.redundant=r) equals training without.
 
 Reference: the same run on one process (no EP, no replicas). Replicas of an expert hold the same
-weights and, after `trainer.replicas.sum_replica_grads`, the same gradient, so the model's
+weights and, after `trainer.distributed.replicas.sum_replica_grads`, the same gradient, so the model's
 function and update are those of one copy per expert; what differs is only the fp32 summation
 order (an expert's tokens split over replicas), hence rel 1e-5. Re-placement is forced every 2
 steps (`debug.force_every`): each rank's redundant slots take other experts, so weights and

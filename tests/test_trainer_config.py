@@ -7,7 +7,7 @@ import pytest
 
 from trainer.config import ConfigError, parse_args
 from trainer.data import DataError, load_corpus
-from trainer.mesh import Mesh, MeshError
+from trainer.distributed.mesh import Mesh, MeshError
 
 
 def test_cli_overrides_and_types(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.memory import SavedTensorMeter, state_bytes
+from trainer.observe.memory import SavedTensorMeter, state_bytes
 
 
 def test_saved_activation_bytes_by_hand():

@@ -191,7 +191,7 @@ def _torch_param_counts(cfg: ModelConfig) -> tuple[int, int]:
     import torch
 
     from model import MoETransformer
-    from trainer.parallel import is_expert_param
+    from trainer.distributed.parallel import is_expert_param
 
     with torch.device("meta"):
         m = MoETransformer(cfg)

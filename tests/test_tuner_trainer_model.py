@@ -2,7 +2,7 @@
 
 References are independent of the formulas under test: element counts worked out by hand
 for the tiny preset, and what a real forward/backward of `model.MoETransformer` with AdamW
-saves and holds, measured by `trainer.memory`.
+saves and holds, measured by `trainer.observe.memory`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model import MoETransformer, presets
-from trainer.memory import SavedTensorMeter, state_bytes
+from trainer.observe.memory import SavedTensorMeter, state_bytes
 from tuner import Assumptions, ParallelPlan, estimate, load_platform, stage_memory
 from tuner.counts import layer_counts
 from tuner.estimate import step_time_lower_bound
@@ -116,12 +116,12 @@ def test_branch_and_bound_keeps_the_optimum_with_fewer_evaluations():
 
 def _state_worker(rank: int, world: int, _group, levels: list[int], seq: int) -> dict:
     """One real step of the tiny preset under each ZeRO level on a DP group of `world` ranks
-    (trainer/grad_sync.py + trainer/zero.py, as the trainer drives them): the bytes
-    `trainer.memory.state_bytes` counts after the optimizer step, and how many parameter
+    (trainer/distributed/grad_sync.py + trainer/distributed/zero.py, as the trainer drives them): the bytes
+    `trainer.observe.memory.state_bytes` counts after the optimizer step, and how many parameter
     tensors hold AdamW state (each adds a 4-byte step counter the planner leaves out)."""
-    from trainer.grad_sync import GradSync
-    from trainer.mesh import Mesh
-    from trainer.zero import build_optimizer
+    from trainer.distributed.grad_sync import GradSync
+    from trainer.distributed.mesh import Mesh
+    from trainer.distributed.zero import build_optimizer
 
     mesh = Mesh.plan(world, rank, pp=1, ep=1).build_groups()
     cfg = presets.get("tiny")
@@ -147,7 +147,7 @@ def _state_worker(rank: int, world: int, _group, levels: list[int], seq: int) ->
 @pytest.mark.multiproc
 def test_planner_state_bytes_equal_the_trainers_meter_per_zero_level():
     """DP=2, tiny, one micro-batch: the largest per-rank state the trainer holds (weights,
-    gradients, AdamW moments: `trainer.memory.state_bytes`, less the 4-byte step counters)
+    gradients, AdamW moments: `trainer.observe.memory.state_bytes`, less the 4-byte step counters)
     equals the planner's state bytes for ZeRO 0, 1 and 2 under the trainer's precision
     (`FP32_TRAINER_PRECISION`) and its per-parameter ownership. The planner's per-part
     greedy maxima (dense over the stage group, experts over DP) are an upper bound when
@@ -173,15 +173,15 @@ def test_planner_state_bytes_equal_the_trainers_meter_per_zero_level():
 def _dtype_state_worker(rank: int, world: int, _group, configs: list[tuple[int, str]],
                         seq: int) -> dict:
     """One real step of the tiny preset per (ZeRO level, param dtype) on DP=`world`, set up as
-    train.py does (trainer/precision.py's bf16 weights + fp32 masters; FSDP2 for ZeRO-3):
-    `trainer.memory.state_bytes` after the step, less the 0-dim step counters the planner
+    train.py does (trainer/distributed/precision.py's bf16 weights + fp32 masters; FSDP2 for ZeRO-3):
+    `trainer.observe.memory.state_bytes` after the step, less the 0-dim step counters the planner
     leaves out."""
-    from trainer.grad_sync import GradSync
-    from trainer.mesh import Mesh
-    from trainer.parallel import parallelize
-    from trainer.precision import Precision, to_working_dtype
-    from trainer.zero import build_optimizer
-    from trainer.zero3 import Zero3Sync, shard_model
+    from trainer.distributed.grad_sync import GradSync
+    from trainer.distributed.mesh import Mesh
+    from trainer.distributed.parallel import parallelize
+    from trainer.distributed.precision import Precision, to_working_dtype
+    from trainer.distributed.zero import build_optimizer
+    from trainer.distributed.zero3 import Zero3Sync, shard_model
 
     torch.set_num_threads(1)
     mesh = Mesh.plan(world, rank, pp=1, ep=1).build_groups()

@@ -20,9 +20,9 @@ from torch import nn
 
 from comm import run_local
 from trainer.config import ConfigError, RunConfig
-from trainer.grad_sync import GradSync
-from trainer.mesh import Mesh
-from trainer.zero import ZeroOptimizer, assign_owners, build_optimizer, check_zero
+from trainer.distributed.grad_sync import GradSync
+from trainer.distributed.mesh import Mesh
+from trainer.distributed.zero import ZeroOptimizer, assign_owners, build_optimizer, check_zero
 
 D, E, V, B = 8, 4, 5, 8  # model width, experts (all EP ranks), outputs, global batch rows
 LR, CLIP, STEPS = 1e-2, 0.05, 3

@@ -1,4 +1,4 @@
-"""ZeRO-3 (trainer/zero3.py, FSDP2) against ZeRO-0 on EP=2 x DP=2, in fp32.
+"""ZeRO-3 (trainer/distributed/zero3.py, FSDP2) against ZeRO-0 on EP=2 x DP=2, in fp32.
 
 Each of 4 gloo processes builds the same small MoE transformer twice, as the trainer does
 (meta device, experts sliced over EP, materialised with the 1-process values): once with
@@ -32,11 +32,11 @@ def _mcfg():
 
 def _build(mesh, zero: int):
     from model import MoETransformer
-    from trainer.grad_sync import GradSync
-    from trainer.parallel import parallelize
-    from trainer.precision import Precision
-    from trainer.zero import build_optimizer
-    from trainer.zero3 import Zero3Sync, shard_model
+    from trainer.distributed.grad_sync import GradSync
+    from trainer.distributed.parallel import parallelize
+    from trainer.distributed.precision import Precision
+    from trainer.distributed.zero import build_optimizer
+    from trainer.distributed.zero3 import Zero3Sync, shard_model
 
     with torch.device("meta"):
         model = MoETransformer(_mcfg())
@@ -84,8 +84,8 @@ def _migrate(mesh, model, opt) -> None:
 
 def _worker(rank: int, world: int, _group, ckpt: str) -> dict:
     from trainer.checkpoint import load_checkpoint, save_checkpoint
-    from trainer.memory import state_bytes
-    from trainer.mesh import Mesh
+    from trainer.distributed.mesh import Mesh
+    from trainer.observe.memory import state_bytes
 
     torch.set_num_threads(1)
     mesh = Mesh.plan(world, rank, pp=1, ep=2).build_groups()

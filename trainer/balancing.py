@@ -11,7 +11,7 @@ them) are both a new slot map (`balance.swap_slots` turns swaps into one), carri
 `_move` (balance.move_slots, then MoELayer.set_slots). The model's function is unchanged: a logical expert computes
 the same thing in any slot.
 
-Under ZeRO-1/2 (trainer/zero.py) the optimizer keeps AdamW state for the parameters this rank
+Under ZeRO-1/2 (trainer/distributed/zero.py) the optimizer keeps AdamW state for the parameters this rank
 owns only; ownership is decided by parameter shape and index, so the EP ranks of one dp index
 (the ranks that swap rows) own the same expert parameters: both move their rows' moments, or
 neither has any (their replica's owner keeps the whole parameter's state and moves it).

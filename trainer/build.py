@@ -23,15 +23,15 @@ from model import cross_entropy
 
 from .common import log
 from .config import ConfigError, RunConfig
-from .grad_sync import GradSync
-from .memory import rss_peak, rss_reset_peak
-from .mesh import Mesh
-from .parallel import parallelize
-from .pipe import build_stages, moe_aux, split_layers
-from .precision import resolve_precision
+from .distributed.grad_sync import GradSync
+from .distributed.mesh import Mesh
+from .distributed.parallel import parallelize
+from .distributed.pipe import build_stages, moe_aux, split_layers
+from .distributed.precision import resolve_precision
+from .distributed.zero import build_optimizer as zero_optimizer
+from .distributed.zero import effective_zero
+from .observe.memory import rss_peak, rss_reset_peak
 from .setup import build_schedule
-from .zero import build_optimizer as zero_optimizer
-from .zero import effective_zero
 
 __all__ = ["pick_device", "build_model", "Pipeline", "build_pipeline", "apply_tp", "import_hf",
            "build_grad_sync", "build_optimizer"]
@@ -218,10 +218,10 @@ def build_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh, model, precision,
 
 def apply_tp(cfg: RunConfig, model, mesh: Mesh, device: torch.device) -> None:
     """Tensor (and sequence) parallel of the dense side over the mesh's TP groups, after the
-    model is materialised with the 1-process values (trainer/tensor_parallel.py)."""
+    model is materialised with the 1-process values (trainer/distributed/tensor_parallel.py)."""
     if mesh.tp == 1:
         return
-    from .tensor_parallel import apply_tensor_parallel
+    from .distributed.tensor_parallel import apply_tensor_parallel
 
     apply_tensor_parallel(model, mesh.tp_mesh(device.type), cfg.parallel.sp)
 
@@ -269,7 +269,7 @@ def build_grad_sync(cfg: RunConfig, model, mesh: Mesh, device: torch.device):
     bit, at ZeRO-0). ZeRO-3: FSDP2 reduce-scatters; `Zero3Sync` scales and clips."""
     zero = effective_zero(cfg.parallel.zero, mesh)
     if zero == 3:
-        from .zero3 import Zero3Sync
+        from .distributed.zero3 import Zero3Sync
 
         return Zero3Sync(model, mesh)
     return GradSync(model, mesh, zero=zero, overlap=grad_overlap(cfg, device),
@@ -278,7 +278,7 @@ def build_grad_sync(cfg: RunConfig, model, mesh: Mesh, device: torch.device):
 
 def build_optimizer(cfg: RunConfig, model, sync: GradSync, masters_from=None):
     """AdamW with weight decay on matrices (dim >= 2) only: torch.optim.AdamW at zero=0 with
-    fp32 weights, `trainer.zero.ZeroOptimizer` at zero=1/2 (sharded by `sync`'s ownership)
+    fp32 weights, `trainer.distributed.zero.ZeroOptimizer` at zero=1/2 (sharded by `sync`'s ownership)
     and for bf16 weights (fp32 masters, started from `masters_from`)."""
     o = cfg.optim
     return zero_optimizer(model, sync, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay,

@@ -15,11 +15,11 @@ layer's slot map) lives in `meta.json` and is restored before the expert rows ar
 format: a layer without redundant slots keeps `expert2slot` [E] (each expert's slot: the
 inverse of its slot map, as since before redundant slots), one with them `{"slots": slot map}`.
 Optimizer state (AdamW exp_avg / exp_avg_sq / step) uses the same keys under `optim.<kind>.`.
-Under ZeRO-1/2 (trainer/zero.py) each parameter's state lives on its owner only: the owner
+Under ZeRO-1/2 (trainer/distributed/zero.py) each parameter's state lives on its owner only: the owner
 contributes those keys (DCP writes each key once, from whichever rank has it), and a load fills
 the state of the parameters the rank owns; the files are the same as a ZeRO-0 run's, so a run
 resumes under any ZeRO level as under any EP/PP/DP layout. With bf16 weights
-(trainer/precision.py) the `model.` keys hold the fp32 masters (written by the rank that steps
+(trainer/distributed/precision.py) the `model.` keys hold the fp32 masters (written by the rank that steps
 them), so a bf16 and an fp32 run read each other's checkpoints.
 """
 
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from model import MoELayer, MoETransformer
 
-from .precision import has_main_grad
+from .distributed.precision import has_main_grad
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "list_complete",
            "named_moe_layers"]
@@ -98,7 +98,7 @@ def _weights(p: nn.Parameter, st: dict, load: bool) -> torch.Tensor | None:
 
 def _row(t: torch.Tensor, j: int) -> torch.Tensor:
     """A copy of expert row j of a [S, ...] stack; of a ZeRO-3 DTensor (sharded on a dim > 0,
-    trainer/zero3.py) a DTensor of the row over the same mesh, so DCP writes each rank's
+    trainer/distributed/zero3.py) a DTensor of the row over the same mesh, so DCP writes each rank's
     columns under the row's logical key."""
     from torch.distributed.tensor import DTensor, Shard
 

@@ -71,7 +71,7 @@ class ParallelConfig:
                                "last)", "int >= 1 dividing each rank's batch")
     zero: int = opt(0, "sharding over each parameter's data-parallel replicas: 0 replicated, 1 "
                        "optimizer state (ZeRO-1), 2 + gradients (ZeRO-2), 3 + parameters, "
-                       "gathered per layer (FSDP2, trainer/zero3.py)", "0, 1, 2, 3")
+                       "gathered per layer (FSDP2, trainer/distributed/zero3.py)", "0, 1, 2, 3")
     grad_overlap: str = opt("auto", "reduce gradients in buckets as the backward produces them "
                                     "(DDP-style); auto = on with ZeRO-1/2 and on GPUs, off for "
                                     "ZeRO-0 on CPU", "true, false, auto")
@@ -81,10 +81,10 @@ class ParallelConfig:
                                                             'comma-separated counts, e.g. "3,5"')
     ep_placement: str = opt("local", "where EP groups sit: local = consecutive ranks (inside a "
                                      "node); spread = EP outermost, one rank from each of ep "
-                                     "blocks of pp * dp ranks (trainer/mesh.py)", "local, spread")
+                                     "blocks of pp * dp ranks (trainer/distributed/mesh.py)", "local, spread")
     tp: int = opt(1, "tensor parallel of the dense side (attention, dense FFNs, shared experts, "
                      "head) over tp consecutive ranks of a stage; experts stay on EP, whose "
-                     "groups span the TP ranks (trainer/tensor_parallel.py)",
+                     "groups span the TP ranks (trainer/distributed/tensor_parallel.py)",
                   "int >= 1 dividing the heads and FFN widths")
     sp: bool = opt(True, "sequence parallel with tp > 1: norms, residuals and the router input "
                          "split over the sequence between the TP regions; false: replicated "
@@ -190,7 +190,7 @@ class TrainConfig:
     replan_trials: int = opt(100, "planner trials of an elastic re-plan", "int >= 1")
     platform: str = opt("", "platform file of an elastic re-plan", '"" (the --plan file\'s '
                             'platform, else local), a name under configs/platforms, or a path')
-    dtype: str = opt("auto", "compute dtype (trainer/precision.py); auto = bf16 on GPUs, fp32 "
+    dtype: str = opt("auto", "compute dtype (trainer/distributed/precision.py); auto = bf16 on GPUs, fp32 "
                              "on CPU (bf16 really runs on CPU too)", "auto, fp32, bf16")
     param_dtype: str = opt("auto", "working weights (fp32 masters + AdamW moments stay in the "
                                    "optimizer, gradients fp32); auto = the compute dtype",

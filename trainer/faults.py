@@ -13,7 +13,7 @@ import time
 import torch
 
 from .common import log
-from .precision import grad_of
+from .distributed.precision import grad_of
 
 __all__ = ["StepHooks", "FaultHooks", "install_faults"]
 

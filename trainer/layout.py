@@ -1,6 +1,6 @@
 """The one layout model: vocabularies, rank arithmetic, stage split and feasibility rules.
 
-Pure functions and a frozen dataclass, no process groups: `trainer.mesh.Mesh` builds the
+Pure functions and a frozen dataclass, no process groups: `trainer.distributed.mesh.Mesh` builds the
 groups of a run from a `Layout`, and the planner (`tuner`) evaluates the very same layouts, so
 what is planned is what runs (STYLE 13, 29). Everything else imports the vocabularies from here.
 
@@ -22,7 +22,7 @@ so world = pp * dp * ep * etp and tp * cp must divide S. EP groups are formed fr
 side's DP x TP x CP ranks, so experts are never replicated over TP. With tp = cp = etp = 1
 this is the trainer's PP x DP x EP mesh: attn_dp = dp * ep data shards, and the stage group
 averages non-expert gradients. The trainer runs that and tp > 1 (tensor and sequence
-parallel, trainer/tensor_parallel.py); cp > 1 and etp > 1 are evaluated by the planner only
+parallel, trainer/distributed/tensor_parallel.py); cp > 1 and etp > 1 are evaluated by the planner only
 (`not_runnable_because`).
 
 Rank layout. Expert-side indices, outermost first (the last varies fastest):
@@ -49,12 +49,12 @@ on that side (the pp group: the same stage position on every stage).
     attn_dp  differ in attn_dp_idx (dense side)
     stage    the stage's ranks with the same tp_idx: they hold the same non-expert weights and
              average their gradients (the whole stage when tp = 1)
-Members are listed as `trainer.mesh` has always built them: the expert-side groups and the
+Members are listed as `trainer.distributed.mesh` has always built them: the expert-side groups and the
 stage group by the expert-side indices (dp, ep, etp), last fastest (spread stage groups are
 therefore not ascending), dense groups ascending.
 
 Stage split: stage s of pp * vpp runs on pipeline rank s % pp (Megatron's interleaved order,
-what `pipeline.schedule` builds and `trainer.pipe.build_stages` keeps) and owns a contiguous
+what `pipeline.schedule` builds and `trainer.distributed.pipe.build_stages` keeps) and owns a contiguous
 run of layers. The even split gives the middle stages the remainder first (stage 0 also holds
 the embedding, the last stage the final norm and head, so they are the last to get an extra
 layer); `parallel.layer_split` ("3,5,...") states the counts instead.
@@ -85,7 +85,7 @@ SCHEDULES = tuple(schedule_names())  # gpipe, 1f1b, interleaved-1f1b, zb-h1 (pip
 EP_PLACEMENTS = ("local", "spread")
 # 0 replicated state, 1 optimizer state sharded, 2 + gradients, 3 + parameters
 ZERO_LEVELS = (0, 1, 2, 3)
-TRAINER_ZERO_LEVELS = (0, 1, 2, 3)  # --parallel.zero (3: FSDP2, trainer/zero3.py)
+TRAINER_ZERO_LEVELS = (0, 1, 2, 3)  # --parallel.zero (3: FSDP2, trainer/distributed/zero3.py)
 # dedup: a token crosses to a remote node once (DeepEP-style; issue 26)
 ALLTOALL_ALGORITHMS = ("flat", "halo", "dedup", "auto")
 # --comm.alltoall: what comm.all_to_all runs, and dedup (comm/collectives/dedup.py, comm/ep/pipeline.py)
@@ -102,7 +102,7 @@ RECOMPUTE = CHECKPOINTING
 # recipes use it), which the trainer does not build
 RECOMPUTE_MODES = (*CHECKPOINTING, "moe")
 PRECISIONS = ("bf16", "fp8")  # GEMM precision; fp8 is a planner rate only
-TRAINER_PRECISIONS = ("bf16",)  # bf16 GEMMs: bf16 weights + fp32 masters (trainer/precision.py)
+TRAINER_PRECISIONS = ("bf16",)  # bf16 GEMMs: bf16 weights + fp32 masters (trainer/distributed/precision.py)
 EXPERT_DIMS = ("dp", "ep", "etp")  # a stage's expert side, outermost first
 DENSE_DIMS = ("attn_dp", "cp", "tp")  # a stage's dense side, outermost first
 DIMS = ("pp", *EXPERT_DIMS, *DENSE_DIMS)
@@ -282,7 +282,7 @@ class Layout:
         return [self.dense_rank_of(**{**de, kind: i}) for i in range(getattr(self, kind))]
 
     def groups(self, kind: str) -> list[list[int]]:
-        """Every group of `kind`, a partition of the ranks, in the order `trainer.mesh` creates
+        """Every group of `kind`, a partition of the ranks, in the order `trainer.distributed.mesh` creates
         them: by the lowest-numbered stage, then by the members' first index on that side."""
         check_choice("group", kind, GROUP_KINDS)
         out: list[list[int]] = []
@@ -485,9 +485,9 @@ def not_runnable_because(layout: Layout, *, zero: int = 0, alltoall: str = "flat
     if recompute not in RECOMPUTE:
         out.append(f"recompute {recompute!r} (Megatron-Core's whole-MoE-layer module) is not built "
                    f"in the trainer; it runs {', '.join(RECOMPUTE)}")
-    # tensor parallel with or without sequence parallel runs (trainer/tensor_parallel.py);
+    # tensor parallel with or without sequence parallel runs (trainer/distributed/tensor_parallel.py);
     # its model rules (tp | heads, seq_len, untied embeddings) are `layout_problems`' and
-    # `trainer.tensor_parallel.tp_problems`'
+    # `trainer.distributed.tensor_parallel.tp_problems`'
     if layout.cp > 1:
         out.append(f"context parallel (cp={layout.cp}) is not built in the trainer yet")
     if layout.etp > 1:

@@ -6,8 +6,8 @@ Where each concern lives:
     trainer/build.py         device, model + EP sharding, pipeline stages, HF import, optimizer
     trainer/step.py          the training step (the hot loop)
     trainer/evaluate.py      validation loss
-    trainer/stats.py         per-step collection (expert counts, imbalance, exchange time, memory)
-    trainer/console.py       metrics.jsonl / counts.jsonl / progress line; trainer/metrics.py sinks
+    trainer/observe/stats.py         per-step collection (expert counts, imbalance, exchange time, memory)
+    trainer/observe/console.py       metrics.jsonl / counts.jsonl / progress line; trainer/observe/metrics.py sinks
     trainer/ckpt_manager.py  save, resume, the failure message; trainer/checkpoint.py the format
     trainer/faults.py        fault injection hooks for the chaos harness
 """
@@ -34,16 +34,16 @@ from .checkpoint import named_moe_layers
 from .ckpt_manager import CheckpointManager
 from .common import TrainingError, log
 from .compile import compile_blocks, graph_count
-from .console import StepWriter, truncate_jsonl
+from .distributed.precision import resolve_precision, to_working_dtype
+from .distributed.zero import effective_zero
 from .evaluate import evaluate
 from .faults import install_faults
-from .metrics import Sinks
-from .precision import resolve_precision, to_working_dtype
-from .profiling import StepProfiler, parse_profile_steps, stage_ranges
+from .observe.console import StepWriter, truncate_jsonl
+from .observe.metrics import Sinks
+from .observe.profiling import StepProfiler, parse_profile_steps, stage_ranges
+from .observe.stats import StepStats
 from .setup import Prepared, build_model_config, model_name, peak_flops, prepare
-from .stats import StepStats
 from .step import StepParts, StepResult, StepState, lr_at, train_step
-from .zero import effective_zero
 
 __all__ = ["Trainer", "TrainingError", "prepare", "build_model_config", "log"]
 
@@ -55,7 +55,7 @@ class Trainer:
         self.elastic = prep.elastic  # the record checkpoints carry (trainer/elastic.py)
         t = self.cfg.train
         self.device = pick_device()
-        # compute / weight / reduction dtypes (trainer/precision.py); never silently fp32
+        # compute / weight / reduction dtypes (trainer/distributed/precision.py); never silently fp32
         self.precision = resolve_precision(t, self.device.type)
         self.autocast = self.precision.autocast
         self.out = Path(t.out_dir)
@@ -73,13 +73,13 @@ class Trainer:
                 E = layer.num_experts
                 layer.router.e_score_correction_bias.copy_(
                     -self.cfg.debug.skew * torch.log1p(torch.arange(E, dtype=torch.float32)))
-        # the fp32 values above become the optimizer's masters (trainer/zero.py); the model
+        # the fp32 values above become the optimizer's masters (trainer/distributed/zero.py); the model
         # keeps bf16 working weights from here on (ZeRO-3: FSDP2 casts its fp32 shards)
         self.compiled = compile_blocks(self.model) if t.compile else 0  # lazily, on 1st use
         fp32_values: dict = {}
-        self.fsdp: list = []  # ZeRO-3's FSDP2 modules (trainer/zero3.py)
+        self.fsdp: list = []  # ZeRO-3's FSDP2 modules (trainer/distributed/zero3.py)
         if effective_zero(self.cfg.parallel.zero, self.mesh) == 3:
-            from .zero3 import shard_model
+            from .distributed.zero3 import shard_model
 
             self.fsdp = shard_model(self.model, self.mesh, self.precision, self.device.type,
                                     list(self.pipe.stages.values()) if self.pipe else None)
@@ -192,7 +192,7 @@ class Trainer:
             log(f"done: {self.step} steps, final val loss {last_val:.4f} nats/token, checkpoint "
                 f"{ckpt}", self.rank)
         if self.rank == 0 and t.plot:
-            from .report import plot_loss
+            from .observe.report import plot_loss
 
             plot_loss(writer.metrics_path, self.out / "loss.png")
         if self.rank == 0 and t.export_hf:

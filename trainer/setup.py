@@ -22,6 +22,10 @@ from model.attention import DOC_ATTENTION
 from .checkpoint import CheckpointError, check_same_model, find_latest, read_meta
 from .config import ConfigError, RunConfig
 from .data import Blend, Corpus, load_data
+from .distributed.mesh import Mesh
+from .distributed.precision import check_precision
+from .distributed.tensor_parallel import tp_problems
+from .distributed.zero import check_zero
 from .layout import (
     RECOMPUTE,
     TRAINER_A2A_OVERLAP,
@@ -31,12 +35,8 @@ from .layout import (
     check_redundant,
     divisors,
 )
-from .mesh import Mesh
-from .metrics import check_observability
-from .precision import check_precision
-from .profiling import parse_profile_steps
-from .tensor_parallel import tp_problems
-from .zero import check_zero
+from .observe.metrics import check_observability
+from .observe.profiling import parse_profile_steps
 
 __all__ = ["Prepared", "prepare", "build_model_config", "build_schedule", "model_name",
            "peak_flops", "REPLAN_MODES", "check_elastic", "layout_problem", "replan_platform",

@@ -26,8 +26,8 @@ from torch.autograd.profiler import record_function
 from model import cross_entropy
 
 from .common import TrainingError
-from .memory import state_bytes
-from .replicas import replica_row_weights, sum_replica_grads
+from .distributed.replicas import replica_row_weights, sum_replica_grads
+from .observe.memory import state_bytes
 
 if TYPE_CHECKING:
     from model import ModelConfig, MoETransformer
@@ -35,11 +35,11 @@ if TYPE_CHECKING:
     from .balancing import Balancer
     from .build import Pipeline
     from .config import RunConfig
+    from .distributed.grad_sync import GradSync
+    from .distributed.mesh import Mesh
+    from .distributed.precision import Precision
     from .faults import StepHooks
-    from .grad_sync import GradSync
-    from .mesh import Mesh
-    from .precision import Precision
-    from .stats import StepStats
+    from .observe.stats import StepStats
 
 __all__ = ["StepParts", "StepState", "StepResult", "train_step", "forward_loss", "lr_at",
            "allreduce_mean", "doc_layout", "queue_docs", "check_docs_used"]

@@ -19,7 +19,7 @@
 sharded over each parameter's data-parallel replicas, 2 gradients too); the plan file carries
 the chosen one as `[run.parallel] zero` and the report says what it saves.
 `--zero-sharding` says how the state is split (`Assumptions.zero_sharding`): "per-parameter"
-(default: what train.py does, whole parameters per owner, trainer/zero.py) or "flat" (even
+(default: what train.py does, whole parameters per owner, trainer/distributed/zero.py) or "flat" (even
 shards, as Megatron's distributed optimizer, DeepSpeed or FSDP2 would).
 `--redundant R` gives every EP rank R redundant expert slots per MoE layer (the trainer's
 `--balance.redundant`; default 0). It is fixed, not searched: whether replicas pay depends on

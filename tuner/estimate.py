@@ -59,7 +59,7 @@ Step time (seconds), for the busiest rank:
                   reduces to owners (a reduce-scatter's time); owners broadcast the weights
                   (an all-gather's time)
         redundant (r > 0): the gradients of replicated experts summed over their replicas
-                  after the DP sync (trainer/replicas.py): per MoE layer, one all-to-all in
+                  after the DP sync (trainer/distributed/replicas.py): per MoE layer, one all-to-all in
                   the EP group in which each rank sends r x c gradient rows (c =
                   `Assumptions.replicas_per_expert`, each holder sending its partial to the
                   c - 1 others). Its buffers are allocated after the backward, when the
@@ -516,7 +516,7 @@ def _model_tensors(cfg: ModelConfig) -> list[tuple[str, bool, int]]:
 
 def _greedy_max_share(numels: list[float], n: int) -> float:
     """Largest load / total when whole tensors go, largest first, to the least-loaded of n
-    ranks (ties: the lower rank): trainer/zero.py's ownership rule."""
+    ranks (ties: the lower rank): trainer/distributed/zero.py's ownership rule."""
     total = sum(numels)
     if n == 1 or total == 0:
         return 1.0
@@ -571,7 +571,7 @@ def _dp_sync(sm: StageMemory, plan: ParallelPlan, groups: dict[str, GroupPlaceme
 def _replica_sum_time(sm: StageMemory, plan: ParallelPlan, group: GroupPlacement,
                       platform: Platform, gb: int, asm: Assumptions) -> float:
     """Seconds to sum replicated experts' gradients over their replicas on one pipeline rank,
-    as trainer/replicas.py's `sum_replica_grads` does: per MoE layer one all-to-all in the EP
+    as trainer/distributed/replicas.py's `sum_replica_grads` does: per MoE layer one all-to-all in the EP
     group in which each rank sends r x c gradient rows to other ranks (c replicas per
     replicated expert, `Assumptions.replicas_per_expert`), timed with the all-to-all model of
     an even exchange of that many off-rank bytes."""

@@ -9,7 +9,7 @@ ranks) and `mem_act_peak_bytes_max` (peak bytes saved for backward, max over ran
 Measured = the median over the steps after `warmup` (the first steps pay allocator growth,
 lazy initialisation and thread-pool start-up). The memory compared with a prediction is
 state + activation peak, the two quantities `tuner.estimate` predicts per rank; its
-communication buffers are not seen by `trainer.memory` and are left out on both sides.
+communication buffers are not seen by `trainer.observe.memory` and are left out on both sides.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ class PrecisionPolicy:
     combine_bytes: int = 0
     p2p_bytes: int = 0
     name: str = ""
-    # ZeRO-3 as FSDP2's MixedPrecisionPolicy runs it (trainer/zero3.py): the fp32 shard is the
+    # ZeRO-3 as FSDP2's MixedPrecisionPolicy runs it (trainer/distributed/zero3.py): the fp32 shard is the
     # master and the only copy held (no separate low-precision weight shard), gathered per layer
     # at `param_comm_bytes`
     fsdp_master_shard: bool = False
@@ -171,11 +171,11 @@ FP32_TRAINER_PRECISION = PrecisionPolicy(weight_bytes=4, grad_bytes=4, master_by
                                          optimizer_bytes=8, activation_bytes=4, name="trainer")
 # What train.py holds and sends on GPUs (`--train.dtype=auto|bf16`: bf16 autocast over fp32
 # parameters, trainer/loop.py): fp32 weights and gradients, no master copy, two fp32 moments;
-# gradients reduced and weights broadcast in fp32 (trainer/grad_sync.py buckets by parameter
+# gradients reduced and weights broadcast in fp32 (trainer/distributed/grad_sync.py buckets by parameter
 # dtype); the MoE dispatch sends the fp32 residual stream's normed rows (model/norm.py returns
 # its input dtype, the router runs on them; autocast does not reach the dispatch) and the
 # combine the experts' bf16 outputs (model/moe.py casts to the autocast dtype after the
-# dispatch); pipeline hops carry bf16 (trainer/pipe.py's Stage.boundary_dtype under autocast
+# dispatch); pipeline hops carry bf16 (trainer/distributed/pipe.py's Stage.boundary_dtype under autocast
 # casts what crosses a stage boundary, and its gradient, to bf16). Saved activations at 2 B
 # (autocast's GEMM inputs; the fp32 norm inputs are a part this count does not split out).
 GPU_TRAINER_PRECISION = PrecisionPolicy(weight_bytes=4, grad_bytes=4, master_bytes=0,
@@ -183,7 +183,7 @@ GPU_TRAINER_PRECISION = PrecisionPolicy(weight_bytes=4, grad_bytes=4, master_byt
                                         grad_comm_bytes=4, param_comm_bytes=4, dispatch_bytes=4,
                                         combine_bytes=2, p2p_bytes=2, name="trainer")
 # What train.py holds and sends with bf16 working weights (`--train.param_dtype=bf16`, the
-# default on GPUs: trainer/precision.py): bf16 weights (2), an fp32 main_grad (4) each bf16
+# default on GPUs: trainer/distributed/precision.py): bf16 weights (2), an fp32 main_grad (4) each bf16
 # gradient is added into, an fp32 master (4) and two moments (8) in the optimizer (on the
 # owner under ZeRO-1/2); gradients reduced in fp32 (`--train.reduce_dtype=bf16`: 2), the
 # updated bf16 weight broadcast (2); the dispatch sends the bf16 normed rows, the combine the
@@ -274,7 +274,7 @@ class Assumptions:
         of the flattened state (1/group of every part; Megatron's distributed optimizer,
         DeepSpeed, FSDP2), gradients reduce-scattered, updated weights all-gathered.
         "per-parameter": each parameter whole on one owner, assigned greedily by size to the
-        least-loaded rank (this project's trainer, trainer/zero.py, like torch's
+        least-loaded rank (this project's trainer, trainer/distributed/zero.py, like torch's
         ZeroRedundancyOptimizer): a rank holds its greedy load, at least the largest tensor
         (DeepSeek-V3's 0.93 B-parameter embedding sits whole on one rank); ZeRO-1 all-reduces
         the gradients, ZeRO-2 reduces each bucket to its owner (timed as a reduce-scatter),
@@ -282,7 +282,7 @@ class Assumptions:
         what it does not own). The memory taken per stage is the sum of the dense and the
         expert group's largest loads (an upper bound: they may fall on different ranks).
     replicas_per_expert: how many replicas c a replicated expert has when the replica sum
-        is priced (redundant expert slots; trainer/replicas.py swaps partial gradients between
+        is priced (redundant expert slots; trainer/distributed/replicas.py swaps partial gradients between
         an expert's holders, (c - 1) rows per replica slot, so each EP rank sends r x c rows
         per MoE layer). 2 (pairs): the common case of one redundant slot per hot expert; a
         placement that gives one expert many replicas moves more.

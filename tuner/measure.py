@@ -268,7 +268,7 @@ def _split_backward_extra(repeats: int, tokens: int = 1024) -> float:
 
 
 def _optimizer_rate(repeats: int) -> float:
-    """State bytes per second of the trainer's optimizer step (trainer/zero.py's
+    """State bytes per second of the trainer's optimizer step (trainer/distributed/zero.py's
     torch.optim.AdamW(foreach=False) on fp32 parameters, here the tiny preset's 43 tensors,
     3.4 M parameters): 16 bytes per parameter (weight, gradient, two moments) / step time. The
     per-tensor Python cost is the tiny model's share of it (an assumption for other shapes)."""

@@ -4,7 +4,7 @@
     EPDispatcher   all-to-all over an EP group (flat / halo / dedup / auto; comm/ep/dispatcher.py)
     moe_forward    the chunked, overlapped and deduplicated expert path (comm/ep/pipeline.py)
 
-`trainer.parallel.parallelize` installs an `EPDispatcher` in every MoE layer; one process
+`trainer.distributed.parallel.parallelize` installs an `EPDispatcher` in every MoE layer; one process
 keeps `model.LocalDispatcher`.
 """
 

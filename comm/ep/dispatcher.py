@@ -1,6 +1,6 @@
 """`EPDispatcher`: a MoE layer's rows to the EP ranks holding their slots and back (the
 `comm.ep.Dispatcher` of a layer whose experts are sharded over an EP group; installed by
-`trainer.parallel.parallelize`). Slot g holds logical expert slot_map()[g] (model.MoELayer); rank
+`trainer.distributed.parallel.parallelize`). Slot g holds logical expert slot_map()[g] (model.MoELayer); rank
 r holds slots [r*E_l, (r+1)*E_l).
 
 Shape legend: T tokens, D model, E experts (global slots), E_l = E / ep local slots, R = ep ranks.

@@ -11,7 +11,7 @@ planner uses too; this module asks it and creates the `torch.distributed` groups
     dense_group  the stage's ranks with the same tp index (layout group "stage"): TP-sharded
                  and TP-replicated non-expert gradients are averaged here (= stage_group at tp=1)
     tp_group     tp consecutive ranks of a stage (only built at tp > 1), with `tp_mesh`, its
-                 DeviceMesh for torch.distributed.tensor (trainer/tensor_parallel.py)
+                 DeviceMesh for torch.distributed.tensor (trainer/distributed/tensor_parallel.py)
     pp_group     ranks of the same (dp, ep): pipeline point-to-point
 
 The trainer runs cp = etp = 1 (`Layout` describes more for the planner; see
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .layout import EP_PLACEMENTS, Layout, LayoutError, divisors
+from ..layout import EP_PLACEMENTS, Layout, LayoutError, divisors
 
 __all__ = ["Mesh", "MeshError", "valid_divisors", "EP_PLACEMENTS"]
 

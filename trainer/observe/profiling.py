@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.autograd.profiler import record_function
 
-from .config import ConfigError
+from ..config import ConfigError
 
 __all__ = ["parse_profile_steps", "StepProfiler", "stage_ranges"]
 

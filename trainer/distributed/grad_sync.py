@@ -1,5 +1,5 @@
 """Gradient averaging over each parameter's replica group, ZeRO-2 reduction to owners, the global
-norm and clipping (`GradSync`); the sharded optimizer is trainer/zero.py.
+norm and clipping (`GradSync`); the sharded optimizer is trainer/distributed/zero.py.
 
 Every rank's loss is the mean over its data shard's sequences (B / n sequences, n = the
 stage's data shards: dp*ep, or dp*ep/tp under tensor parallel, whose TP ranks share a shard),
@@ -9,7 +9,7 @@ so the global loss is the mean over the n shards:
                     gradient is its shard's (DP only); a TP-replicated weight's is equal on
                     the TP ranks
   "partial":        replicated weights whose gradient is a partial sum over the TP ranks'
-                    tokens (trainer/tensor_parallel.py): sum over the whole stage, / n
+                    tokens (trainer/distributed/tensor_parallel.py): sum over the whole stage, / n
   expert grads:     sum over the dp group, / n  (the EP all-to-all already summed the
                     contributions of the whole EP group into the owner's grad; each token is
                     routed once, also under TP)
@@ -77,7 +77,7 @@ class GradSync:
     parameters' `.grad` (views into it), and the separate gradient tensors are dropped; under
     ZeRO-2 the non-owners drop them without a view (freed once the reduce completed).
 
-    bf16 weights (trainer/precision.py): each backward's bf16 gradient is added into the
+    bf16 weights (trainer/distributed/precision.py): each backward's bf16 gradient is added into the
     parameter's fp32 `main_grad` by its post-accumulate-grad hook (registered with or without
     overlap), and everything here reads and writes `main_grad` for those parameters
     (`grad_of` / `set_grad`). `reduce_dtype` bf16 sends a bf16 copy of each bucket and adds
@@ -89,12 +89,12 @@ class GradSync:
         from .zero import ZERO_LEVELS, assign_owners
 
         if zero not in ZERO_LEVELS or zero == 3:
-            raise ValueError(f"zero={zero!r}; valid: 0, 1, 2 (ZeRO-3: trainer.zero3.Zero3Sync)")
+            raise ValueError(f"zero={zero!r}; valid: 0, 1, 2 (ZeRO-3: trainer.distributed.zero3.Zero3Sync)")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
         self.mesh, self.zero, self.overlap = mesh, zero, overlap
         self.reduce_dtype = reduce_dtype
-        # {expert param: [S] row weights} for the norm under redundant slots (trainer/replicas)
+        # {expert param: [S] row weights} for the norm under redundant slots (trainer/distributed/replicas)
         self.row_weights: dict[nn.Parameter, torch.Tensor] = {}
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.dense = [p for n, p in named if not is_expert_param(n)]
@@ -104,7 +104,7 @@ class GradSync:
         self.groups = {"dense": mesh.dense_group, "partial": mesh.stage_group,
                        "expert": mesh.dp_group}
         # gradient kind of each parameter, and its weight in the global norm: a TP-replicated
-        # gradient is held by every TP rank and counts 1/tp on each (trainer/tensor_parallel)
+        # gradient is held by every TP rank and counts 1/tp on each (trainer/distributed/tensor_parallel)
         tpk = {id(p): grad_kind(model, n, p) for n, p in named if not is_expert_param(n)}
         self._kind = {id(p): "expert" for p in self.expert}
         self._kind.update({i: "partial" if k == "partial" and tp > 1 else "dense"

@@ -1,6 +1,6 @@
 """ZeRO-3: parameters sharded over their replica groups with FSDP2 (`fully_shard`).
 
-Each parameter is split evenly over the ranks of its replica group (trainer/mesh.py) and
+Each parameter is split evenly over the ranks of its replica group (trainer/distributed/mesh.py) and
 gathered per layer just before use, freed after, in the forward and again in the backward:
 
     dense parameters   over the stage group (dp x ep ranks): one FSDP group per block
@@ -14,7 +14,7 @@ gathered per layer just before use, freed after, in the forward and again in the
                        local shards, trainer/balancing.py)
 
 Order (fixed, every rank the same): experts, router, block for each layer in order, then the
-root (with a pipeline: each of this rank's stages, trainer/pipe.py); block i prefetches block i+1's gather in the forward (`set_modules_to_forward_prefetch`),
+root (with a pipeline: each of this rank's stages, trainer/distributed/pipe.py); block i prefetches block i+1's gather in the forward (`set_modules_to_forward_prefetch`),
 FSDP2 prefetches the previous block in the backward. The 1-D DeviceMeshes are made from the
 trainer's own groups (`DeviceMesh.from_group`); a group of one rank gets a one-rank group.
 
@@ -90,7 +90,7 @@ def shard_model(model: nn.Module, mesh: Mesh, precision, device_type: str,
                 roots: list[nn.Module] | None = None) -> list[nn.Module]:
     """Apply FSDP2 to `model` (materialised, fp32) in the order of the module docstring;
     returns the FSDP modules, blocks in layer order, then the root(s). `roots`: with a
-    pipeline, this rank's stage modules (trainer/pipe.py `Stage`, what the schedule calls)
+    pipeline, this rank's stage modules (trainer/distributed/pipe.py `Stage`, what the schedule calls)
     become the roots in place of the model (embedding / norm / head in their stage)."""
     from torch.distributed.fsdp import (
         MixedPrecisionPolicy,

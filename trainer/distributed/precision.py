@@ -7,14 +7,14 @@
 With param_dtype=bf16 every parameter the forward reads is a bf16 tensor (nothing is cast per
 forward; the router weight is the one exception, kept fp32 because the router computes in fp32,
 model/router.py), and:
-  - the optimizer (trainer/zero.py) keeps an fp32 master copy of each bf16 parameter it steps
+  - the optimizer (trainer/distributed/zero.py) keeps an fp32 master copy of each bf16 parameter it steps
     (its owned ones under ZeRO-1/2) next to the AdamW moments, in `optim.state[p]["master"]`,
     steps the master and writes it back rounded to bf16;
   - every backward's bf16 gradient is added into an fp32 `p.main_grad` at once (a post-
-    accumulate-grad hook, trainer/grad_sync.py): accumulation over micro-batches, the
+    accumulate-grad hook, trainer/distributed/grad_sync.py): accumulation over micro-batches, the
     reduction (in `reduce_dtype` on the wire), clipping and the step all see fp32;
   - checkpoints hold the fp32 masters under the keys an fp32 run writes (trainer/checkpoint.py).
-Under ZeRO-3 FSDP2 does the same with its MixedPrecisionPolicy (trainer/zero3.py): the fp32
+Under ZeRO-3 FSDP2 does the same with its MixedPrecisionPolicy (trainer/distributed/zero3.py): the fp32
 shards are the masters, gathered as bf16, gradients reduce-scattered in `reduce_dtype`.
 
 bf16 on CPU: it runs (torch's CPU kernels and the project's CPU grouped GEMM take bf16), so
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import ConfigError
+from ..config import ConfigError
 
 __all__ = ["Precision", "check_precision", "resolve_precision", "grad_of", "set_grad",
            "to_working_dtype", "keeps_fp32", "DTYPES", "REDUCE_DTYPES"]
@@ -100,7 +100,7 @@ def to_working_dtype(model: nn.Module, dtype: torch.dtype) -> dict[nn.Parameter,
     """Cast the parameters (not the buffers: router bias, RoPE tables stay fp32) to `dtype`,
     once, in place of a cast per forward; the router weight stays fp32 (`keeps_fp32`).
     Returns {parameter: its fp32 value before the cast}: the optimizer's masters start there
-    (trainer/zero.py takes the ones it owns; the rest are freed when the dict goes)."""
+    (trainer/distributed/zero.py takes the ones it owns; the rest are freed when the dict goes)."""
     before: dict[nn.Parameter, torch.Tensor] = {}
     if dtype == torch.float32:
         return before

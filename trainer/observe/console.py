@@ -1,5 +1,5 @@
 """What rank 0 writes after each step: metrics.jsonl (rows and events), counts.jsonl (the
-routing trace), the sinks (TensorBoard / W&B, trainer.metrics) and the console progress line."""
+routing trace), the sinks (TensorBoard / W&B, trainer.observe.metrics) and the console progress line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .common import log
+from ..common import log
 
 __all__ = ["StepWriter", "format_row", "format_event", "truncate_jsonl"]
 
@@ -20,7 +20,7 @@ class StepWriter:
 
     def write(self, m: dict[str, Any], events: list[dict[str, Any]], stats, logged: bool,
               elapsed: float) -> None:
-        """Rank 0 only. `stats` is the step's `trainer.stats.StepStats`; `logged` says whether
+        """Rank 0 only. `stats` is the step's `trainer.observe.stats.StepStats`; `logged` says whether
         this step's per-layer values were collected (--debug.logging_ab alternates)."""
         t, step = self.t, m["step"]
         if t.trace_counts and stats.last_counts:

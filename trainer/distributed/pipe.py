@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ConfigError
-from .layout import LayoutError, stage_bounds, stage_rank
+from ..config import ConfigError
+from ..layout import LayoutError, stage_bounds, stage_rank
 
 __all__ = ["split_layers", "RemovedLayer", "Stage", "build_stages", "moe_aux"]
 

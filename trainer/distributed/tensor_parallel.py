@@ -25,7 +25,7 @@ sharding and pipeline stripping), in this fixed order, on the run's 1-D TP Devic
      router's per-sequence load-balancing loss sums its statistics over the TP ranks, so it
      equals the 1-process value.
 
-Gradients (trainer/grad_sync.py asks `grad_kind`): a TP-sharded weight's gradient is its
+Gradients (trainer/distributed/grad_sync.py asks `grad_kind`): a TP-sharded weight's gradient is its
 shard's, averaged over the dense group (the stage's ranks with the same TP index, "DP only");
 a replicated weight is either equal on every TP rank ("replicated": averaged over the dense
 group too) or a partial sum over the TP ranks' tokens ("partial": the SP norms, the router,

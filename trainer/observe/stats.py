@@ -3,7 +3,7 @@ time spent in MoE exchanges, memory; summed over the ranks that share them.
 
 `StepStats` owns the hooks and the buffers; the step calls `begin()` before its forward and the
 collectors after its backward. What leaves the rank (rows, sinks, the console) is
-`trainer.console`'s and `trainer.metrics`' business.
+`trainer.observe.console`'s and `trainer.observe.metrics`' business.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from balance.replicas import replica_loads
 
-from .checkpoint import named_moe_layers
+from ..checkpoint import named_moe_layers
+from ..distributed.mesh import Mesh
 from .memory import SavedTensorMeter
-from .mesh import Mesh
 from .metrics import LayerGather
 
 __all__ = ["StepStats"]

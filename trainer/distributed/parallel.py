@@ -1,5 +1,5 @@
 """Apply expert parallelism to a rank-agnostic `model.MoETransformer` (gradient averaging over
-the replica groups: trainer/grad_sync.py).
+the replica groups: trainer/distributed/grad_sync.py).
 
 Order of application (fixed):
   1. every rank builds the full model from the same seed (so initial weights equal a 1-process run),
@@ -30,7 +30,7 @@ def parallelize(model: MoETransformer, mesh: Mesh, alltoall: str = "flat", topol
                 cost_model=None, redundant: int = 0, overlap: str = "none",
                 chunks: int = 1) -> MoETransformer:
     """Shard the experts of every MoE layer over the mesh's EP group (in place); with
-    `redundant` = r > 0 every EP rank hosts E / ep + r slots (trainer/replicas.py)."""
+    `redundant` = r > 0 every EP rank hosts E / ep + r slots (trainer/distributed/replicas.py)."""
     if mesh.ep == 1:
         return model
     from .replicas import initial_slot_map

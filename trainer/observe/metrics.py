@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
+from ..config import ConfigError
 
 __all__ = ["LayerGather", "Sinks", "layer_stats", "tags_of", "check_observability",
            "tensorboard_wanted", "LAYER_KEYS", "ROW_TAGS"]

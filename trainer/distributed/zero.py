@@ -1,6 +1,6 @@
 """Sharded optimizer state (ZeRO-1) and sharded gradients (ZeRO-2) over each parameter's replicas.
 
-Every parameter has a replica group (trainer/mesh.py): non-expert ("dense") parameters are
+Every parameter has a replica group (trainer/distributed/mesh.py): non-expert ("dense") parameters are
 replicated over the stage group (dp x ep ranks of a pipeline stage), expert parameters over the
 dp group (the EP ranks hold different experts). Under ZeRO each parameter is OWNED by exactly
 one rank of its replica group, whole (per-parameter ownership, as `ZeroRedundancyOptimizer`):
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ConfigError
-from .layout import TRAINER_ZERO_LEVELS as ZERO_LEVELS  # the levels the trainer runs
+from ..config import ConfigError
+from ..layout import TRAINER_ZERO_LEVELS as ZERO_LEVELS  # the levels the trainer runs
 from .precision import grad_of, has_main_grad, set_grad
 
 __all__ = ["ZERO_LEVELS", "ZeroOptimizer", "assign_owners", "build_optimizer", "check_zero",
@@ -121,7 +121,7 @@ class ZeroOptimizer:
     parameters, then broadcasts every parameter from its owner. `state` is the inner AdamW's
     state (owned parameters only): the checkpoint, the migration and the memory report read it.
 
-    bf16 weights (trainer/precision.py): the inner AdamW steps an fp32 master of each owned
+    bf16 weights (trainer/distributed/precision.py): the inner AdamW steps an fp32 master of each owned
     bf16 parameter (created from the fp32 values before the cast, `masters_from`), with the
     fp32 `main_grad` as its gradient, and the result is written back rounded to bf16; the
     broadcast then sends bf16. Their AdamW state is created at construction (step 0, zero
