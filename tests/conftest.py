@@ -71,6 +71,13 @@ def step_losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory) -> str:
+    """The multi-process trainer tests' corpus: 400 kB of the first 40 stdlib sources, written
+    once per session."""
+    return stdlib_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 40, 400_000)
+
+
 def run_train(args: list[str], nproc: int = 1, timeout: float = 600,
               env: dict[str, str] | None = None,
               launcher: str = "fork") -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import stdlib_corpus, step_losses, train_ok
+from conftest import step_losses, train_ok
 
 pytestmark = pytest.mark.multiproc
 
@@ -31,11 +31,6 @@ MLA = ["--model.attention=mla", "--model.kv_lora_rank=32", "--model.qk_nope_head
        "--model.qk_rope_head_dim=8", "--model.v_head_dim=16", "--model.q_lora_rank=32",
        "--model.shared_ffn_dim=64"]
 REL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory) -> str:
-    return stdlib_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 40, 400_000)
 
 
 @pytest.fixture(scope="module")

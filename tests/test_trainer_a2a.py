@@ -12,7 +12,7 @@ row would move the first step's loss by far more.
 from __future__ import annotations
 
 import pytest
-from conftest import run_train, stdlib_corpus, step_losses, train_ok
+from conftest import run_train, step_losses, train_ok
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.integration, pytest.mark.slow]
 
@@ -21,11 +21,6 @@ COMMON = ["--config", "configs/tiny-ep-dp.toml", "--train.seq_len=64", "--train.
           "--model.shared_ffn_dim=32", "--train.eval_every=0", "--train.eval_batches=2",
           "--optim.warmup_steps=5", "--train.plot=false", "--parallel.ep=4", "--train.steps=20",
           "--comm.topology=configs/topologies/2x2-local.toml"]
-
-
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory) -> str:
-    return stdlib_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 40, 400_000)
 
 
 @pytest.fixture(scope="module")

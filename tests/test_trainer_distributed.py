@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import stdlib_corpus, step_losses, train_ok
+from conftest import step_losses, train_ok
 
 pytestmark = pytest.mark.multiproc
 
@@ -20,11 +20,6 @@ COMMON = ["--config", "configs/tiny-ep-dp.toml", "--train.seq_len=64", "--train.
           "--model.d_model=64", "--model.moe_ffn_dim=64",
           "--train.eval_every=0", "--train.eval_batches=2", "--optim.warmup_steps=5",
           "--train.plot=false"]
-
-
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory) -> str:
-    return stdlib_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 40, 400_000)
 
 
 def _run(tmp: Path, name: str, nproc: int, extra: list[str], data: str) -> Path:

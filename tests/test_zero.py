@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import stdlib_corpus, step_losses, train_ok
+from conftest import step_losses, train_ok
 from torch import nn
 
 from comm import run_local
@@ -235,11 +235,6 @@ COMMON = ["--config", "configs/tiny-ep-dp.toml", "--train.seq_len=64", "--train.
           "--model.d_model=64", "--model.moe_ffn_dim=64", "--train.eval_every=0",
           "--train.eval_batches=1", "--optim.warmup_steps=2", "--train.plot=false",
           "--comm.alltoall=flat", "--optim.grad_clip=0.5"]  # norms 2-4: clipping is active
-
-
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory) -> str:
-    return stdlib_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 40, 400_000)
 
 
 def _run(tmp: Path, name: str, nproc: int, extra: list[str], data: str) -> Path:

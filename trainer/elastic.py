@@ -51,11 +51,9 @@ from .setup import (
     replan_platform,
 )
 
-__all__ = ["REPLAN_MODES", "LAYOUT_FIELDS", "Planner", "Decision", "check_options", "decide",
+__all__ = ["REPLAN_MODES", "LAYOUT_FIELDS", "Planner", "Decision", "decide",
            "resolve", "layout_problem", "with_layout", "remap_placement", "LoadRecord",
            "checkpoint_world"]
-
-check_options = check_elastic  # the option checks live with prepare()'s (trainer/setup.py)
 
 # the run config fields a layout consists of (what a plan file's [run.*] sets, plus tp/sp)
 LAYOUT_FIELDS: dict[str, tuple[str, ...]] = {
@@ -201,7 +199,7 @@ def resolve(cfg: RunConfig, world: int, rank: int, planner: Planner,
     """The run config this attempt trains with and the elastic record its checkpoints carry
     (`{"configured_world", "replanned"}`). Collective only when it re-plans (then it calls
     `init_pg()` first: rank 0 plans, every rank receives the layout or the same error)."""
-    check_options(cfg)
+    check_elastic(cfg)  # the option checks live with prepare()'s (trainer/setup.py)
     hf = None
     if cfg.model.hf_path:
         from model.hf_checkpoint import HFCheckpoint
