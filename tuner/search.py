@@ -186,7 +186,7 @@ def _storage(url: str | None) -> optuna.storages.BaseStorage | None:
     trials; the study stays readable): a trial makes ~10 small writes, and a
     synchronous commit each costs tens of ms on a shared disk (60 trials took 40 s)."""
     if url is None or not url.startswith("sqlite:"):
-        return url  # type: ignore[return-value]
+        return url
     import sqlalchemy
 
     st = optuna.storages.RDBStorage(url)
