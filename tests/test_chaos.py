@@ -11,6 +11,9 @@ per fault) is benchmarks/chaos.py, whose launch/kill helpers these tests reuse.
                        reference (rel 1e-6). Launched with chaos's default "c10d" rendezvous and
                        TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a static rendezvous (--master-port)
                        shares one store across restarts and the relaunch fails (see chaos.py)
+The reference, NaN and stall runs start their ranks with the tests' fork launcher (conftest's
+run_train: the trainer and torchrun's worker environment unchanged, without torchrun's start-up);
+only kill -9 needs torchrun's agent (its restart).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, stdlib_corpus
+from conftest import ROOT, run_train, stdlib_corpus
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import chaos  # noqa: E402  (the harness lives in benchmarks/, a folder of scripts)
@@ -37,6 +40,13 @@ ARGS = [*chaos.SMALL, "--parallel.pp=1", "--parallel.ep=2", "--parallel.microbat
 SAME_LAYOUT_REL = 1e-6
 
 
+def run_forked(args: list[str], out: Path) -> chaos.Run:
+    """One launch through the fork launcher, returned as the chaos harness's Run."""
+    t0 = time.monotonic()
+    r = run_train([*args, f"--train.out_dir={out}"], nproc=NPROC, timeout=300)
+    return chaos.Run(out, r.returncode, time.monotonic() - t0, r.stdout, r.stderr, args)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> str:
     return stdlib_corpus(tmp_path_factory.mktemp("data") / "corpus.txt", 20, 200_000)
@@ -44,8 +54,7 @@ def data(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data) -> dict[int, float]:
-    r = chaos.run_plain([*ARGS, "--data", data], tmp_path_factory.mktemp("ref") / "run",
-                        nproc=NPROC, limit_s=300)
+    r = run_forked([*ARGS, "--data", data], tmp_path_factory.mktemp("ref") / "run")
     assert r.rc == 0, r.stderr[-3000:]
     got = chaos.losses(r.out)
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -54,9 +63,8 @@ def reference(tmp_path_factory, data) -> dict[int, float]:
 
 def test_nan_skip_continues(tmp_path, data, reference):
     k = 3
-    r = chaos.run_plain([*ARGS, "--data", data, f"--debug.fault_nan_step={k}",
-                         "--debug.fault_rank=1", "--train.nan_policy=skip"], tmp_path / "run",
-                        nproc=NPROC, limit_s=300)
+    r = run_forked([*ARGS, "--data", data, f"--debug.fault_nan_step={k}",
+                    "--debug.fault_rank=1", "--train.nan_policy=skip"], tmp_path / "run")
     assert r.rc == 0, r.stderr[-3000:]
     got = chaos.losses(r.out)
     for s in range(1, k):
@@ -73,9 +81,8 @@ def test_nan_skip_continues(tmp_path, data, reference):
 def test_stall_stops_with_clear_error(tmp_path, data, reference):
     k, timeout_s = 3, 10
     t0 = time.monotonic()
-    r = chaos.run_plain([*ARGS, "--data", data, f"--debug.fault_stall_step={k}",
-                         "--debug.fault_rank=1", f"--train.timeout_s={timeout_s}"],
-                        tmp_path / "run", nproc=NPROC, limit_s=300)
+    r = run_forked([*ARGS, "--data", data, f"--debug.fault_stall_step={k}",
+                    "--debug.fault_rank=1", f"--train.timeout_s={timeout_s}"], tmp_path / "run")
     assert r.rc not in (0, None), (r.rc, r.stderr[-3000:])
     line = chaos.clear_error(r.stderr, k)
     assert line.startswith("error: rank 0: ") and f"failed at step {k}" in line, r.stderr[-3000:]
