@@ -7,8 +7,8 @@ Public ops (contracts in ``docs/architecture.md``):
 - ``unpermute(y_sorted [T*k, D], topk_w [T, k], meta) -> [T, D]``
 and their plain-torch references, which tests and benchmarks import.
 
-Backends (``kernels/_backend.py``): Triton on CUDA/ROCm tensors; the per-expert ``torch.mm``
-loop on CPU (chosen by measurement, numbers in ``kernels/_cpu.py``); the Triton kernels on CPU
+Backends (``kernels/backend.py``): Triton on CUDA/ROCm tensors; the per-expert ``torch.mm``
+loop on CPU (chosen by measurement, numbers in ``kernels/cpu.py``); the Triton kernels on CPU
 tensors when the process starts with ``TRITON_INTERPRET=1``. ``PIPER_KERNELS_PIN_CONFIG=1`` pins
 one launch config; ``python -m model.autotune --model PRESET`` stores tuned ones in
 ``~/.cache/piper-moe/kernels-autotune.json`` (or ``PIPER_KERNELS_CACHE``).

@@ -48,7 +48,7 @@ def _bench(op: str, cfg: GemmConfig, M: int, N: int, K: int, E: int, dtype: torc
     """Median milliseconds of one launch of ``op`` with ``cfg`` (balanced routing)."""
     import triton.testing
 
-    from kernels import _grouped_gemm_triton as tri
+    from kernels import grouped_gemm_triton as tri
 
     counts = torch.full((E,), M // E, dtype=torch.long)
     counts[: M - int(counts.sum())] += 1

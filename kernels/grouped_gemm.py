@@ -12,8 +12,8 @@ may own zero rows. Rows at or past ``offs[-1]`` belong to no expert: their outpu
 (torch._grouped_mm leaves them undefined; zero costs one memset and keeps padding harmless) and
 they contribute nothing to dw. Accumulation is fp32 for every input dtype.
 
-Backends (``kernels/_backend.py``): Triton kernels (``_grouped_gemm_triton.py``) on CUDA/ROCm
-and under ``TRITON_INTERPRET=1``; the measured-fastest torch path on CPU (``_cpu.py``).
+Backends (``kernels/backend.py``): Triton kernels (``grouped_gemm_triton.py``) on CUDA/ROCm
+and under ``TRITON_INTERPRET=1``; the measured-fastest torch path on CPU (``cpu.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kernels._backend import resolve_backend
+from kernels.backend import resolve_backend
 
 __all__ = ["grouped_gemm", "reference_grouped_gemm", "offsets_from_counts"]
 
@@ -82,10 +82,10 @@ def _check(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> Non
 def _impl(backend: str) -> ModuleType:
     """The module with gmm, gmm_dx, gmm_dw (imported on use: the Triton one needs triton)."""
     if backend == "triton":
-        from kernels import _grouped_gemm_triton
-        return _grouped_gemm_triton
-    from kernels import _cpu
-    return _cpu
+        from kernels import grouped_gemm_triton
+        return grouped_gemm_triton
+    from kernels import cpu
+    return cpu
 
 
 def _engine_needs(ctx: Any, i: int) -> bool:

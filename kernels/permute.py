@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kernels._backend import resolve_backend
+from kernels.backend import resolve_backend
 
 __all__ = ["PermuteMeta", "permute", "unpermute", "reference_permute", "reference_unpermute"]
 
@@ -122,10 +122,10 @@ def _impl(backend: str) -> ModuleType:
     """The module with gather_rows / combine_rows / combine_rows_bwd (imported on use: the
     Triton one needs triton)."""
     if backend == "triton":
-        from kernels import _permute_triton
-        return _permute_triton
-    from kernels import _cpu
-    return _cpu
+        from kernels import permute_triton
+        return permute_triton
+    from kernels import cpu
+    return cpu
 
 
 class _Permute(torch.autograd.Function):

@@ -408,9 +408,12 @@ def test_more_bad_values(name, text_file):
             *needles)
 
 
-def test_too_many_redundant_slots():
-    from trainer.setup import _check_redundant
+def test_too_many_redundant_slots(text_file):
+    from trainer.setup import build_model_config, layout_problem
 
-    _expect(lambda: _check_redundant(7, 8, 2), "balance.redundant=7 exceeds the 4 experts",
-            "valid: 0..4")
-    _check_redundant(4, 8, 2)  # every expert a rank does not hold, once: allowed
+    # tiny's 8 experts over ep = 2: a rank holds 4, so it can host at most the other 4
+    argv = [*BASE, f"--data={text_file}", "--parallel.ep=2"]
+    _expect(lambda: _prepare([*argv, "--balance.redundant=7"], world=2),
+            "balance.redundant=7 exceeds the 4 experts", "valid: 0..4")
+    cfg = parse_args([*argv, "--balance.redundant=4"])  # each expert it does not hold, once
+    assert layout_problem(cfg, build_model_config(cfg), 2) == ""

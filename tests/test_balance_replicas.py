@@ -221,13 +221,13 @@ def test_bad_slot_maps_are_named() -> None:
 
 def test_checkpoint_placement_that_misses_or_repeats_an_expert_is_named(tmp_path) -> None:
     """A saved slot map is checked against the saved EP size before it is used."""
-    from trainer.checkpoint import CheckpointError, _restore_placement
+    from trainer.checkpoint import CheckpointError, restore_placement
 
     _, rep = _layer_pair([0, 1, 2, 3, 0, 2])
     with pytest.raises(CheckpointError, match="misses|missing"):
-        _restore_placement(tmp_path, "layers.1.ffn", rep, {"slots": [0, 1, 2, 2, 0, 2]}, 2)
+        restore_placement(tmp_path, "layers.1.ffn", rep, {"slots": [0, 1, 2, 2, 0, 2]}, 2)
     with pytest.raises(CheckpointError, match="twice|more than once|rank"):
-        _restore_placement(tmp_path, "layers.1.ffn", rep, {"slots": [0, 0, 1, 2, 3, 1]}, 2)
+        restore_placement(tmp_path, "layers.1.ffn", rep, {"slots": [0, 0, 1, 2, 3, 1]}, 2)
 
 
 def test_sum_replica_grads_gives_every_replica_the_expert_gradient() -> None:

@@ -168,7 +168,7 @@ def _two_batch_worker(rank: int, world: int, group: dist.ProcessGroup, nodes: in
                       gpus: int) -> int:
     import comm.collectives.halo
 
-    comm.collectives.halo._PIPELINE_ON_GLOO = False  # phase III as a second batch, the NCCL order
+    comm.collectives.halo.PIPELINE_ON_GLOO = False  # phase III as a second batch, the NCCL order
     topo = Topology.uniform(nodes, gpus)
     for i, (_name, S) in enumerate(split_cases(world, gpus).items()):
         _check(rank, group, S, topo, "halo", seed=100 + i)

@@ -18,7 +18,8 @@ same inside a package whose folder holds sub-packages (comm, trainer): a sub-pac
 only those below it; the package's own top-level modules (its ``__init__``, thin ``python -m``
 entries) sit above all of them, except those SUBLAYERS places among them by name (trainer's
 config, layout, common at the base, its checkpoint between distributed and observe). No
-module of a package imports a private name (``_x``, or a module ``_x``) of another package.
+module of a package, and no test or benchmark, imports a private name (``_x``, or a module
+``_x``) of another package or reads one off an imported module (``mod._x``).
 """
 
 from __future__ import annotations
@@ -257,27 +258,55 @@ def sublayer_edges(graph: Mapping[str, Iterable[str]], package: str,
 
 def private_imports(root: Path, layers: Iterable[frozenset[str]],
                     files: Mapping[str, Path] | None = None) -> list[str]:
-    """``file:line: module imports name`` for every import of a private module or name (a
-    dotted part or an imported name starting with ``_``) of another top-level package, in the
-    project's modules or in `files` (name -> path; a name outside the packages owns none)."""
+    """``file:line: module imports name`` for every use of a private module or name (a dotted
+    part starting with ``_``) of another top-level package, in the project's modules or in
+    `files` (name -> path; a name outside the packages owns none): imported (``from a import
+    _x``, ``import a._x``) or read off an imported module (``import a.b`` then ``a.b._x``,
+    ``from a import b`` then ``b._x``; attributes of other objects are not followed)."""
     layers = list(layers)
     tops = set().union(*layers)
+    known = set(project_modules(root, layers))
     bad = []
+
+    def private(name: str, own: str) -> bool:
+        parts = name.split(".")
+        return parts[0] in tops and parts[0] != own and any(
+            p.startswith("_") and not p.startswith("__") for p in parts[1:])
+
     for mod, f in (files if files is not None else project_modules(root, layers)).items():
         own = mod.partition(".")[0]
-        for node in ast.walk(ast.parse(f.read_text())):
+        tree = ast.parse(f.read_text())
+        bound: dict[str, str] = {}  # a local name -> the project module it is bound to
+        for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and not node.level and node.module:
                 names = [f"{node.module}.{a.name}" for a in node.names]
+                bound |= {a.asname or a.name: n for a, n in zip(node.names, names, strict=True)
+                          if n in known}
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
+                bound |= {a.asname: a.name for a in node.names if a.asname and a.name in known}
+                bound |= {t: t for a, n in zip(node.names, names, strict=True)
+                          if not a.asname and (t := n.partition(".")[0]) in known}
             else:
                 continue
-            for name in names:
-                parts = name.split(".")
-                if parts[0] in tops and parts[0] != own and any(
-                        p.startswith("_") and not p.startswith("__") for p in parts[1:]):
-                    bad.append(f"{f.relative_to(root)}:{node.lineno}: {mod} imports {name}")
-    return bad
+            bad += [f"{f.relative_to(root)}:{node.lineno}: {mod} imports {n}" for n in names
+                    if private(n, own)]
+        for node in ast.walk(tree):  # `<module>._x`, the module named through a bound name
+            if isinstance(node, ast.Attribute) and (m := _dotted(node.value, bound)) in known:
+                name = f"{m}.{node.attr}"
+                if private(name, own):
+                    bad.append(f"{f.relative_to(root)}:{node.lineno}: {mod} uses {name}")
+    return list(dict.fromkeys(bad))  # a name used twice on a line: once
+
+
+def _dotted(node: ast.expr, bound: Mapping[str, str]) -> str:
+    """``a.b.c`` for an expression of names and attributes whose first name is bound to a
+    module (``bound``: local name -> dotted module), else ''."""
+    if isinstance(node, ast.Name):
+        return bound.get(node.id, "")
+    if isinstance(node, ast.Attribute) and (base := _dotted(node.value, bound)):
+        return f"{base}.{node.attr}"
+    return ""
 
 
 def _layer_text(layers: Iterable[frozenset[str]]) -> str:
@@ -341,29 +370,13 @@ def test_no_private_import_across_packages() -> None:
     assert not bad, "private names imported from another package:\n  " + "\n  ".join(bad)
 
 
-# Private names tests and benchmarks may still import, each with why; anything else they use
-# is public (or moves next to the code it tests).
-TESTS_MAY_IMPORT: dict[str, str] = {
-    **dict.fromkeys(("kernels._grouped_gemm_triton", "kernels._permute_triton", "kernels._cpu",
-                     "kernels._backend"),
-                    "the kernels' backends, tested and benchmarked white-box against the public "
-                    "ops' references: kernels exports the ops, not the backends"),
-    **dict.fromkeys(("trainer.setup._check_redundant", "trainer.checkpoint._restore_placement"),
-                    "expert placement, being made one representation (issue 28, its second "
-                    "part), which gives it its public API"),
-}
-
-
 def test_tests_and_benchmarks_use_public_names() -> None:
+    # Tests and benchmarks drive the packages through their public names, as a user would;
+    # a test that needs a private name moves next to the code, or the name becomes public.
     files = {f"tests.{f.stem}": f for f in sorted((ROOT / "tests").glob("*.py"))}
     files |= {f"benchmarks.{f.stem}": f for f in sorted((ROOT / "benchmarks").glob("*.py"))}
-    found = private_imports(ROOT, LAYERS, files)
-    bad = [line for line in found
-           if not any(line.endswith(f" imports {n}") or f" imports {n}." in line
-                      for n in TESTS_MAY_IMPORT)]
-    assert not bad, "private names imported by tests or benchmarks:\n  " + "\n  ".join(bad)
-    unused = [n for n in TESTS_MAY_IMPORT if not any(f" imports {n}" in line for line in found)]
-    assert not unused, f"TESTS_MAY_IMPORT lists names no longer imported: {unused}"
+    bad = private_imports(ROOT, LAYERS, files)
+    assert not bad, "private names used by tests or benchmarks:\n  " + "\n  ".join(bad)
 
 
 # ---- the checker itself, on synthetic graphs and sources ------------------------------------
@@ -439,8 +452,12 @@ def test_sublayer_edges_flags_up_sideways_and_into_the_top() -> None:
 def test_private_imports_names_each_one(tmp_path: Path) -> None:
     for rel, text in {"a/__init__.py": "from b._x import y\nfrom b import _z\nfrom a._own import k\n"
                                        "import b.c\n",
+                      "a/m.py": "import b.c\nfrom b import c as cc\nimport b.c as bc\n"
+                                "b.c._p, cc._q, bc._r, b.c.pub, cc.__doc__\n",
                       "a/_own.py": "", "b/__init__.py": "", "b/_x.py": "", "b/c.py": ""}.items():
         (tmp_path / rel).parent.mkdir(exist_ok=True)
         (tmp_path / rel).write_text(text)
+    init, m = Path("a/__init__.py"), Path("a/m.py")
     assert private_imports(tmp_path, (frozenset({"a", "b"}),)) == [
-        f"{Path('a/__init__.py')}:1: a imports b._x.y", f"{Path('a/__init__.py')}:2: a imports b._z"]
+        f"{init}:1: a imports b._x.y", f"{init}:2: a imports b._z",
+        f"{m}:4: a.m uses b.c._p", f"{m}:4: a.m uses b.c._q", f"{m}:4: a.m uses b.c._r"]

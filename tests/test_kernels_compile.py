@@ -26,8 +26,8 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import _grouped_gemm_triton as G  # noqa: E402
-from kernels import _permute_triton as P  # noqa: E402
+from kernels import grouped_gemm_triton as G  # noqa: E402
+from kernels import permute_triton as P  # noqa: E402
 from kernels.autotune import problems  # noqa: E402
 from kernels.tuning import GROUP_M, OPS, TARGETS, GemmConfig, gemm_configs  # noqa: E402
 from model import presets  # noqa: E402
@@ -76,7 +76,7 @@ def _dw_sig(dt: str) -> tuple[dict[str, str], dict[str, object]]:
 
 def compile_gemm(op: str, dt: str, cfg: GemmConfig, target: str, precision: str = "ieee"):
     """The compiled grouped-GEMM kernel ``op`` runs with ``cfg`` on ``target``."""
-    fn = G._gmm_dw_kernel if op == "dw" else G._gmm_kernel
+    fn = G.gmm_dw_kernel if op == "dw" else G.gmm_kernel
     sig, const = _dw_sig(dt) if op == "dw" else _gemm_sig(dt, op)
     const = dict(const, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  INPUT_PRECISION=precision)
@@ -130,16 +130,16 @@ def test_gemm_smem_model_matches_compiled(op: str, dt: str, target: str) -> None
 def test_permute_kernels_compile(target: str) -> None:
     dt, tgt, limit = "bf16", GPU_TARGETS[target], TARGETS[target].smem_limit
     kernels = [
-        _compile(P._gather_rows_kernel,
+        _compile(P.gather_rows_kernel,
                  {"x_ptr": f"*{dt}", "idx_ptr": "*i64", "out_ptr": f"*{dt}", "D": "i32",
                   "stride_xt": "i32", "stride_os": "i32", "TOPK": "constexpr", "BLOCK_D": "constexpr"},
                  {"TOPK": 8, "BLOCK_D": 1024}, tgt, warps=4, stages=1),
-        _compile(P._combine_rows_kernel,
+        _compile(P.combine_rows_kernel,
                  {"y_ptr": f"*{dt}", "w_ptr": "*fp32", "inv_ptr": "*i64", "out_ptr": f"*{dt}",
                   "D": "i32", "stride_ys": "i32", "stride_ot": "i32", "TOPK": "constexpr",
                   "HAS_W": "constexpr", "BLOCK_D": "constexpr"},
                  {"TOPK": 8, "HAS_W": True, "BLOCK_D": 1024}, tgt, warps=4, stages=1),
-        _compile(P._combine_rows_bwd_kernel,
+        _compile(P.combine_rows_bwd_kernel,
                  {"dout_ptr": f"*{dt}", "y_ptr": f"*{dt}", "w_ptr": "*fp32", "inv_ptr": "*i64",
                   "dy_ptr": f"*{dt}", "dw_ptr": "*fp32", "D": "i32", "stride_dot": "i32",
                   "stride_ys": "i32", "stride_dys": "i32", "TOPK": "constexpr",

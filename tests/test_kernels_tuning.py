@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import _backend, tuning
+from kernels import tuning
 from kernels.autotune import problems
+from kernels.backend import resolve_backend, settings
 from kernels.tuning import (
     OPS,
     TARGETS,
@@ -187,7 +188,7 @@ def test_cache_round_trip(tmp_path: Path) -> None:
     # An explicit target ignores stored winners (they belong to a device) and pinning.
     assert pick("fwd", torch.bfloat16, 512, 256, 8, dev, cache_path=path, target="gfx90a") == \
         default_config("fwd", 512, 256, 8, 2)
-    if _backend.settings().pin_config or _backend.settings().interpret:
+    if settings().pin_config or settings().interpret:
         pytest.skip("pinned config in this process: stored winners are ignored by design")
     assert pick("fwd", torch.bfloat16, 512, 256, 8, dev, cache_path=path) == win
     # Another problem falls back to the first (default) candidate.
@@ -198,7 +199,7 @@ def test_cache_round_trip(tmp_path: Path) -> None:
 def test_corrupt_cache_falls_back(tmp_path: Path) -> None:
     path = tmp_path / "bad.json"
     path.write_text("{not json")
-    if _backend.settings().pin_config or _backend.settings().interpret:
+    if settings().pin_config or settings().interpret:
         pytest.skip("pinned config in this process")
     got = pick("dw", torch.float16, 64, 64, 4, torch.device("cpu"), cache_path=path)
     assert got == gemm_configs("dw", 64, 64, 4, 2)[0]
@@ -206,12 +207,12 @@ def test_corrupt_cache_falls_back(tmp_path: Path) -> None:
 
 def test_backend_resolution() -> None:
     cpu = torch.device("cpu")
-    expected = "triton" if _backend.settings().interpret else "torch"
-    assert _backend.resolve_backend(cpu) == expected
-    assert _backend.resolve_backend(torch.device("cuda", 0)) == "triton"
-    assert _backend.resolve_backend(cpu, "reference") == "reference"
+    expected = "triton" if settings().interpret else "torch"
+    assert resolve_backend(cpu) == expected
+    assert resolve_backend(torch.device("cuda", 0)) == "triton"
+    assert resolve_backend(cpu, "reference") == "reference"
     with pytest.raises(ValueError, match="valid: triton, torch, reference"):
-        _backend.resolve_backend(cpu, "cublas")
-    if not _backend.settings().interpret:
+        resolve_backend(cpu, "cublas")
+    if not settings().interpret:
         with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-            _backend.resolve_backend(cpu, "triton")
+            resolve_backend(cpu, "triton")

@@ -44,7 +44,7 @@ from model import MoELayer, MoETransformer
 from .distributed.precision import has_main_grad
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "list_complete",
-           "named_moe_layers"]
+           "named_moe_layers", "restore_placement"]
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 
@@ -276,10 +276,12 @@ def check_same_model(path: Path, meta: dict[str, Any], expect: dict[str, Any]) -
                           + ", ".join(parts[:8]))
 
 
-def _restore_placement(path: Path, name: str, layer: MoELayer, saved: Any,
-                       saved_ep: int) -> None:
-    """The layer's saved placement where it fits this run; weights load by logical expert, so a
-    run with another number of redundant slots keeps its own initial map instead."""
+def restore_placement(path: Path, name: str, layer: MoELayer, saved: Any, saved_ep: int) -> None:
+    """Set MoE layer `name`'s placement from checkpoint `path`'s record of it (`saved`: the
+    expert2slot list, or {"slots": slot2expert} with redundant slots, for `saved_ep` EP ranks),
+    checked first (CheckpointError naming what is wrong), where it fits this run; weights load
+    by logical expert, so a run with another number of redundant slots keeps its own initial
+    map instead. `load_checkpoint` calls it for every MoE layer before reading expert rows."""
     E = layer.num_experts
     if isinstance(saved, dict) and "slots" in saved:  # a run with redundant slots
         from balance.replicas import check_slot_map
@@ -325,10 +327,10 @@ def load_checkpoint(path: str | Path, model: MoETransformer, optim: torch.optim.
     placement = placement or {}
     for name, layer in layers.items():  # this rank's MoE layers (one pipeline stage's under PP)
         if name in placement:
-            _restore_placement(path, name, layer, placement[name],
+            restore_placement(path, name, layer, placement[name],
                                getattr(layer.dispatcher, "ep", 1))
         else:
-            _restore_placement(path, name, layer, saved.get(name), saved_ep)
+            restore_placement(path, name, layer, saved.get(name), saved_ep)
     # AdamW state must exist before DCP can load into it (under ZeRO: the owned parameters')
     for p in model.parameters():
         if not _owns(optim, p):

@@ -107,7 +107,6 @@ class Trainer:
             self.balancer = Balancer(self.cfg.balance, named_moe_layers(self.model), self.mesh.ep,
                                      self.mesh.ep_group, self.optim, blocks,
                                      force_every=self.cfg.debug.force_every)
-        self.ckpt = CheckpointManager(self)
         self.peak, self.peak_src = (t.peak_tflops * 1e12, "--train.peak_tflops") \
             if t.peak_tflops > 0 else peak_flops(self.device)
         self.flops_per_token = self.mcfg.flops_per_token(t.seq_len)
@@ -115,23 +114,7 @@ class Trainer:
                                self.precision, self.model, self.pipe, self.sync, self.optim,
                                self.stats, self.hooks, self.balancer, self.flops_per_token,
                                self.peak)
-
-    # -- where the run is (the step's StepState) -----------------------------------------------
-    @property
-    def step(self) -> int:
-        return self.state.step
-
-    @step.setter
-    def step(self, value: int) -> None:  # resume
-        self.state.step = value
-
-    @property
-    def phase(self) -> str:
-        return self.state.phase
-
-    @phase.setter
-    def phase(self, value: str) -> None:
-        self.state.phase = value
+        self.ckpt = CheckpointManager(self.parts, self.state, self.hf, self.elastic)
 
     # -- the public surface ------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -154,17 +137,17 @@ class Trainer:
 
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        t = self.cfg.train
+        t, st = self.cfg.train, self.state
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
         if self.resume_path is not None:
             self.resume(self.resume_path)
-            log(f"resumed from {self.resume_path} at step {self.step}", self.rank)
+            log(f"resumed from {self.resume_path} at step {st.step}", self.rank)
         if self.rank == 0:
-            truncate_jsonl(self.out / "metrics.jsonl", self.step)
-            truncate_jsonl(self.out / "counts.jsonl", self.step)
+            truncate_jsonl(self.out / "metrics.jsonl", st.step)
+            truncate_jsonl(self.out / "counts.jsonl", st.step)
         if self.cfg.debug.trace_data:  # each rank its own file of windows read
-            truncate_jsonl(self.out / f"data_order.rank{self.rank}.jsonl", self.step)
+            truncate_jsonl(self.out / f"data_order.rank{self.rank}.jsonl", st.step)
         log(f"{self.mesh.describe()} | model {model_name(self.cfg)}: "
             f"{self.mcfg.num_params() / 1e6:.2f}M params ({self.mcfg.num_active_params() / 1e6:.2f}M "
             f"active) | data {self.corpus.source}: {self.corpus.n_train:,} train / "
@@ -176,20 +159,20 @@ class Trainer:
             f"{f' | {self.compiled} regions compiled (torch.compile)' if self.compiled else ''}",
             self.rank)
         end = min(t.steps, t.stop_after) if t.stop_after > 0 else t.steps
-        sinks = Sinks(t, self.out, self.cfg.to_dict(), self.step, self.rank,
+        sinks = Sinks(t, self.out, self.cfg.to_dict(), st.step, self.rank,
                       lambda msg: log(msg, self.rank))
-        writer = StepWriter(t, self.out, sinks, self.step, self.cfg.debug.logging_ab)
+        writer = StepWriter(t, self.out, sinks, st.step, self.cfg.debug.logging_ab)
         try:
             history, last_val = self._loop(end, writer)
         finally:
             sinks.close()
             self.profiler.close()
         ckpt = self.save()
-        if self.step < t.steps:
-            log(f"stopped after step {self.step} of {t.steps} (--train.stop_after); checkpoint "
+        if st.step < t.steps:
+            log(f"stopped after step {st.step} of {t.steps} (--train.stop_after); checkpoint "
                 f"{ckpt}; continue with --resume", self.rank)
         else:
-            log(f"done: {self.step} steps, final val loss {last_val:.4f} nats/token, checkpoint "
+            log(f"done: {st.step} steps, final val loss {last_val:.4f} nats/token, checkpoint "
                 f"{ckpt}", self.rank)
         if self.rank == 0 and t.plot:
             from .observe.report import plot_loss
@@ -203,32 +186,32 @@ class Trainer:
         return {"val_loss": last_val, "history": history}
 
     def _loop(self, end: int, writer: StepWriter) -> tuple[list[StepResult], float]:
-        t = self.cfg.train
+        t, st = self.cfg.train, self.state
         history: list[StepResult] = []
         last_val = float("nan")
         t_start = time.perf_counter()
         graphs_warm = None
-        while self.step < end:
+        while st.step < end:
             try:
-                self.profiler.before(self.step + 1)
+                self.profiler.before(st.step + 1)
                 m = self.train_step()
                 if self.compiled:  # graphs compiled so far; after warm-up it must not grow
                     m.compiled_graphs = graph_count()
-                if self.profiler.after(self.step):
+                if self.profiler.after(st.step):
                     log(f"profiler trace of steps {t.profile_steps} (one per rank; open in "
                         f"Perfetto or chrome://tracing): {self.out / 'profile'}/rank_<r>.json for "
                         f"r in 0..{self.mesh.world_size - 1}, e.g. {self.profiler.path}", self.rank)
-                self.phase = "evaluation"
-                if (t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps) \
-                        or self.step == t.steps:
+                st.phase = "evaluation"
+                if (t.eval_every and st.step % t.eval_every == 0 and st.step < t.steps) \
+                        or st.step == t.steps:
                     last_val = m.val_loss = self.evaluate()
             except RuntimeError as e:
                 if isinstance(e, TrainingError):
                     raise
                 raise self.ckpt.fault(e) from e
             if self.compiled:
-                if graphs_warm is None and (t.eval_every == 0 or self.step >= t.eval_every
-                                            or self.step == t.steps):
+                if graphs_warm is None and (t.eval_every == 0 or st.step >= t.eval_every
+                                            or st.step == t.steps):
                     graphs_warm = graph_count()  # warm-up: first step (and first evaluation)
                 elif graphs_warm is not None:
                     m.recompilations = graph_count() - graphs_warm
@@ -237,8 +220,8 @@ class Trainer:
             if self.rank == 0:
                 writer.write(m.row(), m.events, self.stats, m.logged,
                              time.perf_counter() - t_start)
-            if t.ckpt_every and self.step % t.ckpt_every == 0 and self.step < t.steps:
-                self.phase = "checkpoint save"
+            if t.ckpt_every and st.step % t.ckpt_every == 0 and st.step < t.steps:
+                st.phase = "checkpoint save"
                 try:
                     self.save()
                 except RuntimeError as e:

@@ -36,12 +36,16 @@ from comm.topology import Topology
 
 __all__ = [
     "HaloAllToAll", "halo_all_to_all", "halo_exchange", "halo_gather_array", "halo_gather_ints",
+    "PIPELINE_ON_GLOO",
 ]
 
 _TAG_INTRA, _TAG_INTER, _TAG_RELAY = 41, 42, 43
 _TAG_GATHER_NODE, _TAG_GATHER_RAIL = 44, 45
 _TAG_RELAY_BASE = 1000  # + original source rank: phase III on gloo
-_PIPELINE_ON_GLOO = True  # False runs the NCCL order on gloo too (tests cover both)
+# The order of phase III on gloo: True = pipelined (its receives posted with phases I/II, each
+# source forwarded as soon as it is in); False = NCCL's order, a second batch after phase II, so
+# a gloo run checks the order NCCL runs (tests/test_comm_halo.py sets it in its workers).
+PIPELINE_ON_GLOO = True
 
 
 @dataclass
@@ -123,7 +127,7 @@ def halo_exchange(
     # forwarded as soon as its phase II message is in. NCCL (one Work per batch, matching in
     # posting order) runs phase III as a second batch after phase II.
     poster = _Poster(group)
-    pipelined = _PIPELINE_ON_GLOO and poster.gloo
+    pipelined = PIPELINE_ON_GLOO and poster.gloo
 
     intra = [_post_recv(y, m) for m in plan.intra_recvs]
     inter = [_post_recv(stage, m) for m in plan.inter_recvs]

@@ -25,7 +25,7 @@ from kernels.tuning import GROUP_M, pick
 
 
 @triton.jit
-def _gmm_kernel(
+def gmm_kernel(
     x_ptr,  # [M, K] token-sorted rows
     w_ptr,  # [E, K, N] (any strides: dx passes w^T as a view)
     y_ptr,  # [M, N] output
@@ -82,7 +82,7 @@ def _gmm_kernel(
 
 
 @triton.jit
-def _gmm_dw_kernel(
+def gmm_dw_kernel(
     x_ptr,  # [M, K] token-sorted rows
     dy_ptr,  # [M, N] output gradient
     dw_ptr,  # [E, K, N] weight gradient
@@ -152,7 +152,7 @@ def gmm(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor, *, op: st
     # Upper bound on tiles without reading offs: each expert adds at most one partial M-tile.
     tiles = (triton.cdiv(M, cfg.block_m) + E) * triton.cdiv(N, cfg.block_n)
     grid = (min(tiles, _num_programs_cap(x_MK.device)),)
-    _gmm_kernel[grid](
+    gmm_kernel[grid](
         x_MK, w_EKN, y, offs_E, N, K, E,
         x_MK.stride(0), x_MK.stride(1),
         w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2),
@@ -178,7 +178,7 @@ def gmm_dw(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_E: torch.Tensor, *, con
         return dw
     cfg = config or pick("dw", x_MK.dtype, N, K, E, x_MK.device)
     grid = (E * triton.cdiv(K, cfg.block_k) * triton.cdiv(N, cfg.block_n),)
-    _gmm_dw_kernel[grid](
+    gmm_dw_kernel[grid](
         x_MK, dy_MN, dw, offs_E, N, K,
         x_MK.stride(0), x_MK.stride(1),
         dy_MN.stride(0), dy_MN.stride(1),

@@ -13,11 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._backend import settings
+from kernels.backend import settings
 
 
 @triton.jit
-def _gather_rows_kernel(
+def gather_rows_kernel(
     x_ptr,  # [T, D] tokens
     idx_ptr,  # [S] int64 sorted2flat
     out_ptr,  # [S, D] expert-ordered copies
@@ -35,7 +35,7 @@ def _gather_rows_kernel(
 
 
 @triton.jit
-def _combine_rows_kernel(
+def combine_rows_kernel(
     y_ptr,  # [S, D] expert outputs in expert order
     w_ptr,  # [T, k] routing weights (ignored unless HAS_W)
     inv_ptr,  # [S] int64 flat2sorted
@@ -59,7 +59,7 @@ def _combine_rows_kernel(
 
 
 @triton.jit
-def _combine_rows_bwd_kernel(
+def combine_rows_bwd_kernel(
     dout_ptr,  # [T, D] gradient of unpermute's output
     y_ptr,  # [S, D] expert outputs (for d topk_w)
     w_ptr,  # [T, k] routing weights
@@ -105,7 +105,7 @@ def gather_rows(x_TD: torch.Tensor, sorted2flat_S: torch.Tensor, k: int) -> torc
     S, D = sorted2flat_S.shape[0], x_TD.shape[1]
     out = torch.empty(S, D, dtype=x_TD.dtype, device=x_TD.device)
     if S and D:
-        _gather_rows_kernel[(S,)](x_TD, sorted2flat_S, out, D, x_TD.stride(0), out.stride(0),
+        gather_rows_kernel[(S,)](x_TD, sorted2flat_S, out, D, x_TD.stride(0), out.stride(0),
                                   TOPK=k, BLOCK_D=_block_d(D))
     return out
 
@@ -120,7 +120,7 @@ def combine_rows(
     out = torch.empty(T, D, dtype=y_SD.dtype, device=y_SD.device)
     if T and D:
         w = w_TK.contiguous() if w_TK is not None else y_SD  # dummy pointer when HAS_W=False
-        _combine_rows_kernel[(T,)](y_SD, w, flat2sorted_S, out, D, y_SD.stride(0), out.stride(0),
+        combine_rows_kernel[(T,)](y_SD, w, flat2sorted_S, out, D, y_SD.stride(0), out.stride(0),
                                    TOPK=k, HAS_W=w_TK is not None, BLOCK_D=_block_d(D))
     return out
 
@@ -140,7 +140,7 @@ def combine_rows_bwd(
     dys = torch.empty(T * k, D, dtype=y_SD.dtype, device=y_SD.device)
     dw = torch.zeros(T, k, dtype=w_TK.dtype, device=w_TK.device) if need_dw else None
     if T and D:
-        _combine_rows_bwd_kernel[(T,)](
+        combine_rows_bwd_kernel[(T,)](
             dy_TD, y_SD, w_TK, flat2sorted_S, dys, dw if dw is not None else w_TK, D,
             dy_TD.stride(0), y_SD.stride(0), dys.stride(0),
             TOPK=k, NEED_DW=need_dw, BLOCK_D=_block_d(D),

@@ -4,7 +4,7 @@ Legend: none (no tensors here).
 
 Rules (docs/architecture.md, "kernels"):
 - CUDA/ROCm tensors (ROCm builds of torch also report ``device.type == "cuda"``) -> Triton.
-- CPU tensors -> the measured-fastest torch path (``kernels/_cpu.py``), unless the process was
+- CPU tensors -> the measured-fastest torch path (``kernels/cpu.py``), unless the process was
   started with ``TRITON_INTERPRET=1``: then the Triton kernels run on CPU tensors through the
   interpreter (how the kernels are tested without a GPU).
 - ``PIPER_KERNELS_PIN_CONFIG=1`` pins one known-good launch config (fast interpreter runs, an
