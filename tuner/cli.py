@@ -250,7 +250,8 @@ def _estimate(args: argparse.Namespace) -> int:
     asm = Assumptions(alltoall_model=args.alltoall_model,
                       activation_set="trainer" if trainer_set else "published",
                       activation_traffic_passes=4.0 if cpu else 0.0,
-                      zero_sharding=args.zero_sharding, fp8_peak_factor=args.fp8_peak_factor)
+                      zero_sharding=args.zero_sharding, fp8_peak_factor=args.fp8_peak_factor,
+                      zero3_gather=args.zero3_gather)
     from tuner.estimate import estimate
 
     e = estimate(cfg, plan, platform, precision_policy(args.precision_policy, platform.backend,
@@ -373,6 +374,7 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
         PRECISION_POLICIES,
         PRECISIONS,
         SCHEDULES,
+        ZERO3_GATHER,
         ZERO_LEVELS,
     )
 
@@ -420,6 +422,10 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
     e.add_argument("--alltoall-model", default="closed-form", choices=("closed-form", "netsim"))
     e.add_argument("--fp8-peak-factor", type=float, default=None,
                    help="FP8 / bf16 GEMM peak for a platform file without an FP8 rate")
+    e.add_argument("--zero3-gather", default="microbatch", choices=ZERO3_GATHER,
+                   help="ZeRO-3 gathers and reduce-scatters every micro-batch (train.py's) or "
+                        "once per step per pipeline stage (FSDP2 under "
+                        "torch.distributed.pipelining; Assumptions.zero3_gather)")
     e.add_argument("--json", action="store_true",
                    help="print one JSON object as the last line (tuner.single.summary)")
     e.set_defaults(func=_estimate)
