@@ -21,7 +21,8 @@ Flags per run: `--vpp` = the run's VP, `--zero` 3 with FSDP, 1 with Megatron's d
 optimizer, 0 without either; `--dispatch` flat for NCCL all-to-all, dedup for DeepEP / HybridEP;
 `--recompute` moe where the module list has Megatron's `moe`, selective for any other list;
 `--precision` fp8 for FP8 / MXFP8 GEMMs; `--zero3-gather` where the run states `zero3_gather`
-(FSDP2 under torch.distributed.pipelining: "step"). Where the source leaves a field unknown the run's `assumed` value is used, else this script's default
+(FSDP2 under torch.distributed.pipelining: "step") and `--zero3-runs` its `zero3_runs` (the
+table's gradient-accumulation count of whole schedule runs). Where the source leaves a field unknown the run's `assumed` value is used, else this script's default
 (DEFAULTS); each row lists the fields it assumed. Where this checkout's estimate CLI offers them,
 `--precision-policy megatron --zero-sharding flat` are added (Megatron-Core's state bytes and its
 flat distributed-optimizer shards: every source here is Megatron-Core or FSDP2).
@@ -134,6 +135,10 @@ def estimate_flags(run: dict[str, Any]) -> tuple[list[str], list[str]]:
             raise ValueError(f"run {run['id']}: zero3_gather={gather!r} needs fsdp on and one "
                              f"of {', '.join(ZERO3_GATHER)}")
         flags += ["--zero3-gather", gather]
+        runs = run.get("zero3_runs", 1)
+        if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+            raise ValueError(f"run {run['id']}: zero3_runs={runs!r} must be an int >= 1")
+        flags += ["--zero3-runs", str(runs)]
     flags += ["--zero", str(zero), "--recompute", recompute,
               "--dispatch", _choice(run, "dispatcher", f("dispatcher"), DISPATCH),
               "--a2a-overlap", _choice(run, "a2a_overlap", f("a2a_overlap"), A2A),

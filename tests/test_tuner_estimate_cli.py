@@ -85,6 +85,9 @@ def test_fold_degrees():
                                      r"valid tp: \[1, 2, 4, 8\]"),
     (["--gpus", "64", "--cp", "4", "--seq", "100"],
      r"cp=4 needs seq_len divisible by 2 x cp = 8"),
+    (["--gpus", "64", "--zero3-runs", "0"], r"zero3_runs=0 must be an int >= 1"),
+    (["--gpus", "64", "--zero", "3", "--zero3-gather", "step", "--zero3-runs", "2"],
+     r"zero3_runs=2 schedule runs exceed the step's 1 micro-batches"),
 ])
 def test_bad_flags_are_named(capsys, argv, message):
     base = {"--model": "mixtral-8x7b", "--platform": "dgx-h100", "--global-batch": "64"}
@@ -97,7 +100,7 @@ def test_bad_flags_are_named(capsys, argv, message):
 
 @pytest.mark.parametrize("flag,value", [("--dispatch", "bogus"), ("--zero", "7"),
                                         ("--recompute", "some"), ("--a2a-overlap", "x"),
-                                        ("--precision", "fp4")])
+                                        ("--precision", "fp4"), ("--zero3-gather", "layer")])
 def test_bad_choices_name_value_and_choices(capsys, flag, value):
     with pytest.raises(SystemExit):
         main(["estimate", "--model", "tiny", "--platform", "local", "--gpus", "2",

@@ -251,7 +251,7 @@ def _estimate(args: argparse.Namespace) -> int:
                       activation_set="trainer" if trainer_set else "published",
                       activation_traffic_passes=4.0 if cpu else 0.0,
                       zero_sharding=args.zero_sharding, fp8_peak_factor=args.fp8_peak_factor,
-                      zero3_gather=args.zero3_gather)
+                      zero3_gather=args.zero3_gather, zero3_runs=args.zero3_runs)
     from tuner.estimate import estimate
 
     e = estimate(cfg, plan, platform, precision_policy(args.precision_policy, platform.backend,
@@ -426,6 +426,10 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
                    help="ZeRO-3 gathers and reduce-scatters every micro-batch (train.py's) or "
                         "once per step per pipeline stage (FSDP2 under "
                         "torch.distributed.pipelining; Assumptions.zero3_gather)")
+    e.add_argument("--zero3-runs", type=int, default=1, metavar="N",
+                   help="with --zero3-gather step: pipeline-schedule runs per optimizer step "
+                        "(gradient accumulation over runs), each gathering and "
+                        "reduce-scattering once (default 1)")
     e.add_argument("--json", action="store_true",
                    help="print one JSON object as the last line (tuner.single.summary)")
     e.set_defaults(func=_estimate)

@@ -239,11 +239,12 @@ def a2a_exposed(plan: ParallelPlan, parts: dict[str, float], rec: float, ab: tup
 def layer_collectives(lc: LayerCounts, parts: dict[str, float], rec: float, t_attn: float,
                        t_exp: float, cfg: ModelConfig, plan: ParallelPlan, pf: Platform,
                        pb: PrecisionPolicy, groups: dict[str, GroupPlacement],
-                       w_bytes: tuple[float, float],
-                       gather: str = "microbatch") -> dict[str, float]:
+                       w_bytes: tuple[float, float], gather: str = "microbatch",
+                       runs: int = 1) -> dict[str, float]:
     """Exposed seconds of one layer's TP, CP, ETP and ZeRO-3 collectives for one micro-batch
     (module docstring, "Step time"); `w_bytes`: the layer's (non-expert, expert) weight
-    elements one rank holds unsharded; `gather`: `Assumptions.zero3_gather` (`zero3_time`)."""
+    elements one rank holds unsharded; `gather`, `runs`: `Assumptions.zero3_gather`,
+    `zero3_runs` (`zero3_time`)."""
     D, ab, full = cfg.d_model, pb.activation_bytes, plan.checkpointing == "full"
     n_pass = 3 if full else 2  # forward, backward (+ the recomputed forward)
     out = {"tp": 0.0, "cp": 0.0, "etp": 0.0, "zero3": 0.0}
@@ -265,13 +266,14 @@ def layer_collectives(lc: LayerCounts, parts: dict[str, float], rec: float, t_at
                + all_gather_time(rows * pb.combine_bytes, groups["etp"], pf))
         out["etp"] = (3 if recomputes_a2a(plan) else 2) * one  # "moe" re-runs the experts too
     if plan.zero == 3:
-        out["zero3"] = zero3_time(parts, rec, plan, pf, pb, groups, w_bytes, gather)
+        out["zero3"] = zero3_time(parts, rec, plan, pf, pb, groups, w_bytes, gather, runs)
     return out
 
 
 def zero3_time(parts: dict[str, float], rec: float, plan: ParallelPlan, pf: Platform,
                pb: PrecisionPolicy, groups: dict[str, GroupPlacement],
-               w_bytes: tuple[float, float], gather: str = "microbatch") -> float:
+               w_bytes: tuple[float, float], gather: str = "microbatch",
+               runs: int = 1) -> float:
     """Exposed seconds of one layer's ZeRO-3 collectives per micro-batch (`w_bytes`: its
     (non-expert, expert) weight elements held unsharded; ag / rs: the all-gather of its
     weights and the reduce-scatter of its gradients over the replica groups, f its forward).
@@ -279,10 +281,11 @@ def zero3_time(parts: dict[str, float], rec: float, plan: ParallelPlan, pf: Plat
                     reduce-scatters; prefetched, each gather hides behind the previous
                     layer's compute: max(0, ag - f) + max(0, ag + rs - 2 f - rec)
         step        (`Assumptions.zero3_gather`, FSDP2 under torch.distributed.pipelining)
-                    one gather in the step's first forward, prefetched as above, and one
-                    reduce-scatter after the last backward, exposed (the schedule's
-                    REDUCE_GRAD runs after every micro-batch's backward): (max(0, ag - f)
-                    + rs) / M per micro-batch"""
+                    per schedule run one gather in its first forward, prefetched as above,
+                    and one reduce-scatter after its last backward, exposed (the schedule's
+                    REDUCE_GRAD runs after every micro-batch's backward); `runs` schedule
+                    runs per step (`Assumptions.zero3_runs`): runs (max(0, ag - f) + rs) / M
+                    per micro-batch"""
     rep, exp = w_bytes
     ag = (all_gather_time(rep * pb.param_comm_bytes, groups["rep"], pf)
           + all_gather_time(exp * pb.param_comm_bytes, groups["dp"], pf))
@@ -290,5 +293,8 @@ def zero3_time(parts: dict[str, float], rec: float, plan: ParallelPlan, pf: Plat
           + reduce_scatter_time(exp * pb.grad_comm_bytes, groups["dp"], pf))
     f = sum(parts.values())
     if gather == "step":
-        return (max(0.0, ag - f) + rs) / plan.microbatches
+        if runs > plan.microbatches:
+            raise ValueError(f"zero3_runs={runs} schedule runs exceed the step's "
+                             f"{plan.microbatches} micro-batches")
+        return runs * (max(0.0, ag - f) + rs) / plan.microbatches
     return max(0.0, ag - f) + max(0.0, ag + rs - 2 * f - rec)

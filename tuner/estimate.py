@@ -705,7 +705,7 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
                     a2a_total += tot
                 for k, v in layer_collectives(lc, parts, rc, t_attn, t_exp, cfg, plan, pf, pb,
                                                groups, w_layer[lc.is_moe],
-                                               asm.zero3_gather).items():
+                                               asm.zero3_gather, asm.zero3_runs).items():
                     acc[k] += v
             stage = s_local * plan.pp + r
             if stage == plan.pp * plan.n_virtual - 1:

@@ -318,6 +318,10 @@ class Assumptions:
         micro-batch reduce-scatters): the first forward gathers the stage, which stays
         gathered with its whole unsharded gradient until the step's one reduce-scatter.
         For published FSDP2 + pipeline runs (NeMo AutoModel, torchtitan).
+    zero3_runs: with zero3_gather="step", the pipeline-schedule runs per optimizer step
+        (gradient accumulation over whole schedule runs: each run ends with its REDUCE_GRAD,
+        which reshards, so every run gathers and reduce-scatters once). 1 by default; a
+        published table's GA column where it accumulates over schedule runs.
     fp8_peak_factor: FP8 GEMM peak / bf16 peak, used for `precision="fp8"` on a platform
         whose file states no FP8 rate. None (default): such a platform refuses fp8. The
         dense FP8 peak of H100/H200 SXM is 2x their bf16 peak (NVIDIA's H100 datasheet:
@@ -347,6 +351,7 @@ class Assumptions:
     a2a_chunks: int = 0
     zero3_prefetch: int = 1
     zero3_gather: str = "microbatch"
+    zero3_runs: int = 1
     fp8_peak_factor: float | None = None
     overlap_compute_share: float = 20 / 132
 
@@ -359,6 +364,10 @@ class Assumptions:
         if self.zero3_gather not in ZERO3_GATHER:
             raise ValueError(f"zero3_gather={self.zero3_gather!r}; valid: "
                              f"{', '.join(ZERO3_GATHER)}")
+        if isinstance(self.zero3_runs, bool) or not isinstance(self.zero3_runs, int) \
+                or self.zero3_runs < 1:
+            raise ValueError(f"zero3_runs={self.zero3_runs!r} must be an int >= 1 (schedule "
+                             f"runs per step)")
         if self.zero3_prefetch < 0:
             raise ValueError(f"zero3_prefetch={self.zero3_prefetch} must be >= 0 layers")
         if self.fp8_peak_factor is not None and not self.fp8_peak_factor > 0:
