@@ -59,6 +59,18 @@ def test_layout_the_trainer_cannot_run_is_priced_and_says_why(capsys):
     assert s["layout"]["dp"] == 8 and s["layout"]["edp"] == 2  # 32 = 2 x 2 x 8 = 16 x 2
 
 
+def test_zero3_step_gather_is_priced_not_runnable(capsys):
+    """--zero3-gather step models FSDP2 under torch pipelining, not train.py's ZeRO-3: the
+    layout is priced (fewer gather seconds than every micro-batch) and reported not runnable."""
+    argv = ["--model", "mixtral-8x7b", "--platform", "dgx-h100", "--gpus", "64",
+            "--global-batch", "64", "--pp", "2", "--ep", "8", "--zero", "3"]
+    per_mb = _json(capsys, argv)
+    step = _json(capsys, [*argv, "--zero3-gather", "step"])
+    assert step["time_s"]["zero3"] < per_mb["time_s"]["zero3"]
+    assert per_mb["runnable"] is True and step["runnable"] is False
+    assert any("--zero3-gather step" in w for w in step["not_runnable_because"])
+
+
 def test_fold_degrees():
     assert fold_degrees(64, 2, tp=2, cp=2, ep=8, etp=1) == (8, 4)
     assert fold_degrees(8, 1, ep=8) == (8, 1)

@@ -258,6 +258,13 @@ def _estimate(args: argparse.Namespace) -> int:
                                                        args.param_dtype, args.reduce_dtype),
                  asm)
     s = summary(cfg, platform, e, args.precision_policy)
+    if args.zero3_gather == "step" and plan.zero == 3:
+        # an assumption about someone else's FSDP (published runs), not train.py's ZeRO-3
+        s["runnable"] = False
+        s["not_runnable_because"] = [*s["not_runnable_because"],
+                                     "ZeRO-3 gathered once per schedule run (--zero3-gather "
+                                     "step, FSDP2 under torch.distributed.pipelining) is not "
+                                     "train.py's ZeRO-3, which gathers every micro-batch"]
     if args.json:
         print(json.dumps(s))
     else:
