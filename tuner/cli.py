@@ -10,7 +10,7 @@
         [--recompute none|selective|full] [--dispatch flat|halo|dedup|auto]
         [--a2a-overlap none|layer|fb] [--precision bf16|fp8]
         [--precision-policy trainer|published|megatron] [--schedule S] [--ep-placement P]
-        [--redundant R] [--json]
+        [--redundant R] [--zero3-gather microbatch|step [--zero3-runs N]] [--json]
     python -m tuner reproduce-paper [--out FILE | --record]   (default: runs/bench/reproduce_paper/;
         --record: the tracked benchmarks/results/reproduce_paper.md)
     python -m tuner measure [--out configs/platforms/local.toml] [--procs 4]
