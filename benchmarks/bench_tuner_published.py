@@ -20,7 +20,9 @@ type at several layouts, from one source) whether the predicted order equals the
 Flags per run: `--vpp` = the run's VP, `--zero` 3 with FSDP, 1 with Megatron's distributed
 optimizer, 0 without either; `--dispatch` flat for NCCL all-to-all, dedup for DeepEP / HybridEP;
 `--recompute` moe where the module list has Megatron's `moe`, selective for any other list;
-`--precision` fp8 for FP8 / MXFP8 GEMMs. Where the source leaves a field unknown the run's `assumed` value is used, else this script's default
+`--precision` fp8 for FP8 / MXFP8 GEMMs; `--zero3-gather` where the run states `zero3_gather`
+(FSDP2 under torch.distributed.pipelining: "step") and `--zero3-runs` its `zero3_runs` (the
+table's gradient-accumulation count of whole schedule runs). Where the source leaves a field unknown the run's `assumed` value is used, else this script's default
 (DEFAULTS); each row lists the fields it assumed. Where this checkout's estimate CLI offers them,
 `--precision-policy megatron --zero-sharding flat` are added (Megatron-Core's state bytes and its
 flat distributed-optimizer shards: every source here is Megatron-Core or FSDP2).
@@ -64,6 +66,7 @@ DEFAULTS: dict[str, Any] = {"etp": 1, "a2a_overlap": "none", "recompute": "none"
 DISPATCH = {"alltoall": "flat", "deepep": "dedup", "hybridep": "dedup"}
 A2A = {"none": "none", "fb": "fb", "layer": "layer"}
 PRECISION = {"bf16": "bf16", "fp8": "fp8"}
+ZERO3_GATHER = ("microbatch", "step")  # `zero3_gather`: tuner estimate --zero3-gather
 OPTIONAL_FLAGS = (("--precision-policy", "megatron"), ("--zero-sharding", "flat"))
 
 __all__ = ["estimate_flags", "load_runs", "measured", "order_agreement", "predicted", "spearman",
@@ -126,6 +129,16 @@ def estimate_flags(run: dict[str, Any]) -> tuple[list[str], list[str]]:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"run {run['id']}: {key}={v!r} must be an int >= 1")
         flags += [flag, str(v)]
+    gather = run.get("zero3_gather")
+    if gather is not None:
+        if gather not in ZERO3_GATHER or zero != 3:
+            raise ValueError(f"run {run['id']}: zero3_gather={gather!r} needs fsdp on and one "
+                             f"of {', '.join(ZERO3_GATHER)}")
+        flags += ["--zero3-gather", gather]
+        runs = run.get("zero3_runs", 1)
+        if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+            raise ValueError(f"run {run['id']}: zero3_runs={runs!r} must be an int >= 1")
+        flags += ["--zero3-runs", str(runs)]
     flags += ["--zero", str(zero), "--recompute", recompute,
               "--dispatch", _choice(run, "dispatcher", f("dispatcher"), DISPATCH),
               "--a2a-overlap", _choice(run, "a2a_overlap", f("a2a_overlap"), A2A),

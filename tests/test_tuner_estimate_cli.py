@@ -59,6 +59,18 @@ def test_layout_the_trainer_cannot_run_is_priced_and_says_why(capsys):
     assert s["layout"]["dp"] == 8 and s["layout"]["edp"] == 2  # 32 = 2 x 2 x 8 = 16 x 2
 
 
+def test_zero3_step_gather_is_priced_not_runnable(capsys):
+    """--zero3-gather step models FSDP2 under torch pipelining, not train.py's ZeRO-3: the
+    layout is priced (fewer gather seconds than every micro-batch) and reported not runnable."""
+    argv = ["--model", "mixtral-8x7b", "--platform", "dgx-h100", "--gpus", "64",
+            "--global-batch", "64", "--pp", "2", "--ep", "8", "--zero", "3"]
+    per_mb = _json(capsys, argv)
+    step = _json(capsys, [*argv, "--zero3-gather", "step"])
+    assert step["time_s"]["zero3"] < per_mb["time_s"]["zero3"]
+    assert per_mb["runnable"] is True and step["runnable"] is False
+    assert any("--zero3-gather step" in w for w in step["not_runnable_because"])
+
+
 def test_fold_degrees():
     assert fold_degrees(64, 2, tp=2, cp=2, ep=8, etp=1) == (8, 4)
     assert fold_degrees(8, 1, ep=8) == (8, 1)
@@ -85,6 +97,9 @@ def test_fold_degrees():
                                      r"valid tp: \[1, 2, 4, 8\]"),
     (["--gpus", "64", "--cp", "4", "--seq", "100"],
      r"cp=4 needs seq_len divisible by 2 x cp = 8"),
+    (["--gpus", "64", "--zero3-runs", "0"], r"zero3_runs=0 must be an int >= 1"),
+    (["--gpus", "64", "--zero", "3", "--zero3-gather", "step", "--zero3-runs", "2"],
+     r"zero3_runs=2 schedule runs exceed the step's 1 micro-batches"),
 ])
 def test_bad_flags_are_named(capsys, argv, message):
     base = {"--model": "mixtral-8x7b", "--platform": "dgx-h100", "--global-batch": "64"}
@@ -97,7 +112,7 @@ def test_bad_flags_are_named(capsys, argv, message):
 
 @pytest.mark.parametrize("flag,value", [("--dispatch", "bogus"), ("--zero", "7"),
                                         ("--recompute", "some"), ("--a2a-overlap", "x"),
-                                        ("--precision", "fp4")])
+                                        ("--precision", "fp4"), ("--zero3-gather", "layer")])
 def test_bad_choices_name_value_and_choices(capsys, flag, value):
     with pytest.raises(SystemExit):
         main(["estimate", "--model", "tiny", "--platform", "local", "--gpus", "2",

@@ -10,7 +10,7 @@
         [--recompute none|selective|full] [--dispatch flat|halo|dedup|auto]
         [--a2a-overlap none|layer|fb] [--precision bf16|fp8]
         [--precision-policy trainer|published|megatron] [--schedule S] [--ep-placement P]
-        [--redundant R] [--json]
+        [--redundant R] [--zero3-gather microbatch|step [--zero3-runs N]] [--json]
     python -m tuner reproduce-paper [--out FILE | --record]   (default: runs/bench/reproduce_paper/;
         --record: the tracked benchmarks/results/reproduce_paper.md)
     python -m tuner measure [--out configs/platforms/local.toml] [--procs 4]
@@ -250,13 +250,21 @@ def _estimate(args: argparse.Namespace) -> int:
     asm = Assumptions(alltoall_model=args.alltoall_model,
                       activation_set="trainer" if trainer_set else "published",
                       activation_traffic_passes=4.0 if cpu else 0.0,
-                      zero_sharding=args.zero_sharding, fp8_peak_factor=args.fp8_peak_factor)
+                      zero_sharding=args.zero_sharding, fp8_peak_factor=args.fp8_peak_factor,
+                      zero3_gather=args.zero3_gather, zero3_runs=args.zero3_runs)
     from tuner.estimate import estimate
 
     e = estimate(cfg, plan, platform, precision_policy(args.precision_policy, platform.backend,
                                                        args.param_dtype, args.reduce_dtype),
                  asm)
     s = summary(cfg, platform, e, args.precision_policy)
+    if args.zero3_gather == "step" and plan.zero == 3:
+        # an assumption about someone else's FSDP (published runs), not train.py's ZeRO-3
+        s["runnable"] = False
+        s["not_runnable_because"] = [*s["not_runnable_because"],
+                                     "ZeRO-3 gathered once per schedule run (--zero3-gather "
+                                     "step, FSDP2 under torch.distributed.pipelining) is not "
+                                     "train.py's ZeRO-3, which gathers every micro-batch"]
     if args.json:
         print(json.dumps(s))
     else:
@@ -373,6 +381,7 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
         PRECISION_POLICIES,
         PRECISIONS,
         SCHEDULES,
+        ZERO3_GATHER,
         ZERO_LEVELS,
     )
 
@@ -420,6 +429,14 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
     e.add_argument("--alltoall-model", default="closed-form", choices=("closed-form", "netsim"))
     e.add_argument("--fp8-peak-factor", type=float, default=None,
                    help="FP8 / bf16 GEMM peak for a platform file without an FP8 rate")
+    e.add_argument("--zero3-gather", default="microbatch", choices=ZERO3_GATHER,
+                   help="ZeRO-3 gathers and reduce-scatters every micro-batch (train.py's) or "
+                        "once per step per pipeline stage (FSDP2 under "
+                        "torch.distributed.pipelining; Assumptions.zero3_gather)")
+    e.add_argument("--zero3-runs", type=int, default=1, metavar="N",
+                   help="with --zero3-gather step: pipeline-schedule runs per optimizer step "
+                        "(gradient accumulation over runs), each gathering and "
+                        "reduce-scattering once (default 1)")
     e.add_argument("--json", action="store_true",
                    help="print one JSON object as the last line (tuner.single.summary)")
     e.set_defaults(func=_estimate)

@@ -24,9 +24,9 @@ from tuner.counts import LayerCounts
 from tuner.layout import Assumptions, ParallelPlan, PrecisionPolicy
 from tuner.platform import Platform
 
-__all__ = ["a2a_exposed", "a2a_one", "all_gather_time", "gemm_peak", "head_fwd", "place_groups",
-           "kv_width", "layer_collectives", "layer_fwd", "layer_parts", "moe_module_time",
-           "recompute_time", "recomputes_a2a", "reduce_scatter_time"]
+__all__ = ["a2a_exposed", "a2a_one", "all_gather_time", "fp8_effs", "gemm_peak", "head_fwd",
+           "place_groups", "kv_width", "layer_collectives", "layer_fwd", "layer_parts", "moe_module_time",
+           "recompute_time", "recomputes_a2a", "reduce_scatter_time", "zero3_time"]
 
 
 def reduce_scatter_time(nbytes: float, group: GroupPlacement, platform: Platform) -> float:
@@ -69,17 +69,38 @@ def layer_parts(lc: LayerCounts, t_attn: float, t_exp: float, pf: Platform, cfg:
     D, tp = cfg.d_model, plan.tp
     peak, fast = pf.peak_flops, gemm_peak(pf, plan, asm)
     gemm_eff = pf.matmul_eff(t_attn * tp, D / tp, D)
-    out = {"gemm": lc.fwd_flops.get("attention", 0.0) * t_attn / (fast * gemm_eff),
+    E = max(cfg.n_routed_experts, 1)
+    rows = cfg.top_k * t_exp * plan.etp * plan.ep / E  # rows each local expert multiplies
+    if plan.precision == "fp8":
+        fast_eff, grouped = fp8_effs(pf, fast, t_attn * tp, D / tp, D, rows,
+                                     cfg.moe_ffn_dim / plan.etp)
+    else:
+        fast_eff, grouped = gemm_eff, pf.grouped_eff(rows, cfg.moe_ffn_dim / plan.etp, D)
+    out = {"gemm": lc.fwd_flops.get("attention", 0.0) * t_attn / (fast * fast_eff),
            "router": lc.fwd_flops.get("router", 0.0) * t_attn / (peak * gemm_eff),
            "attn_core": lc.fwd_flops["attn_core"] * t_attn / (
                peak * pf.attention_eff(plan.seq_len, int(cfg.qk_head_dim), False))}
-    E = max(cfg.n_routed_experts, 1)
-    rows = cfg.top_k * t_exp * plan.etp * plan.ep / E  # rows each local expert multiplies
-    grouped = pf.grouped_eff(rows, cfg.moe_ffn_dim / plan.etp, D)
     out["experts"] = lc.fwd_flops.get("experts", 0.0) * t_exp / (fast * grouped)
     out["dense"] = (lc.fwd_flops.get("shared_experts", 0.0)
-                    + lc.fwd_flops.get("dense_ffn", 0.0)) * t_attn / (fast * gemm_eff)
+                    + lc.fwd_flops.get("dense_ffn", 0.0)) * t_attn / (fast * fast_eff)
     return out
+
+
+def fp8_effs(pf: Platform, fp8_peak: float, m: float, n: float, k: float, rows: float,
+             f: float) -> tuple[float, float]:
+    """(dense, grouped) efficiencies of FP8 GEMMs against `fp8_peak`: the dense projections
+    at the proxy shape [m, k] x [k, n] of the bf16 path, and the routed experts' SwiGLU as
+    its two GEMMs per expert, gate + up [rows, D] x [D, 2f] (2/3 of the FLOPs) and down
+    [rows, f] x [f, D] (1/3), combined by time: 1 / eff = (2/3) / eff_up + (1/3) / eff_down.
+    The split matters for FP8, whose efficiency falls with the reduction depth k (the down
+    projection's k = f; `Platform.fp8_matmul_eff`). Without an [fp8_gemm] section the
+    platform's bf16 efficiencies come back (one grouped shape, as before it)."""
+    dense = pf.fp8_matmul_eff(m, n, k, fp8_peak)
+    if not pf.fp8_max_efficiency:
+        return dense, pf.grouped_eff(rows, f, k)
+    up = pf.fp8_grouped_eff(rows, 2 * f, k, fp8_peak)
+    down = pf.fp8_grouped_eff(rows, k, f, fp8_peak)
+    return dense, 1.0 / ((2.0 / 3.0) / up + (1.0 / 3.0) / down)
 
 
 def layer_fwd(lc: LayerCounts, t_attn: float, t_exp: float, pf: Platform, cfg: ModelConfig,
@@ -218,10 +239,12 @@ def a2a_exposed(plan: ParallelPlan, parts: dict[str, float], rec: float, ab: tup
 def layer_collectives(lc: LayerCounts, parts: dict[str, float], rec: float, t_attn: float,
                        t_exp: float, cfg: ModelConfig, plan: ParallelPlan, pf: Platform,
                        pb: PrecisionPolicy, groups: dict[str, GroupPlacement],
-                       w_bytes: tuple[float, float]) -> dict[str, float]:
+                       w_bytes: tuple[float, float], gather: str = "microbatch",
+                       runs: int = 1) -> dict[str, float]:
     """Exposed seconds of one layer's TP, CP, ETP and ZeRO-3 collectives for one micro-batch
     (module docstring, "Step time"); `w_bytes`: the layer's (non-expert, expert) weight
-    elements one rank holds unsharded."""
+    elements one rank holds unsharded; `gather`, `runs`: `Assumptions.zero3_gather`,
+    `zero3_runs` (`zero3_time`)."""
     D, ab, full = cfg.d_model, pb.activation_bytes, plan.checkpointing == "full"
     n_pass = 3 if full else 2  # forward, backward (+ the recomputed forward)
     out = {"tp": 0.0, "cp": 0.0, "etp": 0.0, "zero3": 0.0}
@@ -243,12 +266,35 @@ def layer_collectives(lc: LayerCounts, parts: dict[str, float], rec: float, t_at
                + all_gather_time(rows * pb.combine_bytes, groups["etp"], pf))
         out["etp"] = (3 if recomputes_a2a(plan) else 2) * one  # "moe" re-runs the experts too
     if plan.zero == 3:
-        rep, exp = w_bytes
-        ag = (all_gather_time(rep * pb.param_comm_bytes, groups["rep"], pf)
-              + all_gather_time(exp * pb.param_comm_bytes, groups["dp"], pf))
-        rs = (reduce_scatter_time(rep * pb.grad_comm_bytes, groups["rep"], pf)
-              + reduce_scatter_time(exp * pb.grad_comm_bytes, groups["dp"], pf))
-        f = sum(parts.values())
-        # prefetched: each gather hides behind the previous layer's compute
-        out["zero3"] = max(0.0, ag - f) + max(0.0, ag + rs - 2 * f - rec)
+        out["zero3"] = zero3_time(parts, rec, plan, pf, pb, groups, w_bytes, gather, runs)
     return out
+
+
+def zero3_time(parts: dict[str, float], rec: float, plan: ParallelPlan, pf: Platform,
+               pb: PrecisionPolicy, groups: dict[str, GroupPlacement],
+               w_bytes: tuple[float, float], gather: str = "microbatch",
+               runs: int = 1) -> float:
+    """Exposed seconds of one layer's ZeRO-3 collectives per micro-batch (`w_bytes`: its
+    (non-expert, expert) weight elements held unsharded; ag / rs: the all-gather of its
+    weights and the reduce-scatter of its gradients over the replica groups, f its forward).
+        microbatch  every micro-batch gathers in the forward and again in the backward and
+                    reduce-scatters; prefetched, each gather hides behind the previous
+                    layer's compute: max(0, ag - f) + max(0, ag + rs - 2 f - rec)
+        step        (`Assumptions.zero3_gather`, FSDP2 under torch.distributed.pipelining)
+                    per schedule run one gather in its first forward, prefetched as above,
+                    and one reduce-scatter after its last backward, exposed (the schedule's
+                    REDUCE_GRAD runs after every micro-batch's backward); `runs` schedule
+                    runs per step (`Assumptions.zero3_runs`): runs (max(0, ag - f) + rs) / M
+                    per micro-batch"""
+    rep, exp = w_bytes
+    ag = (all_gather_time(rep * pb.param_comm_bytes, groups["rep"], pf)
+          + all_gather_time(exp * pb.param_comm_bytes, groups["dp"], pf))
+    rs = (reduce_scatter_time(rep * pb.grad_comm_bytes, groups["rep"], pf)
+          + reduce_scatter_time(exp * pb.grad_comm_bytes, groups["dp"], pf))
+    f = sum(parts.values())
+    if gather == "step":
+        if runs > plan.microbatches:
+            raise ValueError(f"zero3_runs={runs} schedule runs exceed the step's "
+                             f"{plan.microbatches} micro-batches")
+        return runs * (max(0.0, ag - f) + rs) / plan.microbatches
+    return max(0.0, ag - f) + max(0.0, ag + rs - 2 * f - rec)

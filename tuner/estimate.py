@@ -81,7 +81,8 @@ Step time (seconds), for the busiest rank:
         ZeRO-3    per layer an all-gather of its weights in the forward and the backward and
                   a reduce-scatter of its gradients (every micro-batch: gradients stay
                   sharded), prefetched: exposed beyond the layer's compute of that pass; no
-                  step-end sync
+                  step-end sync (`Assumptions.zero3_gather="step"`: once per step, the
+                  stage held gathered between; `tuner.costs.zero3_time`)
       and the all-to-all by `ParallelPlan.alltoall` (flat, halo, dedup: one copy per
       remote node, auto: the cheapest the trainer's auto picks among; `tuner.comms`) and
       `a2a_overlap` (none; layer: chunked, hidden behind the shared/dense branch and the
@@ -452,10 +453,18 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
         grads = sum(h[1] for h in held.values()) * pb.grad_bytes
         if plan.zero == 3:
             # one layer gathered and computing, `zero3_prefetch` more arriving (held in the
-            # dtype they are gathered in); its gradient whole until its reduce-scatter
-            big = max(sum(_layer_weights(kinds[cfg.is_moe_layer(i)], plan, cfg)) for i in layers)
-            held["zero3_gathered"] = ((1 + assumptions.zero3_prefetch) * big, big, 0.0, 0.0)
-            weights += (1 + assumptions.zero3_prefetch) * big * pb.param_comm_bytes
+            # dtype they are gathered in); its gradient whole until its reduce-scatter.
+            # zero3_gather="step": the whole stage stays gathered, with its whole gradient,
+            # from the first forward to the step's one reduce-scatter
+            per_layer = [sum(_layer_weights(kinds[cfg.is_moe_layer(i)], plan, cfg))
+                         for i in layers]
+            if assumptions.zero3_gather == "step":
+                gathered = big = float(sum(per_layer))
+            else:
+                big = max(per_layer)
+                gathered = (1 + assumptions.zero3_prefetch) * big
+            held["zero3_gathered"] = (gathered, big, 0.0, 0.0)
+            weights += gathered * pb.param_comm_bytes
             grads += big * pb.grad_bytes
         optim = sum(h[2] for h in held.values()) * (pb.master_bytes + pb.optimizer_bytes)
         full_go = n * (pb.grad_bytes + pb.master_bytes + pb.optimizer_bytes)
@@ -695,7 +704,8 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
                     acc["alltoall"] += exp_ * (1 - asm.alltoall_overlap)
                     a2a_total += tot
                 for k, v in layer_collectives(lc, parts, rc, t_attn, t_exp, cfg, plan, pf, pb,
-                                               groups, w_layer[lc.is_moe]).items():
+                                               groups, w_layer[lc.is_moe],
+                                               asm.zero3_gather, asm.zero3_runs).items():
                     acc[k] += v
             stage = s_local * plan.pp + r
             if stage == plan.pp * plan.n_virtual - 1:

@@ -51,6 +51,7 @@ __all__ = [
     "ParallelPlan",
     "PrecisionPolicy",
     "SCHEDULES",
+    "ZERO3_GATHER",
     "ZERO_LEVELS",
     "check_zero_levels",
     "fold_degrees",
@@ -65,6 +66,7 @@ __all__ = [
 ATTENTION_MODES = ("sharded", "replicated")
 ZERO2_GRAD_SYNC = ("last", "each")
 ZERO_SHARDING = ("flat", "per-parameter")
+ZERO3_GATHER = ("microbatch", "step")  # Assumptions.zero3_gather
 
 
 _ZERO_MEANING = {0: "replicated state", 1: "optimizer state sharded",
@@ -307,6 +309,19 @@ class Assumptions:
         prices fastest, as `--comm.a2a_chunks=auto` would choose it.
     zero3_prefetch: ZeRO-3 layers gathered ahead of the one computing (FSDP's default
         prefetches one): the memory of 1 + this many gathered layers is held.
+    zero3_gather: when ZeRO-3 gathers weights and reduce-scatters gradients. "microbatch"
+        (default, this trainer): every micro-batch gathers each layer in its forward and its
+        backward and reduce-scatters its gradients (one layer gathered at a time).
+        "step": once per step per pipeline stage, as FSDP2 under torch.distributed.pipelining
+        runs it (torch 2.13 `stage.py`: every backward sets `set_reshard_after_backward(False)`
+        and `set_requires_gradient_sync(False)`; the schedule's REDUCE_GRAD after the last
+        micro-batch reduce-scatters): the first forward gathers the stage, which stays
+        gathered with its whole unsharded gradient until the step's one reduce-scatter.
+        For published FSDP2 + pipeline runs (NeMo AutoModel, torchtitan).
+    zero3_runs: with zero3_gather="step", the pipeline-schedule runs per optimizer step
+        (gradient accumulation over whole schedule runs: each run ends with its REDUCE_GRAD,
+        which reshards, so every run gathers and reduce-scatters once). 1 by default; a
+        published table's GA column where it accumulates over schedule runs.
     fp8_peak_factor: FP8 GEMM peak / bf16 peak, used for `precision="fp8"` on a platform
         whose file states no FP8 rate. None (default): such a platform refuses fp8. The
         dense FP8 peak of H100/H200 SXM is 2x their bf16 peak (NVIDIA's H100 datasheet:
@@ -335,6 +350,8 @@ class Assumptions:
     replicas_per_expert: int = 2
     a2a_chunks: int = 0
     zero3_prefetch: int = 1
+    zero3_gather: str = "microbatch"
+    zero3_runs: int = 1
     fp8_peak_factor: float | None = None
     overlap_compute_share: float = 20 / 132
 
@@ -344,6 +361,13 @@ class Assumptions:
                              f"[0, 1)")
         if isinstance(self.a2a_chunks, bool) or self.a2a_chunks < 0:
             raise ValueError(f"a2a_chunks={self.a2a_chunks!r} must be an int >= 1, or 0 (auto)")
+        if self.zero3_gather not in ZERO3_GATHER:
+            raise ValueError(f"zero3_gather={self.zero3_gather!r}; valid: "
+                             f"{', '.join(ZERO3_GATHER)}")
+        if isinstance(self.zero3_runs, bool) or not isinstance(self.zero3_runs, int) \
+                or self.zero3_runs < 1:
+            raise ValueError(f"zero3_runs={self.zero3_runs!r} must be an int >= 1 (schedule "
+                             f"runs per step)")
         if self.zero3_prefetch < 0:
             raise ValueError(f"zero3_prefetch={self.zero3_prefetch} must be >= 0 layers")
         if self.fp8_peak_factor is not None and not self.fp8_peak_factor > 0:

@@ -19,6 +19,16 @@ Compute by shape. Beside the single efficiencies a file may carry, each its own 
                        AI = 2 m n k / (bytes_per_element x (m k + k n + m n)) (each operand
                        read once, the product written once); grouped: per expert with
                        m = rows_per_expert, capped at grouped_max_efficiency
+    [fp8_gemm]         FP8 GEMMs (`precision="fp8"`), against the FP8 peak: a k-limited cap
+                       and a memory roofline with stated parameters,
+                         eff = min(max_efficiency x k / (k + k_half),
+                                   AI8 x hbm_fraction x hbm_bandwidth / fp8_peak)
+                         AI8 = 2 m n k / (m k + k n + 2 m n)  (FP8 operands, bf16 output)
+                       k_half: the reduction depth at which a tile's fixed prologue and
+                       epilogue cost as much as its multiply-adds (short-k GEMMs run far below
+                       the cap: DeepGEMM's m = 4096 rows fall from 0.72 at k = 16384 to 0.38
+                       at k = 512); grouped: per expert with m = rows_per_expert. Absent: FP8
+                       GEMMs take the bf16 efficiencies above (the behaviour before it)
 Tables are interpolated linearly in log(axis) on every axis and clamped at the ends. Precedence
 per op: table, then roofline, then the single efficiency (the behaviour before tables).
 
@@ -174,6 +184,8 @@ _TABLES: dict[str, tuple[tuple[str, ...], str]] = {
     "attention_table": (("seq", "head_dim"), "attention_table"),
 }
 COLLECTIVE_KINDS = ("all_reduce", "reduce", "broadcast")  # [collectives] keys
+_FP8_KEYS = {"max_efficiency": "fp8_max_efficiency", "k_half": "fp8_k_half",
+             "hbm_fraction": "fp8_hbm_fraction"}
 _ROOFLINE_KEYS = {"max_efficiency": "roofline_max_efficiency",
                   "grouped_max_efficiency": "roofline_grouped_max_efficiency",
                   "bytes_per_element": "roofline_bytes_per_element"}
@@ -218,6 +230,10 @@ class Platform:
     roofline_max_efficiency: float = 0.0  # 0: no roofline
     roofline_grouped_max_efficiency: float = 0.0  # 0: roofline_max_efficiency
     roofline_bytes_per_element: float = 2.0  # bf16 operands
+    # [fp8_gemm] (module docstring): 0 = no FP8 shape model (FP8 GEMMs use the bf16 ones)
+    fp8_max_efficiency: float = 0.0
+    fp8_k_half: float = 0.0  # elements of k
+    fp8_hbm_fraction: float = 1.0  # share of hbm_bandwidth a memory-bound FP8 GEMM reaches
     hbm_bandwidth: float = 1e12
     usable_fraction: float = 0.9
     # Measured (module docstring): ((kind, group size, latency s, bandwidth B/s), ...) and the
@@ -278,6 +294,15 @@ class Platform:
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ValueError(f"platform {self.name!r}: {key}={getattr(self, key)} must be "
                                  f"in (0, 1] (0 = no roofline)")
+        if not 0.0 <= self.fp8_max_efficiency <= 1.0:
+            raise ValueError(f"platform {self.name!r}: fp8_gemm max_efficiency="
+                             f"{self.fp8_max_efficiency} must be in (0, 1] (0 = no FP8 model)")
+        if self.fp8_k_half < 0:
+            raise ValueError(f"platform {self.name!r}: fp8_gemm k_half={self.fp8_k_half} must "
+                             f"be >= 0")
+        if not 0.0 < self.fp8_hbm_fraction <= 1.0:
+            raise ValueError(f"platform {self.name!r}: fp8_gemm hbm_fraction="
+                             f"{self.fp8_hbm_fraction} must be in (0, 1]")
         if self.roofline_bytes_per_element <= 0:
             raise ValueError(f"platform {self.name!r}: roofline_bytes_per_element="
                              f"{self.roofline_bytes_per_element} must be > 0")
@@ -332,6 +357,26 @@ class Platform:
             cap = self.roofline_grouped_max_efficiency or self.roofline_max_efficiency
             return self._roofline(rows_per_expert, n, k, cap)
         return self.grouped_gemm_efficiency
+
+    def fp8_matmul_eff(self, m: float, n: float, k: float, fp8_peak: float) -> float:
+        """Efficiency (achieved / `fp8_peak`, FLOP/s) of one FP8 GEMM [m, k] x [k, n] with a
+        bf16 product: the [fp8_gemm] model (module docstring); without one, `matmul_eff`."""
+        _check_dims("fp8_matmul_eff", m=m, n=n, k=k, fp8_peak=fp8_peak)
+        if not self.fp8_max_efficiency:
+            return self.matmul_eff(m, n, k)
+        cap = self.fp8_max_efficiency * k / (k + self.fp8_k_half)
+        ai = 2.0 * m * n * k / (m * k + k * n + 2.0 * m * n)
+        return min(cap, ai * self.fp8_hbm_fraction * self.hbm_bandwidth / fp8_peak)
+
+    def fp8_grouped_eff(self, rows_per_expert: float, n: float, k: float,
+                        fp8_peak: float) -> float:
+        """Efficiency of the FP8 grouped expert GEMM, each expert's [rows, k] x [k, n] priced
+        as one FP8 GEMM (its weight read once for its rows); without [fp8_gemm],
+        `grouped_eff`."""
+        if not self.fp8_max_efficiency:
+            _check_dims("fp8_grouped_eff", rows_per_expert=rows_per_expert, n=n, k=k)
+            return self.grouped_eff(rows_per_expert, n, k)
+        return self.fp8_matmul_eff(rows_per_expert, n, k, fp8_peak)
 
     def attention_eff(self, seq: int, head_dim: int, causal: bool) -> float:
         """Efficiency of the attention kernel (scores and weighted values) for sequence length
@@ -406,6 +451,21 @@ class Platform:
         known.add("collectives")
         if "collectives" in data:
             kw["collectives"] = _collectives_from(data["collectives"], source)
+        known.add("fp8_gemm")
+        body = data.get("fp8_gemm", {})
+        bad_f8 = sorted(set(body) - set(_FP8_KEYS))
+        if bad_f8:
+            raise ValueError(f"{source}: unknown keys {bad_f8} in [fp8_gemm]; valid: "
+                             f"{sorted(_FP8_KEYS)}")
+        for key, fname in _FP8_KEYS.items():
+            if key in body:
+                v = body[key]
+                if isinstance(v, bool) or not isinstance(v, int | float):
+                    raise ValueError(f"{source}: [fp8_gemm] {key}={v!r} must be a number")
+                kw[fname] = float(v)
+        if body and not body.get("max_efficiency"):
+            raise ValueError(f"{source}: [fp8_gemm] needs max_efficiency in (0, 1], got "
+                             f"{body.get('max_efficiency')!r}")
         known.add("roofline")
         body = data.get("roofline", {})
         bad_rl = sorted(set(body) - set(_ROOFLINE_KEYS))
@@ -455,6 +515,8 @@ class Platform:
                 k: [[n, round(lat * 1e6, 3), round(bw / 1e9, 6)]
                     for kk, n, lat, bw in self.collectives if kk == k]
                 for k in COLLECTIVE_KINDS if any(c[0] == k for c in self.collectives)}
+        if self.fp8_max_efficiency:
+            out["fp8_gemm"] = {key: getattr(self, fname) for key, fname in _FP8_KEYS.items()}
         if self.roofline_max_efficiency:
             out["roofline"] = {key: getattr(self, fname) for key, fname in _ROOFLINE_KEYS.items()
                                if getattr(self, fname)}
