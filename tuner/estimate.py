@@ -117,6 +117,7 @@ from tuner.costs import (
     a2a_one,
     all_gather_time,
     gemm_peak,
+    grad_post_time,
     head_fwd,
     kv_width,
     layer_collectives,
@@ -126,6 +127,7 @@ from tuner.costs import (
     recompute_time,
     recomputes_a2a,
     reduce_scatter_time,
+    step_syncs,
 )
 from tuner.counts import LayerCounts, chunk_layers, head_params, layer_counts
 from tuner.layout import (
@@ -726,10 +728,21 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
         if sum(parts_.values()) > dp_sync:
             dp_sync, dp_parts = sum(parts_.values()), parts_
     optim = max(pf.optimizer_time(sm.update_bytes) for sm in stages)  # measured or 2 x / HBM
-    step = pipe + dp_sync + optim
+    # the trainer's gradient passes and small all-reduces (measured on CPU platforms, else 0)
+    post, n_clip, n_rest = 0.0, 0, 0
+    for sm in stages:
+        held = sm.params * pb.grad_bytes
+        owned = sm.grads if plan.zero == 2 else held
+        clip_n, rest_n = step_syncs(plan, sm.moe_layers > 0)
+        post = max(post, grad_post_time(held, owned, plan, pf))
+        n_clip, n_rest = max(n_clip, clip_n), max(n_rest, rest_n)
+    grad_post = post + n_clip * pf.sync_latency
+    syncs = n_rest * pf.sync_latency
+    step = pipe + dp_sync + optim + grad_post + syncs
     used = {"tp": plan.tp > 1, "cp": plan.cp > 1, "etp": plan.etp > 1, "zero3": plan.zero == 3}
     time = {**{k: v for k, v in per_rank[busiest].items() if used.get(k, True)},
-            "bubble": pipe - busy, "dp_sync": dp_sync, "optimizer": optim}
+            "bubble": pipe - busy, "dp_sync": dp_sync, "optimizer": optim,
+            **({"grad_post": grad_post, "step_syncs": syncs} if grad_post or syncs else {})}
     flops = cfg.flops_per_token(plan.seq_len) * plan.global_batch * plan.seq_len
     tflops = flops / (step * plan.n_gpus)
     notes = (
