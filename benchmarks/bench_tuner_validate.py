@@ -403,14 +403,14 @@ def main(argv: list[str] | None = None) -> None:
                              measured_at=r.get("measured_at", r.get("time", ""))))
     else:
         with tempfile.TemporaryDirectory(prefix="tuner-validate-") as tmp:
-            todo: list[tuple[str, ParallelPlan, ModelConfig, str, Path | None, dict]] = [
+            jobs: list[tuple[str, ParallelPlan, ModelConfig, str, Path | None, dict]] = [
                 (n, p, tiny, "tiny", None, {}) for n, p in configs]
             if readme:
                 rec = readme_recipe(WORK, platforms[README_REQUEST["gpus"]])
                 print(f"README recipe: planned {rec.plan} ({rec.plan_file})")
-                todo.append((README, rec.plan, ModelConfig.from_hf_config(str(rec.hf_dir)),
+                jobs.append((README, rec.plan, ModelConfig.from_hf_config(str(rec.hf_dir)),
                              str(rec.hf_dir), rec.data, {"plan_file": rec.plan_file.read_text()}))
-            for name, plan, cfg, model, data, extra in todo:
+            for name, plan, cfg, model, data, extra in jobs:
                 run_dir = Path(tmp) / name.replace(" ", "_").replace(":", "").replace("/", "_")
                 l0 = os.getloadavg()[0]
                 m = run_plan_locally(plan, model, run_dir, steps=args.steps, warmup=args.warmup,

@@ -68,6 +68,12 @@ Step time (seconds), for the busiest rank:
       updates / HBM, or those bytes / the platform's measured optimizer_bandwidth; with ZeRO
       only its shard). Collectives with a measured fit on the platform ([collectives]: gloo's
       all-reduce, reduce, broadcast by group size) are priced with it (`tuner.comms`)
+    + the trainer's gradient passes after the backward (flatten / scale / copy back, the fp64
+      norm, the clip's scale: `tuner.costs.grad_post_time`) and the step's small all-reduces
+      (the norm's over EP / PP, the loss's, the expert counts', the metrics':
+      `tuner.costs.step_syncs`), at the platform's measured grad_flatten_bandwidth,
+      grad_norm_bandwidth and sync_latency (time keys "grad_post", "step_syncs"; absent where
+      the platform has none of them, e.g. every GPU file)
     + the other dimensions, per layer and micro-batch (`layer_collectives`), on the links
       of their groups (`groups`: TP innermost, then CP, as trainer.layout places them):
         TP + SP   per TP region (attention; the dense branch: shared experts or dense FFN)
