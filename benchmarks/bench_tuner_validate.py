@@ -260,12 +260,15 @@ def predicted_parts(p: dict) -> dict[str, float]:
     """The estimate's parts grouped as the trainer times them: forward/backward = compute +
     all-to-all + P2P + bubble (+ TP/CP/ETP/ZeRO-3 terms); grad sync = the gradient reduction
     (all-reduce or reduce to owners, replica sums); optimizer = the update + ZeRO's broadcast
-    of the updated weights (trainer/distributed/zero.py broadcasts inside its step)."""
+    of the updated weights (trainer/distributed/zero.py broadcasts inside its step); grad sync
+    also the trainer's gradient passes and the clipping's small all-reduces ("grad_post"),
+    other = the step's other small all-reduces ("step_syncs"; both measured platform terms)."""
     t, dc = p["time"], p["dp_collectives"]
     bcast = dc.get("broadcast", 0.0) + dc.get("all_gather", 0.0)
-    return {"fwd_bwd_s": sum(v for k, v in t.items() if k not in ("dp_sync", "optimizer")),
-            "grad_sync_s": t.get("dp_sync", 0.0) - bcast,
-            "optim_s": t.get("optimizer", 0.0) + bcast}
+    rest = ("dp_sync", "optimizer", "grad_post", "step_syncs")
+    return {"fwd_bwd_s": sum(v for k, v in t.items() if k not in rest),
+            "grad_sync_s": t.get("dp_sync", 0.0) - bcast + t.get("grad_post", 0.0),
+            "optim_s": t.get("optimizer", 0.0) + bcast, "other_s": t.get("step_syncs", 0.0)}
 
 
 HDR = (f"{'config':36} {'W':>1} {'mem pred':>8} {'meas':>7} {'err':>6} {'step pred':>9} "
@@ -313,7 +316,7 @@ def _row(cfg: ModelConfig, name: str, plan: ParallelPlan, m: Measured, args: arg
     if parts:
         print("    parts measured / predicted (s): " + ", ".join(
             f"{k[:-2]} {parts[k]:.3f}/{pparts[k]:.3f}" for k in pparts if k in parts)
-            + f", other {parts.get('other_s', 0.0):.3f}/0; load {load[0]:.1f} -> {load[1]:.1f}")
+            + f"; load {load[0]:.1f} -> {load[1]:.1f}")
     return row
 
 
@@ -400,14 +403,14 @@ def main(argv: list[str] | None = None) -> None:
                              measured_at=r.get("measured_at", r.get("time", ""))))
     else:
         with tempfile.TemporaryDirectory(prefix="tuner-validate-") as tmp:
-            todo: list[tuple[str, ParallelPlan, ModelConfig, str, Path | None, dict]] = [
+            jobs: list[tuple[str, ParallelPlan, ModelConfig, str, Path | None, dict]] = [
                 (n, p, tiny, "tiny", None, {}) for n, p in configs]
             if readme:
                 rec = readme_recipe(WORK, platforms[README_REQUEST["gpus"]])
                 print(f"README recipe: planned {rec.plan} ({rec.plan_file})")
-                todo.append((README, rec.plan, ModelConfig.from_hf_config(str(rec.hf_dir)),
+                jobs.append((README, rec.plan, ModelConfig.from_hf_config(str(rec.hf_dir)),
                              str(rec.hf_dir), rec.data, {"plan_file": rec.plan_file.read_text()}))
-            for name, plan, cfg, model, data, extra in todo:
+            for name, plan, cfg, model, data, extra in jobs:
                 run_dir = Path(tmp) / name.replace(" ", "_").replace(":", "").replace("/", "_")
                 l0 = os.getloadavg()[0]
                 m = run_plan_locally(plan, model, run_dir, steps=args.steps, warmup=args.warmup,
@@ -467,8 +470,7 @@ def _fmt_parts(r: dict) -> str:
     if not mp:
         return "-"
     return " / ".join(f"{mp.get(k, 0.0):.3f}:{pp.get(k, 0.0):.3f}"
-                      for k in ("fwd_bwd_s", "grad_sync_s", "optim_s")) \
-        + f" / {mp.get('other_s', 0.0):.3f}"
+                      for k in ("fwd_bwd_s", "grad_sync_s", "optim_s", "other_s"))
 
 
 def _markdown(rows: list[dict], path: Path) -> None:
@@ -479,7 +481,7 @@ def _markdown(rows: list[dict], path: Path) -> None:
         "row of each config (sha, measured and predicted times in tuner_validate.jsonl). "
         "Memory = max state + max saved activations per rank; step time = median after the "
         "warm-up steps. Parts (s, measured:predicted): forward+backward / gradient sync / "
-        "optimizer (incl. ZeRO's broadcast) / other (measured only).",
+        "optimizer (incl. ZeRO's broadcast) / other (the step's small all-reduces).",
         "",
         "| config | procs | memory pred (MB) | measured (MB) | error | state pred / measured (MB) "
         "| step pred (s) | measured (s) | error | parts meas:pred (s) "

@@ -107,3 +107,48 @@ def test_zero_bubble_split_backward_extra() -> None:
     assert f1.step_time == f0.step_time  # same ops in the same order: exact
     with pytest.raises(ValueError, match="split_backward_extra"):
         _local(split_backward_extra=-0.1)
+
+
+def _rank_grad_bytes(ep: int) -> float:
+    """fp32 gradient bytes one rank of the tiny preset holds at PP = 1 and EP = `ep`, counted
+    on the torch module itself: every non-expert parameter, 1/ep of the routed experts'."""
+    from model import MoETransformer
+    from trainer.distributed.parallel import is_expert_param
+
+    named = list(MoETransformer(presets.get("tiny")).named_parameters())
+    dense = sum(p.numel() for n, p in named if not is_expert_param(n))
+    expert = sum(p.numel() for n, p in named if is_expert_param(n))
+    return 4.0 * (dense + expert / ep)
+
+
+def test_grad_passes_and_small_all_reduces() -> None:
+    """The measured gradient passes and small all-reduces (`tuner.costs.grad_post_time`,
+    `step_syncs`) against the trainer's passes counted by hand: ZeRO-0 at PP 1 x EP 2 runs
+    the whole flatten (cat, mul_, clone) over its gradients, the fp64 norm, the clip's scale,
+    one norm all-reduce over EP; the rest of the step all-reduces the loss over every rank
+    and the expert counts over the stage; a platform without the rates prices none of it."""
+    cfg = presets.get("tiny")
+    fl, nm, lat = 2e9, 1e9, 300e-6
+    p = _local(gpus_per_node=2, nics_per_node=2, grad_flatten_bandwidth=fl,
+               grad_norm_bandwidth=nm, sync_latency=lat)
+    bare = _local(gpus_per_node=2, nics_per_node=2)
+    plan = ParallelPlan(pp=1, ep=2, dp=1, microbatches=1, global_batch=16, seq_len=256)
+    g = _rank_grad_bytes(2)
+    e, e0 = (estimate(cfg, plan, q, FP32_TRAINER_PRECISION) for q in (p, bare))
+    assert e.time["grad_post"] == pytest.approx(g / fl + g / nm + g / (3 * fl) + lat, rel=1e-9)
+    assert e.time["step_syncs"] == pytest.approx(2 * lat, rel=1e-12)
+    assert "grad_post" not in e0.time and "step_syncs" not in e0.time
+    assert e.step_time - e0.step_time == pytest.approx(
+        e.time["grad_post"] + e.time["step_syncs"], rel=1e-9)
+    # ZeRO-2 at DP 2: the cat over every gradient in the backward's buckets, the scale, norm
+    # and clip over the owned ones; the norm all-reduced over the stage group
+    z2 = ParallelPlan(pp=1, ep=1, dp=2, microbatches=1, global_batch=8, seq_len=128, zero=2)
+    ez = estimate(cfg, z2, p, FP32_TRAINER_PRECISION,
+                  Assumptions(activation_set="trainer", zero_sharding="per-parameter"))
+    held, owned = _rank_grad_bytes(1), ez.stages[0].grads
+    assert owned < 0.6 * held  # the owner's share, about half
+    assert ez.time["grad_post"] == pytest.approx(
+        (held + 2 * owned) / (3 * fl) + owned / nm + lat, rel=1e-9)
+    for key in ("grad_flatten_bandwidth", "grad_norm_bandwidth", "sync_latency"):
+        with pytest.raises(ValueError, match=key):
+            _local(**{key: -1.0})

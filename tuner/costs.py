@@ -24,9 +24,10 @@ from tuner.counts import LayerCounts
 from tuner.layout import Assumptions, ParallelPlan, PrecisionPolicy
 from tuner.platform import Platform
 
-__all__ = ["a2a_exposed", "a2a_one", "all_gather_time", "fp8_effs", "gemm_peak", "head_fwd",
-           "place_groups", "kv_width", "layer_collectives", "layer_fwd", "layer_parts", "moe_module_time",
-           "recompute_time", "recomputes_a2a", "reduce_scatter_time", "zero3_time"]
+__all__ = ["a2a_exposed", "a2a_one", "all_gather_time", "fp8_effs", "gemm_peak", "grad_post_time",
+           "head_fwd", "place_groups", "kv_width", "layer_collectives", "layer_fwd", "layer_parts",
+           "moe_module_time", "recompute_time", "recomputes_a2a", "reduce_scatter_time",
+           "step_syncs", "zero3_time"]
 
 
 def reduce_scatter_time(nbytes: float, group: GroupPlacement, platform: Platform) -> float:
@@ -298,3 +299,41 @@ def zero3_time(parts: dict[str, float], rec: float, plan: ParallelPlan, pf: Plat
                              f"{plan.microbatches} micro-batches")
         return runs * (max(0.0, ag - f) + rs) / plan.microbatches
     return max(0.0, ag - f) + max(0.0, ag + rs - 2 * f - rec)
+
+
+def grad_post_time(held: float, owned: float, plan: ParallelPlan, pf: Platform,
+                   clipped: bool = True) -> float:
+    """Seconds of the trainer's gradient passes after the backward besides the collectives
+    (trainer/distributed/grad_sync.py), at the platform's measured rates (0 where it has
+    none: the GPU platforms). `held`: fp32 gradient bytes the rank holds after its backward,
+    `owned`: those it keeps after the reduction (ZeRO-2: its owned share; else `held`).
+        flatten  ZeRO-0 (one flat buffer per group after the backward, `_allreduce`): cat,
+                 scale (mul_), copy back (clone) over `held`: one `grad_flatten_bandwidth`
+                 pass; ZeRO-1/2 (buckets from the backward's hooks, the buffer becomes the
+                 gradient): the cat over `held` and the scale over `owned`, each one of
+                 the flatten's three equal read + write passes
+        norm     the fp64 squared norm over `owned` at `grad_norm_bandwidth`
+        clip     with `clipped` (the norm above train.grad_clip) one more scale over `owned`
+    ZeRO-3 (FSDP2's reduce-scatter per layer, `Zero3Sync`) is not priced here: 0.
+    """
+    if not pf.grad_flatten_bandwidth or not pf.grad_norm_bandwidth or plan.zero == 3:
+        return 0.0
+    third = 1.0 / (3.0 * pf.grad_flatten_bandwidth)
+    flat = 3 * held * third if plan.zero == 0 else (held + owned) * third
+    return flat + owned / pf.grad_norm_bandwidth + (owned * third if clipped else 0.0)
+
+
+def step_syncs(plan: ParallelPlan, moe_on_rank: bool = True) -> tuple[int, int]:
+    """Small all-reduces of one trainer step (a few fp64 values each, so their time is the
+    platform's `sync_latency`): (in the gradient sync, in the rest of the step).
+        gradient sync  the clipping's squared norm: over the EP group (ZeRO-0/1; ZeRO-2 over
+                       the stage group instead) and over the PP group (trainer/distributed/
+                       grad_sync.py `clip`)
+        rest           the loss and aux loss over every rank, the expert counts over the
+                       stage group, the per-layer metrics over the PP group
+                       (trainer/step.py, trainer/observe/stats.py, trainer/observe/metrics.py)
+    """
+    stage = plan.stage_size
+    clip = (plan.ep > 1 if plan.zero != 2 else stage > 1) + (plan.pp > 1)
+    rest = (plan.n_gpus > 1) + (stage > 1 and moe_on_rank) + (plan.pp > 1)
+    return int(clip), int(rest)

@@ -68,6 +68,12 @@ Step time (seconds), for the busiest rank:
       updates / HBM, or those bytes / the platform's measured optimizer_bandwidth; with ZeRO
       only its shard). Collectives with a measured fit on the platform ([collectives]: gloo's
       all-reduce, reduce, broadcast by group size) are priced with it (`tuner.comms`)
+    + the trainer's gradient passes after the backward (flatten / scale / copy back, the fp64
+      norm, the clip's scale: `tuner.costs.grad_post_time`) and the step's small all-reduces
+      (the norm's over EP / PP, the loss's, the expert counts', the metrics':
+      `tuner.costs.step_syncs`), at the platform's measured grad_flatten_bandwidth,
+      grad_norm_bandwidth and sync_latency (time keys "grad_post", "step_syncs"; absent where
+      the platform has none of them, e.g. every GPU file)
     + the other dimensions, per layer and micro-batch (`layer_collectives`), on the links
       of their groups (`groups`: TP innermost, then CP, as trainer.layout places them):
         TP + SP   per TP region (attention; the dense branch: shared experts or dense FFN)
@@ -118,6 +124,7 @@ from tuner.costs import (
     a2a_one,
     all_gather_time,
     gemm_peak,
+    grad_post_time,
     head_fwd,
     kv_width,
     layer_collectives,
@@ -127,6 +134,7 @@ from tuner.costs import (
     recompute_time,
     recomputes_a2a,
     reduce_scatter_time,
+    step_syncs,
 )
 from tuner.counts import LayerCounts, chunk_layers, head_params, layer_counts
 from tuner.layout import (
@@ -736,10 +744,21 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
         if sum(parts_.values()) > dp_sync:
             dp_sync, dp_parts = sum(parts_.values()), parts_
     optim = max(pf.optimizer_time(sm.update_bytes) for sm in stages)  # measured or 2 x / HBM
-    step = pipe + dp_sync + optim
+    # the trainer's gradient passes and small all-reduces (measured on CPU platforms, else 0)
+    post, n_clip, n_rest = 0.0, 0, 0
+    for sm in stages:
+        held = sm.params * pb.grad_bytes
+        owned = sm.grads if plan.zero == 2 else held
+        clip_n, rest_n = step_syncs(plan, sm.moe_layers > 0)
+        post = max(post, grad_post_time(held, owned, plan, pf))
+        n_clip, n_rest = max(n_clip, clip_n), max(n_rest, rest_n)
+    grad_post = post + n_clip * pf.sync_latency
+    syncs = n_rest * pf.sync_latency
+    step = pipe + dp_sync + optim + grad_post + syncs
     used = {"tp": plan.tp > 1, "cp": plan.cp > 1, "etp": plan.etp > 1, "zero3": plan.zero == 3}
     time = {**{k: v for k, v in per_rank[busiest].items() if used.get(k, True)},
-            "bubble": pipe - busy, "dp_sync": dp_sync, "optimizer": optim}
+            "bubble": pipe - busy, "dp_sync": dp_sync, "optimizer": optim,
+            **({"grad_post": grad_post, "step_syncs": syncs} if grad_post or syncs else {})}
     flops = cfg.flops_per_token(plan.seq_len) * plan.global_batch * plan.seq_len
     tflops = flops / (step * plan.n_gpus)
     notes = (

@@ -32,6 +32,14 @@ as the median of repeats after a warm-up:
     split backward  one tiny-preset decoder layer at 1024 tokens, forward + zero-bubble split
                   backward (pipeline/split_backward.py: B, then W) against forward + plain
                   backward -> split_backward_extra (the fraction it adds)
+    gradient passes  the trainer's work on the gradients after the backward besides the
+                  collectives (trainer/distributed/grad_sync.py), over the tiny preset's
+                  gradients in all processes at once: flatten (cat, scale, copy back) and the
+                  fp64 squared norm -> grad_flatten_bandwidth, grad_norm_bandwidth (fp32
+                  gradient bytes per second)
+    small all-reduce  all_reduce of 16 fp64 values over all `n_procs` processes (the step's
+                  loss, norm and metrics all-reduces) -> sync_latency (the slowest rank's
+                  median)
     optimizer     the trainer's AdamW step (foreach=False, fp32) over the tiny preset's
                   parameters, in all processes at once -> optimizer_bandwidth (state bytes
                   updated per second: 16 per parameter, weights + gradients + 2 moments)
@@ -236,7 +244,9 @@ def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, thre
     optimizer = _optimizer_rate(reps)
     dist.barrier(group)
     split_extra = _split_backward_extra(reps)
-    return {"rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
+    dist.barrier(group)
+    grad_flatten, grad_norm = _grad_pass_rates(reps)
+    return {"grad_flatten": grad_flatten, "grad_norm": grad_norm,"rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
             "overhead": overhead, "widths": widths, "grid": grid, "grouped_rows": grouped_rows,
             "attn_grid": attn_grid, "optimizer": optimizer, "split_extra": split_extra}
 
@@ -265,6 +275,31 @@ def _split_backward_extra(repeats: int, tokens: int = 1024) -> float:
     t_plain = _median_time(plain, repeats, warmup=2)
     t_split = _median_time(split, repeats, warmup=2)
     return max(0.0, t_split / t_plain - 1.0)
+
+
+def _grad_pass_rates(repeats: int) -> tuple[float, float]:
+    """fp32 gradient bytes per second of the trainer's two gradient passes after the backward
+    (trainer/distributed/grad_sync.py), over the tiny preset's 43 gradient tensors: (flatten:
+    cat into one buffer, scale in place, copy each tensor back out, as `GradSync._allreduce`
+    does around its all-reduce; norm: each tensor's fp64 squared sum, as `GradSync.clip`)."""
+    from model import MoETransformer, presets
+
+    grads = [torch.randn_like(q) for q in MoETransformer(presets.get("tiny")).parameters()]
+    nbytes = 4 * sum(g.numel() for g in grads)
+
+    def flatten() -> None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat.mul_(0.5)
+        i = 0
+        for g in grads:
+            flat[i:i + g.numel()].clone()
+            i += g.numel()
+
+    def norm() -> None:
+        sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+
+    return (nbytes / _median_time(flatten, repeats, warmup=2),
+            nbytes / _median_time(norm, repeats, warmup=2))
 
 
 def _optimizer_rate(repeats: int) -> float:
@@ -321,6 +356,10 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: 
     """Median seconds of all_to_all_single and of a 0 <-> 1 ping-pong per message size, and of
     the collectives (`_collective_times`) on all ranks and on concurrent pairs."""
     out: dict[str, Any] = {"a2a": [], "p2p": []}
+    small = torch.zeros(16, dtype=torch.float64)  # the step's loss / norm / metrics values
+    dist.barrier()
+    out["sync"] = _median_time(lambda: dist.all_reduce(small, group=group), 5 * repeats,
+                               warmup=3, min_s=0.0)
     if coll_sizes:
         out["coll"] = {world: _collective_times(rank, group, 0, coll_sizes, repeats)}
         if world >= 4 and world % 2 == 0:  # every rank in a pair: same barrier count
@@ -465,6 +504,10 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
             collectives.append((kind, n, lat, bw))
     fields["optimizer_bandwidth"] = statistics.median(r["optimizer"] for r in per_rank)
     fields["split_backward_extra"] = statistics.median(r["split_extra"] for r in per_rank)
+    fields["grad_flatten_bandwidth"] = statistics.median(r["grad_flatten"] for r in per_rank)
+    fields["grad_norm_bandwidth"] = statistics.median(r["grad_norm"] for r in per_rank)
+    # the slowest rank's median: a collective ends when its last member arrives
+    fields["sync_latency"] = max(r["sync"] for r in per_rank_comm)
     a2a_lat, a2a_bw_total = fit_latency_bandwidth(sizes, res["a2a"])
     p2p_lat, p2p_bw = fit_latency_bandwidth(sizes, res["p2p"])
     # An all-to-all of B bytes per rank moves B (n-1)/n off each rank: report per-rank
@@ -493,6 +536,9 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         "split_backward_extra": "zero-bubble split backward's extra time / plain fwd+bwd, "
                                 "tiny layer, 1024 tokens",
         "optimizer_bandwidth_gbs": "AdamW(foreach=False) step, 16 B/param / s, tiny preset",
+        "grad_flatten_bandwidth_gbs": "fp32 grad bytes / s of cat + mul_ + clone, tiny preset",
+        "grad_norm_bandwidth_gbs": "fp32 grad bytes / s of the fp64 squared norm, tiny preset",
+        "sync_latency_us": f"all_reduce of 16 fp64 values over the {n_procs} processes",
         "collectives": f"measured: gloo collectives over groups of n of the {n_procs} "
                        f"processes (concurrent pairs below {n_procs}), t = latency + bytes per "
                        f"rank / bandwidth fitted over {coll_sizes[0] >> 10} KB - "

@@ -69,11 +69,14 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("memory", "hbm_bandwidth_gbs", "hbm_bandwidth", 1e9),
     ("memory", "usable_fraction", "usable_fraction", 1.0),
     ("memory", "optimizer_bandwidth_gbs", "optimizer_bandwidth", 1e9),
+    ("memory", "grad_flatten_bandwidth_gbs", "grad_flatten_bandwidth", 1e9),
+    ("memory", "grad_norm_bandwidth_gbs", "grad_norm_bandwidth", 1e9),
     ("node", "gpus_per_node", "gpus_per_node", 1),
     ("node", "nodes_per_domain", "nodes_per_domain", 1),
     ("node", "nodes_per_group", "nodes_per_group", 1),
     ("node", "intra_node_bandwidth_gbs", "intra_node_bandwidth", 1e9),
     ("node", "intra_node_latency_us", "intra_node_latency", 1e-6),
+    ("node", "sync_latency_us", "sync_latency", 1e-6),
     ("network", "nics_per_node", "nics_per_node", 1),
     ("network", "nic_bandwidth_gbs", "nic_bandwidth", 1e9),
     ("network", "network_latency_us", "network_latency", 1e-6),
@@ -240,6 +243,14 @@ class Platform:
     # optimizer step's state bytes per second (0: memory bound)
     collectives: tuple[tuple[str, int, float, float], ...] = ()
     optimizer_bandwidth: float = 0.0
+    # Measured on CPU (`tuner measure`; 0 = not measured, no term): fp32 gradient bytes per
+    # second of the trainer's gradient passes after the backward (trainer/distributed/
+    # grad_sync.py): flatten into a bucket, scale, copy back (cat, mul_, clone), and the fp64
+    # squared norm of the clipping; and the seconds of one small all-reduce (a few fp64
+    # values over every process: the norm's, the loss's and the metrics' all-reduces)
+    grad_flatten_bandwidth: float = 0.0
+    grad_norm_bandwidth: float = 0.0
+    sync_latency: float = 0.0
     nodes_per_domain: int = 1
     nodes_per_group: int = 1
     intra_node_latency: float = 5e-6
@@ -284,6 +295,10 @@ class Platform:
         if self.optimizer_bandwidth < 0:
             raise ValueError(f"platform {self.name!r}: optimizer_bandwidth="
                              f"{self.optimizer_bandwidth} must be >= 0 (0 = memory bound)")
+        for key in ("grad_flatten_bandwidth", "grad_norm_bandwidth", "sync_latency"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"platform {self.name!r}: {key}={getattr(self, key)} must be "
+                                 f">= 0 (0 = not measured)")
         if self.layer_overhead < 0:
             raise ValueError(f"platform {self.name!r}: layer_overhead={self.layer_overhead} must be >= 0")
         for key in ("peak_flops", "hbm_bytes", "nic_bandwidth", "intra_node_bandwidth",

@@ -1,0 +1,81 @@
+"""Does the trainer run its forward + backward slower than a bare one? (issue 33, item 7)
+
+Runs under torchrun with train.py's options; every rank builds the real `Trainer`, takes 3
+warm-up steps, then alternates N times: one `Trainer.train_step()` (its `fwd_bwd_s`), one bare
+forward + backward of the same model object on the same batch (no memory meter, no gradient
+sync armed), and the same bare one under the trainer's memory meter. Interleaving puts the
+three in the same load window, so their ratio is meaningful on a shared machine where the
+absolute times are not. Prints each rank's medians (and the step's other parts).
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc-per-node 2 \\
+        benchmarks/probe_trainer_vs_bare.py --model.preset=tiny --train.seq_len=256 \\
+        --train.global_batch=16 --parallel.dp=2 --parallel.ep=1 --train.steps=20 \\
+        --train.eval_every=0 --train.ckpt_every=0 --train.plot=false \\
+        --train.tensorboard=false --train.memory_report=true --train.out_dir=runs/probe
+    PROBE_ITERS=8 (default 6) sets N.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from model import cross_entropy
+from trainer import Trainer, parse_args, prepare
+
+
+def main(argv: list[str]) -> None:
+    n_iter = int(os.environ.get("PROBE_ITERS", "6"))
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    cfg = parse_args(argv)
+    prep = prepare(cfg, world, rank)
+    torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // world))
+    if world > 1:
+        dist.init_process_group("gloo")
+    tr = Trainer(prep)
+    parts, t = tr.parts, cfg.train
+    res: dict[str, list[float]] = {}
+
+    def bare(meter: bool) -> float:
+        tokens, targets = parts.corpus.batch(0, t.global_batch, t.seq_len, parts.mesh.data_idx,
+                                             parts.mesh.n_data_shards, cfg.data.seed)
+        if world > 1:
+            dist.barrier()
+        m = cfg.parallel.microbatches
+        t0 = time.perf_counter()
+        with parts.stats.meter if meter else contextlib.nullcontext():
+            for tok, tgt in zip(tokens.chunk(m), targets.chunk(m), strict=True):
+                ((cross_entropy(parts.model(tok), tgt) + parts.model.aux_loss()) / m).backward()
+        dt = time.perf_counter() - t0
+        for p in parts.model.parameters():
+            p.grad = None
+        return dt
+
+    for _ in range(3):
+        tr.train_step()
+    for _ in range(n_iter):
+        r = tr.train_step()
+        for k in ("fwd_bwd_s", "step_time_s", "grad_sync_s", "optim_s"):
+            res.setdefault("trainer_" + k, []).append(getattr(r, k))
+        res.setdefault("bare_fwd_bwd_s", []).append(bare(False))
+        res.setdefault("bare_meter_fwd_bwd_s", []).append(bare(True))
+    med = {k: round(statistics.median(v), 4) for k, v in res.items()}
+    med["trainer_over_bare"] = round(med["trainer_fwd_bwd_s"] / med["bare_fwd_bwd_s"], 3)
+    every = [med] * world
+    if world > 1:
+        dist.all_gather_object(every, med)
+        dist.destroy_process_group()
+    if rank == 0:
+        for i, m in enumerate(every):
+            print(f"rank {i} {json.dumps(m)}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
