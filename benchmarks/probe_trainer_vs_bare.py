@@ -5,7 +5,9 @@ warm-up steps, then alternates N times: one `Trainer.train_step()` (its `fwd_bwd
 forward + backward of the same model object on the same batch (no memory meter, no gradient
 sync armed), and the same bare one under the trainer's memory meter. Interleaving puts the
 three in the same load window, so their ratio is meaningful on a shared machine where the
-absolute times are not. Prints each rank's medians (and the step's other parts).
+absolute times are not. Prints each rank's medians (and the step's other parts) and appends
+them to probe_trainer_vs_bare.jsonl (runs/bench/probe_trainer_vs_bare/, `--out`, or `--record`:
+benchmarks/results/); every other argument is train.py's.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc-per-node 2 \\
         benchmarks/probe_trainer_vs_bare.py --model.preset=tiny --train.seq_len=256 \\
@@ -17,24 +19,37 @@ absolute times are not. Prints each rank's medians (and the step's other parts).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from model import cross_entropy
-from trainer import Trainer, parse_args, prepare
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import add_output_args, git_sha, output_dir, print_written  # noqa: E402
+
+from model import cross_entropy  # noqa: E402
+from trainer import Trainer, parse_args, prepare  # noqa: E402
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_output_args(p, "probe_trainer_vs_bare")
+    return p
 
 
 def main(argv: list[str]) -> None:
     n_iter = int(os.environ.get("PROBE_ITERS", "6"))
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    cfg = parse_args(argv)
+    args, train_argv = parser().parse_known_args(argv)
+    cfg = parse_args(train_argv)
     prep = prepare(cfg, world, rank)
     torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // world))
     if world > 1:
@@ -75,6 +90,11 @@ def main(argv: list[str]) -> None:
     if rank == 0:
         for i, m in enumerate(every):
             print(f"rank {i} {json.dumps(m)}", flush=True)
+        path = output_dir(args) / "probe_trainer_vs_bare.jsonl"
+        with path.open("a") as f:
+            f.write(json.dumps({"commit": git_sha(), "world": world, "argv": train_argv,
+                                "iters": n_iter, "ranks": every}) + "\n")
+        print_written(path)
 
 
 if __name__ == "__main__":
