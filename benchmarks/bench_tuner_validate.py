@@ -22,6 +22,8 @@ and the machine's load average before and after each run.
     flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_validate.py --reuse-platforms
     .venv/bin/python benchmarks/bench_tuner_validate.py --repredict   # no runs: the last measured
         rows of tuner_validate.jsonl against the current model and platform files
+    .venv/bin/python benchmarks/bench_tuner_validate.py --repredict --shared-cores  # the same,
+        the pipeline replayed on shared cores (`tuner.sharing`)
     flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_validate.py \
         --reuse-platforms --only zero        # the ZeRO rows only (names starting with "zero")
     flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_validate.py \
@@ -225,13 +227,15 @@ def platform_path(out: Path, world: int) -> Path:
 
 
 def predict(cfg: ModelConfig, plan: ParallelPlan, platform: Path,
-            imbalance: float = 1.0) -> dict:
+            imbalance: float = 1.0, shared_cores: bool = False) -> dict:
     """Predicted per-rank peak memory (state + activations, bytes), step time (s) and its
-    parts on the platform file `platform`."""
+    parts on the platform file `platform`; `shared_cores`: the pipeline replayed on the
+    node's shared cores (`Assumptions.shared_cores`)."""
     pf = load_platform(platform)
     # ZeRO as the trainer shards it: whole parameters per owner (trainer/distributed/zero.py)
     asm = Assumptions(activation_set="trainer", routing_imbalance=imbalance,
-                      activation_traffic_passes=4.0, zero_sharding="per-parameter")
+                      activation_traffic_passes=4.0, zero_sharding="per-parameter",
+                      shared_cores=shared_cores)
     e = estimate(cfg, plan, pf, FP32_TRAINER_PRECISION, asm)
     state = max(s.state for s in e.stages)
     act = max(s.activations for s in e.stages)
@@ -280,8 +284,9 @@ def _row(cfg: ModelConfig, name: str, plan: ParallelPlan, m: Measured, args: arg
          measured_at: str = "", extra: dict | None = None) -> dict:
     """Predict `plan` on `platforms[world]`, compare with measurement `m`, print one line,
     return the JSON row."""
-    p = predict(cfg, plan, platforms[plan.n_gpus], max(1.0, m.imbalance))
-    p_bal = predict(cfg, plan, platforms[plan.n_gpus])
+    sc = bool(getattr(args, "shared_cores", False))
+    p = predict(cfg, plan, platforms[plan.n_gpus], max(1.0, m.imbalance), sc)
+    p_bal = predict(cfg, plan, platforms[plan.n_gpus], shared_cores=sc)
     mem_err = p["memory"] / m.memory_bytes - 1
     t_err = p["step_time"] / m.step_time_s - 1
     state_err = p["state"] / m.state_bytes - 1
@@ -305,7 +310,8 @@ def _row(cfg: ModelConfig, name: str, plan: ParallelPlan, m: Measured, args: arg
         "mem_err": mem_err, "pred_step_s": p["step_time"], "meas_step_s": m.step_time_s,
         "step_err": t_err, "pred_time_breakdown": p["time"],
         "pred_dp_collectives": p["dp_collectives"], "pred_parts": pparts, "meas_parts": parts,
-        "load_before": load[0], "load_after": load[1], "pass": ok, **(extra or {}),
+        "load_before": load[0], "load_after": load[1], "pass": ok, "shared_cores": sc,
+        **(extra or {}),
     }
     print(f"{name:36} {plan.n_gpus:>1} {p['memory'] / 1e6:>7.1f}M {m.memory_bytes / 1e6:>6.1f}M "
           f"{100 * mem_err:>+5.1f}% {p['step_time']:>8.3f}s {m.step_time_s:>6.3f}s "
@@ -333,6 +339,9 @@ def parser() -> argparse.ArgumentParser:
                     help="ZeRO rows: auto runs them when the trainer acts on parallel.zero")
     ap.add_argument("--repredict", action="store_true",
                     help="no runs: compare the last measured rows with the current model")
+    ap.add_argument("--shared-cores", action="store_true",
+                    help="predict with the pipeline replayed on the node's shared cores "
+                         "(Assumptions.shared_cores; the platform files' cores_per_node)")
     add_output_args(ap, "tuner_validate")
     return ap
 

@@ -48,7 +48,14 @@ Step time (seconds), for the busiest rank:
     full recompute); P2P of the activation and its gradient; none overlapped unless the
     `Assumptions` say so
     pipeline  busy / (1 - bubble_fraction(schedule, F=1, B=2)) (W=B=1 for zb-h1): the unit
-              bubble scaled to the slowest rank
+              bubble scaled to the slowest rank. Where the platform's processes share the
+              node's cores (`Platform.shares_cores`: a measured CPU platform with more
+              processes x threads than cores; `Assumptions.shared_cores`), busy x the
+              makespan of the same unit-cost schedule replayed with processor sharing
+              (`tuner.sharing`: the compute share of each action runs at min(threads,
+              cores / k) / min(threads, cores / N) of the measured rate with k of the N
+              processes computing; its all-to-all and P2P share waits without a core) over
+              the busy time: waiting ranks give their cores to the busy ones
     + DP gradient sync, once per step (ring collectives, `tuner.comms` link rates):
         ZeRO-0    all-reduce of the gradients over each part's replica group
         ZeRO-1/2  reduce-scatter of the gradients (M times for ZeRO-2 with
@@ -145,6 +152,7 @@ from tuner.layout import (
     PrecisionPolicy,
 )
 from tuner.platform import Platform
+from tuner.sharing import core_speed, shared_makespan
 
 __all__ = ["Estimate", "StageMemory", "estimate", "stage_memory", "schedule_stats",
            "step_time_lower_bound", "reduce_scatter_time", "all_gather_time"]
@@ -264,6 +272,29 @@ def _exact_stats(name: str, pp: int, m: int, v: int) -> tuple[float, tuple[int, 
     makespan = m * v * 3.0 / (1.0 - bubble)  # every (stage, mb) costs F + B (+ W) = 3
     peaks = peak_inflight(sched)
     return makespan, tuple(peaks[r] for r in range(pp))
+
+
+def shared_span(plan: ParallelPlan, pf: Platform, cpu_share: float) -> float:
+    """Makespan of `plan`'s schedule replayed on `pf`'s shared cores (`tuner.sharing`), in
+    units of the busiest rank's busy time: the factor that replaces 1 / (1 - bubble). Unit
+    costs as `schedule_stats` (F=1, B=2; zb-h1 F=B=W=1), `plan.n_gpus / pp` processes per
+    pipeline rank, `cpu_share` of each action computing."""
+    return _shared_span(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual,
+                        plan.n_gpus // plan.pp, plan.n_gpus, pf.cores_per_node,
+                        pf.threads_per_process, round(cpu_share, 4))
+
+
+@functools.lru_cache(maxsize=1024)
+def _shared_span(name: str, pp: int, m: int, v: int, per_stage: int, n: int, cores: int,
+                 threads: int, cpu_share: float) -> float:
+    kw = {"n_virtual": v} if name == "interleaved-1f1b" else {}
+    sched = build(name, pp, m, **kw)
+    costs = {"F": 1.0, "B": 1.0, "W": 1.0} if name == "zb-h1" else {"F": 1.0, "B": 2.0}
+    if per_stage * pp != n:
+        raise ValueError(f"{n} processes do not split evenly over {pp} pipeline ranks")
+    span = shared_makespan(sched, costs, dict.fromkeys(sched, per_stage), cores, threads,
+                           cpu_share)
+    return span / (m * v * 3.0)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -668,6 +699,11 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
             busy += 3 * fwd + rec + len(c) * pf.layer_overhead
         busiest = max(busiest, busy * plan.microbatches)
     upd = max(st.update_bytes for st in stages or stage_memory(cfg_, plan, pf, precision, asm))
+    if asm.shared_cores and plan.pp > 1 and pf.shares_cores(plan.n_gpus):
+        # on shared cores no rank runs faster than with only its own stage computing
+        fast = core_speed(plan.n_gpus // plan.pp, plan.n_gpus, pf.cores_per_node,
+                          pf.threads_per_process)
+        return busiest / fast + pf.optimizer_time(upd)
     return busiest / (1.0 - bubble) + pf.optimizer_time(upd)
 
 
@@ -736,6 +772,11 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     busiest = max(range(plan.pp), key=lambda r: sum(per_rank[r].values()))
     busy = sum(per_rank[busiest].values())
     pipe = busy / (1.0 - bubble)
+    shared = asm.shared_cores and plan.pp > 1 and pf.shares_cores(plan.n_gpus)
+    if shared:
+        # processes share the node's cores: replay the schedule with the waiting ranks' share
+        # given to the busy ones (`tuner.sharing`); compute is the part that uses a core
+        pipe = busy * shared_span(plan, pf, per_rank[busiest]["compute"] / busy if busy else 1.0)
 
     dp_sync, dp_parts = -1.0, {}
     for sm in stages:
@@ -768,7 +809,10 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
            if plan.a2a_overlap != "none" else "")
         + f"), P2P {asm.p2p_overlap:.0%}, DP {asm.dp_overlap:.0%}; routing imbalance "
         f"{asm.routing_imbalance}",
-        "bubble from the unit-cost schedule scaled to the slowest rank",
+        "bubble from the unit-cost schedule scaled to the slowest rank"
+        + (f"; replayed on {pf.cores_per_node} shared cores ({plan.n_gpus} processes x "
+           f"{pf.threads_per_process} threads): waiting ranks' share goes to the busy ones"
+           if shared else ""),
         _zero_note(plan, asm),
         f"precision: {pb.name or 'custom'} state ({pb.weight_bytes} B weights, {pb.grad_bytes} B "
         f"grads, {pb.master_bytes} B master, {pb.optimizer_bytes} B moments per parameter); "

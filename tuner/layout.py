@@ -332,6 +332,14 @@ class Assumptions:
         what the communication kernels leave. Default 20 / 132: DeepSeek-V3's overlap
         (DualPipe, its all-to-all kernels) holds 20 of the H800's 132 SMs for communication
         (DeepSeek-V3 technical report, arXiv:2412.19437, section 3.2.2). 0: overlap is free.
+    shared_cores: on a platform whose processes share the node's cores (`Platform.
+        shares_cores`: a CPU platform from `tuner measure`, more processes x threads than
+        cores), replay the pipeline schedule with processor sharing (`tuner.sharing`: a rank
+        waiting on its neighbour gives its core share to the busy ones) instead of pricing
+        the bubble as idle dedicated devices. No effect elsewhere (every GPU file). True by
+        default; False prices the bubble as on dedicated devices (re-predicting the recorded
+        runs of this project's 2-core machine: 16 of 17 rows within 15 % against 14 of 17,
+        docs/planner.md, the local validation).
     """
 
     flash_attention: bool = True
@@ -354,8 +362,11 @@ class Assumptions:
     zero3_runs: int = 1
     fp8_peak_factor: float | None = None
     overlap_compute_share: float = 20 / 132
+    shared_cores: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shared_cores, bool):
+            raise ValueError(f"shared_cores={self.shared_cores!r} must be True or False")
         if not 0.0 <= self.overlap_compute_share < 1.0:
             raise ValueError(f"overlap_compute_share={self.overlap_compute_share} must be in "
                              f"[0, 1)")

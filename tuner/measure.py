@@ -520,7 +520,8 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         hbm_bytes=ram / n_procs, gpus_per_node=n_procs,
         nic_bandwidth=p2p_bw, nics_per_node=n_procs, intra_node_bandwidth=a2a_bw,
         usable_fraction=0.9, intra_node_latency=a2a_lat, network_latency=p2p_lat,
-        collectives=tuple(collectives), **fields,
+        collectives=tuple(collectives), cores_per_node=cores, threads_per_process=threads,
+        **fields,
     )
     n_rates = len(per_rank[0]["rates"])
     notes = {
@@ -538,6 +539,8 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         "optimizer_bandwidth_gbs": "AdamW(foreach=False) step, 16 B/param / s, tiny preset",
         "grad_flatten_bandwidth_gbs": "fp32 grad bytes / s of cat + mul_ + clone, tiny preset",
         "grad_norm_bandwidth_gbs": "fp32 grad bytes / s of the fp64 squared norm, tiny preset",
+        "cores_per_node": "os.cpu_count() of this machine",
+        "threads_per_process": f"torch intra-op threads per process (cores // {n_procs}, >= 1)",
         "sync_latency_us": f"all_reduce of 16 fp64 values over the {n_procs} processes",
         "collectives": f"measured: gloo collectives over groups of n of the {n_procs} "
                        f"processes (concurrent pairs below {n_procs}), t = latency + bytes per "

@@ -77,12 +77,16 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("node", "intra_node_bandwidth_gbs", "intra_node_bandwidth", 1e9),
     ("node", "intra_node_latency_us", "intra_node_latency", 1e-6),
     ("node", "sync_latency_us", "sync_latency", 1e-6),
+    ("node", "cores_per_node", "cores_per_node", 1),
+    ("node", "threads_per_process", "threads_per_process", 1),
     ("network", "nics_per_node", "nics_per_node", 1),
     ("network", "nic_bandwidth_gbs", "nic_bandwidth", 1e9),
     ("network", "network_latency_us", "network_latency", 1e-6),
     ("network", "nonminimal_route_share", "nonminimal_route_share", 1.0),
 )
 _INT_FIELDS = {"gpus_per_node", "nodes_per_domain", "nodes_per_group", "nics_per_node"}
+# ints where 0 means "not stated": one device per rank, nothing shared (every GPU file)
+_COUNT_FIELDS = {"cores_per_node", "threads_per_process"}
 _FRACTIONS = {
     "gemm_efficiency", "grouped_gemm_efficiency", "attention_efficiency", "usable_fraction",
 }
@@ -251,6 +255,12 @@ class Platform:
     grad_flatten_bandwidth: float = 0.0
     grad_norm_bandwidth: float = 0.0
     sync_latency: float = 0.0
+    # CPU platforms (`tuner measure`: the machine's cores as the OS reports them and the
+    # intra-op threads each process got): with more processes x threads than cores the
+    # processes share the cores, and a rank waiting in the pipeline gives its share to the
+    # busy ones (`tuner.sharing`). 0 = not stated: one device per rank (every GPU file)
+    cores_per_node: int = 0
+    threads_per_process: int = 0
     nodes_per_domain: int = 1
     nodes_per_group: int = 1
     intra_node_latency: float = 5e-6
@@ -278,6 +288,9 @@ class Platform:
                 continue
             if f.name in _INT_FIELDS and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"platform {self.name!r}: {f.name}={v!r} must be an int >= 1")
+            if f.name in _COUNT_FIELDS and (not isinstance(v, int) or v < 0):
+                raise ValueError(f"platform {self.name!r}: {f.name}={v!r} must be an int >= 0 "
+                                 f"(0 = not stated: one device per rank)")
             if f.name == "gemm_width_efficiency":
                 if any(not 0.0 < e <= 1.0 or w < 1 for w, e in v) or \
                         [w for w, _ in v] != sorted({w for w, _ in v}):
@@ -299,6 +312,10 @@ class Platform:
             if getattr(self, key) < 0:
                 raise ValueError(f"platform {self.name!r}: {key}={getattr(self, key)} must be "
                                  f">= 0 (0 = not measured)")
+        if (self.cores_per_node == 0) != (self.threads_per_process == 0):
+            raise ValueError(f"platform {self.name!r}: cores_per_node={self.cores_per_node} and "
+                             f"threads_per_process={self.threads_per_process}: give both "
+                             f"(a CPU platform) or neither (one device per rank)")
         if self.layer_overhead < 0:
             raise ValueError(f"platform {self.name!r}: layer_overhead={self.layer_overhead} must be >= 0")
         for key in ("peak_flops", "hbm_bytes", "nic_bandwidth", "intra_node_bandwidth",
@@ -427,6 +444,13 @@ class Platform:
             return state_bytes / self.optimizer_bandwidth
         return 2 * state_bytes / self.hbm_bandwidth
 
+    def shares_cores(self, n_procs: int) -> bool:
+        """Whether `n_procs` processes on one node of this platform share its cores (more
+        processes x threads than cores; `tuner.sharing`). False wherever the cores are not
+        stated (one device per rank) and for jobs spanning more than one node."""
+        return (self.cores_per_node > 0 and n_procs <= self.gpus_per_node
+                and n_procs * self.threads_per_process > self.cores_per_node)
+
     @property
     def usable_hbm(self) -> float:
         """Bytes a training process may plan to use on one device."""
@@ -455,7 +479,7 @@ class Platform:
             body = data.get(section, {})
             if key in body:
                 v = body[key]
-                kw[fname] = int(v) if fname in _INT_FIELDS else float(v) * scale
+                kw[fname] = int(v) if fname in _INT_FIELDS | _COUNT_FIELDS else float(v) * scale
         if "gemm_width_efficiency" in data.get("compute", {}):
             kw["gemm_width_efficiency"] = tuple(
                 (int(w), float(e)) for w, e in data["compute"]["gemm_width_efficiency"])
@@ -516,7 +540,8 @@ class Platform:
                                ("name", "description", "device", "backend", "launcher")}
         for section, key, fname, scale in _FIELDS:
             v = getattr(self, fname)
-            out.setdefault(section, {})[key] = v if fname in _INT_FIELDS else round(v / scale, 9)
+            out.setdefault(section, {})[key] = v if fname in _INT_FIELDS | _COUNT_FIELDS \
+                else round(v / scale, 9)
         if self.gemm_width_efficiency:
             out["compute"]["gemm_width_efficiency"] = [list(p) for p in self.gemm_width_efficiency]
         for section, (axis_names, fname) in _TABLES.items():

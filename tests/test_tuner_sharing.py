@@ -1,0 +1,128 @@
+"""tuner.sharing: the pipeline replay on shared cores, against timelines worked by hand, the
+dedicated-device simulator (pipeline.simulate), and its use in tuner.estimate (CPU platforms
+only; GPU platforms unchanged)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from model import presets
+from pipeline import build, simulate
+from tuner import Assumptions, ParallelPlan, estimate, load_platform
+from tuner.estimate import step_time_lower_bound
+from tuner.layout import FP32_TRAINER_PRECISION
+from tuner.measure import write_platform_toml
+from tuner.platform import Platform
+from tuner.sharing import core_speed, shared_makespan
+
+FB = {"F": 1.0, "B": 2.0}
+
+
+def test_gpipe_two_stages_two_ranks_per_core_by_hand() -> None:
+    # GPipe, 2 stages x 2 micro-batches, F = 1, B = 2 (seconds at the rate of a process while
+    # all 4 compute: half a core each); 2 processes per stage on 2 cores, 1 thread each. A
+    # stage computing alone has a core per process: twice the rate. By hand:
+    #   [0, 0.5]  s0 F0 alone (1 / 2)
+    #   [0.5, 1.5] s0 F1 and s1 F0 together (rate 1)
+    #   [1.5, 2]  s1 F1 alone;  [2, 3] s1 B1 alone (2 / 2)
+    #   [3, 5]    s0 B1 and s1 B0 together;  [5, 6] s0 B0 alone
+    # = 6, one rank's busy work; on dedicated devices (m + p - 1)(F + B) = 9.
+    sched = build("gpipe", 2, 2)
+    assert shared_makespan(sched, FB, {0: 2, 1: 2}, cores=2, threads=1) == pytest.approx(6.0)
+    assert shared_makespan(sched, FB, {0: 1, 1: 1}, cores=2, threads=1) == pytest.approx(9.0)
+
+
+def test_waiting_part_takes_no_core_by_hand() -> None:
+    # One micro-batch through 2 stages: F0 s0, F0 s1, B0 s1, B0 s0, one stage at a time. Half
+    # of each action computes (at twice the all-busy rate: the stage is alone), half waits
+    # (not sped up): F = 0.5 / 2 + 0.5 = 0.75, B = 1 / 2 + 1 = 1.5; 2 x 0.75 + 2 x 1.5 = 4.5.
+    sched = build("gpipe", 2, 1)
+    got = shared_makespan(sched, FB, {0: 2, 1: 2}, cores=2, threads=1, cpu_share=0.5)
+    assert got == pytest.approx(4.5)
+
+
+@pytest.mark.parametrize("name,m,kw", [("1f1b", 4, {}), ("gpipe", 3, {}), ("zb-h1", 6, {}),
+                                       ("interleaved-1f1b", 6, {"n_virtual": 2})])
+def test_enough_cores_is_the_dedicated_simulator(name, m, kw) -> None:
+    # as many cores as processes x threads: nobody gains from a waiting rank, so the replay is
+    # pipeline.simulate's makespan (an independent event loop), transfers included
+    sched = build(name, 3, m, **kw)
+    costs = {"F": 1.0, "B": 2.0, "W": 1.0}
+    want = max(s.end for s in simulate(sched, costs, transfer=0.25))
+    got = shared_makespan(sched, costs, dict.fromkeys(sched, 2), cores=12, threads=2,
+                          transfer=0.25)
+    assert got == pytest.approx(want)
+
+
+def test_core_speed() -> None:
+    assert core_speed(2, 4, cores=2, threads=1) == pytest.approx(2.0)  # 1 core vs 1/2
+    assert core_speed(1, 4, cores=2, threads=1) == pytest.approx(2.0)  # 1 thread: 1 core max
+    assert core_speed(2, 4, cores=4, threads=2) == pytest.approx(2.0)
+    assert core_speed(3, 4, cores=8, threads=2) == pytest.approx(1.0)  # never short of cores
+
+
+def test_bad_inputs_are_named() -> None:
+    sched = build("1f1b", 2, 2)
+    with pytest.raises(ValueError, match="cpu_share=1.5"):
+        shared_makespan(sched, FB, {0: 1, 1: 1}, 2, 1, cpu_share=1.5)
+    with pytest.raises(ValueError, match=r"procs has ranks \[0\]"):
+        shared_makespan(sched, FB, {0: 1}, 2, 1)
+    with pytest.raises(ValueError, match="cores=0"):
+        shared_makespan(sched, FB, {0: 1, 1: 1}, 0, 1)
+    with pytest.raises(ValueError, match="lacks kinds"):
+        shared_makespan(build("zb-h1", 2, 2), FB, {0: 1, 1: 1}, 2, 1)
+    frontier = load_platform("frontier")
+    with pytest.raises(ValueError, match="give both"):
+        dataclasses.replace(frontier, cores_per_node=2)
+    with pytest.raises(ValueError, match="threads_per_process=-1"):
+        dataclasses.replace(frontier, cores_per_node=2, threads_per_process=-1)
+
+
+def _cpu(**kw) -> Platform:
+    """The recorded 4-process platform of this machine (benchmarks/results), as written."""
+    p = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / \
+        "tuner_validate_platform_w4.toml"
+    return dataclasses.replace(load_platform(p), **kw)
+
+
+PP_DP = ParallelPlan(pp=2, ep=1, dp=2, microbatches=2, global_batch=16, seq_len=256)
+ASM = Assumptions(activation_set="trainer", activation_traffic_passes=4.0)
+
+
+def test_estimate_uses_it_on_shared_cores_only(tmp_path) -> None:
+    cfg = presets.get("tiny")
+    pf = _cpu()
+    assert pf.shares_cores(4) and (pf.cores_per_node, pf.threads_per_process) == (2, 1)
+    back = load_platform(write_platform_toml(pf, tmp_path / "p.toml", {}))
+    assert (back.cores_per_node, back.threads_per_process) == (2, 1)
+    off = dataclasses.replace(ASM, shared_cores=False)
+    on = estimate(cfg, PP_DP, pf, FP32_TRAINER_PRECISION, ASM)
+    ded = estimate(cfg, PP_DP, pf, FP32_TRAINER_PRECISION, off)
+    # 2 stages of 2 processes on 2 cores: one stage always computes, so the dedicated bubble
+    # ((p - 1) / (m + p - 1) = 1/3 of the pipeline time) is almost all hidden
+    assert ded.time["bubble"] > 0.3 * (ded.step_time - ded.time["dp_sync"])
+    assert 0 <= on.time["bubble"] < 0.05 * ded.time["bubble"]
+    assert on.step_time < ded.step_time
+    assert step_time_lower_bound(cfg, PP_DP, pf, FP32_TRAINER_PRECISION, ASM) <= on.step_time
+    # the same platform with a core per process, or without its cores stated: the dedicated
+    # bubble, exactly
+    for p2 in (_cpu(cores_per_node=4), _cpu(cores_per_node=0, threads_per_process=0)):
+        assert not p2.shares_cores(4)
+        assert estimate(cfg, PP_DP, p2, FP32_TRAINER_PRECISION, ASM).step_time == ded.step_time
+
+
+@pytest.mark.parametrize("name", ["frontier", "dgx-h100", "h200-node"])
+def test_gpu_platforms_unchanged(name) -> None:
+    # one device per rank (no cores stated): the term never applies, bit for bit
+    cfg = presets.get("tiny")
+    pf = load_platform(name)
+    assert pf.cores_per_node == 0 and not pf.shares_cores(pf.gpus_per_node)
+    for plan in (ParallelPlan(pp=2, ep=2, dp=1, microbatches=4, global_batch=16, seq_len=256),
+                 ParallelPlan(pp=4, ep=1, dp=2, microbatches=8, global_batch=32, seq_len=256,
+                              schedule="zb-h1")):
+        a = estimate(cfg, plan, pf, assumptions=Assumptions(shared_cores=True))
+        b = estimate(cfg, plan, pf, assumptions=Assumptions(shared_cores=False))
+        assert a.step_time == b.step_time and a.time == b.time

@@ -1,0 +1,127 @@
+"""Pipeline schedule replay on shared cores (processor sharing), for CPU platforms.
+
+On a GPU platform every rank owns its device: a rank waiting for its pipeline neighbour idles
+a device nobody else can use, and the bubble costs its full length (`pipeline.bubble_fraction`).
+On a CPU node with more processes than cores (`Platform.cores_per_node`,
+`threads_per_process`), the OS shares the cores among the processes that are runnable: a rank
+blocked on a receive or a collective takes no core, and the busy ones get its share.
+
+`shared_makespan` replays a schedule (`pipeline.build`) under that rule:
+
+- pipeline rank r stands for `procs[r]` processes of the node (its stage's DP x EP ranks),
+  all doing the same action at the same time;
+- an action of cost c (seconds at the rate every process gets while *all* the node's
+  processes compute: how `tuner measure` measures a CPU platform) is `cpu_share` x c of work
+  on the cores, then (1 - `cpu_share`) x c of waiting (the action's all-to-alls and P2P
+  hand-overs, priced by their measured times) that takes no core;
+- at any moment, with k processes doing work, each gets min(threads, cores / k) cores, so its
+  work runs min(threads, cores / k) / min(threads, cores / N) times as fast as at the
+  measured rate (N = every process of the node);
+- an action starts when its rank is free and its dependencies (`pipeline.schedule`) have
+  ended, plus `transfer` for one that ran on another rank.
+
+With every rank computing the whole time the replay is the plain sum of costs; it differs only
+where some ranks wait. Worked by hand (tests/test_tuner_sharing.py): a 2-stage GPipe over 2
+micro-batches, F = 1, B = 2, 2 processes per stage on 2 cores (1 thread each) ends at 6, the
+busy work of one rank (on dedicated devices: 9). Approximations: the OS's time slices are
+taken as fluid shares; the waiting part of an action comes after its work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from pipeline import Action, Schedule
+from pipeline.schedule import dependencies, n_stages, stage2rank
+
+__all__ = ["core_speed", "shared_makespan"]
+
+_EPS = 1e-12
+
+
+def core_speed(busy: int, total: int, cores: int, threads: int) -> float:
+    """Speed of a computing process when `busy` of the node's `total` processes compute,
+    relative to all `total` computing: min(threads, cores / busy) / min(threads, cores / total)."""
+    for name, v in (("busy", busy), ("total", total), ("cores", cores), ("threads", threads)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"core_speed: {name}={v!r} must be an int >= 1")
+    if busy > total:
+        raise ValueError(f"core_speed: busy={busy} exceeds total={total} processes")
+    return min(threads, cores / busy) / min(threads, cores / total)
+
+
+def shared_makespan(schedule: Schedule, cost: Callable[[Action], float] | Mapping[str, float],
+                    procs: Mapping[int, int], cores: int, threads: int,
+                    cpu_share: float = 1.0, transfer: float = 0.0) -> float:
+    """End time of `schedule` replayed on `cores` shared cores (module docstring).
+
+    `cost`: seconds per action at the all-busy rate (a function of the Action, or per kind
+    {"F": .., "B": .., "W": ..}); `procs[r]`: processes pipeline rank r stands for;
+    `threads`: intra-op threads per process; `cpu_share` in [0, 1]: the part of each action
+    that computes; `transfer` >= 0: P2P hand-over between ranks (not in the costs)."""
+    if not 0.0 <= cpu_share <= 1.0:
+        raise ValueError(f"cpu_share={cpu_share} must be in [0, 1]")
+    if not transfer >= 0:
+        raise ValueError(f"transfer={transfer} must be >= 0 seconds")
+    if set(procs) != set(schedule):
+        raise ValueError(f"procs has ranks {sorted(procs)}, the schedule {sorted(schedule)}")
+    if any(not isinstance(n, int) or n < 1 for n in procs.values()):
+        raise ValueError(f"procs={dict(procs)}: every rank needs an int >= 1 processes")
+    if callable(cost):
+        cost_of = cost
+    else:
+        table = dict(cost)
+        kinds = {a.kind for s in schedule.values() for a in s if a is not None}
+        if kinds - set(table):
+            raise ValueError(f"cost {table} lacks kinds {sorted(kinds - set(table))}")
+        cost_of = lambda a: float(table[a.kind])  # noqa: E731
+    total = sum(procs.values())
+    core_speed(total, total, cores, threads)  # validates cores and threads
+    rank_of = stage2rank(schedule)
+    S = n_stages(schedule)
+    orders = {r: [a for a in slots if a is not None] for r, slots in schedule.items()}
+    pos = dict.fromkeys(orders, 0)
+    end: dict[Action, float] = {}
+    # per rank: None (free) or [phase "cpu" | "wait", remaining work or seconds]
+    doing: dict[int, list | None] = dict.fromkeys(orders, None)
+    now = 0.0
+    while True:
+        # start every action whose rank is free and whose inputs have arrived
+        ready_at: dict[int, float] = {}
+        for r, order in orders.items():
+            if doing[r] is not None or pos[r] == len(order):
+                continue
+            a = order[pos[r]]
+            deps = dependencies(a, S)
+            if not all(d in end for d in deps):
+                continue
+            t = max([now] + [end[d] + (transfer if rank_of[d.stage] != r else 0.0) for d in deps])
+            if t <= now + _EPS:
+                c = cost_of(a)
+                if c < 0:
+                    raise ValueError(f"cost of {a} is {c}; costs must be >= 0")
+                doing[r] = ["cpu", c * cpu_share, c * (1.0 - cpu_share)]
+            else:
+                ready_at[r] = t
+        if all(pos[r] == len(o) for r, o in orders.items()):
+            return now
+        busy = sum(procs[r] for r, d in doing.items() if d is not None and d[0] == "cpu")
+        speed = core_speed(busy, total, cores, threads) if busy else 0.0
+        # the next event: a work or wait part ending, or an input arriving
+        steps = [d[1] / speed if d[0] == "cpu" else d[1] for d in doing.values() if d is not None]
+        steps += [t - now for t in ready_at.values()]
+        if not steps:
+            blocked = {r: str(o[pos[r]]) for r, o in orders.items() if pos[r] < len(o)}
+            raise ValueError(f"schedule deadlocks: each rank's next action waits: {blocked}")
+        dt = max(0.0, min(steps))
+        now += dt
+        for r, d in doing.items():
+            if d is None:
+                continue
+            d[1] -= dt * speed if d[0] == "cpu" else dt
+            if d[1] <= _EPS and d[0] == "cpu":
+                d[0], d[1] = "wait", d[2]
+            if d[1] <= _EPS and d[0] == "wait":
+                end[orders[r][pos[r]]] = now
+                pos[r] += 1
+                doing[r] = None
