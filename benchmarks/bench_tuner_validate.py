@@ -22,8 +22,8 @@ and the machine's load average before and after each run.
     flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_validate.py --reuse-platforms
     .venv/bin/python benchmarks/bench_tuner_validate.py --repredict   # no runs: the last measured
         rows of tuner_validate.jsonl against the current model and platform files
-    .venv/bin/python benchmarks/bench_tuner_validate.py --repredict --shared-cores  # the same,
-        the pipeline replayed on shared cores (`tuner.sharing`)
+    .venv/bin/python benchmarks/bench_tuner_validate.py --repredict --dedicated-bubble  # the
+        same, the bubble priced as on dedicated devices (no `tuner.sharing` replay)
     flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_validate.py \
         --reuse-platforms --only zero        # the ZeRO rows only (names starting with "zero")
     flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_validate.py \
@@ -227,7 +227,7 @@ def platform_path(out: Path, world: int) -> Path:
 
 
 def predict(cfg: ModelConfig, plan: ParallelPlan, platform: Path,
-            imbalance: float = 1.0, shared_cores: bool = False) -> dict:
+            imbalance: float = 1.0, shared_cores: bool = True) -> dict:
     """Predicted per-rank peak memory (state + activations, bytes), step time (s) and its
     parts on the platform file `platform`; `shared_cores`: the pipeline replayed on the
     node's shared cores (`Assumptions.shared_cores`)."""
@@ -284,7 +284,7 @@ def _row(cfg: ModelConfig, name: str, plan: ParallelPlan, m: Measured, args: arg
          measured_at: str = "", extra: dict | None = None) -> dict:
     """Predict `plan` on `platforms[world]`, compare with measurement `m`, print one line,
     return the JSON row."""
-    sc = bool(getattr(args, "shared_cores", False))
+    sc = not getattr(args, "dedicated_bubble", False)
     p = predict(cfg, plan, platforms[plan.n_gpus], max(1.0, m.imbalance), sc)
     p_bal = predict(cfg, plan, platforms[plan.n_gpus], shared_cores=sc)
     mem_err = p["memory"] / m.memory_bytes - 1
@@ -339,9 +339,9 @@ def parser() -> argparse.ArgumentParser:
                     help="ZeRO rows: auto runs them when the trainer acts on parallel.zero")
     ap.add_argument("--repredict", action="store_true",
                     help="no runs: compare the last measured rows with the current model")
-    ap.add_argument("--shared-cores", action="store_true",
-                    help="predict with the pipeline replayed on the node's shared cores "
-                         "(Assumptions.shared_cores; the platform files' cores_per_node)")
+    ap.add_argument("--dedicated-bubble", action="store_true",
+                    help="predict the pipeline bubble as on dedicated devices (without "
+                         "Assumptions.shared_cores' replay on the platform's shared cores)")
     add_output_args(ap, "tuner_validate")
     return ap
 
