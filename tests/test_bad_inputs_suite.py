@@ -26,7 +26,8 @@ Distinct bad inputs covered, counted together with tests/test_trainer_bad_inputs
     boolean.
   plan files (4): no [run.*] table; unknown [run.section]; wrong type in [run.parallel];
     unknown field in [run.train].
-  platform files (2): unknown platform name; unknown key in a platform file.
+  platform files (3): unknown platform name; unknown key in a platform file; cores_per_node
+    without threads_per_process.
   topology files (6): TOML syntax; missing file; rank gap; rank listed twice; unknown node key;
     nics/ranks length mismatch.
   data files (5): empty file; odd-size .bin; .bin token out of the vocab; fewer tokens than
@@ -208,6 +209,9 @@ def test_bad_platform(tmp_path):
     bad = tmp_path / "mine.toml"
     bad.write_text("colour = \"blue\"\n" + src)  # a top-level key, before any [table]
     _expect(lambda: load_platform(bad), "unknown platform keys", "colour", "valid:")
+    # a CPU platform's cores without its threads per process (tuner.sharing needs both)
+    bad.write_text(src.replace("[node]\n", "[node]\ncores_per_node = 2\n", 1))
+    _expect(lambda: load_platform(bad), "cores_per_node=2", "threads_per_process=0", "give both")
 
 
 # -- topology files (comm.Topology.from_file) ---------------------------------------------------
