@@ -50,8 +50,8 @@ HEAVY_WORKERS ?= 2
 # (--dist loadfile: a file's module fixtures are built once, and the one file that builds
 # network namespaces never runs beside itself). Run one at a time, those tests kept 1.0 of
 # the 2 cores busy on average (rendezvous, start-up, waits); two at a time they finish in
-# 0.70x the wall time (370 s vs 530 s, both on an idle 2-core machine). Both phases run, and the target fails if either did. With ARGS: one
-# plain pytest run.
+# 0.70x the wall time (370 s vs 530 s, both on an idle 2-core machine). Both phases run,
+# and the target fails if either did. With ARGS: one plain pytest run.
 test: $(STAMP)
 ifeq ($(strip $(ARGS)),)
 	@$(PY) -m pytest -q -n $(FAST_WORKERS) -m "$(FAST_MARKERS)"; a=$$?; \
