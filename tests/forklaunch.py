@@ -28,6 +28,15 @@ ROOT = Path(__file__).resolve().parents[1]
 GRACE_S = 10.0  # after a rank fails, the others get this long to exit before SIGKILL
 
 
+def exit_status(e: SystemExit) -> int:
+    """The exit status Python gives `sys.exit(code)`: None -> 0, an int -> it, text -> printed
+    to stderr and 1 (argparse's --help / usage errors, sys.exit("message"))."""
+    if isinstance(e.code, str):
+        print(e.code, file=sys.stderr)
+        return 1
+    return int(e.code or 0)
+
+
 def _rank(rank: int, nproc: int, port: str, argv: list[str]) -> int:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                       LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_RANK=str(rank),
@@ -37,11 +46,8 @@ def _rank(rank: int, nproc: int, port: str, argv: list[str]) -> int:
     sys.argv = ["train.py", *argv]
     try:
         return train.main(argv)
-    except SystemExit as e:  # argparse's --help / usage errors, sys.exit("message")
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-            return 1
-        return int(e.code or 0)
+    except SystemExit as e:
+        return exit_status(e)
     except BaseException:
         traceback.print_exc()
         return 1

@@ -36,20 +36,12 @@ import threading
 import traceback
 from pathlib import Path
 
+import forklaunch  # tests/, next to this file: on sys.path when run as a script or by pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # Variables the trainer reads while it runs, not when a module is imported: a request may set
 # these differently from the zygote's environment.
 RUNTIME_ENV_PREFIXES = ("WANDB_",)
-
-
-def _exit_code(e: SystemExit) -> int:
-    """The exit status Python gives `sys.exit(code)` (None -> 0, int -> it, text -> 1)."""
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code
-    print(e.code, file=sys.stderr)
-    return 1
 
 
 def _child(req: dict) -> int:
@@ -69,9 +61,6 @@ def _child(req: dict) -> int:
     os.close(devnull)
     try:
         if req["nproc"] > 1:
-            sys.path.insert(0, str(ROOT / "tests"))
-            import forklaunch
-
             return forklaunch.main([str(req["nproc"]), str(req["port"]), *req["argv"]])
         import runpy
 
@@ -79,7 +68,7 @@ def _child(req: dict) -> int:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
         return 0
     except SystemExit as e:
-        return _exit_code(e)
+        return forklaunch.exit_status(e)
     except BaseException:
         traceback.print_exc()
         return 1

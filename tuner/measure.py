@@ -241,14 +241,16 @@ def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, thre
     dist.barrier(group)
     overhead = _layer_overhead(reps)
     dist.barrier(group)
-    optimizer = _optimizer_rate(reps)
+    params, grads = _tiny_params_with_grads()
+    optimizer = _optimizer_rate(params, reps)
     dist.barrier(group)
     split_extra = _split_backward_extra(reps)
     dist.barrier(group)
-    grad_flatten, grad_norm = _grad_pass_rates(reps)
-    return {"grad_flatten": grad_flatten, "grad_norm": grad_norm,"rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
+    grad_flatten, grad_norm = _grad_pass_rates(grads, reps)
+    return {"rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
             "overhead": overhead, "widths": widths, "grid": grid, "grouped_rows": grouped_rows,
-            "attn_grid": attn_grid, "optimizer": optimizer, "split_extra": split_extra}
+            "attn_grid": attn_grid, "optimizer": optimizer, "split_extra": split_extra,
+            "grad_flatten": grad_flatten, "grad_norm": grad_norm}
 
 
 def _split_backward_extra(repeats: int, tokens: int = 1024) -> float:
@@ -277,14 +279,23 @@ def _split_backward_extra(repeats: int, tokens: int = 1024) -> float:
     return max(0.0, t_split / t_plain - 1.0)
 
 
-def _grad_pass_rates(repeats: int) -> tuple[float, float]:
-    """fp32 gradient bytes per second of the trainer's two gradient passes after the backward
-    (trainer/distributed/grad_sync.py), over the tiny preset's 43 gradient tensors: (flatten:
-    cat into one buffer, scale in place, copy each tensor back out, as `GradSync._allreduce`
-    does around its all-reduce; norm: each tensor's fp64 squared sum, as `GradSync.clip`)."""
+def _tiny_params_with_grads() -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    """The tiny preset's 43 fp32 parameters (3.4 M), each with a random gradient (also
+    returned): what the optimizer and gradient-pass rates are measured on."""
     from model import MoETransformer, presets
 
-    grads = [torch.randn_like(q) for q in MoETransformer(presets.get("tiny")).parameters()]
+    params = list(MoETransformer(presets.get("tiny")).parameters())
+    grads = [torch.randn_like(q) for q in params]
+    for q, g in zip(params, grads, strict=True):
+        q.grad = g
+    return params, grads
+
+
+def _grad_pass_rates(grads: list[torch.Tensor], repeats: int) -> tuple[float, float]:
+    """fp32 gradient bytes per second of the trainer's two gradient passes after the backward
+    (trainer/distributed/grad_sync.py) over `grads`: (flatten: cat into one buffer, scale in
+    place, copy each tensor back out, as `GradSync._allreduce` does around its all-reduce;
+    norm: each tensor's fp64 squared sum, as `GradSync.clip`)."""
     nbytes = 4 * sum(g.numel() for g in grads)
 
     def flatten() -> None:
@@ -302,16 +313,12 @@ def _grad_pass_rates(repeats: int) -> tuple[float, float]:
             nbytes / _median_time(norm, repeats, warmup=2))
 
 
-def _optimizer_rate(repeats: int) -> float:
+def _optimizer_rate(params: list[torch.nn.Parameter], repeats: int) -> float:
     """State bytes per second of the trainer's optimizer step (trainer/distributed/zero.py's
     torch.optim.AdamW(foreach=False) on fp32 parameters, here the tiny preset's 43 tensors,
     3.4 M parameters): 16 bytes per parameter (weight, gradient, two moments) / step time. The
-    per-tensor Python cost is the tiny model's share of it (an assumption for other shapes)."""
-    from model import MoETransformer, presets
-
-    params = [p for p in MoETransformer(presets.get("tiny")).parameters()]
-    for q in params:
-        q.grad = torch.randn_like(q)
+    per-tensor Python cost is the tiny model's share of it (an assumption for other shapes).
+    `params`: `_tiny_params_with_grads()`; the step changes the weights, not the gradients."""
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=False)
     n = sum(q.numel() for q in params)
     return 16 * n / _median_time(opt.step, repeats, warmup=2)

@@ -198,6 +198,26 @@ _ROOFLINE_KEYS = {"max_efficiency": "roofline_max_efficiency",
                   "bytes_per_element": "roofline_bytes_per_element"}
 
 
+def _efficiency_section(data: dict, section: str, keys: dict[str, str], what: str, source: str,
+                        kw: dict) -> None:
+    """Read the optional `[section]` of GEMM-efficiency parameters (file key -> field in
+    `keys`) into `kw`: unknown keys, a non-number value and a section without
+    max_efficiency are refused, naming the file."""
+    body = data.get(section, {})
+    bad = sorted(set(body) - set(keys))
+    if bad:
+        raise ValueError(f"{source}: unknown keys {bad} in [{section}]; valid: {sorted(keys)}")
+    for key, fname in keys.items():
+        if key in body:
+            v = body[key]
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise ValueError(f"{source}: [{section}] {key}={v!r} must be a number")
+            kw[fname] = float(v)
+    if body and not body.get("max_efficiency"):
+        raise ValueError(f"{source}: [{section}] needs max_efficiency in (0, 1]{what}, got "
+                         f"{body.get('max_efficiency')!r}")
+
+
 @dataclass(frozen=True)
 class Platform:
     """One machine type. Bandwidths are per direction; `intra_node_bandwidth` is the effective
@@ -491,33 +511,10 @@ class Platform:
         if "collectives" in data:
             kw["collectives"] = _collectives_from(data["collectives"], source)
         known.add("fp8_gemm")
-        body = data.get("fp8_gemm", {})
-        bad_f8 = sorted(set(body) - set(_FP8_KEYS))
-        if bad_f8:
-            raise ValueError(f"{source}: unknown keys {bad_f8} in [fp8_gemm]; valid: "
-                             f"{sorted(_FP8_KEYS)}")
-        for key, fname in _FP8_KEYS.items():
-            if key in body:
-                v = body[key]
-                if isinstance(v, bool) or not isinstance(v, int | float):
-                    raise ValueError(f"{source}: [fp8_gemm] {key}={v!r} must be a number")
-                kw[fname] = float(v)
-        if body and not body.get("max_efficiency"):
-            raise ValueError(f"{source}: [fp8_gemm] needs max_efficiency in (0, 1], got "
-                             f"{body.get('max_efficiency')!r}")
+        _efficiency_section(data, "fp8_gemm", _FP8_KEYS, "", source, kw)
         known.add("roofline")
-        body = data.get("roofline", {})
-        bad_rl = sorted(set(body) - set(_ROOFLINE_KEYS))
-        if bad_rl:
-            raise ValueError(f"{source}: unknown keys {bad_rl} in [roofline]; valid: "
-                             f"{sorted(_ROOFLINE_KEYS)}")
-        for key, fname in _ROOFLINE_KEYS.items():
-            if key in body:
-                kw[fname] = float(body[key])
-        if body and not body.get("max_efficiency"):
-            raise ValueError(f"{source}: [roofline] needs max_efficiency in (0, 1] (the "
-                             f"efficiency of a GEMM above the ridge point), got "
-                             f"{body.get('max_efficiency')!r}")
+        _efficiency_section(data, "roofline", _ROOFLINE_KEYS,
+                            " (the efficiency of a GEMM above the ridge point)", source, kw)
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{source}: unknown platform keys {unknown}; valid: {sorted(known)}")
