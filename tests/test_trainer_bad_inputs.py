@@ -105,10 +105,10 @@ def test_train_py_reports_and_exits(tmp_path, text_file):
     """End to end: train.py prints one `error:` line on rank 0 and exits 2, nothing trained."""
     out = tmp_path / "run"
     r = run_train(["--config", "configs/tiny-ep-dp.toml", f"--train.out_dir={out}", f"--data={text_file}",
-                   "--parallel.ep=3"], nproc=3, timeout=300,
+                   "--parallel.ep=3"], nproc=2, timeout=300,
                   launcher="torchrun")  # torchrun's agent stops the others when one rank exits
     assert r.returncode != 0
-    assert r.stderr.count("error: ep=3 does not divide 8 experts") == 1, r.stderr
+    assert r.stderr.count("error: world size 2 is not divisible by pp=1 x ep=3 = 3") == 1, r.stderr
     assert not out.exists()
     r = run_train(["--config", "configs/tiny-ep-dp.toml", f"--train.out_dir={out}", "--model.preset=nope"])
     assert r.returncode == 2 and "error: unknown model preset 'nope'; valid: " in r.stderr, r.stderr
