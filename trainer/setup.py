@@ -107,10 +107,10 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     tp_probs = tp_problems(par.tp, par.sp, par.etp, mcfg, cfg.train.seq_len, par.pp)
     if tp_probs:
         raise ConfigError("; ".join(tp_probs))
-    if par.tp > 1 and (cfg.comm.alltoall == "dedup" or cfg.comm.a2a_overlap == "layer"):
+    if par.tp > 1 and (cfg.comm.alltoall == "dedup" or cfg.comm.a2a_overlap in ("layer", "fb")):
         raise ConfigError(f"parallel.tp={par.tp} with comm.alltoall={cfg.comm.alltoall!r} / "
                           f"comm.a2a_overlap={cfg.comm.a2a_overlap!r}: the pipelined expert path "
-                          f"(dedup, layer overlap) is not built with tensor parallel yet; use "
+                          f"(dedup, layer and fb overlap) is not built with tensor parallel yet; use "
                           f"alltoall flat, halo or auto and a2a_overlap none or auto (auto "
                           f"keeps it off under TP)")
     if mesh.pp > 1 and mcfg.tie_embeddings:
@@ -132,6 +132,8 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     check_choice("comm.alltoall", cfg.comm.alltoall, TRAINER_ALLTOALL)
     check_choice("comm.a2a_overlap", cfg.comm.a2a_overlap, (*TRAINER_A2A_OVERLAP, "auto"))
     a2a_chunks(cfg.comm.a2a_chunks)
+    if cfg.comm.a2a_overlap == "fb":
+        _check_fb(cfg, mesh.pp)
     check_choice("comm.route_groups", cfg.comm.route_groups, ("none", "node"))
     if cfg.comm.route_groups == "node" and cfg.balance.redundant:
         raise ConfigError(f"comm.route_groups=node with balance.redundant="
@@ -303,6 +305,31 @@ def _check_microbatches(cfg: RunConfig, mesh: Mesh) -> None:
             f"{mesh.n_data_shards} shards); valid: {divisors(per_shard)}")
 
 
+FB_SCHEDULES = ("1f1b", "interleaved-1f1b")  # the schedules pipeline.fuse_fb pairs
+
+
+def _check_fb(cfg: RunConfig, pp: int) -> None:
+    """--comm.a2a_overlap=fb pairs one micro-batch's backward with another's forward: it needs
+    two micro-batches, a schedule it can pair, and no block recompute in the backward (a
+    recomputed MoE forward would overwrite the layer's routing outputs the paired forward
+    reads; trainer/step.py)."""
+    par = cfg.parallel
+    if par.microbatches < 2:
+        raise ConfigError(f"comm.a2a_overlap=fb with parallel.microbatches={par.microbatches}: "
+                          f"it pairs one micro-batch's backward with another's forward; use "
+                          f"parallel.microbatches >= 2 (or a2a_overlap layer)")
+    if pp > 1:  # the fused pipeline schedule is the next step
+        raise ConfigError(f"comm.a2a_overlap=fb with pp={pp} is not built yet; it runs with "
+                          f"pp=1 (gradient accumulation over parallel.microbatches)")
+    if pp > 1 and par.schedule not in FB_SCHEDULES:
+        raise ConfigError(f"comm.a2a_overlap=fb with parallel.schedule={par.schedule!r} (pp={pp}) "
+                          f"is not built; it runs with {', '.join(FB_SCHEDULES)}")
+    if cfg.train.checkpointing == "full":
+        raise ConfigError("comm.a2a_overlap=fb with train.checkpointing='full' is not built (the "
+                          "backward's recomputed MoE forward would run beside the paired "
+                          "forward); use train.checkpointing none or selective")
+
+
 def _check_virtual(par) -> None:
     if par.n_virtual < 1 or (par.n_virtual > 1 and par.schedule != "interleaved-1f1b"):
         raise ConfigError(f"parallel.n_virtual={par.n_virtual}: values > 1 need "
@@ -400,6 +427,8 @@ def layout_problem(cfg: RunConfig, mcfg: Any, world: int) -> str:
                     f"{mesh.n_data_shards} data shards (dp={mesh.dp} x ep={mesh.ep})")
         _check_microbatches(cfg, mesh)
         _check_schedule(par, mesh.pp)
+        if cfg.comm.a2a_overlap == "fb":
+            _check_fb(cfg, mesh.pp)
         check_zero(cfg, mesh)
         _check_redundant(cfg.balance.redundant, mcfg.n_routed_experts, mesh.ep)
     except ValueError as e:
