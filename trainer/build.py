@@ -207,7 +207,7 @@ def build_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh, model, precision,
     bounds = split_layers(mcfg.n_layers, n_stages, par.layer_split)
     stages = build_stages(model, mesh.pp, mesh.pp_idx, par.n_virtual, bounds,
                           precision.autocast, stream_dtype=precision.param)
-    schedule = build_schedule(par, mesh.pp)
+    schedule = build_schedule(par, mesh.pp, fb=cfg.comm.a2a_overlap == "fb" and mesh.ep > 1)
     per_shard = t.global_batch // mesh.n_data_shards
     # under sequence parallel a stage boundary carries this TP rank's slice of the sequence
     seq = t.seq_len // mesh.tp if mesh.tp > 1 and par.sp else t.seq_len

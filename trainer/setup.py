@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from model.attention import DOC_ATTENTION
+from pipeline.schedule import FB_SCHEDULES
 
 from .checkpoint import CheckpointError, check_same_model, find_latest, read_meta
 from .config import ConfigError, RunConfig
@@ -285,11 +286,15 @@ def model_name(cfg: RunConfig) -> str:
     return cfg.model.hf_path or cfg.model.preset
 
 
-def build_schedule(par, pp: int):
-    """The pipeline schedule of the run config's parallel section (validated by the builder)."""
+def build_schedule(par, pp: int, fb: bool = False):
+    """The pipeline schedule of the run config's parallel section (validated by the builder);
+    `fb`: its paired form for --comm.a2a_overlap=fb (`pipeline.schedule.build_fb`)."""
     import pipeline
+    from pipeline.schedule import build_fb
 
     kw = {"n_virtual": par.n_virtual} if par.schedule == "interleaved-1f1b" else {}
+    if fb:
+        return build_fb(par.schedule, pp, par.microbatches, **kw)
     return pipeline.build(par.schedule, pp, par.microbatches, **kw)
 
 
@@ -305,7 +310,6 @@ def _check_microbatches(cfg: RunConfig, mesh: Mesh) -> None:
             f"{mesh.n_data_shards} shards); valid: {divisors(per_shard)}")
 
 
-FB_SCHEDULES = ("1f1b", "interleaved-1f1b")  # the schedules pipeline.fuse_fb pairs
 
 
 def _check_fb(cfg: RunConfig, pp: int) -> None:
@@ -318,9 +322,6 @@ def _check_fb(cfg: RunConfig, pp: int) -> None:
         raise ConfigError(f"comm.a2a_overlap=fb with parallel.microbatches={par.microbatches}: "
                           f"it pairs one micro-batch's backward with another's forward; use "
                           f"parallel.microbatches >= 2 (or a2a_overlap layer)")
-    if pp > 1:  # the fused pipeline schedule is the next step
-        raise ConfigError(f"comm.a2a_overlap=fb with pp={pp} is not built yet; it runs with "
-                          f"pp=1 (gradient accumulation over parallel.microbatches)")
     if pp > 1 and par.schedule not in FB_SCHEDULES:
         raise ConfigError(f"comm.a2a_overlap=fb with parallel.schedule={par.schedule!r} (pp={pp}) "
                           f"is not built; it runs with {', '.join(FB_SCHEDULES)}")
