@@ -199,3 +199,28 @@ def test_baton_keeps_grad_mode() -> None:
         got = baton.pair(torch.is_grad_enabled, torch.is_grad_enabled)
     assert got == (False, False)
     assert baton.pair(torch.is_grad_enabled, torch.is_grad_enabled) == (True, True)
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--parallel.microbatches=1"], "microbatches=1"),
+    (["--parallel.microbatches=4", "--train.checkpointing=full"], "checkpointing='full'"),
+])
+def test_trainer_refuses_fb_where_it_cannot_run(args, match) -> None:
+    from trainer.config import parse_args
+    from trainer.setup import _check_fb
+
+    cfg = parse_args(["--comm.a2a_overlap=fb", *args])
+    with pytest.raises(ValueError, match=match):
+        _check_fb(cfg, 1)
+
+
+def test_trainer_refuses_fb_with_unpaired_schedules() -> None:
+    from trainer.config import parse_args
+    from trainer.setup import _check_fb
+
+    for sched in ("gpipe", "zb-h1"):
+        cfg = parse_args(["--comm.a2a_overlap=fb", "--parallel.microbatches=4",
+                          f"--parallel.schedule={sched}"])
+        with pytest.raises(ValueError, match=f"schedule='{sched}'.*1f1b, interleaved-1f1b"):
+            _check_fb(cfg, 2)
+        _check_fb(cfg, 1)  # the schedule is unused with pp = 1
