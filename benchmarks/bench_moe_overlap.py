@@ -3,6 +3,8 @@ namespace-emulated cluster (comm.emulate; needs root).
 
     python benchmarks/bench_moe_overlap.py                      # 2x2 @ 200 Mbit/s, issue 26's setup
     python benchmarks/bench_moe_overlap.py --setups 2x2@200,2x2@1000 --repeats 2 --record
+    python benchmarks/bench_moe_overlap.py --microbatches 2 \
+        --arms flat/none,flat/layer/2,flat/fb,flat/fb/2      # across micro-batches (fb)
 
 Each arm is one `train.py` run inside the emulated cluster (EP over every rank, so the group
 spans the nodes): the tiny model with 16 experts at top-4 (--top-k, --experts), d_model 128,
@@ -13,7 +15,12 @@ part) and the forward dispatch bytes every rank sent to another node in a step (
 dispatcher's plan; `ep_flat_remote_rows` is what flat would have sent). Arms run in a rotated
 order per repeat (repeat r starts at arm r), so slow drift of the shared machine's load
 spreads over all arms; the table gives the median of the repeats' medians and each arm's
-ratio to the first arm (flat, no overlap) of the same setup.
+ratio to the first arm (flat, no overlap) of the same setup. `--microbatches` (every arm the
+same, so the baseline is fair) splits each rank's batch for gradient accumulation; the fb
+arms (--comm.a2a_overlap=fb: one micro-batch's forward beside another's backward exchanges;
+`flat/fb/2` also pipelines each layer in 2 chunks, layer + fb) need 2 or more. Under fb the
+exchange column is still the forward's blocked time; the paired backward's waits are not in
+it (the step time shows them).
 
 Rows: `moe_overlap.jsonl` under runs/bench/moe_overlap/ (or --out, or --record).
 
@@ -62,7 +69,8 @@ def run_arm(setup: str, arm: str, args: argparse.Namespace) -> dict | None:
                  "--train.eval_batches=1", "--train.ckpt_every=0", "--train.plot=false",
                  "--train.tensorboard=false", "--train.layer_metrics=false",
                  f"--comm.alltoall={algo}", f"--comm.a2a_overlap={overlap}",
-                 f"--comm.a2a_chunks={chunks}", f"--train.out_dir={out}",
+                 f"--comm.a2a_chunks={chunks}", f"--parallel.microbatches={args.microbatches}",
+                 f"--train.out_dir={out}",
                  *(["--data", args.data] if args.data else [])]
         cmd = [sys.executable, "-m", "comm.emulate", "--nodes", str(nodes), "--gpus-per-node",
                str(gpus), "--nic-mbit", mbit, "--timeout-s", str(args.timeout_s), "--", *train]
@@ -82,7 +90,8 @@ def run_arm(setup: str, arm: str, args: argparse.Namespace) -> dict | None:
 
     return {"nodes": nodes, "gpus_per_node": gpus, "nic_mbit": float(mbit), "arm": arm,
             "alltoall": algo, "a2a_overlap": overlap, "a2a_chunks": int(chunks),
-            "experts": args.experts, "top_k": args.top_k, "steps": len(steps),
+            "experts": args.experts, "top_k": args.top_k, "microbatches": args.microbatches,
+            "steps": len(steps),
             "step_s": med("step_time_s"), "exchange_s": med("ep_exchange_max_s"),
             "remote_bytes": med("ep_remote_bytes"), "remote_rows": med("ep_remote_rows"),
             "flat_remote_rows": med("ep_flat_remote_rows"),
@@ -140,6 +149,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="gradient-accumulation micro-batches of every arm (fb arms: >= 2)")
     p.add_argument("--data", default="", help="corpus (default: train.py's)")
     p.add_argument("--timeout-s", type=float, default=900)
     p.add_argument("--netsim", action="store_true",
@@ -167,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps <= args.warmup:
         raise SystemExit(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     arms = args.arms.split(",")
+    fb = [a for a in arms if a.split("/")[1:2] == ["fb"]]
+    if fb and args.microbatches < 2:
+        raise SystemExit(f"arms {fb} pair micro-batches: give --microbatches 2 or more (every "
+                         f"arm runs with it), got {args.microbatches}")
     out = output_dir(args)
     meta = {"bench": "moe_overlap", "git_sha": git_sha(), "time": time.strftime("%FT%T"),
             "device": f"{cpu_name()} ({os.cpu_count()} cores), emulated NICs",

@@ -11,7 +11,8 @@
 #         differently and Adam carries the differences on; a first bound, to be tightened
 #         from the first run's numbers (its table is in compare-bf16.log).
 # A rank that waits longer than 90 s on a collective or P2P fails the run (a deadlock shows as
-# an error, not a hang). Budget: about 6 minutes (the step limits add up to 420 s).
+# an error, not a hang). Budget: about 6 minutes (the step limits add up to 420 s), plus up to
+# 250 s of step limits for the fb cases.
 #
 #   benchmarks/gpu_check_multi.sh [OUT_DIR]    (default runs/bench/gpu-multi-<date>, ignored)
 #   STEPS=20 PY=python benchmarks/gpu_check_multi.sh /tmp/multi
@@ -71,16 +72,30 @@ done
 EP2=(--config configs/tiny.toml --train.steps="$STEPS" --train.eval_every=0 --train.plot=false
      --train.timeout_s=90 --optim.warmup_steps=5 --parallel.pp=1 --parallel.ep=2
      --model.top_k=4 --train.dtype=fp32 --comm.topology=configs/topologies/2x1-local.toml)
-for arm in flat/none flat/layer halo/layer dedup/none dedup/layer; do
+# fb (micro-batches paired on a baton: one's forward beside the other's backward exchanges,
+# their starts in one order on both ranks) runs 2 micro-batches of gradient accumulation:
+# against the plain run's one, the summation order only, inside the same 1e-4.
+for arm in flat/none flat/layer halo/layer dedup/none dedup/layer flat/fb; do
   a2a="${arm%/*}"; ov="${arm#*/}"
+  mb=1; if [ "$ov" = fb ]; then mb=2; fi
   step "ep2-$a2a-$ov" 90 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
     train.py "${EP2[@]}" --comm.alltoall="$a2a" --comm.a2a_overlap="$ov" --comm.a2a_chunks=2 \
-    --train.out_dir="$OUT/ep2-$a2a-$ov"
+    --parallel.microbatches="$mb" --train.out_dir="$OUT/ep2-$a2a-$ov"
   if [ "$arm" != flat/none ]; then
     step "compare-ep2-$a2a-$ov" 20 "$PY" benchmarks/gpu_check_losses.py compare \
       "$OUT/ep2-flat-none" "$OUT/ep2-$a2a-$ov" --rtol 1e-4
   fi
 done
+
+# fb in the pipeline (pipeline.build_fb: 1F1B's steady-state B / F pairs run on the baton,
+# the EP exchanges of both on NCCL in one order): PP=2 x EP=2 against the one-GPU run
+if [ "$n_gpu" -ge 4 ]; then
+  step "$NAME-fb-fp32" 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
+    train.py "${COMMON[@]}" "${LAYOUT[@]}" --train.dtype=fp32 --comm.a2a_overlap=fb \
+    --train.out_dir="$OUT/$NAME-fb-fp32"
+  step "compare-$NAME-fb-fp32" 20 "$PY" benchmarks/gpu_check_losses.py compare "$OUT/ref-fp32" \
+    "$OUT/$NAME-fb-fp32" --rtol 1e-3
+fi
 
 # Elastic re-plan (issue 30, trainer/elastic.py): one GPU writes the checkpoint of step
 # STEPS/2, then NPROC processes resume it with --train.replan=auto: rank 0 plans, the layout

@@ -1,7 +1,9 @@
 """Passes over a schedule: derived transfers, validation, simulation, bubble and memory.
 
 Everything here is pure Python over `Schedule` data (see `pipeline.schedule`); nothing touches
-torch. The runtime executes exactly the transfers and post order that `comm_plan` returns, so
+torch. A slot holding a `Pair` (`pipeline.build_fb`) counts as its two actions at that step;
+simulated, a pair takes its members' summed cost (their compute runs one at a time: what the
+pair hides is exchange time, which these costs do not hold) and gives one span each, B first. The runtime executes exactly the transfers and post order that `comm_plan` returns, so
 `validate` checking those is checking what runs.
 
 Legend: p ranks, S stages, m micro-batches, t time step (slot index).
@@ -9,10 +11,19 @@ Legend: p ranks, S stages, m micro-batches, t time step (slot index).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from pipeline.schedule import Action, Schedule, dependencies, n_stages, stage2rank
+from pipeline.schedule import (
+    Action,
+    AnySchedule,
+    Pair,
+    Slot,
+    dependencies,
+    members,
+    n_stages,
+    stage2rank,
+)
 
 __all__ = [
     "Span",
@@ -52,7 +63,9 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Span:
-    """`action` ran on `rank` from `start` to `end` (time steps, seconds, or cost units)."""
+    """`action` ran on `rank` from `start` to `end` (time steps, seconds, or cost units). A
+    pair the runtime measured gives its B the first half of its time and its F the second
+    (their compute interleaves; only the sum is measured)."""
 
     rank: int
     action: Action
@@ -60,25 +73,23 @@ class Span:
     end: float
 
 
-def _steps(schedule: Schedule) -> dict[Action, tuple[int, int]]:
+def _steps(schedule: AnySchedule) -> dict[Action, tuple[int, int]]:
     """Action -> (rank, step); duplicates are left to `validate` to report."""
     out: dict[Action, tuple[int, int]] = {}
     for rank, slots in schedule.items():
-        for t, a in enumerate(slots):
-            if a is not None:
+        for t, slot in enumerate(slots):
+            for a in members(slot):
                 out.setdefault(a, (rank, t))
     return out
 
 
-def derive_transfers(schedule: Schedule) -> list[Transfer]:
+def derive_transfers(schedule: AnySchedule) -> list[Transfer]:
     """Every stage-to-stage hand-off the schedule implies, ordered by (step, producer)."""
     s2r = stage2rank(schedule)
     last = n_stages(schedule) - 1
     out = []
     for rank, slots in schedule.items():
-        for t, a in enumerate(slots):
-            if a is None:
-                continue
+        for t, a in ((t, a) for t, slot in enumerate(slots) for a in members(slot)):
             if a.kind == "F" and a.stage < last:
                 c = Action(a.stage + 1, "F", a.microbatch)
             elif a.kind == "B" and a.stage > 0:
@@ -92,7 +103,7 @@ def derive_transfers(schedule: Schedule) -> list[Transfer]:
     return out
 
 
-def comm_plan(schedule: Schedule, rank: int) -> list[tuple[str, int, Transfer]]:
+def comm_plan(schedule: AnySchedule, rank: int) -> list[tuple[str, int, Transfer]]:
     """The point-to-point operations of `rank` in the order the runtime posts them:
     `("send" | "recv", peer, transfer)`. Both ends of a rank pair list their common
     transfers in the same (step, producer) order, which is what makes tag-free matching
@@ -108,23 +119,22 @@ def comm_plan(schedule: Schedule, rank: int) -> list[tuple[str, int, Transfer]]:
     return ops
 
 
-def _check_structure(schedule: Schedule) -> None:
+def _check_structure(schedule: AnySchedule) -> None:
     if not isinstance(schedule, dict) or not schedule:
         raise ValueError(f"a schedule is a non-empty dict rank -> list of actions, got {schedule!r}")
     if sorted(schedule) != list(range(len(schedule))):
         raise ValueError(f"schedule ranks must be 0..{len(schedule) - 1}, got {sorted(schedule)}")
     for rank, slots in schedule.items():
         for t, a in enumerate(slots):
-            if a is not None and not isinstance(a, Action):
-                raise ValueError(f"rank {rank} step {t}: {a!r} is neither an Action nor None")
+            if a is not None and not isinstance(a, Action | Pair):
+                raise ValueError(f"rank {rank} step {t}: {a!r} is neither an Action, a Pair "
+                                 f"nor None")
 
 
-def _check_coverage(schedule: Schedule) -> None:
+def _check_coverage(schedule: AnySchedule) -> None:
     seen: dict[Action, tuple[int, int]] = {}
     for rank, slots in schedule.items():
-        for t, a in enumerate(slots):
-            if a is None:
-                continue
+        for t, a in ((t, a) for t, slot in enumerate(slots) for a in members(slot)):
             if a in seen:
                 r0, t0 = seen[a]
                 raise ValueError(
@@ -150,12 +160,12 @@ def _check_coverage(schedule: Schedule) -> None:
                     )
 
 
-def is_forward_only(schedule: Schedule) -> bool:
+def is_forward_only(schedule: AnySchedule) -> bool:
     """Whether `schedule` has forwards only (evaluation: `pipeline.schedule.forward_only`)."""
-    return all(a is None or a.kind == "F" for slots in schedule.values() for a in slots)
+    return all(a.kind == "F" for slots in schedule.values() for s in slots for a in members(s))
 
 
-def _check_dependencies(schedule: Schedule) -> None:
+def _check_dependencies(schedule: AnySchedule) -> None:
     where = _steps(schedule)
     n_stage = n_stages(schedule)
     for a, (rank, t) in where.items():
@@ -168,7 +178,7 @@ def _check_dependencies(schedule: Schedule) -> None:
                 )
 
 
-def _check_comm(schedule: Schedule) -> None:
+def _check_comm(schedule: AnySchedule) -> None:
     plans = {r: comm_plan(schedule, r) for r in schedule}
     where = _steps(schedule)
     for r, ops in plans.items():
@@ -186,13 +196,15 @@ def _check_comm(schedule: Schedule) -> None:
                 )
 
 
-def validate(schedule: Schedule) -> None:
+def validate(schedule: AnySchedule) -> None:
     """Raise ValueError naming the first offending action unless `schedule` is runnable:
     every stage on one rank; F and B (and W, if the stage has any) exactly once per stage and
-    micro-batch (F only in a forward-only schedule: no B or W anywhere); each dependency in an earlier step; sends match receives pair by pair; and
-    executing each rank's actions in order (ignoring steps) cannot deadlock."""
+    micro-batch (F only in a forward-only schedule: no B or W anywhere); each dependency in
+    an earlier step (a pair's members too: they may not depend on each other); sends match
+    receives pair by pair; and executing each rank's actions in order (ignoring steps)
+    cannot deadlock."""
     _check_structure(schedule)
-    if all(a is None for slots in schedule.values() for a in slots):
+    if not any(members(a) for slots in schedule.values() for a in slots):
         raise ValueError("schedule has no actions")
     stage2rank(schedule)
     _check_coverage(schedule)
@@ -218,7 +230,8 @@ def _cost_fn(costs: Costs | None) -> Callable[[Action], float]:
     return by_kind
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None, transfer: float = 0.0) -> list[Span]:
+def simulate(schedule: AnySchedule, costs: Costs | None = None, transfer: float = 0.0
+             ) -> list[Span]:
     """Replay each rank's actions in order with per-action `costs` (unit by default): an
     action starts when its rank is free and its dependencies have ended, plus `transfer`
     (the time a point-to-point hand-over takes) for a dependency that ran on another rank.
@@ -238,17 +251,21 @@ def simulate(schedule: Schedule, costs: Costs | None = None, transfer: float = 0
         progressed = False
         for r, order in orders.items():
             while pos[r] < len(order):
-                a = order[pos[r]]
-                deps = dependencies(a, n_stage)
+                acts = members(order[pos[r]])
+                deps = [d for a in acts for d in dependencies(a, n_stage)]
                 if not all(d in end for d in deps):
                     break
                 start = max([free[r]] + [end[d] + (transfer if rank_of[d.stage] != r else 0.0)
                                          for d in deps])
-                c = cost(a)
-                if c < 0:
-                    raise ValueError(f"cost of {a} is {c}; costs must be >= 0")
-                spans.append(Span(r, a, start, start + c))
-                end[a] = free[r] = start + c
+                for a in acts:
+                    c = cost(a)
+                    if c < 0:
+                        raise ValueError(f"cost of {a} is {c}; costs must be >= 0")
+                    spans.append(Span(r, a, start, start + c))
+                    start += c
+                for a in acts:  # a pair's outputs leave when the pair ends
+                    end[a] = start
+                free[r] = start
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
@@ -258,17 +275,18 @@ def simulate(schedule: Schedule, costs: Costs | None = None, transfer: float = 0
     return spans
 
 
-def timeline_spans(schedule: Schedule, costs: Costs | None = None) -> list[Span]:
-    """Spans of the planned timeline: slot t -> [t, t+1) as laid out, or simulated times
-    when `costs` are given."""
+def timeline_spans(schedule: AnySchedule, costs: Costs | None = None) -> list[Span]:
+    """Spans of the planned timeline: slot t -> [t, t+1) as laid out (a pair: its B in the
+    first half, its F in the second), or simulated times when `costs` are given."""
     if costs is not None:
         return simulate(schedule, costs)
-    return [
-        Span(r, a, float(t), float(t + 1))
-        for r, slots in schedule.items()
-        for t, a in enumerate(slots)
-        if a is not None
-    ]
+    out = []
+    for r, slots in schedule.items():
+        for t, slot in enumerate(slots):
+            acts = members(slot)
+            for i, a in enumerate(acts):
+                out.append(Span(r, a, t + i / len(acts), t + (i + 1) / len(acts)))
+    return out
 
 
 def bubble_from_spans(spans: Iterable[Span], n_ranks: int) -> float:
@@ -284,7 +302,7 @@ def bubble_from_spans(spans: Iterable[Span], n_ranks: int) -> float:
     return 1.0 - busy / (n_ranks * (t1 - t0))
 
 
-def bubble_fraction(schedule: Schedule, costs: Costs | None = None, transfer: float = 0.0) -> float:
+def bubble_fraction(schedule: AnySchedule, costs: Costs | None = None, transfer: float = 0.0) -> float:
     """Idle share of the timeline. Without `costs` or `transfer`: idle slots / (ranks x
     steps) of the unit-time layout as given ((p-1)/(m+p-1) for GPipe and 1F1B). With `costs`
     (per kind, e.g. {"F": 1.0, "B": 2.0, "W": 1.0}, or a function of the Action) and/or a
@@ -298,18 +316,27 @@ def bubble_fraction(schedule: Schedule, costs: Costs | None = None, transfer: fl
     return bubble_from_spans(simulate(schedule, costs, transfer), len(schedule))
 
 
-def peak_inflight(schedule: Schedule) -> dict[int, int]:
+def _walk(slots: Sequence[Slot]) -> list[Action]:
+    """A rank's actions in memory order: a pair's F before its B (both are alive while the
+    pair runs)."""
+    return [a for slot in slots for a in reversed(members(slot))]
+
+
+def _split_stages(schedule: AnySchedule) -> set[int]:
+    return {a.stage for slots in schedule.values() for s in slots for a in members(s)
+            if a.kind == "W"}
+
+
+def peak_inflight(schedule: AnySchedule) -> dict[int, int]:
     """Per rank, the most (stage, micro-batch) pairs whose activations are alive at once:
     F done and B (W for stages that split their backward) not yet. With interleaving each
     pair holds one virtual stage's activations."""
-    split = {a.stage for slots in schedule.values() for a in slots if a is not None and a.kind == "W"}
+    split = _split_stages(schedule)
     out = {}
     for rank, slots in schedule.items():
         alive: set[tuple[int, int]] = set()
         peak = 0
-        for a in slots:
-            if a is None:
-                continue
+        for a in _walk(slots):
             key = (a.stage, a.microbatch)
             if a.kind == "F":
                 alive.add(key)
@@ -322,12 +349,12 @@ def peak_inflight(schedule: Schedule) -> dict[int, int]:
 
 
 def peak_activation_bytes(
-    schedule: Schedule, bytes_per_stage: Mapping[int, float]
+    schedule: AnySchedule, bytes_per_stage: Mapping[int, float]
 ) -> dict[int, float]:
     """Per rank, the peak of saved-activation bytes alive at once when one micro-batch
     through stage s keeps `bytes_per_stage[s]` alive (the same walk as `peak_inflight`,
     weighted; equal to peak_inflight x bytes when every stage of a rank weighs the same)."""
-    split = {a.stage for slots in schedule.values() for a in slots if a is not None and a.kind == "W"}
+    split = _split_stages(schedule)
     missing = sorted(set(stage2rank(schedule)) - set(bytes_per_stage))
     if missing:
         raise ValueError(f"bytes_per_stage lacks stages {missing}")
@@ -335,9 +362,7 @@ def peak_activation_bytes(
     for rank, slots in schedule.items():
         live = peak = 0.0
         alive: set[tuple[int, int]] = set()
-        for a in slots:
-            if a is None:
-                continue
+        for a in _walk(slots):
             key = (a.stage, a.microbatch)
             if a.kind == "F":
                 alive.add(key)

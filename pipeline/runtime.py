@@ -75,6 +75,7 @@ Legend: M micro-batches, p pipeline ranks, s stage, m micro-batch.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar, cast
@@ -84,6 +85,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+from comm.collectives.overlap import Baton
 from pipeline.analysis import (
     Span,
     Transfer,
@@ -92,7 +94,7 @@ from pipeline.analysis import (
     is_forward_only,
     validate,
 )
-from pipeline.schedule import Action, Schedule, n_stages, stage2rank
+from pipeline.schedule import Action, AnySchedule, Pair, members, n_stages, stage2rank
 from pipeline.split_backward import WeightWork, backward_input, backward_weight
 
 __all__ = ["PipelineRuntime"]
@@ -119,7 +121,7 @@ class PipelineRuntime(Generic[StageT]):
 
     def __init__(
         self,
-        schedule: Schedule,
+        schedule: AnySchedule,
         stages: Mapping[int, StageT],
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
         act_shape: Sequence[int] | Mapping[int, Sequence[int]],
@@ -153,10 +155,13 @@ class PipelineRuntime(Generic[StageT]):
         self.clock = clock
         self.n_stages = n_stages(schedule)
         self.n_microbatches = 1 + max(
-            a.microbatch for slots in schedule.values() for a in slots if a is not None
+            a.microbatch for slots in schedule.values() for s in slots for a in members(s)
         )
         self._s2r = s2r
-        self.split = {a.stage for a in schedule[self.rank] if a is not None and a.kind == "W"}
+        self.split = {a.stage for s in schedule[self.rank] for a in members(s) if a.kind == "W"}
+        # a paired schedule (pipeline.build_fb): its pairs run on this baton, which the stages'
+        # EP dispatchers hand over at their exchange starts during `step`
+        self.baton = Baton() if any(isinstance(s, Pair) for s in schedule[self.rank]) else None
         self.forward_only = is_forward_only(schedule)
         self._shape = self._shapes(act_shape)
         if device is None:
@@ -357,32 +362,65 @@ class PipelineRuntime(Generic[StageT]):
         self.last_aux = {}
         self._aux: dict[tuple[int, int], torch.Tensor] = {}
         self._ready_group()
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.forward_only):
-            self._walk(inputs, targets)
+        disps = self._dispatchers() if self.baton is not None else []
+        for d in disps:
+            d.baton = self.baton
+        try:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not self.forward_only):
+                self._walk(inputs, targets)
+        finally:
+            for d in disps:
+                d.baton = None
         if last not in self.stages:
             return None
         return [self._losses[m] for m in range(M)]
 
+    def _dispatchers(self) -> list[Any]:
+        """The EP dispatchers of this rank's stages (`comm.ep.EPDispatcher`: what has a
+        `baton`); the runtime knows them only by that attribute."""
+        out: list[Any] = []
+        for module in self.stages.values():
+            for m in module.modules():
+                d = getattr(m, "dispatcher", None)
+                if d is not None and hasattr(d, "baton") and all(d is not o for o in out):
+                    out.append(d)
+        return out
+
+    def _run(self, a: Action, inputs: Sequence[Any] | None, targets: Sequence[Any] | None
+             ) -> None:
+        # profiler ranges (torch.profiler; nearly free when no profiler is active)
+        with record_function(f"pipeline.{a.kind} s{a.stage} mb{a.microbatch}"):
+            if a.kind == "F":
+                self._forward(a, inputs, targets)
+            elif a.kind == "B":
+                self._backward(a)
+            else:
+                self._weight(a)
+
     def _walk(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None) -> None:
-        """This rank's slots of the schedule, their boundary batches, the final waits."""
+        """This rank's slots of the schedule, their boundary batches, the final waits. A
+        pair's members both have their inputs from earlier steps (`validate`), so both are
+        received before the pair runs; then B and F run on the baton, B starting."""
         last = self.n_stages - 1
         timer = _Timer(self.device, self.clock, self._host_sync)
-        for t, a in enumerate(self.schedule[self.rank]):
-            if a is not None:
+        for t, slot in enumerate(self.schedule[self.rank]):
+            acts = members(slot)
+            for a in acts:
                 # Inputs from other ranks are awaited before the span starts: waiting is bubble.
                 if a.kind == "F" and a.stage > 0 or a.kind == "B" and a.stage < last:
                     with record_function("pipeline.wait_recv"):
                         self._local[a] = self._take(a)
+            if len(acts) == 2:
+                assert self.baton is not None and isinstance(slot, Pair)
                 mark = timer.start()
-                # profiler ranges (torch.profiler; nearly free when no profiler is active)
-                with record_function(f"pipeline.{a.kind} s{a.stage} mb{a.microbatch}"):
-                    if a.kind == "F":
-                        self._forward(a, inputs, targets)
-                    elif a.kind == "B":
-                        self._backward(a)
-                    else:
-                        self._weight(a)
-                timer.stop(a, mark)
+                with record_function(f"pipeline.pair {slot}"):
+                    self.baton.pair(functools.partial(self._run, slot.b, inputs, targets),
+                                    functools.partial(self._run, slot.f, inputs, targets))
+                timer.stop_pair(slot, mark)
+            elif acts:
+                mark = timer.start()
+                self._run(acts[0], inputs, targets)
+                timer.stop(acts[0], mark)
             self._post(t)
         with record_function("pipeline.wait_sends"):
             for work in self._send_works:
@@ -418,7 +456,7 @@ class _Timer:
         self.cuda = device.type == "cuda"
         self.clock = clock
         self.host_sync = host_sync
-        self.marks: list[tuple[Action, Any, Any]] = []
+        self.marks: list[tuple[Action | Pair, Any, Any]] = []
         host_sync("step start")
         if self.cuda:
             self.t0 = clock()
@@ -436,9 +474,20 @@ class _Timer:
     def stop(self, a: Action, start: Any) -> None:
         self.marks.append((a, start, self._event() if self.cuda else self.clock()))
 
+    def stop_pair(self, pair: Pair, start: Any) -> None:
+        self.marks.append((pair, start, self._event() if self.cuda else self.clock()))
+
     def spans(self, rank: int) -> list[Span]:
         self.host_sync("spans")
-        if not self.cuda:
-            return [Span(rank, a, s, e) for a, s, e in self.marks]
-        at = lambda ev: self.t0 + self.ev0.elapsed_time(ev) / 1e3  # noqa: E731 (ms -> s)
-        return [Span(rank, a, at(s), at(e)) for a, s, e in self.marks]
+        if self.cuda:
+            at = lambda ev: self.t0 + self.ev0.elapsed_time(ev) / 1e3  # noqa: E731 (ms -> s)
+            marks = [(a, at(s), at(e)) for a, s, e in self.marks]
+        else:
+            marks = self.marks
+        out = []
+        for a, s, e in marks:
+            if isinstance(a, Pair):  # halves: only the pair's sum is measured (analysis.Span)
+                out += [Span(rank, a.b, s, (s + e) / 2), Span(rank, a.f, (s + e) / 2, e)]
+            else:
+                out.append(Span(rank, a, s, e))
+        return out

@@ -24,14 +24,29 @@ Builders (all pure, deterministic):
                       rank r defers W by r micro-batches so W fills the cool-down bubble
     forward_only      (not a training schedule: `forward_only`, not `build`) every stage's
                       forwards and no backward, for evaluation; stage s on rank s % p
+
+Paired schedules (`build_fb`, --comm.a2a_overlap=fb): a slot may hold a `Pair(b, f)`, a B
+and an F of the same rank that run together in that step (the runtime interleaves them on a
+`comm.collectives.overlap.Baton`, so one's compute hides the other's expert exchanges). Each
+member's dependencies must lie in earlier steps, like any action's; the passes of
+`pipeline.analysis` read a pair as its two actions at the same step (`members`). `build_fb`
+pairs each B with the F that follows it in the rank's order (on the last stage B(k) with
+F(k + 1): B(k) needs F(k) itself). For 1F1B it first deepens rank r's warm-up from
+p - r - 1 to 2(p - r - 1) forwards (interleaved-1F1B's warm-up has that depth already):
+with 1F1B's own warm-up a pair on one rank waits for the previous pair of its neighbour, so
+the pipeline would run one pair at a time; with the deeper one the paired schedule's makespan
+equals 1F1B's at unit costs F=1, B=2 (`tests/test_fb_overlap_pipeline.py`), and anything the
+pairs hide is gained. The price: rank r holds up to 2(p - r) - 1 micro-batches' activations
+instead of p - r.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Action", "KINDS", "Schedule", "build", "forward_only", "schedule_names", "stage2rank",
+__all__ = ["Action", "FB_SCHEDULES", "KINDS", "Pair", "PairedSchedule", "Schedule", "Slot",
+           "build", "build_fb", "forward_only", "members", "schedule_names", "stage2rank",
            "n_stages"]
 
 KINDS = ("F", "B", "W")
@@ -57,25 +72,52 @@ class Action:
         return f"{self.stage}{self.kind}{self.microbatch}"
 
 
+@dataclass(frozen=True, order=True)
+class Pair:
+    """A B and an F of one rank run together in one step (module docstring); str -> "1B0+1F2"."""
+
+    b: Action
+    f: Action
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.b, Action) and isinstance(self.f, Action)
+                and self.b.kind == "B" and self.f.kind == "F"):
+            raise ValueError(f"Pair({self.b!r}, {self.f!r}): a pair is a B action and an F action")
+
+    def __str__(self) -> str:
+        return f"{self.b}+{self.f}"
+
+
 Schedule = dict[int, list[Action | None]]
+Slot = Action | Pair | None
+PairedSchedule = dict[int, list[Slot]]  # a Schedule whose slots may hold Pairs (build_fb)
+AnySchedule = Mapping[int, Sequence[Slot]]  # what the passes read: either kind
 
 
-def stage2rank(schedule: Schedule) -> dict[int, int]:
+def members(slot: Slot) -> tuple[Action, ...]:
+    """The actions a slot runs: none, one, or a pair's B and F."""
+    if slot is None:
+        return ()
+    if isinstance(slot, Pair):
+        return (slot.b, slot.f)
+    return (slot,)
+
+
+def stage2rank(schedule: AnySchedule) -> dict[int, int]:
     """Which rank runs each stage, read from the schedule; a stage on two ranks is an error."""
     out: dict[int, int] = {}
     for rank, slots in schedule.items():
-        for a in slots:
-            if a is None:
-                continue
-            prev = out.setdefault(a.stage, rank)
-            if prev != rank:
-                raise ValueError(f"stage {a.stage} appears on ranks {prev} and {rank} ({a})")
+        for slot in slots:
+            for a in members(slot):
+                prev = out.setdefault(a.stage, rank)
+                if prev != rank:
+                    raise ValueError(f"stage {a.stage} appears on ranks {prev} and {rank} ({a})")
     return out
 
 
-def n_stages(schedule: Schedule) -> int:
+def n_stages(schedule: AnySchedule) -> int:
     """Number of stages S (the highest stage index + 1)."""
-    return max((a.stage for slots in schedule.values() for a in slots if a is not None),
+    return max((a.stage for slots in schedule.values() for s in slots for a in members(s)),
                default=-1) + 1
 
 
@@ -91,19 +133,21 @@ def dependencies(a: Action, n_stage: int) -> list[Action]:
     return [Action(a.stage, "B", a.microbatch)]
 
 
-def _place(orders: dict[int, list[Action]], n_stage: int) -> Schedule:
-    """Lay per-rank action orders onto the unit timeline, each action at its earliest step."""
+def _place(orders: Mapping[int, Sequence[Action | Pair]], n_stage: int) -> PairedSchedule:
+    """Lay per-rank orders onto the unit timeline, each action (or pair) at its earliest
+    step."""
     done: dict[Action, int] = {}
-    out: Schedule = {r: [] for r in orders}
+    out: PairedSchedule = {r: [] for r in orders}
     pos = dict.fromkeys(orders, 0)
     total = sum(len(o) for o in orders.values())
+    placed_n = 0
     t = 0
-    while len(done) < total:
+    while placed_n < total:
         placed = []
         for r, order in orders.items():
             if pos[r] < len(order):
                 a = order[pos[r]]
-                if all(done.get(d, t) < t for d in dependencies(a, n_stage)):
+                if all(done.get(d, t) < t for m in members(a) for d in dependencies(m, n_stage)):
                     placed.append((r, a))
                     continue
             out[r].append(None)
@@ -112,9 +156,20 @@ def _place(orders: dict[int, list[Action]], n_stage: int) -> Schedule:
             raise RuntimeError(f"schedule order deadlocks at step {t}; blocked: {stuck}")
         for r, a in placed:
             out[r].append(a)
-            done[a] = t
+            for m in members(a):
+                done[m] = t
             pos[r] += 1
+            placed_n += 1
         t += 1
+    return out
+
+
+def _plain(sched: PairedSchedule) -> Schedule:
+    """A schedule placed from orders without pairs, typed as such."""
+    out: Schedule = {}
+    for r, slots in sched.items():
+        assert not any(isinstance(a, Pair) for a in slots)
+        out[r] = [a for a in slots if not isinstance(a, Pair)]
     return out
 
 
@@ -130,24 +185,33 @@ def _gpipe(p: int, m: int) -> Schedule:
         r: [Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)]
         for r in range(p)
     }
-    return _place(orders, p)
+    return _plain(_place(orders, p))
 
 
-def _one_f_one_b(p: int, m: int) -> Schedule:
+def _one_f_one_b_orders(p: int, m: int, deep: bool = False) -> dict[int, list[Action]]:
     orders = {}
     for r in range(p):
         # Rank r runs p - r - 1 forwards before its first backward can arrive; afterwards
-        # every backward frees the activations the next forward needs (peak p - r).
-        warm = min(p - r - 1, m)
+        # every backward frees the activations the next forward needs (peak p - r). `deep`:
+        # 2(p - r - 1) warm-up forwards, what the paired schedule needs (module docstring).
+        warm = min(2 * (p - r - 1) if deep else p - r - 1, m)
         o = [Action(r, "F", i) for i in range(warm)]
         for i in range(m - warm):
             o += [Action(r, "F", warm + i), Action(r, "B", i)]
         o += [Action(r, "B", i) for i in range(m - warm, m)]
         orders[r] = o
-    return _place(orders, p)
+    return orders
+
+
+def _one_f_one_b(p: int, m: int) -> Schedule:
+    return _plain(_place(_one_f_one_b_orders(p, m), p))
 
 
 def _interleaved(p: int, m: int, v: int) -> Schedule:
+    return _plain(_place(_interleaved_orders(p, m, v), p * v))
+
+
+def _interleaved_orders(p: int, m: int, v: int) -> dict[int, list[Action]]:
     if not isinstance(v, int) or v < 1:
         raise ValueError(f"n_virtual={v!r} is invalid; need an int >= 1")
     if m % p:
@@ -174,7 +238,7 @@ def _interleaved(p: int, m: int, v: int) -> Schedule:
             o += [nth(warm + i, True, r), nth(i, False, r)]
         o += [nth(k, False, r) for k in range(total - warm, total)]
         orders[r] = o
-    return _place(orders, p * v)
+    return orders
 
 
 def _zb_h1_order(r: int, p: int, m: int) -> list[Action]:
@@ -204,7 +268,7 @@ def _zb_h1(p: int, m: int) -> Schedule:
     B and W the makespan is 3m + p - 1 (the ZB-H1 optimum; 1F1B with split backward takes
     3m + 2(p - 1)) and every rank holds at most p micro-batches, 1F1B's stage-0 peak.
     """
-    return _place({r: _zb_h1_order(r, p, m) for r in range(p)}, p)
+    return _plain(_place({r: _zb_h1_order(r, p, m) for r in range(p)}, p))
 
 
 _BUILDERS: dict[str, Callable[..., Schedule]] = {
@@ -224,8 +288,8 @@ def forward_only(n_ranks: int, n_microbatches: int = 1, n_virtual: int = 1) -> S
     if not isinstance(n_virtual, int) or n_virtual < 1:
         raise ValueError(f"n_virtual={n_virtual!r} is invalid; need an int >= 1")
     p, m, v = n_ranks, n_microbatches, n_virtual
-    sched = _place({r: [Action(c * p + r, "F", i) for c in range(v) for i in range(m)]
-                    for r in range(p)}, p * v)
+    sched = _plain(_place({r: [Action(c * p + r, "F", i) for c in range(v) for i in range(m)]
+                           for r in range(p)}, p * v))
     length = max(len(s) for s in sched.values())
     return {r: s + [None] * (length - len(s)) for r, s in sched.items()}
 
@@ -254,5 +318,41 @@ def build(name: str, n_ranks: int, n_microbatches: int, **kw: int) -> Schedule:
         sched = _interleaved(n_ranks, n_microbatches, kw.get("n_virtual", 2))
     else:
         sched = _BUILDERS[name](n_ranks, n_microbatches)
+    length = max(len(s) for s in sched.values())
+    return {r: s + [None] * (length - len(s)) for r, s in sched.items()}
+
+
+FB_SCHEDULES = ("1f1b", "interleaved-1f1b")  # what `build_fb` pairs
+
+
+def _pair_up(order: list[Action]) -> list[Action | Pair]:
+    """Each B with the F right after it in the rank's order (module docstring)."""
+    out: list[Action | Pair] = []
+    i = 0
+    while i < len(order):
+        a = order[i]
+        if a.kind == "B" and i + 1 < len(order) and order[i + 1].kind == "F":
+            out.append(Pair(a, order[i + 1]))
+            i += 2
+        else:
+            out.append(a)
+            i += 1
+    return out
+
+
+def build_fb(name: str, n_ranks: int, n_microbatches: int, **kw: int) -> PairedSchedule:
+    """Schedule `name` with its steady state's B / F pairs fused (module docstring), for
+    --comm.a2a_overlap=fb: "1f1b" (with the deeper warm-up) or "interleaved-1f1b"
+    (`n_virtual`, default 2). All lists of equal length, like `build`'s."""
+    if name not in FB_SCHEDULES:
+        raise ValueError(f"schedule {name!r} has no paired (fb) form; valid: {list(FB_SCHEDULES)}")
+    build(name, n_ranks, n_microbatches, **kw)  # the same argument checks
+    p, m = n_ranks, n_microbatches
+    if name == "1f1b":
+        orders, n_stage = _one_f_one_b_orders(p, m, deep=True), p
+    else:
+        v = kw.get("n_virtual", 2)
+        orders, n_stage = _interleaved_orders(p, m, v), p * v
+    sched = _place({r: _pair_up(o) for r, o in orders.items()}, n_stage)
     length = max(len(s) for s in sched.values())
     return {r: s + [None] * (length - len(s)) for r, s in sched.items()}

@@ -80,9 +80,10 @@ def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo) -> tuple[str, str, 
     bytes of dedup (`comm.collectives.dedup.dedup_byte_ratio`, uniform routing, or bound to topk_group
     nodes with --comm.route_groups=node) are at most DEDUP_AUTO_MAX_RATIO of flat's; else
     comm's per-call flat / HALO choice. a2a_overlap=auto: layer where the EP group spans nodes
-    (the exchange crosses the network), none inside one node. a2a_chunks=auto: 2, the fewest
-    that put one chunk's exchange beside another's GEMMs (a fixed choice, not priced; the
-    planner's `tuner.costs.a2a_exposed` prices 1, 2, 4, 8)."""
+    (the exchange crosses the network), none inside one node; never fb (not measured to win:
+    docs/alltoall.md). a2a_chunks=auto: 2, the fewest that put one chunk's exchange beside
+    another's GEMMs (a fixed choice, not priced; the planner's `tuner.costs.a2a_exposed`
+    prices 1, 2, 4, 8); 1 under fb, where the other micro-batch's work runs beside it."""
     from comm.collectives.dedup import dedup_byte_ratio
 
     from .setup import a2a_chunks
@@ -117,6 +118,9 @@ def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo) -> tuple[str, str, 
     if overlap == "layer" and not chunks:
         chunks = 2
         log("comm.a2a_chunks=auto: 2", mesh.rank)
+    if overlap == "fb" and not chunks:  # the other micro-batch's work hides the exchange
+        chunks = 1
+        log("comm.a2a_chunks=auto: 1 (a2a_overlap=fb)", mesh.rank)
     return algo, overlap, max(chunks, 1)
 
 
@@ -203,7 +207,7 @@ def build_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh, model, precision,
     bounds = split_layers(mcfg.n_layers, n_stages, par.layer_split)
     stages = build_stages(model, mesh.pp, mesh.pp_idx, par.n_virtual, bounds,
                           precision.autocast, stream_dtype=precision.param)
-    schedule = build_schedule(par, mesh.pp)
+    schedule = build_schedule(par, mesh.pp, fb=cfg.comm.a2a_overlap == "fb" and mesh.ep > 1)
     per_shard = t.global_batch // mesh.n_data_shards
     # under sequence parallel a stage boundary carries this TP rank's slice of the sequence
     seq = t.seq_len // mesh.tp if mesh.tp > 1 and par.sp else t.seq_len

@@ -98,8 +98,11 @@ class CommConfig:
                         "flat, halo, dedup, auto")
     a2a_overlap: str = opt("none", "the expert all-to-all overlapped with compute: layer = "
                                    "shared experts beside the dispatch, rows in a2a_chunks "
-                                   "chunks pipelined (comm/ep/pipeline.py); auto = layer "
-                                   "where the EP group spans nodes", "none, layer, auto")
+                                   "chunks pipelined (comm/ep/pipeline.py); fb = layer, and "
+                                   "one micro-batch's forward beside another's backward "
+                                   "exchanges (parallel.microbatches >= 2; with pp > 1 the "
+                                   "1f1b and interleaved-1f1b schedules); auto = layer where "
+                                   "the EP group spans nodes", "none, layer, fb, auto")
     a2a_chunks: str = opt("auto", "chunks of the layer pipeline", "an int >= 1, or auto")
     route_groups: str = opt("none", "node: the model's routing groups (--model.n_group, a "
                                     "multiple of the EP group's nodes) are bound to nodes, so a "

@@ -92,7 +92,7 @@ ALLTOALL_ALGORITHMS = ("flat", "halo", "dedup", "auto")
 TRAINER_ALLTOALL = (*(a for a in _COMM_ALGORITHMS if a != "auto"), "dedup", "auto")
 # all-to-all overlapped with compute: none, inside the MoE layer, across micro-batches
 A2A_OVERLAP = ("none", "layer", "fb")
-TRAINER_A2A_OVERLAP = ("none", "layer")  # --comm.a2a_overlap (also "auto": none or layer)
+TRAINER_A2A_OVERLAP = ("none", "layer", "fb")  # --comm.a2a_overlap (also "auto": none or layer)
 # Recompute modes are the model's activation checkpointing modes (model/checkpointing.py),
 # the same names: none; selective = the FFN intermediates are recomputed; full = the whole
 # block keeps only its input. --train.checkpointing takes them.

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from model.attention import DOC_ATTENTION
+from pipeline.schedule import FB_SCHEDULES
 
 from .checkpoint import CheckpointError, check_same_model, find_latest, read_meta
 from .config import ConfigError, RunConfig
@@ -107,10 +108,10 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     tp_probs = tp_problems(par.tp, par.sp, par.etp, mcfg, cfg.train.seq_len, par.pp)
     if tp_probs:
         raise ConfigError("; ".join(tp_probs))
-    if par.tp > 1 and (cfg.comm.alltoall == "dedup" or cfg.comm.a2a_overlap == "layer"):
+    if par.tp > 1 and (cfg.comm.alltoall == "dedup" or cfg.comm.a2a_overlap in ("layer", "fb")):
         raise ConfigError(f"parallel.tp={par.tp} with comm.alltoall={cfg.comm.alltoall!r} / "
                           f"comm.a2a_overlap={cfg.comm.a2a_overlap!r}: the pipelined expert path "
-                          f"(dedup, layer overlap) is not built with tensor parallel yet; use "
+                          f"(dedup, layer and fb overlap) is not built with tensor parallel yet; use "
                           f"alltoall flat, halo or auto and a2a_overlap none or auto (auto "
                           f"keeps it off under TP)")
     if mesh.pp > 1 and mcfg.tie_embeddings:
@@ -132,6 +133,8 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     check_choice("comm.alltoall", cfg.comm.alltoall, TRAINER_ALLTOALL)
     check_choice("comm.a2a_overlap", cfg.comm.a2a_overlap, (*TRAINER_A2A_OVERLAP, "auto"))
     a2a_chunks(cfg.comm.a2a_chunks)
+    if cfg.comm.a2a_overlap == "fb":
+        _check_fb(cfg, mesh.pp)
     check_choice("comm.route_groups", cfg.comm.route_groups, ("none", "node"))
     if cfg.comm.route_groups == "node" and cfg.balance.redundant:
         raise ConfigError(f"comm.route_groups=node with balance.redundant="
@@ -283,11 +286,15 @@ def model_name(cfg: RunConfig) -> str:
     return cfg.model.hf_path or cfg.model.preset
 
 
-def build_schedule(par, pp: int):
-    """The pipeline schedule of the run config's parallel section (validated by the builder)."""
+def build_schedule(par, pp: int, fb: bool = False):
+    """The pipeline schedule of the run config's parallel section (validated by the builder);
+    `fb`: its paired form for --comm.a2a_overlap=fb (`pipeline.schedule.build_fb`)."""
     import pipeline
+    from pipeline.schedule import build_fb
 
     kw = {"n_virtual": par.n_virtual} if par.schedule == "interleaved-1f1b" else {}
+    if fb:
+        return build_fb(par.schedule, pp, par.microbatches, **kw)
     return pipeline.build(par.schedule, pp, par.microbatches, **kw)
 
 
@@ -301,6 +308,27 @@ def _check_microbatches(cfg: RunConfig, mesh: Mesh) -> None:
             f"parallel.microbatches={par.microbatches} must divide the {per_shard} sequences each "
             f"data shard gets per step (train.global_batch={cfg.train.global_batch} / "
             f"{mesh.n_data_shards} shards); valid: {divisors(per_shard)}")
+
+
+
+
+def _check_fb(cfg: RunConfig, pp: int) -> None:
+    """--comm.a2a_overlap=fb pairs one micro-batch's backward with another's forward: it needs
+    two micro-batches, a schedule it can pair, and no block recompute in the backward (a
+    recomputed MoE forward would overwrite the layer's routing outputs the paired forward
+    reads; trainer/step.py)."""
+    par = cfg.parallel
+    if par.microbatches < 2:
+        raise ConfigError(f"comm.a2a_overlap=fb with parallel.microbatches={par.microbatches}: "
+                          f"it pairs one micro-batch's backward with another's forward; use "
+                          f"parallel.microbatches >= 2 (or a2a_overlap layer)")
+    if pp > 1 and par.schedule not in FB_SCHEDULES:
+        raise ConfigError(f"comm.a2a_overlap=fb with parallel.schedule={par.schedule!r} (pp={pp}) "
+                          f"is not built; it runs with {', '.join(FB_SCHEDULES)}")
+    if cfg.train.checkpointing == "full":
+        raise ConfigError("comm.a2a_overlap=fb with train.checkpointing='full' is not built (the "
+                          "backward's recomputed MoE forward would run beside the paired "
+                          "forward); use train.checkpointing none or selective")
 
 
 def _check_virtual(par) -> None:
@@ -400,6 +428,8 @@ def layout_problem(cfg: RunConfig, mcfg: Any, world: int) -> str:
                     f"{mesh.n_data_shards} data shards (dp={mesh.dp} x ep={mesh.ep})")
         _check_microbatches(cfg, mesh)
         _check_schedule(par, mesh.pp)
+        if cfg.comm.a2a_overlap == "fb":
+            _check_fb(cfg, mesh.pp)
         check_zero(cfg, mesh)
         _check_redundant(cfg.balance.redundant, mcfg.n_routed_experts, mesh.ep)
     except ValueError as e:

@@ -203,13 +203,45 @@ def _forward_backward(parts: StepParts, tokens: torch.Tensor, targets: torch.Ten
         ce, aux = forward_loss(parts, tokens, targets)
         (ce + aux).backward()
         return ce, aux, None
+    mbs = list(zip(tokens.chunk(M), targets.chunk(M), strict=True))
     ces, auxes = [], []
-    for tok, tgt in zip(tokens.chunk(M), targets.chunk(M), strict=True):
-        ce, aux = forward_loss(parts, tok, tgt)
-        ((ce + aux) / M).backward()
+
+    def forward(j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ce, aux = forward_loss(parts, *mbs[j])
         ces.append(ce.detach())
         auxes.append(aux.detach())
+        return ce, aux
+
+    def backward(losses: tuple[torch.Tensor, torch.Tensor]) -> None:
+        ((losses[0] + losses[1]) / M).backward()
+
+    if parts.cfg.comm.a2a_overlap == "fb" and parts.mesh.ep > 1:
+        _fb_microbatches(parts, M, forward, backward)
+    else:
+        for j in range(M):
+            backward(forward(j))
     return torch.stack(ces).mean(), torch.stack(auxes).mean(), None
+
+
+def _fb_microbatches(parts: StepParts, M: int, forward, backward) -> None:
+    """--comm.a2a_overlap=fb with pp = 1: F(0); then B(j-1) paired with F(j) for j = 1..M-1
+    on a `Baton` (comm/collectives/overlap.py: the two run as two threads, one at a time,
+    handing over right after each exchange they start, so one's compute overlaps the other's
+    exchange); then B(M-1). The gradients accumulate in the plain loop's order, so the result
+    is the plain loop's; docs/alltoall.md gives the argument for one collective order. The
+    baton is on every EP dispatcher for the span of the loop only."""
+    from comm.collectives.overlap import Baton
+
+    baton = Baton()
+    disps = [layer.dispatcher for layer in parts.model.moe_layers()
+             if hasattr(layer.dispatcher, "baton")]
+    for d in disps:
+        d.baton = baton
+    try:
+        baton.microbatches(M, forward, backward)
+    finally:
+        for d in disps:
+            d.baton = None
 
 
 def _update(parts: StepParts, state: StepState, loss: float, norm: float, lr: float,

@@ -28,8 +28,10 @@ CPU and CUDA autograd engines run ready nodes latest-created first).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -39,7 +41,8 @@ import torch.distributed as dist
 from comm.collectives.alltoall import AllToAllPlan
 from comm.collectives.halo import halo_exchange
 
-__all__ = ["Exchange", "ExchangeHandle", "exchange_start", "exchange_wait", "start_exchange"]
+__all__ = ["Baton", "Exchange", "ExchangeHandle", "exchange_start", "exchange_wait",
+           "start_exchange"]
 
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
@@ -119,15 +122,99 @@ def start_exchange(x: torch.Tensor, plan: AllToAllPlan, group: dist.ProcessGroup
     return Exchange(future=_worker().submit(halo_exchange, x, rank_plan, group), keep=x)
 
 
+class Baton:
+    """Two parties, exactly one running at a time; `switch()` hands over (module docstring).
+
+    Party 0 runs in the calling thread, party 1 in a helper thread that gets the caller's
+    grad mode, CUDA device and intra-op thread count (all thread-local in torch; autocast
+    too, which the callables set themselves). On CUDA the autograd engine runs a backward in
+    its device thread: a switch from there blocks that thread, which is what it should do
+    (the backward's party is paused). `switches` counts the hand-overs of the last pair."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._turn = -1  # the party running now; -1: no pair is running
+        self._alive = [False, False]
+        self.switches = 0
+
+    def switch(self) -> None:
+        """Called by the running party right after it started an exchange: the partner runs
+        until its own next start or its end, then this party resumes. A no-op outside a pair
+        and once the partner has ended."""
+        with self._cv:
+            me = self._turn
+            if me < 0 or not self._alive[1 - me]:
+                return
+            self._turn = 1 - me
+            self.switches += 1
+            self._cv.notify_all()
+            while self._turn != me:
+                self._cv.wait()
+
+    def pair(self, first: Callable[[], Any], second: Callable[[], Any]) -> tuple[Any, Any]:
+        """Run first() and second() as the two parties, first() starting; returns both
+        results. An exception in either is raised once both have ended (the other runs on
+        alone, its switches no-ops)."""
+        if self._turn != -1:
+            raise RuntimeError("Baton.pair: a pair is already running on this baton")
+        results: list[Any] = [None, None]
+        errors: list[BaseException | None] = [None, None]
+        grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+        def party(i: int, fn: Callable[[], Any]) -> None:
+            with self._cv:
+                while self._turn != i:
+                    self._cv.wait()
+            try:
+                if i == 1:
+                    torch.set_num_threads(threads)
+                    if device is not None:
+                        torch.cuda.set_device(device)
+                with torch.set_grad_enabled(grad):
+                    results[i] = fn()
+            except BaseException as e:  # re-raised by pair() once both parties ended
+                errors[i] = e
+            finally:
+                with self._cv:
+                    self._alive[i] = False
+                    self._turn = 1 - i if self._alive[1 - i] else -2
+                    self._cv.notify_all()
+
+        with self._cv:
+            self._alive, self._turn, self.switches = [True, True], 0, 0
+        helper = threading.Thread(target=party, args=(1, second), name="fb-baton", daemon=True)
+        helper.start()
+        party(0, first)
+        helper.join()
+        self._turn = -1
+        for e in errors:
+            if e is not None:
+                raise e
+        return results[0], results[1]
+
+    def microbatches(self, m: int, forward: Callable[[int], Any],
+                     backward: Callable[[Any], None]) -> None:
+        """Gradient accumulation over m micro-batches with F and B paired: F(0); then B(j-1)
+        paired with F(j) for j = 1..m-1 (B starting); then B(m-1). `forward(j)` returns what
+        `backward` takes. The B's still run in order 0, 1, ..., so the gradients accumulate
+        as in the plain loop."""
+        prev = forward(0)
+        for j in range(1, m):
+            _, prev = self.pair(functools.partial(backward, prev), functools.partial(forward, j))
+        backward(prev)
+
+
 class ExchangeHandle:
     """What a start and its wait share: the plan, the group, the exchange in flight in each
-    direction, and the host seconds the waits blocked (`waited_s`, both directions)."""
+    direction, the host seconds the waits blocked (`waited_s`, both directions), and the
+    `Baton` its starts hand over (None: no interleaving)."""
 
-    __slots__ = ("plan", "group", "_reverse", "fwd", "bwd", "waited_s")
+    __slots__ = ("plan", "group", "_reverse", "fwd", "bwd", "waited_s", "baton")
 
     def __init__(self, plan: AllToAllPlan, group: dist.ProcessGroup | None,
-                 reverse: AllToAllPlan | None = None) -> None:
-        self.plan, self.group, self._reverse = plan, group, reverse
+                 reverse: AllToAllPlan | None = None, baton: Baton | None = None) -> None:
+        self.plan, self.group, self._reverse, self.baton = plan, group, reverse, baton
         self.fwd: Exchange | None = None
         self.bwd: Exchange | None = None
         self.waited_s = 0.0
@@ -144,6 +231,8 @@ class _Start(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, h: ExchangeHandle) -> torch.Tensor:
         ctx.h = h
         h.fwd = start_exchange(x, h.plan, h.group)
+        if h.baton is not None:  # the partner computes while this exchange is in flight
+            h.baton.switch()
         return x.new_empty(0)
 
     @staticmethod
@@ -170,6 +259,8 @@ class _Wait(torch.autograd.Function):
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor, None]:
         h = ctx.h
         h.bwd = start_exchange(grad_y, h.reverse, h.group)
+        if h.baton is not None:
+            h.baton.switch()
         return grad_y.new_empty(0), None
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from comm.collectives.alltoall import all_to_all, plan_all_to_all
+from comm.collectives.overlap import Baton
 from comm.ep.protocol import ExchangeStats, ExpertLayer
 from comm.topology import Topology
 
@@ -37,8 +38,8 @@ class EPDispatcher:
         if num_slots % ep:
             valid = [d for d in range(1, num_slots + 1) if num_slots % d == 0]
             raise ValueError(f"ep={ep} does not divide {num_slots} experts; valid ep: {valid}")
-        if overlap not in ("none", "layer"):
-            raise ValueError(f"overlap={overlap!r}; valid: none, layer")
+        if overlap not in ("none", "layer", "fb"):
+            raise ValueError(f"overlap={overlap!r}; valid: none, layer, fb")
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks={chunks!r} must be an int >= 1")
         self.group, self.ep, self.num_slots = group, ep, num_slots
@@ -50,11 +51,14 @@ class EPDispatcher:
         # comm.CostModel for "auto"; None only where auto runs on one node (it is flat there):
         # across nodes comm refuses auto without a model (calibrate / from_platform / emulator)
         self.cost_model = cost_model
-        # --comm.a2a_overlap / a2a_chunks: "layer" runs comm.ep.pipeline's chunk pipeline
-        self.overlap, self.chunks = overlap, chunks if overlap == "layer" else 1
+        # --comm.a2a_overlap / a2a_chunks: "layer" runs comm.ep.pipeline's chunk pipeline;
+        # "fb" runs it too (a2a_chunks chunks, 1 by default), its exchanges handing the
+        # `baton` to another micro-batch's work right after they start (set by the step loop
+        # or the pipeline runtime for the span of a step; None: nothing to hand over to)
+        self.overlap, self.chunks = overlap, chunks if overlap in ("layer", "fb") else 1
+        self.baton: Baton | None = None
         # this step's forward exchanges so far (returned and restarted by take_stats)
         self.stats = self._fresh_stats()
-        self.handles: list = []  # the pipeline's exchanges of the running forward
 
     def _fresh_stats(self) -> ExchangeStats:
         return ExchangeStats(spans_nodes=self.topology is not None
@@ -76,13 +80,12 @@ class EPDispatcher:
         """Routed (+ shared) experts' output [T, D]: comm.ep.pipeline."""
         from comm.ep.pipeline import moe_forward
 
-        self.handles = []
-        try:
+        handles: list = []  # this call's exchanges (a local list: under fb another
+        try:                # micro-batch's work may run this layer between its stages)
             with record_function("ep.pipeline"):
-                return moe_forward(self, layer, x_TD, slot_idx, topk_w)
+                return moe_forward(self, layer, x_TD, slot_idx, topk_w, handles)
         finally:
-            self.stats.exchange_s += sum(h.waited_s for h in self.handles)
-            self.handles = []
+            self.stats.exchange_s += sum(h.waited_s for h in handles)
 
     def remote_pair_rows(self, counts: list[int]) -> int:
         """Rows of per-slot `counts` that go to ranks on other nodes (0 without a topology)."""

@@ -20,7 +20,9 @@ first), so while chunk i's expert GEMMs run, chunk i+1's dispatch and chunk i-1'
 in flight. The shared experts run right after chunk 0's first dispatch started. Autograd runs
 the backward in the mirrored order (comm/collectives/overlap.py): every gradient exchange is in flight
 while the backward of what the forward ran beside it runs. With overlap "none" (dedup alone)
-each chunk runs to its end before the next starts and the shared experts run last.
+each chunk runs to its end before the next starts and the shared experts run last. With
+overlap "fb" the layer runs as with "layer", and every start also hands the dispatcher's
+`baton` (comm.collectives.overlap.Baton) to another micro-batch's work, if one is paired.
 
 All splits are settled before any row moves, in one small exchange (flat, dedup) or one per
 chunk (halo, auto: each needs the chunk's split matrix), so every rank starts the same
@@ -99,17 +101,19 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _exchange(x: torch.Tensor, plan: AllToAllPlan, group: Any, disp: Any,
+def _exchange(x: torch.Tensor, plan: AllToAllPlan, group: Any, disp: Any, handles: list,
               reverse: AllToAllPlan | None = None) -> tuple[torch.Tensor, ExchangeHandle]:
-    h = ExchangeHandle(plan, group, reverse)
-    disp.handles.append(h)
+    h = ExchangeHandle(plan, group, reverse, getattr(disp, "baton", None))
+    handles.append(h)
     return exchange_start(x, h), h
 
 
 def moe_forward(disp: Any, layer: ExpertLayer, x_TD: torch.Tensor, slot_idx: torch.Tensor,
-                topk_w: torch.Tensor) -> torch.Tensor:
+                topk_w: torch.Tensor, handles: list | None = None) -> torch.Tensor:
     """The routed experts' output plus the shared experts' for tokens x [T, D] routed to
-    slots slot_idx [T, K] with weights topk_w [T, K] (module docstring)."""
+    slots slot_idx [T, K] with weights topk_w [T, K] (module docstring); every exchange's
+    `ExchangeHandle` is appended to `handles`."""
+    handles = [] if handles is None else handles
     T = x_TD.shape[0]
     c = disp.chunks
     cuts = [T * i // c for i in range(c + 1)]
@@ -139,7 +143,7 @@ def moe_forward(disp: Any, layer: ExpertLayer, x_TD: torch.Tensor, slot_idx: tor
             disp.stats.remote_rows += p.remote_items
             disp.stats.remote_bytes += p.remote_items * ((x_TD.shape[1] + K) * elt + 4 * K)
             disp.stats.flat_remote_rows += p.remote_pairs
-        gens = [_dedup_chunk(disp, layer, x_TD[a:b], slot_idx[a:b], topk_w[a:b], it, p)
+        gens = [_dedup_chunk(disp, handles, layer, x_TD[a:b], slot_idx[a:b], topk_w[a:b], it, p)
                 for (a, b), it, p in zip(spans, items, plans, strict=True)]
     else:
         counts_cQ = counts_cQ_t.tolist()
@@ -149,13 +153,14 @@ def moe_forward(disp: Any, layer: ExpertLayer, x_TD: torch.Tensor, slot_idx: tor
             disp.stats.remote_rows += remote
             disp.stats.remote_bytes += remote * row_bytes
             disp.stats.flat_remote_rows += remote
-        gens = [_flat_chunk(disp, layer, x_TD[a:b], slot_idx[a:b], topk_w[a:b], plan, recv)
+        gens = [_flat_chunk(disp, handles, layer, x_TD[a:b], slot_idx[a:b], topk_w[a:b], plan,
+                           recv)
                 for (a, b), (plan, recv) in zip(spans, chunk_plans, strict=True)]
     side = None
     if layer.shared_experts is not None:
         def side() -> torch.Tensor:
             return layer.shared_forward(x_TD)
-    outs, shared = run_chunks(gens, disp.overlap == "layer", side)
+    outs, shared = run_chunks(gens, disp.overlap in ("layer", "fb"), side)
     y = outs[0] if len(outs) == 1 else torch.cat(outs)
     if shared is not None:
         y = y + shared
@@ -193,23 +198,25 @@ def _plan_chunks(disp: Any, counts_cQ: list[list[int]], row_bytes: int, device: 
     return out
 
 
-def _flat_chunk(disp: Any, layer: ExpertLayer, x: torch.Tensor, slot: torch.Tensor, w: torch.Tensor,
+def _flat_chunk(disp: Any, handles: list, layer: ExpertLayer, x: torch.Tensor,
+                slot: torch.Tensor, w: torch.Tensor,
                 plan: AllToAllPlan, recv_SE: list[list[int]]) -> Chunk:
     x_sorted, _, meta = layer.sort_rows(x, slot)
-    tok, h = _exchange(x_sorted, plan, disp.group, disp)
+    tok, h = _exchange(x_sorted, plan, disp.group, disp, handles)
     yield
     got = exchange_wait(tok, h)
     order, counts_loc = slot_major_order(recv_SE, got.device)
     y_loc = layer.experts(got.index_select(0, order), counts_loc.to(got.device))
     back_plan = h.reverse
     tok, h = _exchange(y_loc.index_select(0, _inverse(order)), back_plan, disp.group, disp,
-                       reverse=plan)
+                       handles, reverse=plan)
     yield
     back = exchange_wait(tok, h)
     return layer.unsort_rows(back, w.to(back.dtype), meta)
 
 
-def _dedup_chunk(disp: Any, layer: ExpertLayer, x: torch.Tensor, slot: torch.Tensor, w: torch.Tensor,
+def _dedup_chunk(disp: Any, handles: list, layer: ExpertLayer, x: torch.Tensor,
+                 slot: torch.Tensor, w: torch.Tensor,
                  items: tuple[torch.Tensor, torch.Tensor, torch.Tensor], p: Any) -> Chunk:
     item_tok, item_on, _ = items
     D, K = x.shape[1], slot.shape[1]
@@ -220,15 +227,15 @@ def _dedup_chunk(disp: Any, layer: ExpertLayer, x: torch.Tensor, slot: torch.Ten
     meta = torch.where(item_on, slot.index_select(0, item_tok),
                        torch.full_like(slot[:1], -1).expand(item_tok.numel(), K)
                        ).to(torch.int32)
-    tok_rows, h_rows = _exchange(rows, p.x1, disp.group, disp)
-    tok_meta, h_meta = _exchange(meta, p.x1, disp.group, disp)
+    tok_rows, h_rows = _exchange(rows, p.x1, disp.group, disp, handles)
+    tok_meta, h_meta = _exchange(meta, p.x1, disp.group, disp, handles)
     yield
     U = exchange_wait(tok_rows, h_rows)
     M = exchange_wait(tok_meta, h_meta)
     # X2: the relay fans each item out to its node's expert ranks
     pair_u, pair_j = fanout(M, list(p.x1.out_splits), El, R)
     W = U[:, D:][pair_u, pair_j]
-    tok2, h2 = _exchange(U[:, :D].index_select(0, pair_u), p.x2, disp.group, disp)
+    tok2, h2 = _exchange(U[:, :D].index_select(0, pair_u), p.x2, disp.group, disp, handles)
     yield
     got = exchange_wait(tok2, h2)
     order, counts_loc = block_order(p.arrival, got.device)
@@ -236,13 +243,13 @@ def _dedup_chunk(disp: Any, layer: ExpertLayer, x: torch.Tensor, slot: torch.Ten
         counts_loc = torch.cat([counts_loc, counts_loc.new_zeros(El - counts_loc.numel())])
     y_loc = layer.experts(got.index_select(0, order), counts_loc.to(got.device))
     tok2, h2 = _exchange(y_loc.index_select(0, _inverse(order)), h2.reverse, disp.group, disp,
-                         reverse=p.x2)
+                         handles, reverse=p.x2)
     yield
     y_pairs = exchange_wait(tok2, h2)
     # the relay weights its node's expert outputs and sums them per item: one row returns
     z = y_pairs * W.to(y_pairs.dtype)[:, None]
     Z = z.new_zeros((U.shape[0], z.shape[1])).index_add(0, pair_u, z)
-    tok1, h1 = _exchange(Z, h_rows.reverse, disp.group, disp, reverse=p.x1)
+    tok1, h1 = _exchange(Z, h_rows.reverse, disp.group, disp, handles, reverse=p.x1)
     yield
     back = exchange_wait(tok1, h1)
     return back.new_zeros((x.shape[0], back.shape[1])).index_add(0, item_tok, back)
