@@ -1,5 +1,6 @@
 """The host floor of a MoE layer (`Assumptions.host_floor`, `tuner estimate --host-floor-ms`):
-a layer whose device time is below it takes the floor. Checked against hand-computed steps."""
+a layer whose device time is below it takes the floor; and the pipeline bubble of a step of
+several schedule runs (`run_bubble`). Checked against hand-computed steps."""
 
 from __future__ import annotations
 
@@ -99,3 +100,27 @@ def test_cli_flag_named_and_priced(capsys):
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # tiny: 4 MoE layers x 2 micro-batches at >= 5 ms each (its device time is microseconds)
     assert s["step_time_s"] >= 4 * 2 * 5e-3 and s["time_s"]["host"] > 0.9 * 4 * 2 * 5e-3
+
+
+# -- several schedule runs per step (FSDP2 under torch.distributed.pipelining with GA) ----------
+
+def test_each_schedule_run_fills_and_drains_the_pipeline():
+    """1F1B with unit costs F=1, B=2 spans 3 (m + p - 1) for m micro-batches on p stages. A
+    step of r runs of m: bubble 1 - 3 r m / (r x 3 (m + p - 1)) = (p - 1) / (m + p - 1), the
+    bubble of one run of m, not of r m; uneven runs (7 over 2: 4 and 3 on p = 2) give
+    1 - 21 / (15 + 12) = 6 / 27. Only ZeRO-3 gathered per step counts runs."""
+    from tuner.estimate import run_bubble
+
+    kw = dict(pp=2, ep=1, dp=1, global_batch=8, seq_len=16, zero=3)
+    step4 = Assumptions(zero3_gather="step", zero3_runs=4)
+    plan = ParallelPlan(microbatches=8, **kw)
+    assert run_bubble(plan, step4) == pytest.approx(1 / 3, rel=1e-12)
+    assert run_bubble(plan, Assumptions(zero3_gather="step")) == pytest.approx(1 / 9, rel=1e-12)
+    assert run_bubble(plan, Assumptions(zero3_runs=4)) == pytest.approx(1 / 9, rel=1e-12)
+    odd = ParallelPlan(microbatches=7, **{**kw, "global_batch": 7})
+    assert run_bubble(odd, Assumptions(zero3_gather="step", zero3_runs=2)) == \
+        pytest.approx(6 / 27, rel=1e-12)
+    # the step prices it: bubble = busy x (1 / (1 - 1/3) - 1) = busy / 2
+    e = estimate(CFG, plan, PF, PUBLISHED_PRECISION, step4)
+    busy = sum(v for k, v in e.time.items() if k not in ("bubble", "dp_sync", "optimizer"))
+    assert e.time["bubble"] == pytest.approx(busy / 2, rel=1e-12)

@@ -50,7 +50,9 @@ Step time (seconds), for the busiest rank:
     TP/CP/ETP/ZeRO-3 collectives) is below `Assumptions.host_floor` takes the floor (the
     difference is the "host" part: a host-bound eager framework, 0 by default)
     pipeline  busy / (1 - bubble_fraction(schedule, F=1, B=2)) (W=B=1 for zb-h1): the unit
-              bubble scaled to the slowest rank. Where the platform's processes share the
+              bubble scaled to the slowest rank; a step of several whole schedule runs
+              (`Assumptions.zero3_runs`) pays one fill and drain per run (`run_bubble`).
+              Where the platform's processes share the
               node's cores (`Platform.shares_cores`: a measured CPU platform with more
               processes x threads than cores; `Assumptions.shared_cores`), busy x the
               makespan of the same unit-cost schedule replayed with processor sharing
@@ -156,7 +158,7 @@ from tuner.layout import (
 from tuner.platform import Platform
 from tuner.sharing import core_speed, shared_makespan
 
-__all__ = ["Estimate", "StageMemory", "estimate", "stage_memory", "schedule_stats",
+__all__ = ["Estimate", "StageMemory", "estimate", "run_bubble", "stage_memory", "schedule_stats",
            "step_time_lower_bound", "reduce_scatter_time", "all_gather_time"]
 
 _TP_PARTS = ("attention", "shared_experts", "dense_ffn")  # split over TP (norms, router not)
@@ -320,6 +322,24 @@ def schedule_stats(name: str, pp: int, microbatches: int, n_virtual: int) -> tup
         span = s0 + (s1 - s0) * f
         peaks = tuple(int(round(a + (b - a) * f)) for a, b in zip(p0, p1, strict=True))
     return 1.0 - m * v * 3.0 / span, peaks
+
+
+def run_bubble(plan: ParallelPlan, asm: Assumptions) -> float:
+    """Bubble fraction of a step's pipeline. One schedule run of all M micro-batches, except
+    where the step accumulates over several whole runs (`Assumptions.zero3_runs` with
+    zero3_gather="step": FSDP2 under torch.distributed.pipelining, one schedule per local
+    batch): then every run fills and drains the pipeline, the M micro-batches split as evenly
+    as the runs allow. A run of m micro-batches spans 3 m v / (1 - b(m)) unit costs
+    (`schedule_stats`), so the step's fraction is 1 - 3 M v / (sum of the runs' spans)."""
+    runs = asm.zero3_runs if plan.zero == 3 and asm.zero3_gather == "step" else 1
+    m, v = plan.microbatches, plan.n_virtual
+    if runs <= 1 or runs > m:  # runs > m: refused by the ZeRO-3 term (tuner.costs.zero3_time)
+        return schedule_stats(plan.schedule, plan.pp, m, v)[0]
+    span = 0.0
+    for i in range(runs):
+        mi = m // runs + (i < m % runs)
+        span += 3.0 * mi * v / (1.0 - schedule_stats(plan.schedule, plan.pp, mi, v)[0])
+    return 1.0 - 3.0 * m * v / span
 
 
 def _kind_counts(cfg: ModelConfig, ep: int, seq: int, flash: bool) -> dict[bool, LayerCounts]:
@@ -719,7 +739,7 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     kinds = _kind_counts(cfg, plan.ep, plan.seq_len, asm.flash_attention)
     t_attn = plan.attention_tokens(asm.attention)
     t_exp = plan.expert_tokens * asm.routing_imbalance
-    bubble, _ = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
+    bubble = run_bubble(plan, asm)
     groups, pp_inter = place_groups(plan, pf.gpus_per_node, asm.attention)
     gemm_peak(pf, plan, asm)  # an fp8 plan on a platform without an fp8 rate: refused here
     rows = cfg.top_k * t_exp * D
