@@ -22,7 +22,9 @@ optimizer, 0 without either; `--dispatch` flat for NCCL all-to-all, dedup for De
 `--recompute` moe where the module list has Megatron's `moe`, selective for any other list;
 `--precision` fp8 for FP8 / MXFP8 GEMMs; `--zero3-gather` where the run states `zero3_gather`
 (FSDP2 under torch.distributed.pipelining: "step") and `--zero3-runs` its `zero3_runs` (the
-table's gradient-accumulation count of whole schedule runs). Where the source leaves a field unknown the run's `assumed` value is used, else this script's default
+table's gradient-accumulation count of whole schedule runs); `--host-floor-ms` by the run's
+`framework` (HOST_FLOOR_MS: Megatron-Core's measured host floor per MoE layer and
+micro-batch). Where the source leaves a field unknown the run's `assumed` value is used, else this script's default
 (DEFAULTS); each row lists the fields it assumed. Where this checkout's estimate CLI offers them,
 `--precision-policy megatron --zero-sharding flat` are added (Megatron-Core's state bytes and its
 flat distributed-optimizer shards: every source here is Megatron-Core or FSDP2).
@@ -68,6 +70,16 @@ A2A = {"none": "none", "fb": "fb", "layer": "layer"}
 PRECISION = {"bf16": "bf16", "fp8": "fp8"}
 ZERO3_GATHER = ("microbatch", "step")  # `zero3_gather`: tuner estimate --zero3-gather
 OPTIONAL_FLAGS = (("--precision-policy", "megatron"), ("--zero-sharding", "flat"))
+# The host floor of one MoE layer's forward + backward per micro-batch (`tuner estimate
+# --host-floor-ms`, Assumptions.host_floor) by the run's `framework`: Megatron-Core's dropless
+# MoE syncs the host on every dispatch, so a layer whose device work is short waits for the
+# host to launch it. Measured, outside the compared rows: Megatron-Bridge 25.11's Qwen3-30B-A3B
+# on 8 DGX B200 at MBS 1 (GBS 512, EP 8, 64 micro-batches x 48 layers per step), 9299
+# tokens/s/GPU = 28.19 s per step = 9.18 ms per layer and micro-batch, where four times the
+# tokens per micro-batch (MBS 4, 26.04.01) take 12.6 ms: at MBS 1 the step is bound by
+# something that does not grow with the tokens (26.02 prints MBS 1 at 9691: 8.81 ms).
+# docs/reference.md section 5, "host floor". NeMo AutoModel (FSDP2): no figure, not priced.
+HOST_FLOOR_MS: dict[str, float] = {"megatron-core": 9.18, "automodel": 0.0}
 
 __all__ = ["estimate_flags", "load_runs", "measured", "order_agreement", "predicted", "spearman",
            "summarise"]
@@ -139,6 +151,12 @@ def estimate_flags(run: dict[str, Any]) -> tuple[list[str], list[str]]:
         if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
             raise ValueError(f"run {run['id']}: zero3_runs={runs!r} must be an int >= 1")
         flags += ["--zero3-runs", str(runs)]
+    framework = run.get("framework", UNKNOWN)
+    if framework not in HOST_FLOOR_MS:
+        raise ValueError(f"run {run['id']}: framework={framework!r}; valid: "
+                         f"{', '.join(HOST_FLOOR_MS)}")
+    if HOST_FLOOR_MS[framework]:
+        flags += ["--host-floor-ms", str(HOST_FLOOR_MS[framework])]
     flags += ["--zero", str(zero), "--recompute", recompute,
               "--dispatch", _choice(run, "dispatcher", f("dispatcher"), DISPATCH),
               "--a2a-overlap", _choice(run, "a2a_overlap", f("a2a_overlap"), A2A),

@@ -26,7 +26,7 @@ RUNS = b.load_runs()
 INT_KEYS = ("gpus", "seq", "global_batch", "mbs", "tp", "pp", "vp", "cp", "ep", "etp")
 CHOICES = {"precision": {"bf16", "fp8"}, "dispatcher": {"alltoall", "deepep", "hybridep"},
            "a2a_overlap": {"none", "fb"}, "flops_convention": {"megatron", "automodel"},
-           "rank_metric": {"tokens", "tflops"}}
+           "rank_metric": {"tokens", "tflops"}, "framework": {"megatron-core", "automodel"}}
 
 
 def test_enough_runs_and_unique_ids() -> None:
@@ -50,7 +50,8 @@ def test_run_follows_the_file_conventions(run: dict) -> None:
     if run["platform_exists"]:
         assert platform_file.is_file(), platform_file
     assert isinstance(run["measured_tflops_per_gpu"], float) or \
-        isinstance(run["measured_tokens_per_s_per_gpu"], float), "no measured figure"
+        isinstance(run["measured_tokens_per_s_per_gpu"], float) or \
+        isinstance(run["measured_step_time_s"], float), "no measured figure"
     # tp x pp x cp divides the GPUs; a stated data-parallel degree and gradient accumulation
     # multiply back to the global batch
     tp, pp, cp = run["tp"], run["pp"], run["cp"]
@@ -91,7 +92,8 @@ def _run(**kw: object) -> dict:
     base = {"id": "t", "model": "qwen3-30b-a3b", "platform": "dgx-h100", "gpus": 16,
             "seq": 4096, "global_batch": 64, "mbs": 1, "tp": 1, "pp": 2, "vp": 2, "cp": 1,
             "ep": 8, "etp": 1, "precision": "bf16", "dispatcher": "deepep", "a2a_overlap": "fb",
-            "recompute": "selective:mla_up_proj,mlp", "fsdp": 0, "distributed_optimizer": True}
+            "recompute": "selective:mla_up_proj,mlp", "fsdp": 0, "distributed_optimizer": True,
+            "framework": "automodel"}
     base.update(kw)
     return base
 
@@ -126,6 +128,19 @@ def test_bad_values_are_named() -> None:
         b.estimate_flags(_run(seq="unknown"))
     with pytest.raises(ValueError, match="fsdp=-1"):
         b.estimate_flags(_run(fsdp=-1))
+    with pytest.raises(ValueError, match="framework='deepspeed'; valid: megatron-core"):
+        b.estimate_flags(_run(framework="deepspeed"))
+
+
+def test_megatron_rows_get_the_host_floor() -> None:
+    """Megatron-Core rows are priced with the measured host floor, AutoModel rows without."""
+    flags = b.estimate_flags(_run(framework="megatron-core"))[0]
+    assert _flag(flags, "--host-floor-ms") == str(b.HOST_FLOOR_MS["megatron-core"])
+    assert "--host-floor-ms" not in b.estimate_flags(_run())[0]
+    # the floor is the measured step of the B200 row it comes from: GBS 512 x 4096 tokens at
+    # 9299 tokens/s/GPU on 8 GPUs, over 64 micro-batches x 48 layers (rel 1e-3: 3 digits)
+    step = 512 * 4096 / 9299 / 8
+    assert b.HOST_FLOOR_MS["megatron-core"] == pytest.approx(1e3 * step / (64 * 48), rel=1e-3)
 
 
 def test_order_agreement_counts_pairs() -> None:

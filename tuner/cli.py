@@ -10,7 +10,8 @@
         [--recompute none|selective|full] [--dispatch flat|halo|dedup|auto]
         [--a2a-overlap none|layer|fb] [--precision bf16|fp8]
         [--precision-policy trainer|published|megatron] [--schedule S] [--ep-placement P]
-        [--redundant R] [--zero3-gather microbatch|step [--zero3-runs N]] [--json]
+        [--redundant R] [--zero3-gather microbatch|step [--zero3-runs N]] [--host-floor-ms MS]
+        [--json]
     python -m tuner reproduce-paper [--out FILE | --record]   (default: runs/bench/reproduce_paper/;
         --record: the tracked benchmarks/results/reproduce_paper.md)
     python -m tuner measure [--out configs/platforms/local.toml] [--procs 4]
@@ -235,6 +236,9 @@ def _estimate(args: argparse.Namespace) -> int:
     from tuner.platform import load_platform
     from tuner.single import EstimateRequest, format_report, plan_of, summary
 
+    if not 0.0 <= args.host_floor_ms < float("inf"):
+        raise ValueError(f"--host-floor-ms {args.host_floor_ms} must be a number of "
+                         f"milliseconds >= 0 (0: not priced)")
     req = EstimateRequest(
         gpus=args.gpus, seq=args.seq, global_batch=args.global_batch, mbs=args.mbs, pp=args.pp,
         tp=args.tp, cp=args.cp, ep=args.ep, etp=args.etp, vpp=args.vpp, zero=args.zero,
@@ -251,7 +255,8 @@ def _estimate(args: argparse.Namespace) -> int:
                       activation_set="trainer" if trainer_set else "published",
                       activation_traffic_passes=4.0 if cpu else 0.0,
                       zero_sharding=args.zero_sharding, fp8_peak_factor=args.fp8_peak_factor,
-                      zero3_gather=args.zero3_gather, zero3_runs=args.zero3_runs)
+                      zero3_gather=args.zero3_gather, zero3_runs=args.zero3_runs,
+                      host_floor=args.host_floor_ms / 1e3)
     from tuner.estimate import estimate
 
     e = estimate(cfg, plan, platform, precision_policy(args.precision_policy, platform.backend,
@@ -437,6 +442,11 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
                    help="with --zero3-gather step: pipeline-schedule runs per optimizer step "
                         "(gradient accumulation over runs), each gathering and "
                         "reduce-scattering once (default 1)")
+    e.add_argument("--host-floor-ms", type=float, default=0.0, metavar="MS",
+                   help="the least time of one MoE layer's forward + backward per micro-batch: "
+                        "the host's launch time in a host-bound eager framework (dropless MoE "
+                        "syncs the host every dispatch); 0 (default): not priced "
+                        "(Assumptions.host_floor)")
     e.add_argument("--json", action="store_true",
                    help="print one JSON object as the last line (tuner.single.summary)")
     e.set_defaults(func=_estimate)

@@ -46,9 +46,13 @@ Step time (seconds), for the busiest rank:
     overhead (measured on CPU, 0 on GPUs), + `Assumptions.activation_traffic_passes` passes
     over the chunk's saved activations at the memory bandwidth (0 by default); 4 all-to-alls per MoE layer (6 with
     full recompute); P2P of the activation and its gradient; none overlapped unless the
-    `Assumptions` say so
+    `Assumptions` say so; a MoE layer whose device time (compute, exposed all-to-all, its
+    TP/CP/ETP/ZeRO-3 collectives) is below `Assumptions.host_floor` takes the floor (the
+    difference is the "host" part: a host-bound eager framework, 0 by default)
     pipeline  busy / (1 - bubble_fraction(schedule, F=1, B=2)) (W=B=1 for zb-h1): the unit
-              bubble scaled to the slowest rank. Where the platform's processes share the
+              bubble scaled to the slowest rank; a step of several whole schedule runs
+              (`Assumptions.zero3_runs`) pays one fill and drain per run (`run_bubble`).
+              Where the platform's processes share the
               node's cores (`Platform.shares_cores`: a measured CPU platform with more
               processes x threads than cores; `Assumptions.shared_cores`), busy x the
               makespan of the same unit-cost schedule replayed with processor sharing
@@ -154,7 +158,7 @@ from tuner.layout import (
 from tuner.platform import Platform
 from tuner.sharing import core_speed, shared_makespan
 
-__all__ = ["Estimate", "StageMemory", "estimate", "stage_memory", "schedule_stats",
+__all__ = ["Estimate", "StageMemory", "estimate", "run_bubble", "stage_memory", "schedule_stats",
            "step_time_lower_bound", "reduce_scatter_time", "all_gather_time"]
 
 _TP_PARTS = ("attention", "shared_experts", "dense_ffn")  # split over TP (norms, router not)
@@ -318,6 +322,24 @@ def schedule_stats(name: str, pp: int, microbatches: int, n_virtual: int) -> tup
         span = s0 + (s1 - s0) * f
         peaks = tuple(int(round(a + (b - a) * f)) for a, b in zip(p0, p1, strict=True))
     return 1.0 - m * v * 3.0 / span, peaks
+
+
+def run_bubble(plan: ParallelPlan, asm: Assumptions) -> float:
+    """Bubble fraction of a step's pipeline. One schedule run of all M micro-batches, except
+    where the step accumulates over several whole runs (`Assumptions.zero3_runs` with
+    zero3_gather="step": FSDP2 under torch.distributed.pipelining, one schedule per local
+    batch): then every run fills and drains the pipeline, the M micro-batches split as evenly
+    as the runs allow. A run of m micro-batches spans 3 m v / (1 - b(m)) unit costs
+    (`schedule_stats`), so the step's fraction is 1 - 3 M v / (sum of the runs' spans)."""
+    runs = asm.zero3_runs if plan.zero == 3 and asm.zero3_gather == "step" else 1
+    m, v = plan.microbatches, plan.n_virtual
+    if runs <= 1 or runs > m:  # runs > m: refused by the ZeRO-3 term (tuner.costs.zero3_time)
+        return schedule_stats(plan.schedule, plan.pp, m, v)[0]
+    span = 0.0
+    for i in range(runs):
+        mi = m // runs + (i < m % runs)
+        span += 3.0 * mi * v / (1.0 - schedule_stats(plan.schedule, plan.pp, mi, v)[0])
+    return 1.0 - 3.0 * m * v / span
 
 
 def _kind_counts(cfg: ModelConfig, ep: int, seq: int, flash: bool) -> dict[bool, LayerCounts]:
@@ -661,7 +683,7 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
     share, x the dedup factor for dedup and auto, at the NIC rate, whichever takes longer; no
     latency: flat, halo and dedup take at least that; 0 when overlapped), the pipeline bubble,
     and the optimizer. Dropped (all >= 0): latencies, P2P, DP sync, TP/CP/ETP/ZeRO-3
-    collectives, the algorithm's extra phases. Valid for the closed-form all-to-all model
+    collectives, the algorithm's extra phases, the host floor (`Assumptions.host_floor`). Valid for the closed-form all-to-all model
     only; the planner uses it to skip full evaluations of points that cannot beat its
     incumbent. `stages`: `stage_memory(...)` of the same arguments when the caller has it."""
     cfg_, asm, pf = cfg, assumptions, platform
@@ -717,7 +739,7 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     kinds = _kind_counts(cfg, plan.ep, plan.seq_len, asm.flash_attention)
     t_attn = plan.attention_tokens(asm.attention)
     t_exp = plan.expert_tokens * asm.routing_imbalance
-    bubble, _ = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
+    bubble = run_bubble(plan, asm)
     groups, pp_inter = place_groups(plan, pf.gpus_per_node, asm.attention)
     gemm_peak(pf, plan, asm)  # an fp8 plan on a platform without an fp8 rate: refused here
     rows = cfg.top_k * t_exp * D
@@ -726,7 +748,7 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     hop = p2p_time(t_attn * D * pb.p2p_bytes, pp_inter, pf) if plan.pp > 1 else 0.0
     w_layer = {moe: _layer_weights(kinds[moe], plan, cfg) for moe in kinds}
 
-    keys = ("compute", "alltoall", "p2p", "tp", "cp", "etp", "zero3")
+    keys = ("compute", "alltoall", "p2p", "tp", "cp", "etp", "zero3", "host")
     per_rank = []
     hidden = 0.0
     for r, chunks in enumerate(_rank_chunks(cfg, plan)):
@@ -742,15 +764,21 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
                                     moe_module_time(parts, lc.is_moe))
                 fwd += f
                 rec += rc
+                device = 3 * f + rc + pf.layer_overhead  # this layer's device seconds
                 if lc.is_moe:
                     exp_, tot = a2a_exposed(plan, parts, rc, ab_a2a, a2a, asm.a2a_chunks,
                                             asm.overlap_compute_share)
                     acc["alltoall"] += exp_ * (1 - asm.alltoall_overlap)
+                    device += exp_ * (1 - asm.alltoall_overlap)
                     a2a_total += tot
                 for k, v in layer_collectives(lc, parts, rc, t_attn, t_exp, cfg, plan, pf, pb,
                                                groups, w_layer[lc.is_moe],
                                                asm.zero3_gather, asm.zero3_runs).items():
                     acc[k] += v
+                    device += v
+                if lc.is_moe and asm.host_floor > device:
+                    # host-bound: the layer waits for the host to issue it (Assumptions)
+                    acc["host"] += asm.host_floor - device
             stage = s_local * plan.pp + r
             if stage == plan.pp * plan.n_virtual - 1:
                 fwd += head_fwd(cfg, plan, pf, t_attn)
@@ -796,7 +824,8 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     grad_post = post + n_clip * pf.sync_latency
     syncs = n_rest * pf.sync_latency
     step = pipe + dp_sync + optim + grad_post + syncs
-    used = {"tp": plan.tp > 1, "cp": plan.cp > 1, "etp": plan.etp > 1, "zero3": plan.zero == 3}
+    used = {"tp": plan.tp > 1, "cp": plan.cp > 1, "etp": plan.etp > 1, "zero3": plan.zero == 3,
+            "host": asm.host_floor > 0}
     time = {**{k: v for k, v in per_rank[busiest].items() if used.get(k, True)},
             "bubble": pipe - busy, "dp_sync": dp_sync, "optimizer": optim,
             **({"grad_post": grad_post, "step_syncs": syncs} if grad_post or syncs else {})}
@@ -808,7 +837,10 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
         + (f"; its kernels take {asm.overlap_compute_share:.0%} of the device while overlapped"
            if plan.a2a_overlap != "none" else "")
         + f"), P2P {asm.p2p_overlap:.0%}, DP {asm.dp_overlap:.0%}; routing imbalance "
-        f"{asm.routing_imbalance}",
+        f"{asm.routing_imbalance}"
+        + (f"; host floor {1e3 * asm.host_floor:.3g} ms per MoE layer and micro-batch "
+           f"(forward + backward: the layer takes max(device time, host time))"
+           if asm.host_floor else ""),
         "bubble from the unit-cost schedule scaled to the slowest rank"
         + (f"; replayed on {pf.cores_per_node} shared cores ({plan.n_gpus} processes x "
            f"{pf.threads_per_process} threads): waiting ranks' share goes to the busy ones"

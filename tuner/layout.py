@@ -332,6 +332,16 @@ class Assumptions:
         what the communication kernels leave. Default 20 / 132: DeepSeek-V3's overlap
         (DualPipe, its all-to-all kernels) holds 20 of the H800's 132 SMs for communication
         (DeepSeek-V3 technical report, arXiv:2412.19437, section 3.2.2). 0: overlap is free.
+    host_floor: seconds below which one MoE layer's forward + backward of one micro-batch
+        does not run on a rank, whatever its device time: the host's time to issue the
+        layer's kernels when it cannot run ahead of the device. Dropless MoE in an eager
+        framework syncs the host on every dispatch (the per-expert token counts size the
+        grouped GEMM and the receive buffers), so the device waits for the host to launch the
+        rest of the layer; the layer then takes max(device time, host time). 0 (default):
+        not priced (the host always runs ahead). Framework and host CPU specific, not a
+        property of the GPU: `--host-floor-ms`; the published-runs benchmark gives it to the
+        Megatron-Core rows from a measured Megatron-Bridge run (docs/reference.md section 5,
+        "host floor"). Dense layers and the lm_head are not floored.
     shared_cores: on a platform whose processes share the node's cores (`Platform.
         shares_cores`: a CPU platform from `tuner measure`, more processes x threads than
         cores), replay the pipeline schedule with processor sharing (`tuner.sharing`: a rank
@@ -363,8 +373,13 @@ class Assumptions:
     fp8_peak_factor: float | None = None
     overlap_compute_share: float = 20 / 132
     shared_cores: bool = True
+    host_floor: float = 0.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.host_floor, bool) or not isinstance(self.host_floor, int | float) \
+                or not 0.0 <= self.host_floor < float("inf"):
+            raise ValueError(f"host_floor={self.host_floor!r} must be a number of seconds >= 0 "
+                             f"(0: not priced)")
         if not isinstance(self.shared_cores, bool):
             raise ValueError(f"shared_cores={self.shared_cores!r} must be True or False")
         if not 0.0 <= self.overlap_compute_share < 1.0:
