@@ -207,20 +207,20 @@ def test_baton_keeps_grad_mode() -> None:
 ])
 def test_trainer_refuses_fb_where_it_cannot_run(args, match) -> None:
     from trainer.config import parse_args
-    from trainer.setup import _check_fb
+    from trainer.setup import check_fb
 
     cfg = parse_args(["--comm.a2a_overlap=fb", *args])
     with pytest.raises(ValueError, match=match):
-        _check_fb(cfg, 1)
+        check_fb(cfg, 1)
 
 
 def test_trainer_refuses_fb_with_unpaired_schedules() -> None:
     from trainer.config import parse_args
-    from trainer.setup import _check_fb
+    from trainer.setup import check_fb
 
     for sched in ("gpipe", "zb-h1"):
         cfg = parse_args(["--comm.a2a_overlap=fb", "--parallel.microbatches=4",
                           f"--parallel.schedule={sched}"])
         with pytest.raises(ValueError, match=f"schedule='{sched}'.*1f1b, interleaved-1f1b"):
-            _check_fb(cfg, 2)
-        _check_fb(cfg, 1)  # the schedule is unused with pp = 1
+            check_fb(cfg, 2)
+        check_fb(cfg, 1)  # the schedule is unused with pp = 1

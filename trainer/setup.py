@@ -134,7 +134,7 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     check_choice("comm.a2a_overlap", cfg.comm.a2a_overlap, (*TRAINER_A2A_OVERLAP, "auto"))
     a2a_chunks(cfg.comm.a2a_chunks)
     if cfg.comm.a2a_overlap == "fb":
-        _check_fb(cfg, mesh.pp)
+        check_fb(cfg, mesh.pp)
     check_choice("comm.route_groups", cfg.comm.route_groups, ("none", "node"))
     if cfg.comm.route_groups == "node" and cfg.balance.redundant:
         raise ConfigError(f"comm.route_groups=node with balance.redundant="
@@ -312,7 +312,7 @@ def _check_microbatches(cfg: RunConfig, mesh: Mesh) -> None:
 
 
 
-def _check_fb(cfg: RunConfig, pp: int) -> None:
+def check_fb(cfg: RunConfig, pp: int) -> None:
     """--comm.a2a_overlap=fb pairs one micro-batch's backward with another's forward: it needs
     two micro-batches, a schedule it can pair, and no block recompute in the backward (a
     recomputed MoE forward would overwrite the layer's routing outputs the paired forward
@@ -429,7 +429,7 @@ def layout_problem(cfg: RunConfig, mcfg: Any, world: int) -> str:
         _check_microbatches(cfg, mesh)
         _check_schedule(par, mesh.pp)
         if cfg.comm.a2a_overlap == "fb":
-            _check_fb(cfg, mesh.pp)
+            check_fb(cfg, mesh.pp)
         check_zero(cfg, mesh)
         _check_redundant(cfg.balance.redundant, mcfg.n_routed_experts, mesh.ep)
     except ValueError as e:
