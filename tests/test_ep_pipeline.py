@@ -65,6 +65,7 @@ def _grads(layer: MoELayer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _worker(rank: int, world: int, group, algorithm: str, overlap: str, chunks: int,
             spread: bool, n_slots: int, permute_slots: bool) -> dict:
     from comm.ep import EPDispatcher
+    from trainer.distributed.parallel import shard_layer
 
     torch.set_default_dtype(torch.float64)
     # two nodes of two ranks; "spread" interleaves them (node = rank % 2)
@@ -86,13 +87,8 @@ def _worker(rank: int, world: int, group, algorithm: str, overlap: str, chunks: 
     xs = _inputs(CFG, world)
     refs = [_grads(ref, x) for x in xs]
     disp = EPDispatcher(group, world, ep.n_slots, algorithm, topo, None, overlap, chunks)
-    El = disp.local
-    lo = rank * El
-    for name in ("w1", "w2", "w3"):
-        full = getattr(ep.experts, name)
-        setattr(ep.experts, name, torch.nn.Parameter(full.detach()[lo:lo + El].clone()))
-    ep.experts.first_slot = lo
-    ep.dispatcher = disp
+    shard_layer(ep, disp, rank)
+    El, lo = disp.local, rank * disp.local
     got = _grads(ep, xs[rank])
     want = refs[rank]
     for i, name in enumerate(("y", "dx", "router", "shared")):

@@ -53,16 +53,11 @@ class _Net(torch.nn.Module):
 
 def _shard(net: _Net, group, overlap: str, rank: int) -> None:
     from comm.ep import EPDispatcher
+    from trainer.distributed.parallel import shard_layer
 
     for layer in net.moe:
-        disp = EPDispatcher(group, WORLD, layer.n_slots, "flat", None, None, overlap, 1)
-        El = disp.local
-        lo = rank * El
-        for name in ("w1", "w2", "w3"):
-            full = getattr(layer.experts, name)
-            setattr(layer.experts, name, torch.nn.Parameter(full.detach()[lo:lo + El].clone()))
-        layer.experts.first_slot = lo
-        layer.dispatcher = disp
+        shard_layer(layer, EPDispatcher(group, WORLD, layer.n_slots, "flat", None, None, overlap, 1),
+                    rank)
 
 
 def _record(trace: list[tuple]) -> list:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from comm.ep import Dispatcher, EPDispatcher
+from comm.ep import EPDispatcher
 from model import MoETransformer
 
 from .mesh import Mesh
@@ -38,14 +38,20 @@ def parallelize(model: MoETransformer, mesh: Mesh, alltoall: str = "flat", topol
     for layer in model.moe_layers():
         if redundant:
             layer.resize_slots(initial_slot_map(layer.num_experts, mesh.ep, redundant))
-        disp: Dispatcher = EPDispatcher(mesh.ep_group, mesh.ep, layer.n_slots, alltoall,
-                                        topology, cost_model, overlap, chunks)
-        local = layer.n_slots // mesh.ep
-        lo, hi = mesh.ep_idx * local, (mesh.ep_idx + 1) * local
-        ex = layer.experts
-        for name in ("w1", "w2", "w3"):
-            full = getattr(ex, name)
-            setattr(ex, name, nn.Parameter(full.detach()[lo:hi].clone()))
-        ex.first_slot = lo
-        layer.dispatcher = disp
+        disp = EPDispatcher(mesh.ep_group, mesh.ep, layer.n_slots, alltoall,
+                            topology, cost_model, overlap, chunks)
+        shard_layer(layer, disp, mesh.ep_idx)
     return model
+
+
+def shard_layer(layer, disp: EPDispatcher, ep_idx: int) -> None:
+    """Keep EP rank `ep_idx`'s slots of one MoE layer's experts (slots ep_idx * local ...) and
+    route the layer through `disp` (in place)."""
+    local = disp.local
+    lo = ep_idx * local
+    ex = layer.experts
+    for name in ("w1", "w2", "w3"):
+        full = getattr(ex, name)
+        setattr(ex, name, nn.Parameter(full.detach()[lo:lo + local].clone()))
+    ex.first_slot = lo
+    layer.dispatcher = disp
