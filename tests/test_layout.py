@@ -297,8 +297,14 @@ def test_not_runnable_says_what_is_missing():
     assert not_runnable_because(Layout(8, pp=2, dp=2, ep=2, tp=2)) == []  # issue 31: built
     why = not_runnable_because(Layout(8, ep=4, etp=2, cp=2, tp=2), zero=3, alltoall="dedup",
                                a2a_overlap="fb", precision="fp8")
-    # ZeRO-3 (issue 32), dedup (issue 26) and TP (issue 31) run; cp, etp, fb overlap, fp8 not
-    assert len(why) == 4 and "context parallel" in why[0] and "overlap 'fb'" in why[2], why
+    # ZeRO-3, dedup, fb overlap and TP each run; cp, etp, fp8 and TP beside dedup / fb do not
+    assert len(why) == 4 and "context parallel" in why[0] and "etp=2" in why[1], why
+    assert "tp=2 with alltoall 'dedup' / overlap 'fb'" in why[2] and "fp8" in why[3], why
+    tp_why = not_runnable_because(Layout(8, pp=2, dp=2, ep=2, tp=2), alltoall="dedup",
+                                  a2a_overlap="fb")
+    assert tp_why == [why[2]], tp_why
+    assert not_runnable_because(Layout(8, pp=2, dp=2, ep=2), alltoall="dedup",
+                                a2a_overlap="fb") == []
     assert not_runnable_because(Layout(8, pp=2, dp=2, ep=2), zero=3) == []
     assert not_runnable_because(Layout(4, ep=4), alltoall="dedup", a2a_overlap="layer") == []
     with pytest.raises(LayoutError, match=r"recompute='some'; valid: none, selective, full"):

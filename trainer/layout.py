@@ -503,6 +503,11 @@ def not_runnable_because(layout: Layout, *, zero: int = 0, alltoall: str = "flat
     if a2a_overlap not in TRAINER_A2A_OVERLAP:
         out.append(f"all-to-all overlap {a2a_overlap!r} is not built in the trainer yet "
                    f"(issue 26)")
+    if layout.tp > 1 and (alltoall == "dedup" or a2a_overlap in ("layer", "fb")):
+        # the same rule as trainer.setup's check: the pipelined expert path has no TP yet
+        out.append(f"tp={layout.tp} with alltoall {alltoall!r} / overlap {a2a_overlap!r}: the "
+                   f"pipelined expert path (dedup, layer and fb overlap) is not built with tensor "
+                   f"parallel yet")
     if precision not in TRAINER_PRECISIONS:
         out.append(f"{precision} GEMMs are not built in the trainer (it runs "
                    f"{', '.join(TRAINER_PRECISIONS)})")
