@@ -26,6 +26,14 @@ for each (setup, arm, micro-batches, experts, top-k, git sha) group of rows this
      the comparable figure, printed as "pred fwd").
 Rows whose shape has no base platform of that many processes are reported and skipped.
 
+The moe_overlap rows keep only the step and the forward exchange. `--run` first runs arms
+itself (bench_moe_overlap's job and flags; needs root, take the bench lock) and keeps what the
+trainer logs besides, the step's parts (fwd_bwd_s, grad_sync_s, optim_s) and the router's
+`imbalance`, in tuner_emulator_runs.jsonl, which is read beside the moe_overlap rows:
+
+    flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_emulator.py --record \
+        --run 2x2@200:flat/none:1,2x2@200:dedup/none:1,2x2@200:dedup/layer/2:1
+
 Results: tuner_emulator.jsonl (rows appended) and tuner_emulator.md in
 runs/bench/tuner_emulator/ or --out; --record writes them to benchmarks/results/.
 """
@@ -40,12 +48,12 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RECORDS, ROOT, add_output_args, cpu_name, git_sha, output_dir, print_written
+from _common import ROOT, add_output_args, cpu_name, git_sha, output_dir, previous, print_written
 
 from model import ModelConfig, presets
 from tuner import Assumptions, ParallelPlan, estimate, load_platform
 from tuner.layout import FP32_TRAINER_PRECISION
-from tuner.measure import emulator_platform
+from tuner.measure import emulator_platform, parse_emulator_shape
 from tuner.platform import Platform
 
 TOL = 0.20  # issue 26, item 6
@@ -58,8 +66,62 @@ SEQ, GLOBAL_BATCH = 256, 16
 #     --model.top_k=4 --train.steps=8 ... (bench_moe_overlap.py's run_arm flags)
 # A row that carries its own `imbalance` uses that instead.
 JOB_IMBALANCE = 1.697
+RUNS_FILE = "tuner_emulator_runs.jsonl"  # those runs, as bench_moe_overlap rows + step parts
 GROUP_KEYS = ("nodes", "gpus_per_node", "nic_mbit", "arm", "microbatches", "experts", "top_k",
               "git_sha")
+
+
+def run_parts(setup: str, arm: str, microbatches: int, steps: int = 8, warmup: int = 2,
+              timeout_s: float = 900) -> dict | None:
+    """One bench_moe_overlap arm (its `run_arm` job and flags) as a row that keeps the step
+    parts the trainer logs (fwd_bwd_s, grad_sync_s, optim_s) and the router's imbalance."""
+    import os
+    import subprocess
+    import tempfile
+
+    import bench_moe_overlap
+
+    args = bench_moe_overlap.parser().parse_args(
+        ["--steps", str(steps), "--warmup", str(warmup), "--microbatches", str(microbatches),
+         "--timeout-s", str(timeout_s)])
+    nodes, gpus, mbit = parse_emulator_shape(setup)
+    algo, overlap, *rest = arm.split("/")
+    with tempfile.TemporaryDirectory(prefix="bench-tuner-emulator-") as tmp:
+        out = Path(tmp) / "run"
+        # bench_moe_overlap.run_arm's command, its metrics file kept
+        train = ["train.py", "--config", "configs/tiny-ep-dp.toml", f"--parallel.ep={nodes * gpus}",
+                 f"--model.n_routed_experts={args.experts}", f"--model.top_k={args.top_k}",
+                 f"--train.steps={steps}", f"--train.seq_len={args.seq_len}",
+                 f"--train.global_batch={args.global_batch}", "--train.eval_every=0",
+                 "--train.eval_batches=1", "--train.ckpt_every=0", "--train.plot=false",
+                 "--train.tensorboard=false", "--train.layer_metrics=false",
+                 f"--comm.alltoall={algo}", f"--comm.a2a_overlap={overlap}",
+                 f"--comm.a2a_chunks={rest[0] if rest else 1}",
+                 f"--parallel.microbatches={microbatches}", f"--train.out_dir={out}"]
+        cmd = [sys.executable, "-m", "comm.emulate", "--nodes", str(nodes), "--gpus-per-node",
+               str(gpus), "--nic-mbit", f"{mbit:g}", "--timeout-s", str(timeout_s), "--", *train]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR",
+               "OMP_NUM_THREADS": "1"}
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        metrics = out / "metrics.jsonl"
+        if r.returncode != 0 or not metrics.is_file():
+            print(f"{setup} {arm} failed ({r.returncode}):\n{r.stderr[-3000:]}", file=sys.stderr)
+            return None
+        got = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    st = [x for x in got if "step_time_s" in x and x["step"] > warmup]
+
+    def med(key: str) -> float:
+        return statistics.median(float(x.get(key, 0.0)) for x in st)
+
+    return {"bench": "moe_overlap", "source": "bench_tuner_emulator --run", "nodes": nodes,
+            "gpus_per_node": gpus, "nic_mbit": mbit, "arm": arm, "alltoall": algo,
+            "a2a_overlap": overlap, "a2a_chunks": int(rest[0]) if rest else 1,
+            "experts": args.experts, "top_k": args.top_k, "microbatches": microbatches,
+            "steps": len(st), "step_s": med("step_time_s"), "exchange_s": med("ep_exchange_max_s"),
+            "fwd_bwd_s": med("fwd_bwd_s"), "grad_sync_s": med("grad_sync_s"),
+            "optim_s": med("optim_s"), "imbalance": med("imbalance"),
+            "remote_bytes": med("ep_remote_bytes"), "remote_rows": med("ep_remote_rows"),
+            "flat_remote_rows": med("ep_flat_remote_rows"), "loss_last": st[-1]["loss"]}
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -108,7 +170,7 @@ def predict(row: dict, pf: Platform) -> dict:
 def compare(rows: list[dict], bases: dict[int, Platform]) -> tuple[list[dict], list[str]]:
     """One result per row group (medians over its repeats), and the groups skipped."""
     out, skipped = [], []
-    for key, grp in group_rows(rows).items():
+    for grp in group_rows(rows).values():
         r0 = grp[0]
         n = int(r0["nodes"]) * int(r0["gpus_per_node"])
         setup = f"{r0['nodes']}x{r0['gpus_per_node']}@{float(r0['nic_mbit']):g}"
@@ -127,6 +189,8 @@ def compare(rows: list[dict], bases: dict[int, Platform]) -> tuple[list[dict], l
                     "pred_step_s": p["step_s"], "pred_alltoall_s": p["alltoall_s"],
                     "pred_hidden_s": p["hidden_s"], "pred_compute_s": p["compute_s"],
                     "pred_dp_sync_s": p["dp_sync_s"], "imbalance": p["imbalance"],
+                    **{f"meas_{k}": statistics.median(r[k] for r in grp)
+                       for k in ("fwd_bwd_s", "grad_sync_s", "optim_s") if k in r0},
                     "platform": pf.name, "step_err": p["step_s"] / step - 1,
                     "ok": abs(p["step_s"] / step - 1) <= TOL})
     return out, skipped
@@ -149,29 +213,53 @@ def table(results: list[dict]) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=Path, default=RECORDS / "moe_overlap.jsonl",
-                   help="bench_moe_overlap rows (default: the tracked record)")
-    p.add_argument("--base", type=Path, default=ROOT / "configs" / "platforms" / "local.toml",
-                   help="platform `tuner measure` measured here; used for emulator shapes of "
-                        "as many processes as it describes")
+    p.add_argument("--rows", type=Path, nargs="+", default=None,
+                   help="files of bench_moe_overlap rows (default: moe_overlap.jsonl and "
+                        "tuner_emulator_runs.jsonl, the runs that keep the step parts, from the "
+                        "output folder where it has them, else the tracked records)")
+    p.add_argument("--base", type=Path, default=None,
+                   help="platform `tuner measure` measured here, used for emulator shapes of "
+                        "as many processes as it describes (default: the 4-process platform "
+                        "bench_tuner_validate measured, tuner_validate_platform_w4.toml)")
     p.add_argument("--base-8", type=Path, default=None,
                    help="a measured 8-process platform (`tuner measure --procs 8`) for 4x2 rows")
+    p.add_argument("--run", default="", metavar="SETUP:ARM:M,...",
+                   help="first run these bench_moe_overlap arms (needs root; hold "
+                        "/tmp/piper-bench.lock), e.g. 2x2@200:dedup/none:1, appending rows "
+                        f"with the step parts to {RUNS_FILE} in the output folder")
     add_output_args(p, "tuner_emulator")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    here = output_dir(args, create=False)
+    if args.run:
+        meta_run = {"git_sha": git_sha(), "time": time.strftime("%FT%T"),
+                    "device": f"{cpu_name()}, emulated NICs"}
+        with open(output_dir(args) / RUNS_FILE, "a") as f:
+            for spec in args.run.split(","):
+                setup, arm, m = spec.split(":")
+                row = run_parts(setup, arm, int(m))
+                if row is not None:
+                    f.write(json.dumps({**meta_run, **row, "repeat": 0}) + "\n")
+                    f.flush()
+    if args.rows is None:
+        args.rows = [previous(here, "moe_overlap.jsonl"), previous(here, RUNS_FILE)]
+    if args.base is None:
+        args.base = previous(here, "tuner_validate_platform_w4.toml")
     bases: dict[int, Platform] = {}
     for path in (args.base, args.base_8):
         if path is not None:
             pf = load_platform(path)
             bases[pf.gpus_per_node] = pf
-    results, skipped = compare(read_rows(args.rows), bases)
+    rows = [r for path in args.rows if path.is_file() for r in read_rows(path)]
+    results, skipped = compare(rows, bases)
     meta = {"bench": "tuner_emulator", "git_sha": git_sha(), "time": time.strftime("%FT%T"),
-            "device": cpu_name(), "rows_file": str(args.rows), "base": str(args.base)}
+            "device": cpu_name(), "rows_files": [str(p) for p in args.rows],
+            "base": str(args.base)}
     lines = [f"# tuner estimate vs the emulator ({meta['time']}, git {meta['git_sha']})", "",
-             f"Rows: {args.rows.name}; platform: `tuner.measure.emulator_platform` on "
+             f"Rows: {', '.join(p.name for p in args.rows)}; platform: `tuner.measure.emulator_platform` on "
              f"{args.base.name}; routing imbalance {JOB_IMBALANCE} (the job's, measured) unless "
              f"a row carries its own. Target: |error| <= {TOL:.0%} on the step time.", "",
              *table(results)]
