@@ -150,3 +150,16 @@ def test_layer_plus_fb_pricing_by_hand():
     assert got < fb1  # chunking inside the micro-batches hides more
     layer = dataclasses.replace(plan, a2a_overlap="layer")
     assert got < a2a_exposed(layer, parts, 0.0, ab, a2a, chunks=2)[0]
+
+
+def test_imbalance_comes_from_rows_of_the_same_router():
+    """The imbalance depends on the EP size, experts and top-k only: a measured row of that
+    router sets it for every arm and network; EP 8 without one is skipped, not guessed."""
+    ep8 = {**ROW, "nodes": 4}
+    assert b.imbalances([ROW])[(4, 16, 4)] == b.JOB_IMBALANCE
+    got = b.imbalances([ROW, {**ep8, "imbalance": 2.0}, {**ep8, "imbalance": 2.4}])
+    assert got[(8, 16, 4)] == pytest.approx(2.2)
+    res, skipped = b.compare([ep8], {8: dataclasses.replace(local4(), gpus_per_node=8)})
+    assert not res and "no measured imbalance" in skipped[0]
+    res, _ = b.compare([{**ROW, "nic_mbit": 1000.0}], {4: local4()})
+    assert res[0]["imbalance"] == b.JOB_IMBALANCE  # the network does not change the routing
