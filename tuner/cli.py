@@ -303,6 +303,18 @@ def _reproduce(args: argparse.Namespace) -> int:
 def _measure(args: argparse.Namespace) -> int:
     from tuner.measure import measure_platform
 
+    if args.emulator:  # the emulated cluster: compute measured here, the link its parameters
+        from tuner.measure import parse_emulator_shape, write_emulator_platform
+        from tuner.platform import load_platform
+
+        nodes, gpus, mbit = parse_emulator_shape(args.emulator)
+        base = Path(args.base) if args.base else measure_platform(
+            Path(args.out).with_suffix(".base.toml"), n_procs=nodes * gpus, quick=args.quick)
+        path = write_emulator_platform(load_platform(base), Path(args.out), nodes, gpus, mbit,
+                                       args.latency_ms, args.mtu)
+        print(path.read_text())
+        print(f"written to {path}")
+        return 0
     path = measure_platform(Path(args.out), n_procs=args.procs, quick=args.quick)
     print(path.read_text())
     print(f"written to {path}")
@@ -363,6 +375,15 @@ def parser() -> argparse.ArgumentParser:
                    help="training processes the platform describes (the default CPU job, "
                         "configs/tiny.toml, runs 4); compute is measured in all of them at once")
     m.add_argument("--quick", action="store_true", help="fewer shapes and repeats (tests)")
+    m.add_argument("--emulator", default="", metavar="NxG@MBIT",
+                   help="describe `comm.emulate --nodes N --gpus-per-node G --nic-mbit MBIT` "
+                        "(tuner.measure.emulator_platform): compute measured with N x G "
+                        "processes (or taken from --base), the inter-node link from the "
+                        "emulator's parameters")
+    m.add_argument("--base", default="", help="--emulator: a platform measured here with N x G "
+                                              "processes (skips the measurement)")
+    m.add_argument("--latency-ms", type=float, default=None, help="--emulator: its --latency-ms")
+    m.add_argument("--mtu", type=int, default=1500, help="--emulator: its --mtu")
     m.set_defaults(func=_measure)
     return ap
 

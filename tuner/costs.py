@@ -214,6 +214,11 @@ def a2a_exposed(plan: ParallelPlan, parts: dict[str, float], rec: float, ab: tup
                micro-batch's forward runs beside another's backward, their exchanges hidden
                behind both computes: max(0, (2 + full) A - (3 f + rec)) per layer; the
                warm-up and cool-down micro-batches (max(1, pp - 1) of M) stay exposed.
+               With chunks c >= 2 given (`--comm.a2a_chunks=c` beside fb: the trainer's
+               layer pipeline runs inside every micro-batch as well) each micro-batch's
+               exchange is first the layer mode's exposed part at c, the unpaired ones
+               keep that, the paired ones hide it further behind the other micro-batch's
+               3 f + rec; chunks 0 (auto) under fb is 1, as the trainer resolves it.
     An overlapped exchange never hides fully: its kernels take `share` of the device
     (`Assumptions.overlap_compute_share`), so each max(0, A - X) above is max(A - X, share A)."""
     full = recomputes_a2a(plan)
@@ -224,16 +229,22 @@ def a2a_exposed(plan: ParallelPlan, parts: dict[str, float], rec: float, ab: tup
     if plan.a2a_overlap == "none":
         return total, total
     f = sum(parts.values())
-    if plan.a2a_overlap == "layer":
-        def exposed(c: int) -> float:
-            Ac = c * (a2a(d / c) + a2a(c_ / c))
-            X = parts["dense"] + parts["experts"] * (c - 1) / c
-            return (max(Ac - X, share * Ac) * (n_pass - 1)
-                    + max(Ac - 2 * X, share * Ac))
 
-        return min(exposed(c) for c in ((chunks,) if chunks else (1, 2, 4, 8))), total
+    def layer_exposed(c: int) -> float:
+        Ac = c * (a2a(d / c) + a2a(c_ / c))
+        X = parts["dense"] + parts["experts"] * (c - 1) / c
+        return (max(Ac - X, share * Ac) * (n_pass - 1)
+                + max(Ac - 2 * X, share * Ac))
+
+    if plan.a2a_overlap == "layer":
+        return min(layer_exposed(c) for c in ((chunks,) if chunks else (1, 2, 4, 8))), total
     m = plan.microbatches
     paired = max(0, m - max(1, plan.pp - 1)) / m
+    if chunks >= 2:  # layer + fb: chunked inside each micro-batch, paired across them
+        own = layer_exposed(chunks)
+        Ac_total = n_pass * chunks * (a2a(d / chunks) + a2a(c_ / chunks))
+        return (paired * max(own - (3 * f + rec), share * Ac_total)
+                + (1 - paired) * own), total
     return paired * max(total - (3 * f + rec), share * total) + (1 - paired) * total, total
 
 

@@ -48,6 +48,7 @@ Everything runs on one node, so the network (NIC) entries repeat the intra-node 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -63,7 +64,8 @@ import torch.nn.functional as F
 from tuner.platform import Grid, Platform
 
 __all__ = ["compute_fields", "measure_platform", "fit_latency_bandwidth", "write_platform_toml",
-           "p2p_one_way_s"]
+           "p2p_one_way_s", "emulator_platform", "emulator_payload_share", "parse_emulator_shape",
+           "write_emulator_platform"]
 
 
 def fit_latency_bandwidth(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
@@ -562,5 +564,95 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                          f"x r rows each, D={GROUPED_SHAPE[1]}, F={GROUPED_SHAPE[2]}; rate / peak",
         "attention_table": "measured: sdpa causal fwd+bwd, 1 x 4 heads; causal FLOPs "
                            "(half the s x s products) / time / peak",
+    }
+    return write_platform_toml(p, out, notes)
+
+
+# ---- the namespace-emulated cluster (`python -m comm.emulate`) -----------------------------
+# Per-frame bytes of a TCP segment on the emulated links (comm/tools/emulate.py): tbf counts
+# what the veth carries, the Ethernet header (14 B) and the IP packet; the TCP payload of a
+# full frame is the MTU less the IPv4 (20 B) and TCP headers (20 B + the 12 B timestamps
+# option Linux sends by default). At MTU 1500: 1448 / 1514 = 0.956, the share
+# comm/tools/emulate.py states and benchmarks/results/netsim_validate.md measured (duplex
+# goodput 0.956 of the shaped rate).
+ETH_HEADER_BYTES = 14
+IPV4_TCP_HEADER_BYTES = 20 + 20 + 12
+
+
+def emulator_payload_share(mtu: int = 1500) -> float:
+    """Share of a shaped emulated link's rate that is TCP payload with full frames of `mtu`."""
+    if not 576 <= mtu <= 65535:
+        raise ValueError(f"mtu must be in 576..65535 bytes, got {mtu}")
+    return (mtu - IPV4_TCP_HEADER_BYTES) / (mtu + ETH_HEADER_BYTES)
+
+
+def parse_emulator_shape(spec: str) -> tuple[int, int, float]:
+    """"NODESxGPUS@MBIT" (benchmarks/bench_moe_overlap.py's --setups) -> (nodes, gpus, mbit)."""
+    try:
+        shape, mbit = spec.split("@")
+        nodes, gpus = (int(v) for v in shape.lower().split("x"))
+        rate = float(mbit)
+    except ValueError:
+        raise ValueError(f"emulator shape {spec!r}: want NODESxGPUS@MBIT, e.g. 2x2@200") from None
+    if nodes < 1 or gpus < 1 or not rate > 0:
+        raise ValueError(f"emulator shape {spec!r}: nodes, gpus and Mbit/s must be > 0")
+    return nodes, gpus, rate
+
+
+def emulator_platform(base: Platform, nodes: int, gpus_per_node: int, nic_mbit: float,
+                      latency_ms: float | None = None, mtu: int = 1500) -> Platform:
+    """The platform of `python -m comm.emulate --nodes N --gpus-per-node G --nic-mbit X
+    [--latency-ms L] [--mtu B]`, from `base`, a platform `tuner measure` measured on this
+    machine with N x G processes (every emulated node runs on the same cores, so N x G
+    processes share them as in the measurement).
+
+    From `base` (measured): compute, memory, the per-process rates, the intra-node
+    all-to-all (the ranks of one emulated node talk over unshaped local routes, as the
+    measurement's processes do) and the gloo collective fits of groups inside one node.
+    From the emulator's parameters (comm/tools/emulate.py, no measurement): one NIC per node
+    (the node's veth) shaped by tbf at X Mbit/s per direction on both ends, of which
+    `emulator_payload_share(mtu)` is TCP payload -> nic_bandwidth; the per-message latency
+    is `base`'s send/recv intercept (gloo over a veth, unshaped) plus the netem delay, which
+    `--latency-ms` puts on both ends (node i's egress and the bridge port's egress towards
+    node j), so 2 L one way. The small all-reduce (`sync_latency`) then crosses the delay in
+    each of its 2 (n - 1) ring steps. Dragonfly groups (--groups) are not described here."""
+    if nodes < 1 or gpus_per_node < 1 or not nic_mbit > 0:
+        raise ValueError(f"emulator {nodes}x{gpus_per_node}@{nic_mbit}: all must be > 0")
+    if latency_ms is not None and latency_ms < 0:
+        raise ValueError(f"latency_ms must be >= 0, got {latency_ms}")
+    n = nodes * gpus_per_node
+    if base.gpus_per_node != n:
+        raise ValueError(f"base platform {base.name!r} describes {base.gpus_per_node} "
+                         f"processes; the {nodes}x{gpus_per_node} emulator runs {n} (measure "
+                         f"it with `python -m tuner measure --procs {n}`)")
+    delay = 2 * (latency_ms or 0.0) * 1e-3
+    shape = f"{nodes}x{gpus_per_node}@{nic_mbit:g}" + (f", {latency_ms:g} ms" if latency_ms else "")
+    return dataclasses.replace(
+        base, name=f"emulator-{nodes}x{gpus_per_node}-{nic_mbit:g}mbit",
+        description=f"comm.emulate {shape} (MTU {mtu}) on {base.name}: {base.description}",
+        gpus_per_node=gpus_per_node, nics_per_node=1,
+        nic_bandwidth=nic_mbit * 1e6 / 8 * emulator_payload_share(mtu),
+        network_latency=base.network_latency + delay,
+        sync_latency=base.sync_latency + 2 * (n - 1) * delay if nodes > 1 else base.sync_latency,
+        collectives=tuple(c for c in base.collectives if c[1] <= gpus_per_node))
+
+
+def write_emulator_platform(base: Platform, out: Path, nodes: int, gpus_per_node: int,
+                            nic_mbit: float, latency_ms: float | None = None,
+                            mtu: int = 1500) -> Path:
+    """`emulator_platform` written as a platform file, the derived values commented."""
+    p = emulator_platform(base, nodes, gpus_per_node, nic_mbit, latency_ms, mtu)
+    share = emulator_payload_share(mtu)
+    notes = {
+        "gpus_per_node": "comm.emulate --gpus-per-node",
+        "nics_per_node": "one veth per emulated node",
+        "nic_bandwidth_gbs": f"tbf {nic_mbit:g} Mbit/s x TCP payload share {share:.4f} "
+                             f"(MTU {mtu}: (MTU - 52) / (MTU + 14))",
+        "network_latency_us": f"{base.name}'s send/recv intercept + netem 2 x "
+                              f"{latency_ms or 0:g} ms",
+        "intra_node_bandwidth_gbs": f"{base.name}: gloo all_to_all_single, local routes",
+        "intra_node_latency_us": f"{base.name}: all_to_all_single fit intercept",
+        "sync_latency_us": f"{base.name}'s + the netem delay in each ring step",
+        "collectives": f"{base.name}'s fits of groups inside one emulated node",
     }
     return write_platform_toml(p, out, notes)

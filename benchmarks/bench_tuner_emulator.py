@@ -1,0 +1,305 @@
+"""The planner against the emulated cluster: `tuner.estimate` vs the measured moe_overlap rows.
+
+    .venv/bin/python benchmarks/bench_tuner_emulator.py               # rows of moe_overlap.jsonl
+    .venv/bin/python benchmarks/bench_tuner_emulator.py --rows /work/main/benchmarks/results/moe_overlap.jsonl --record
+
+Issue 26, item 6: the planner prices each overlap mode and the dedup volume; checked against
+the emulator's measurements within 20 %. The measurements are benchmarks/bench_moe_overlap.py's
+rows (one `train.py` run per arm inside `comm.emulate`: configs/tiny-ep-dp.toml, EP over every
+rank, 16 experts top-4, seq 256, global batch 16, the row's micro-batches). No training here:
+for each (setup, arm, micro-batches, experts, top-k, git sha) group of rows this script
+  1. derives the emulated cluster's platform (`tuner.measure.emulator_platform`): compute,
+     memory and the intra-node exchange from a platform `tuner measure` measured on this
+     machine with nodes x gpus processes (--base; configs/platforms/local.toml: 4), the
+     inter-node link from the emulator's own parameters (tbf rate x the TCP payload share of
+     a frame, the netem delay; none measured),
+  2. runs `tuner.estimate` on the job with the row's layout, dispatch (alltoall), overlap and
+     chunks (Assumptions as benchmarks/bench_tuner_validate.py predicts the trainer: fp32,
+     the trainer's activation set, 4 memory passes over the saved activations), the routing
+     imbalance the job's router produces (--imbalance: the trainer's `imbalance` metric,
+     max / mean EP-rank load, a property of the router and data and not of the arm: every
+     arm of a setup trains the same tokens to the same loss): a row's own, else the median of
+     the rows of that EP size, experts and top-k that carry one (the --run rows), else
+     JOB_IMBALANCE for the EP-4 job it was measured on),
+  3. prints predicted vs measured step time (median of the group's rows) and error =
+     predicted / measured - 1, and the exchange: predicted exposed all-to-all seconds of the
+     step (forward and backward) beside the measured forward exchange (`exchange_s`: the
+     slowest rank's blocked forward seconds; without overlap the model's forward half is
+     the comparable figure, printed as "pred fwd").
+Rows whose shape has no base platform of that many processes are reported and skipped.
+
+The moe_overlap rows keep only the step and the forward exchange. `--run` first runs arms
+itself (bench_moe_overlap's job and flags; needs root, take the bench lock) and keeps what the
+trainer logs besides, the step's parts (fwd_bwd_s, grad_sync_s, optim_s) and the router's
+`imbalance`, in tuner_emulator_runs.jsonl, which is read beside the moe_overlap rows:
+
+    flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_emulator.py --record \
+        --run 2x2@200:flat/none:1,2x2@200:dedup/none:1,2x2@200:dedup/layer/2:1
+
+Results: tuner_emulator.jsonl (rows appended) and tuner_emulator.md in
+runs/bench/tuner_emulator/ or --out; --record writes them to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from _common import ROOT, add_output_args, cpu_name, git_sha, output_dir, previous, print_written
+
+from model import ModelConfig, presets
+from tuner import Assumptions, ParallelPlan, estimate, load_platform
+from tuner.layout import FP32_TRAINER_PRECISION
+from tuner.measure import emulator_platform, parse_emulator_shape
+from tuner.platform import Platform
+
+TOL = 0.20  # issue 26, item 6
+# The bench_moe_overlap job (benchmarks/bench_moe_overlap.py::run_arm)
+SEQ, GLOBAL_BATCH = 256, 16
+# The trainer's `imbalance` (max / mean EP-rank load), median of steps 3-8 of the flat/none
+# job at 2x2@200, 16 experts top-4 (git a5d7bd2, the rows' loss 4.4284 at step 8):
+#   python -m comm.emulate --nodes 2 --gpus-per-node 2 --nic-mbit 200 -- train.py \
+#     --config configs/tiny-ep-dp.toml --parallel.ep=4 --model.n_routed_experts=16 \
+#     --model.top_k=4 --train.steps=8 ... (bench_moe_overlap.py's run_arm flags)
+# A row that carries its own `imbalance` uses that instead.
+JOB_IMBALANCE = 1.697
+RUNS_FILE = "tuner_emulator_runs.jsonl"  # those runs, as bench_moe_overlap rows + step parts
+GROUP_KEYS = ("nodes", "gpus_per_node", "nic_mbit", "arm", "microbatches", "experts", "top_k",
+              "git_sha")
+
+
+def run_parts(setup: str, arm: str, microbatches: int, steps: int = 8, warmup: int = 2,
+              timeout_s: float = 900) -> dict | None:
+    """One bench_moe_overlap arm (its `run_arm` job and flags) as a row that keeps the step
+    parts the trainer logs (fwd_bwd_s, grad_sync_s, optim_s) and the router's imbalance."""
+    import os
+    import subprocess
+    import tempfile
+
+    import bench_moe_overlap
+
+    args = bench_moe_overlap.parser().parse_args(
+        ["--steps", str(steps), "--warmup", str(warmup), "--microbatches", str(microbatches),
+         "--timeout-s", str(timeout_s)])
+    nodes, gpus, mbit = parse_emulator_shape(setup)
+    algo, overlap, *rest = arm.split("/")
+    with tempfile.TemporaryDirectory(prefix="bench-tuner-emulator-") as tmp:
+        out = Path(tmp) / "run"
+        # bench_moe_overlap.run_arm's command, its metrics file kept
+        train = ["train.py", "--config", "configs/tiny-ep-dp.toml", f"--parallel.ep={nodes * gpus}",
+                 f"--model.n_routed_experts={args.experts}", f"--model.top_k={args.top_k}",
+                 f"--train.steps={steps}", f"--train.seq_len={args.seq_len}",
+                 f"--train.global_batch={args.global_batch}", "--train.eval_every=0",
+                 "--train.eval_batches=1", "--train.ckpt_every=0", "--train.plot=false",
+                 "--train.tensorboard=false", "--train.layer_metrics=false",
+                 f"--comm.alltoall={algo}", f"--comm.a2a_overlap={overlap}",
+                 f"--comm.a2a_chunks={rest[0] if rest else 1}",
+                 f"--parallel.microbatches={microbatches}", f"--train.out_dir={out}"]
+        cmd = [sys.executable, "-m", "comm.emulate", "--nodes", str(nodes), "--gpus-per-node",
+               str(gpus), "--nic-mbit", f"{mbit:g}", "--timeout-s", str(timeout_s), "--", *train]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR",
+               "OMP_NUM_THREADS": "1"}
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        metrics = out / "metrics.jsonl"
+        if r.returncode != 0 or not metrics.is_file():
+            print(f"{setup} {arm} failed ({r.returncode}):\n{r.stderr[-3000:]}", file=sys.stderr)
+            return None
+        got = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    st = [x for x in got if "step_time_s" in x and x["step"] > warmup]
+
+    def med(key: str) -> float:
+        return statistics.median(float(x.get(key, 0.0)) for x in st)
+
+    return {"bench": "moe_overlap", "source": "bench_tuner_emulator --run", "nodes": nodes,
+            "gpus_per_node": gpus, "nic_mbit": mbit, "arm": arm, "alltoall": algo,
+            "a2a_overlap": overlap, "a2a_chunks": int(rest[0]) if rest else 1,
+            "experts": args.experts, "top_k": args.top_k, "microbatches": microbatches,
+            "steps": len(st), "step_s": med("step_time_s"), "exchange_s": med("ep_exchange_max_s"),
+            "fwd_bwd_s": med("fwd_bwd_s"), "grad_sync_s": med("grad_sync_s"),
+            "optim_s": med("optim_s"), "imbalance": med("imbalance"),
+            "remote_bytes": med("ep_remote_bytes"), "remote_rows": med("ep_remote_rows"),
+            "flat_remote_rows": med("ep_flat_remote_rows"), "loss_last": st[-1]["loss"]}
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The measured moe_overlap rows of `path` (other benches' rows and blank lines skipped)."""
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [r for r in rows if r.get("bench", "moe_overlap") == "moe_overlap" and "step_s" in r]
+
+
+def group_key(row: dict) -> tuple:
+    """(setup, arm, micro-batches, experts, top-k, sha) of a row; rows before the
+    micro-batches field ran with 1."""
+    return tuple(row.get(k, 1) if k == "microbatches" else row[k] for k in GROUP_KEYS)
+
+
+def group_rows(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Rows by `group_key`, in first-seen order."""
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        out.setdefault(group_key(r), []).append(r)
+    return out
+
+
+def job(row: dict) -> tuple[ModelConfig, ParallelPlan, Assumptions]:
+    """The model, layout and assumptions of the bench_moe_overlap run a row measured."""
+    cfg = dataclasses.replace(presets.get("tiny"), n_routed_experts=int(row["experts"]),
+                              top_k=int(row["top_k"]))
+    ep = int(row["nodes"]) * int(row["gpus_per_node"])
+    plan = ParallelPlan(pp=1, ep=ep, dp=1, microbatches=int(row.get("microbatches", 1)),
+                        global_batch=GLOBAL_BATCH, seq_len=SEQ, alltoall=row["alltoall"],
+                        a2a_overlap=row["a2a_overlap"])
+    asm = Assumptions(activation_set="trainer", activation_traffic_passes=4.0,
+                      zero_sharding="per-parameter", a2a_chunks=int(row.get("a2a_chunks", 1)),
+                      routing_imbalance=float(row.get("imbalance", JOB_IMBALANCE)))
+    return cfg, plan, asm
+
+
+def predict(row: dict, pf: Platform) -> dict:
+    """Predicted step, exposed all-to-all (step, fwd + bwd) and its hidden part for a row."""
+    cfg, plan, asm = job(row)
+    e = estimate(cfg, plan, pf, FP32_TRAINER_PRECISION, asm)
+    return {"step_s": e.step_time, "alltoall_s": e.time.get("alltoall", 0.0),
+            "hidden_s": e.alltoall_hidden, "compute_s": e.time.get("compute", 0.0),
+            "dp_sync_s": e.time.get("dp_sync", 0.0), "imbalance": asm.routing_imbalance}
+
+
+def router_key(row: dict) -> tuple[int, int, int]:
+    """What the routing imbalance depends on: the EP group's size and the router's experts
+    and top-k (not the network, the dispatch or the overlap)."""
+    return int(row["nodes"]) * int(row["gpus_per_node"]), int(row["experts"]), int(row["top_k"])
+
+
+def imbalances(rows: list[dict]) -> dict[tuple[int, int, int], float]:
+    """The measured imbalance by `router_key`: the median over the rows that carry one, and
+    JOB_IMBALANCE for the job it was measured on (EP 4, 16 experts, top-4)."""
+    got: dict[tuple[int, int, int], list[float]] = {}
+    for r in rows:
+        if "imbalance" in r:
+            got.setdefault(router_key(r), []).append(float(r["imbalance"]))
+    return {(4, 16, 4): JOB_IMBALANCE, **{k: statistics.median(v) for k, v in got.items()}}
+
+
+def compare(rows: list[dict], bases: dict[int, Platform]) -> tuple[list[dict], list[str]]:
+    """One result per row group (medians over its repeats), and the groups skipped."""
+    out, skipped = [], []
+    imb = imbalances(rows)
+    for grp in group_rows(rows).values():
+        r0 = grp[0]
+        n = int(r0["nodes"]) * int(r0["gpus_per_node"])
+        setup = f"{r0['nodes']}x{r0['gpus_per_node']}@{float(r0['nic_mbit']):g}"
+        if n not in bases:
+            skipped.append(f"{setup} {r0['arm']} m{r0.get('microbatches', 1)}: no base platform "
+                           f"of {n} processes (--base-{n})")
+            continue
+        if router_key(r0) not in imb:
+            skipped.append(f"{setup} {r0['arm']}: no measured imbalance for EP {n}, "
+                           f"{r0['experts']} experts top-{r0['top_k']} (--run one arm)")
+            continue
+        r0 = {**r0, "imbalance": r0.get("imbalance", imb[router_key(r0)])}
+        pf = emulator_platform(bases[n], int(r0["nodes"]), int(r0["gpus_per_node"]),
+                               float(r0["nic_mbit"]))
+        p = predict(r0, pf)
+        step = statistics.median(r["step_s"] for r in grp)
+        exch = statistics.median(r["exchange_s"] for r in grp)
+        out.append({"setup": setup, "arm": r0["arm"], "microbatches": int(r0.get("microbatches", 1)),
+                    "measured_sha": r0["git_sha"], "repeats": len(grp),
+                    "meas_step_s": step, "meas_exchange_fwd_s": exch,
+                    "pred_step_s": p["step_s"], "pred_alltoall_s": p["alltoall_s"],
+                    "pred_hidden_s": p["hidden_s"], "pred_compute_s": p["compute_s"],
+                    "pred_dp_sync_s": p["dp_sync_s"], "imbalance": p["imbalance"],
+                    **{f"meas_{k}": statistics.median(r[k] for r in grp)
+                       for k in ("fwd_bwd_s", "grad_sync_s", "optim_s") if k in r0},
+                    "platform": pf.name, "step_err": p["step_s"] / step - 1,
+                    "ok": abs(p["step_s"] / step - 1) <= TOL})
+    return out, skipped
+
+
+def table(results: list[dict]) -> list[str]:
+    lines = ["| setup | arm | m | sha | n | imb | measured step s | predicted s | error | ok | "
+             "measured fwd exchange s | pred exposed a2a s (fwd+bwd) | pred fwd (none: half) |"
+             " pred hidden s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        fwd = f"{r['pred_alltoall_s'] / 2:.3f}" if r["arm"].split("/")[1] == "none" else ""
+        lines.append(f"| {r['setup']} | {r['arm']} | {r['microbatches']} | {r['measured_sha']} | "
+                     f"{r['repeats']} | {r['imbalance']:.2f} | {r['meas_step_s']:.3f} | {r['pred_step_s']:.3f} | "
+                     f"{100 * r['step_err']:+.1f}% | {'yes' if r['ok'] else 'NO'} | "
+                     f"{r['meas_exchange_fwd_s']:.3f} | {r['pred_alltoall_s']:.3f} | {fwd} | "
+                     f"{r['pred_hidden_s']:.3f} |")
+    return lines
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=Path, nargs="+", default=None,
+                   help="files of bench_moe_overlap rows (default: moe_overlap.jsonl and "
+                        "tuner_emulator_runs.jsonl, the runs that keep the step parts, from the "
+                        "output folder where it has them, else the tracked records)")
+    p.add_argument("--base", type=Path, default=None,
+                   help="platform `tuner measure` measured here, used for emulator shapes of "
+                        "as many processes as it describes (default: the 4-process platform "
+                        "bench_tuner_validate measured, tuner_validate_platform_w4.toml)")
+    p.add_argument("--base-8", type=Path, default=None,
+                   help="a measured 8-process platform (`tuner measure --procs 8`) for 4x2 rows")
+    p.add_argument("--run", default="", metavar="SETUP:ARM:M,...",
+                   help="first run these bench_moe_overlap arms (needs root; hold "
+                        "/tmp/piper-bench.lock), e.g. 2x2@200:dedup/none:1, appending rows "
+                        f"with the step parts to {RUNS_FILE} in the output folder")
+    add_output_args(p, "tuner_emulator")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    here = output_dir(args, create=False)
+    if args.run:
+        meta_run = {"git_sha": git_sha(), "time": time.strftime("%FT%T"),
+                    "device": f"{cpu_name()}, emulated NICs"}
+        with open(output_dir(args) / RUNS_FILE, "a") as f:
+            for spec in args.run.split(","):
+                setup, arm, m = spec.split(":")
+                row = run_parts(setup, arm, int(m))
+                if row is not None:
+                    f.write(json.dumps({**meta_run, **row, "repeat": 0}) + "\n")
+                    f.flush()
+    if args.rows is None:
+        args.rows = [previous(here, "moe_overlap.jsonl"), previous(here, RUNS_FILE)]
+    if args.base is None:
+        args.base = previous(here, "tuner_validate_platform_w4.toml")
+    bases: dict[int, Platform] = {}
+    for path in (args.base, args.base_8):
+        if path is not None:
+            pf = load_platform(path)
+            bases[pf.gpus_per_node] = pf
+    rows = [r for path in args.rows if path.is_file() for r in read_rows(path)]
+    results, skipped = compare(rows, bases)
+    meta = {"bench": "tuner_emulator", "git_sha": git_sha(), "time": time.strftime("%FT%T"),
+            "device": cpu_name(), "rows_files": [str(p) for p in args.rows],
+            "base": str(args.base)}
+    lines = [f"# tuner estimate vs the emulator ({meta['time']}, git {meta['git_sha']})", "",
+             f"Rows: {', '.join(p.name for p in args.rows)}; platform: `tuner.measure.emulator_platform` on "
+             f"{args.base.name}; routing imbalance (imb) measured, the job's (module docstring). "
+             f"Target: |error| <= {TOL:.0%} on the step time.", "",
+             *table(results)]
+    if skipped:
+        lines += ["", "Skipped:", *[f"- {s}" for s in skipped]]
+    ok = sum(r["ok"] for r in results)
+    lines += ["", f"{ok} of {len(results)} arms within {TOL:.0%}."]
+    print("\n".join(lines))
+    out = output_dir(args)
+    with open(out / "tuner_emulator.jsonl", "a") as f:
+        for r in results:
+            f.write(json.dumps({**meta, **r}) + "\n")
+    (out / "tuner_emulator.md").write_text("\n".join(lines) + "\n")
+    print_written(out / "tuner_emulator.jsonl", out / "tuner_emulator.md")
+    return 0 if results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
