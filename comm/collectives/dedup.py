@@ -7,9 +7,9 @@ rank (slot q lives on rank q // E_l as its local slot q % E_l):
     X1 (inter-node hop)  source s sends each distinct (token t, node m) pair once, to
                          relay(s, m) (HALO's rail-aligned relay, `comm.topology.relay.relay_table`;
                          s itself for its own node), grouped by relay rank, in token order.
-                         The row carries x_t and the token's k routing weights, zero for the
-                         choices off node m ([D + k] wide); an int32 row of the k slots (-1 off
-                         node m) travels beside it with the same splits.
+                         The row carries x_t, the token's k routing weights, zero for the
+                         choices off node m, and its k int32 slots (-1 off node m) bit for bit
+                         in `meta_columns` last columns: one row, one exchange per item.
     X2 (fan-out)         relay p copies each item to the ranks of its node holding its slots:
                          rows for rank r ordered by (source, local slot, token), so r knows
                          the blocks it gets from the counts alone. X2 never leaves a node.
@@ -22,6 +22,9 @@ Exact against flat up to summation order: y_t = sum over nodes of (sum over the 
 experts of w y), where flat adds the k terms in one sum. Backward: every step is a gather,
 an index_add or an exchange, and autograd mirrors them (the weights' gradients ride back
 through X1's weight columns).
+
+X1, X2 and their mirrors are point-to-point exchanges with the peers that have rows
+(`p2p_start`; plan algorithm "p2p"), not collectives over the EP group.
 
 `plan_dedup` settles every chunk's splits in one small exchange of ints before any row moves
 (per destination: the counts for its slots, the items it relays from this rank, and, for the
