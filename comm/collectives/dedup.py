@@ -7,9 +7,9 @@ rank (slot q lives on rank q // E_l as its local slot q % E_l):
     X1 (inter-node hop)  source s sends each distinct (token t, node m) pair once, to
                          relay(s, m) (HALO's rail-aligned relay, `comm.topology.relay.relay_table`;
                          s itself for its own node), grouped by relay rank, in token order.
-                         The row carries x_t and the token's k routing weights, zero for the
-                         choices off node m ([D + k] wide); an int32 row of the k slots (-1 off
-                         node m) travels beside it with the same splits.
+                         The row carries x_t, the token's k routing weights, zero for the
+                         choices off node m, and its k int32 slots (-1 off node m) bit for bit
+                         in `meta_columns` last columns: one row, one exchange per item.
     X2 (fan-out)         relay p copies each item to the ranks of its node holding its slots:
                          rows for rank r ordered by (source, local slot, token), so r knows
                          the blocks it gets from the counts alone. X2 never leaves a node.
@@ -23,6 +23,9 @@ experts of w y), where flat adds the k terms in one sum. Backward: every step is
 an index_add or an exchange, and autograd mirrors them (the weights' gradients ride back
 through X1's weight columns).
 
+X1, X2 and their mirrors are point-to-point exchanges with the peers that have rows
+(`p2p_start`; plan algorithm "p2p"), not collectives over the EP group.
+
 `plan_dedup` settles every chunk's splits in one small exchange of ints before any row moves
 (per destination: the counts for its slots, the items it relays from this rank, and, for the
 rank that relays this source on its node, this source's rows for each rank of that node).
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -43,7 +47,9 @@ from comm.topology import Topology
 from comm.topology.relay import relay_table
 
 __all__ = ["DedupChunk", "block_order", "dedup_byte_ratio", "distinct_remote_pairs", "fanout",
-           "plan_dedup", "source_items"]
+           "meta_columns", "p2p_start", "plan_dedup", "source_items"]
+
+_TAG_P2P = 46  # gloo matches point-to-point ops on (peer, tag); HALO uses 41-45 and 1000+
 
 
 @dataclass(frozen=True)
@@ -137,7 +143,7 @@ def plan_dedup(counts_cQ: list[list[int]], items_cR: list[list[int]], local: int
     for i in range(c):
         rec = [got[(s * c + i) * stride:(s * c + i + 1) * stride] for s in range(R)]
         recv_SE = [r[:local] for r in rec]
-        x1 = AllToAllPlan(tuple(items_cR[i]), tuple(r[local] for r in rec), "flat")
+        x1 = AllToAllPlan(tuple(items_cR[i]), tuple(r[local] for r in rec), "p2p")
         x2_in = [0] * R
         for s in range(R):
             if relay[s][me_node] == rank:
@@ -150,13 +156,81 @@ def plan_dedup(counts_cQ: list[list[int]], items_cR: list[list[int]], local: int
                 if relay[s][me_node] == p:
                     x2_out[p] += sum(recv_SE[s])
                     arrival += [(j, recv_SE[s][j]) for j in range(local)]
-        x2 = AllToAllPlan(tuple(x2_in), tuple(x2_out), "flat")
+        x2 = AllToAllPlan(tuple(x2_in), tuple(x2_out), "p2p")
         cq = counts_cQ[i]
         remote_pairs = sum(sum(cq[r * local:(r + 1) * local]) for r in range(R)
                            if topo.rank2node[r] != me_node)
         remote_items = sum(items_cR[i][d] for d in range(R) if topo.rank2node[d] != me_node)
         out.append(DedupChunk(x1, x2, recv_SE, arrival, remote_items, remote_pairs))
     return out
+
+
+class _Posted:
+    """The point-to-point ops of one `p2p_start`; `wait()` waits each exactly once (a gloo
+    Work waited twice blocks for a new message)."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        works, self.works = self.works, []
+        for w in works:
+            w.wait()
+
+
+def p2p_start(x: torch.Tensor, plan: AllToAllPlan, group: dist.ProcessGroup | None
+              ) -> tuple[torch.Tensor, _Posted]:
+    """`all_to_all_single` of the rows of x per `plan`'s splits (rows grouped by destination
+    in, by source out), posted as point-to-point ops with only the peers that have rows:
+    receives first, then sends (gloo's TCP pairs serialise the two directions when a send
+    goes out before its peer posted the receive), the rank's own rows copied locally. Returns
+    (y, posted); y is complete once `posted.wait()` returned.
+
+    Why not the collective: X1 and X2 of the deduplicated dispatch have few peers (a source
+    sends to one relay per node, a relay fans out to its own node only), and gloo's
+    all_to_all_single exchanges a header with every rank of the group, empty entries
+    included, so each call waited on every rank of every node. Every rank posts its exchanges
+    in the same program order (the pipeline's fixed schedule), so the k-th message of a pair
+    on this tag matches the k-th receive: the same order rule as for collectives, per pair.
+    gloo posts straight on the ProcessGroup (group ranks; `dist.isend` adds per-op Python
+    checks); other backends use `batch_isend_irecv` (one NCCL group, global ranks), which
+    the caller's stream waits for in `wait()` as for an async collective."""
+    pg = dist.group.WORLD if group is None else group
+    assert pg is not None, "torch.distributed is initialised (the plan exchange ran)"
+    rank = dist.get_rank(group)
+    x = x.contiguous()
+    y = x.new_empty((sum(plan.out_splits), *x.shape[1:]))
+    x_off = list(accumulate(plan.in_splits, initial=0))
+    y_off = list(accumulate(plan.out_splits, initial=0))
+    recvs = [(y.narrow(0, y_off[s], n), s) for s, n in enumerate(plan.out_splits)
+             if n and s != rank]
+    sends = [(x.narrow(0, x_off[d], n), d) for d, n in enumerate(plan.in_splits)
+             if n and d != rank]
+    if dist.get_backend(group) == dist.Backend.GLOO:
+        works = [pg.recv([buf], s, _TAG_P2P) for buf, s in recvs]
+        works += [pg.send([buf], d, _TAG_P2P) for buf, d in sends]
+    else:
+        ranks = None if group is None or group is dist.group.WORLD \
+            else dist.get_process_group_ranks(group)
+        ops = [dist.P2POp(dist.irecv, buf, s if ranks is None else ranks[s], group, _TAG_P2P)
+               for buf, s in recvs]
+        ops += [dist.P2POp(dist.isend, buf, d if ranks is None else ranks[d], group, _TAG_P2P)
+                for buf, d in sends]
+        works = dist.batch_isend_irecv(ops) if ops else []
+    n = plan.in_splits[rank]
+    if n:
+        y.narrow(0, y_off[rank], n).copy_(x.narrow(0, x_off[rank], n))
+    return y, _Posted(works)
+
+
+def meta_columns(top_k: int, dtype: torch.dtype) -> int:
+    """Columns of an X1 row (dtype `dtype`) that carry the item's k int32 slots, bit for bit
+    (`torch.Tensor.view(dtype)`), padded to whole columns: k for 4-byte rows, 2k for 2-byte
+    rows, ceil(k / 2) for 8-byte rows."""
+    elt = torch.empty(0, dtype=dtype).element_size()
+    return -(-4 * top_k // elt)
 
 
 def distinct_remote_pairs(slot_TK: torch.Tensor, local: int, topo: Topology, rank: int) -> int:

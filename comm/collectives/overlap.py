@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from comm.collectives.alltoall import AllToAllPlan
+from comm.collectives.dedup import p2p_start
 from comm.collectives.halo import halo_exchange
 
 __all__ = ["Baton", "Exchange", "ExchangeHandle", "exchange_start", "exchange_wait",
@@ -107,6 +108,9 @@ def start_exchange(x: torch.Tensor, plan: AllToAllPlan, group: dist.ProcessGroup
         work = dist.all_to_all_single(y, x, list(plan.out_splits), list(plan.in_splits),
                                       group=group, async_op=True)
         return Exchange(y, work=work, keep=x)
+    if plan.algorithm == "p2p":
+        y, posted = p2p_start(x, plan, group)
+        return Exchange(y, work=posted, keep=x)
     assert plan.splits is not None, "a HALO plan carries its split matrix"
     rank_plan = plan.splits.rank_plan(dist.get_rank(group))
     if x.is_cuda:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from comm.collectives.alltoall import AllToAllPlan, plan_all_to_all
-from comm.collectives.dedup import block_order, fanout, plan_dedup, source_items
+from comm.collectives.dedup import block_order, fanout, meta_columns, plan_dedup, source_items
 from comm.collectives.overlap import ExchangeHandle, exchange_start, exchange_wait
 from comm.ep.protocol import ExpertLayer
 
@@ -141,7 +141,8 @@ def moe_forward(disp: Any, layer: ExpertLayer, x_TD: torch.Tensor, slot_idx: tor
         elt = x_TD.element_size()
         for p in plans:
             disp.stats.remote_rows += p.remote_items
-            disp.stats.remote_bytes += p.remote_items * ((x_TD.shape[1] + K) * elt + 4 * K)
+            disp.stats.remote_bytes += p.remote_items * (x_TD.shape[1] + K
+                                                         + meta_columns(K, x_TD.dtype)) * elt
             disp.stats.flat_remote_rows += p.remote_pairs
         gens = [_dedup_chunk(disp, handles, layer, x_TD[a:b], slot_idx[a:b], topk_w[a:b], it, p)
                 for (a, b), it, p in zip(spans, items, plans, strict=True)]
@@ -221,20 +222,24 @@ def _dedup_chunk(disp: Any, handles: list, layer: ExpertLayer, x: torch.Tensor,
     item_tok, item_on, _ = items
     D, K = x.shape[1], slot.shape[1]
     El, R = disp.local, disp.ep
-    # X1: one row per (token, node): x_t, and the token's weights for that node's choices
+    # X1: one row per (token, node): x_t, the token's weights for that node's choices, and
+    # its slots there (int32, -1 off the node) bit for bit in the last columns, so one
+    # exchange carries the item (the slot columns' gradient is zero and never read)
+    n32 = meta_columns(K, x.dtype) * x.element_size() // 4
+    meta = torch.full((item_tok.numel(), n32), -1, dtype=torch.int32, device=x.device)
+    meta[:, :K] = torch.where(item_on, slot.index_select(0, item_tok), -1)
     rows = torch.cat([x.index_select(0, item_tok),
-                      w.to(x.dtype).index_select(0, item_tok) * item_on.to(x.dtype)], 1)
-    meta = torch.where(item_on, slot.index_select(0, item_tok),
-                       torch.full_like(slot[:1], -1).expand(item_tok.numel(), K)
-                       ).to(torch.int32)
+                      w.to(x.dtype).index_select(0, item_tok) * item_on.to(x.dtype),
+                      meta.view(x.dtype)], 1)
     tok_rows, h_rows = _exchange(rows, p.x1, disp.group, disp, handles)
-    tok_meta, h_meta = _exchange(meta, p.x1, disp.group, disp, handles)
     yield
     U = exchange_wait(tok_rows, h_rows)
-    M = exchange_wait(tok_meta, h_meta)
+    M = U.detach()[:, D + K:].contiguous().view(torch.int32)[:, :K]
     # X2: the relay fans each item out to its node's expert ranks
     pair_u, pair_j = fanout(M, list(p.x1.out_splits), El, R)
-    W = U[:, D:][pair_u, pair_j]
+    # the pairs' weights: a gather from the flat [I * K] weight columns (its backward is an
+    # index_add, where advanced indexing's is an accumulating index_put that sorts)
+    W = U[:, D:D + K].reshape(-1).index_select(0, pair_u * K + pair_j)
     tok2, h2 = _exchange(U[:, :D].index_select(0, pair_u), p.x2, disp.group, disp, handles)
     yield
     got = exchange_wait(tok2, h2)
