@@ -70,9 +70,6 @@ def build_model(cfg: RunConfig, mcfg: Any, mesh: Mesh):
     return model
 
 
-DEDUP_AUTO_MAX_RATIO = 0.8  # `auto` runs dedup at most at this inter-node byte ratio
-
-
 def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo) -> tuple[str, str, int]:
     """(alltoall, a2a_overlap, a2a_chunks) the EP dispatcher runs, `auto` decided and logged.
 
@@ -84,7 +81,7 @@ def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo) -> tuple[str, str, 
     docs/alltoall.md). a2a_chunks=auto: 2, the fewest that put one chunk's exchange beside
     another's GEMMs (a fixed choice, not priced; the planner's `tuner.costs.a2a_exposed`
     prices 1, 2, 4, 8); 1 under fb, where the other micro-batch's work runs beside it."""
-    from comm.collectives.dedup import dedup_byte_ratio
+    from comm.collectives.dedup import DEDUP_AUTO_MAX_RATIO, dedup_byte_ratio
 
     from .setup import a2a_chunks
 
@@ -102,9 +99,6 @@ def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo) -> tuple[str, str, 
         bound = min(mcfg.topk_group, nodes) if c.route_groups == "node" else 0
         ratio = dedup_byte_ratio(nodes, mcfg.top_k, mcfg.n_routed_experts, mcfg.d_model, 4,
                                  bound)
-        # dedup adds HALO's relay hop inside the node: HALO took 1.01-1.08x flat's time on the
-        # emulator and 1.08-1.17x in the netsim projection (docs/alltoall.md), so dedup must
-        # save more than that share of the inter-node bytes to win
         if ratio <= DEDUP_AUTO_MAX_RATIO:
             algo = "dedup"
         log(f"comm.alltoall=auto: {algo} (EP over {nodes} nodes at top-{mcfg.top_k}"

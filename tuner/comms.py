@@ -137,15 +137,30 @@ def auto_choices() -> tuple[str, ...]:
     return tuple(a for a in ALGORITHMS if a != "auto")
 
 
+def auto_runs_dedup(nodes: int, top_k: int, n_experts: int, d_model: int) -> bool:
+    """Whether the trainer's `--comm.alltoall=auto` runs dedup for an EP group over `nodes`
+    nodes (trainer.build.resolve_a2a's rule, routing not bound to nodes): top-k > 1 and the
+    expected inter-node bytes at most `DEDUP_AUTO_MAX_RATIO` of flat's."""
+    from comm.collectives.dedup import DEDUP_AUTO_MAX_RATIO, dedup_byte_ratio
+
+    if nodes <= 1 or top_k <= 1 or d_model <= 0 or n_experts % nodes:
+        return False
+    return dedup_byte_ratio(nodes, top_k, n_experts, d_model, 4) <= DEDUP_AUTO_MAX_RATIO
+
+
 def alltoall_time(nbytes: float, group: GroupPlacement, algorithm: str, platform: Platform,
-                  vendor_efficiency: float = 1.0, top_k: int = 1, n_experts: int = 0) -> float:
+                  vendor_efficiency: float = 1.0, top_k: int = 1, n_experts: int = 0,
+                  d_model: int = 0) -> float:
     """Seconds for one all-to-all where each rank's send buffer holds `nbytes` spread evenly
     over the `group.size` ranks (the own share stays local): `comm.cost.a2a_model` on the loads
     of that exchange, every device of a node exchanging alike. "dedup" needs the routing
     (`top_k` routed copies of each token among `n_experts`) to know how many copies share a
-    node; "auto" is the cheapest of `auto_choices()`."""
+    node; "auto" is what the trainer's auto runs: dedup where `auto_runs_dedup` (needs
+    `d_model`), else the cheapest of `auto_choices()` (comm's per-call flat / HALO choice)."""
     if group.size == 1 or nbytes <= 0:
         return 0.0
+    if algorithm == "auto" and auto_runs_dedup(group.nodes, top_k, n_experts, d_model):
+        algorithm = "dedup"
     if algorithm == "auto":
         return min(alltoall_time(nbytes, group, a, platform, vendor_efficiency, top_k, n_experts)
                    for a in auto_choices())

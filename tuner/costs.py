@@ -16,6 +16,7 @@ from tuner.comms import (
     allreduce_time,
     alltoall_time,
     auto_choices,
+    auto_runs_dedup,
     netsim_alltoall_time,
     p2p_time,
     placement,
@@ -188,12 +189,15 @@ def a2a_one(nbytes: float, groups: dict[str, GroupPlacement], plan: ParallelPlan
              cfg: ModelConfig, pf: Platform, asm: Assumptions) -> float:
     """One all-to-all of `nbytes` per rank in the EP group, by the plan's algorithm."""
     g = groups["ep"]
-    if asm.alltoall_model == "netsim" and plan.alltoall in ("flat", "halo", "auto"):
-        algs = auto_choices() if plan.alltoall == "auto" else (plan.alltoall,)
+    alg = plan.alltoall
+    if alg == "auto" and auto_runs_dedup(g.nodes, cfg.top_k, cfg.n_routed_experts, cfg.d_model):
+        alg = "dedup"  # what the trainer's auto runs there (netsim has no dedup: closed form)
+    if asm.alltoall_model == "netsim" and alg in ("flat", "halo", "auto"):
+        algs = auto_choices() if alg == "auto" else (alg,)
         return min(netsim_alltoall_time(nbytes, g, a, pf)
                    / (asm.vendor_alltoall_efficiency if a == "flat" else 1.0) for a in algs)
-    return alltoall_time(nbytes, g, plan.alltoall, pf, asm.vendor_alltoall_efficiency,
-                         cfg.top_k, cfg.n_routed_experts)
+    return alltoall_time(nbytes, g, alg, pf, asm.vendor_alltoall_efficiency,
+                         cfg.top_k, cfg.n_routed_experts, cfg.d_model)
 
 
 def a2a_exposed(plan: ParallelPlan, parts: dict[str, float], rec: float, ab: tuple[float, float],

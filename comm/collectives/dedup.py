@@ -242,6 +242,13 @@ def distinct_remote_pairs(slot_TK: torch.Tensor, local: int, topo: Topology, ran
     return sum(1 for _, m in pairs if m != me)
 
 
+# `--comm.alltoall=auto` (trainer.build.resolve_a2a) and the planner's "auto"
+# (tuner.comms.alltoall_time) run dedup at most at this expected inter-node byte ratio: dedup
+# adds HALO's relay hop inside the node, which cost HALO 1.01-1.17x flat's time on the emulator
+# and in the netsim projection (docs/alltoall.md), so it must save more than that share
+DEDUP_AUTO_MAX_RATIO = 0.8
+
+
 def dedup_byte_ratio(nodes: int, top_k: int, n_experts: int, row_numel: int,
                      elt_bytes: int, node_limit: int = 0) -> float:
     """Expected inter-node bytes of the dedup dispatch over flat's, routing uniform over
