@@ -157,6 +157,9 @@ def estimate_flags(run: dict[str, Any]) -> tuple[list[str], list[str]]:
                          f"{', '.join(HOST_FLOOR_MS)}")
     if HOST_FLOOR_MS[framework]:
         flags += ["--host-floor-ms", str(HOST_FLOOR_MS[framework])]
+    mtp = run.get("mtp_layers", 0)  # absent: the run has none; "unknown": not priced
+    if isinstance(mtp, int) and not isinstance(mtp, bool) and mtp > 0:
+        flags += ["--mtp-layers", str(mtp)]
     flags += ["--zero", str(zero), "--recompute", recompute,
               "--dispatch", _choice(run, "dispatcher", f("dispatcher"), DISPATCH),
               "--a2a-overlap", _choice(run, "a2a_overlap", f("a2a_overlap"), A2A),

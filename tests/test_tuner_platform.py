@@ -173,10 +173,30 @@ def test_tables_round_trip_through_the_writer(tmp_path):
     assert load_platform(path) == p
 
 
+def test_dgx_b200_is_the_datasheet_system_per_gpu():
+    """configs/platforms/dgx-b200.toml against the DGX B200 datasheet's *system* figures
+    (docs/reference.md section 3), divided over its 8 GPUs: 1,440 GB HBM3e, 64 TB/s, 14.4 TB/s
+    aggregate NVLink (both directions), 72 PFLOPS FP8 with 2:4 sparsity (= 2 x dense); BF16
+    dense is half of FP8 dense (HGX B200 table); NCCL's planning share of NVLink assumed as
+    on the H100 file (370 of 450). Exact arithmetic on the cited values: tight tolerance."""
+    b = load_platform("dgx-b200")
+    h = load_platform("dgx-h100")
+    assert b.gpus_per_node == 8
+    assert b.hbm_bytes == pytest.approx(1440e9 / 8)
+    assert b.hbm_bandwidth == pytest.approx(64e12 / 8)
+    assert b.fp8_peak_flops == pytest.approx(72e15 / 8 / 2)
+    assert b.peak_flops == pytest.approx(b.fp8_peak_flops / 2)
+    assert b.intra_node_bandwidth == pytest.approx(14.4e12 / 8 / 2 * 370 / 450)
+    assert b.nic_bandwidth_per_gpu == pytest.approx(400e9 / 8)
+    # the assumed shares are the H100 file's, unchanged
+    assert (b.roofline_max_efficiency, b.fp8_max_efficiency, b.fp8_k_half) == \
+        (h.roofline_max_efficiency, h.fp8_max_efficiency, h.fp8_k_half)
+
+
 def test_gpu_platforms_price_by_shape():
     """The shipped GPU files: fine-grained experts (few rows each) below a large GEMM; small
     GEMMs below large ones; flash attention faster per FLOP at long sequences."""
-    for name in ("dgx-h100", "h200-node", "frontier"):
+    for name in ("dgx-h100", "dgx-b200", "h200-node", "frontier"):
         p = load_platform(name)
         big = p.matmul_eff(16384, 7168, 7168)
         assert p.matmul_eff(16384, 7168, 7168) >= p.matmul_eff(64, 7168, 7168)

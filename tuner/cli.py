@@ -11,7 +11,7 @@
         [--a2a-overlap none|layer|fb] [--precision bf16|fp8]
         [--precision-policy trainer|published|megatron] [--schedule S] [--ep-placement P]
         [--redundant R] [--zero3-gather microbatch|step [--zero3-runs N]] [--host-floor-ms MS]
-        [--json]
+        [--mtp-layers N] [--json]
     python -m tuner reproduce-paper [--out FILE | --record]   (default: runs/bench/reproduce_paper/;
         --record: the tracked benchmarks/results/reproduce_paper.md)
     python -m tuner measure [--out configs/platforms/local.toml] [--procs 4]
@@ -256,7 +256,7 @@ def _estimate(args: argparse.Namespace) -> int:
                       activation_traffic_passes=4.0 if cpu else 0.0,
                       zero_sharding=args.zero_sharding, fp8_peak_factor=args.fp8_peak_factor,
                       zero3_gather=args.zero3_gather, zero3_runs=args.zero3_runs,
-                      host_floor=args.host_floor_ms / 1e3)
+                      host_floor=args.host_floor_ms / 1e3, mtp_layers=args.mtp_layers)
     from tuner.estimate import estimate
 
     e = estimate(cfg, plan, platform, precision_policy(args.precision_policy, platform.backend,
@@ -468,6 +468,10 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
                         "the host's launch time in a host-bound eager framework (dropless MoE "
                         "syncs the host every dispatch); 0 (default): not priced "
                         "(Assumptions.host_floor)")
+    e.add_argument("--mtp-layers", type=int, default=0, metavar="N",
+                   help="multi-token-prediction modules to price on the last stage (time "
+                        "only; DeepSeek-V3 runs train 1; train.py builds none: default 0; "
+                        "Assumptions.mtp_layers)")
     e.add_argument("--json", action="store_true",
                    help="print one JSON object as the last line (tuner.single.summary)")
     e.set_defaults(func=_estimate)

@@ -399,8 +399,14 @@ def _check(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions) -> None:
             f"whole sequences")
 
 
-def _rank_chunks(cfg: ModelConfig, plan: ParallelPlan) -> list[list[list[int]]]:
+def _rank_chunks(cfg: ModelConfig, plan: ParallelPlan, mtp: int = 0) -> list[list[list[int]]]:
+    """Each pipeline rank's chunks (layer indices). `mtp` (`Assumptions.mtp_layers`, time
+    only): that many multi-token-prediction modules, each one decoder layer of the last
+    layer's kind, appended to the last virtual stage, where Megatron-Core places them."""
     chunks = chunk_layers(cfg.n_layers, plan.pp, plan.n_virtual)
+    if mtp:
+        chunks = [list(c) for c in chunks]
+        chunks[-1] += [cfg.n_layers - 1] * mtp
     return [[chunks[s] for s in range(r, len(chunks), plan.pp)] for r in range(plan.pp)]
 
 
@@ -705,7 +711,7 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
     if plan.a2a_overlap != "none":
         a2a_lb = 0.0
     busiest = 0.0
-    for r, chunks in enumerate(_rank_chunks(cfg_, plan)):
+    for r, chunks in enumerate(_rank_chunks(cfg_, plan, asm.mtp_layers)):
         busy = 0.0
         for s_local, c in enumerate(chunks):
             fwd = rec = 0.0
@@ -717,7 +723,7 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
                 rec += recompute_time(plan, fl, ffn, moe_module_time(parts, lc.is_moe))
                 busy += a2a_lb if lc.is_moe else 0.0
             if s_local * plan.pp + r == plan.pp * plan.n_virtual - 1:
-                fwd += head_fwd(cfg_, plan, pf, t_attn)
+                fwd += (1 + asm.mtp_layers) * head_fwd(cfg_, plan, pf, t_attn)
             busy += 3 * fwd + rec + len(c) * pf.layer_overhead
         busiest = max(busiest, busy * plan.microbatches)
     upd = max(st.update_bytes for st in stages or stage_memory(cfg_, plan, pf, precision, asm))
@@ -751,7 +757,7 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     keys = ("compute", "alltoall", "p2p", "tp", "cp", "etp", "zero3", "host")
     per_rank = []
     hidden = 0.0
-    for r, chunks in enumerate(_rank_chunks(cfg, plan)):
+    for r, chunks in enumerate(_rank_chunks(cfg, plan, asm.mtp_layers)):
         acc = dict.fromkeys(keys, 0.0)
         a2a_total = 0.0
         for s_local, c in enumerate(chunks):
@@ -781,7 +787,8 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
                     acc["host"] += asm.host_floor - device
             stage = s_local * plan.pp + r
             if stage == plan.pp * plan.n_virtual - 1:
-                fwd += head_fwd(cfg, plan, pf, t_attn)
+                # each MTP module's logits: the shared output layer once more (Megatron-Core)
+                fwd += (1 + asm.mtp_layers) * head_fwd(cfg, plan, pf, t_attn)
             chunk = 3 * fwd + rec + len(c) * pf.layer_overhead
             if plan.schedule == "zb-h1" and stage > 0:
                 # the split backward (B, then W) runs slower than a plain one by the

@@ -342,6 +342,11 @@ class Assumptions:
         property of the GPU: `--host-floor-ms`; the published-runs benchmark gives it to the
         Megatron-Core rows from a measured Megatron-Bridge run (docs/reference.md section 5,
         "host floor"). Dense layers and the lm_head are not floored.
+    mtp_layers: multi-token-prediction modules (DeepSeek-V3's MTP) the run trains, priced in
+        the step time only: each is one more decoder layer of the last layer's kind (with its
+        all-to-all, collectives and host floor) and one more pass of the shared output layer,
+        on the last virtual stage (where Megatron-Core puts them). Not in the memory model;
+        its norms and 2D -> D projection are left out. This trainer builds none: 0 (default).
     shared_cores: on a platform whose processes share the node's cores (`Platform.
         shares_cores`: a CPU platform from `tuner measure`, more processes x threads than
         cores), replay the pipeline schedule with processor sharing (`tuner.sharing`: a rank
@@ -374,8 +379,13 @@ class Assumptions:
     overlap_compute_share: float = 20 / 132
     shared_cores: bool = True
     host_floor: float = 0.0
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.mtp_layers, bool) or not isinstance(self.mtp_layers, int) \
+                or self.mtp_layers < 0:
+            raise ValueError(f"mtp_layers={self.mtp_layers!r} must be an int >= 0 (multi-token-"
+                             f"prediction modules priced on the last stage; 0: none)")
         if isinstance(self.host_floor, bool) or not isinstance(self.host_floor, int | float) \
                 or not 0.0 <= self.host_floor < float("inf"):
             raise ValueError(f"host_floor={self.host_floor!r} must be a number of seconds >= 0 "
