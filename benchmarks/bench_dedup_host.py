@@ -88,7 +88,7 @@ def _worker(rank: int, world: int, group, args: dict) -> dict:
     return {"times": times, "cpu": cpu, "prof": prof_table}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
@@ -101,7 +101,11 @@ def main() -> None:
                         "work stands out of the expert GEMMs)")
     p.add_argument("--profile", choices=ALGOS, default=None)
     add_output_args(p, "dedup_host")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     from comm import run_local
 
     conf = {"experts": args.experts, "top_k": args.top_k, "batch": args.batch,

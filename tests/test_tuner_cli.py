@@ -40,7 +40,7 @@ def test_plan_writes_a_plan_train_py_accepts(tmp_path, capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "deepseek-v3", "--platform", "summit", "--gpus", "64"],
-     "unknown platform 'summit'; valid: dgx-h100, frontier, h200-node"),
+     "unknown platform 'summit'; valid: dgx-b200, dgx-h100, frontier, h200-node"),
     (["--model", "deepseek-v3", "--platform", "frontier", "--gpus", "12"],
      "use 8 or 16"),
     # the trainer's GPU default, bf16 weights + fp32 masters, costs 18 B per parameter where a
