@@ -777,6 +777,9 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
                     acc["alltoall"] += exp_ * (1 - asm.alltoall_overlap)
                     device += exp_ * (1 - asm.alltoall_overlap)
                     a2a_total += tot
+                    if groups["ep"].size > 1:  # the EP path's fixed cost (platform, measured)
+                        acc["alltoall"] += pf.ep_layer_overhead
+                        device += pf.ep_layer_overhead
                 for k, v in layer_collectives(lc, parts, rc, t_attn, t_exp, cfg, plan, pf, pb,
                                                groups, w_layer[lc.is_moe],
                                                asm.zero3_gather, asm.zero3_runs).items():

@@ -178,6 +178,45 @@ def _layer_overhead(repeats: int) -> float:
     return _median_time(step, repeats, warmup=3)
 
 
+def _ep_layer_extra(group: dist.ProcessGroup | None, world: int, repeats: int) -> float:
+    """Seconds the EP path adds to `_layer_overhead`'s probe layer (forward + backward): the
+    same block twice from one seed, one with its MoE layer sharded over the `world` processes
+    through the real EPDispatcher (flat; `trainer.distributed.parallel.shard_layer`), one
+    local; alternated round by round, each round's time the slowest rank's (an EP layer ends
+    with its last member). Every rank makes the same calls (collectives inside)."""
+    from comm.ep.dispatcher import EPDispatcher
+    from model import presets
+    from model.transformer import Block
+    from trainer.distributed.parallel import shard_layer
+
+    cfg = dataclasses.replace(presets.get("tiny"), d_model=32, n_heads=2, n_kv_heads=1,
+                              head_dim=16, moe_ffn_dim=32)
+    torch.manual_seed(0)
+    local = Block(cfg, 0)
+    torch.manual_seed(0)
+    ep = Block(cfg, 0)
+    layer = next(m for m in ep.modules() if hasattr(m, "experts") and hasattr(m, "dispatcher"))
+    if layer.n_slots % world:
+        return 0.0  # the probe's experts do not split over these processes: not measured
+    rank = dist.get_rank(group)
+    shard_layer(layer, EPDispatcher(group, world, layer.n_slots, "flat"), rank)
+    torch.manual_seed(1 + rank)
+    x = torch.randn(1, 4, cfg.d_model, requires_grad=True)
+    runs = {"local": lambda: local(x).sum().backward(), "ep": lambda: ep(x).sum().backward()}
+    times: dict[str, list[float]] = {"local": [], "ep": []}
+    warmup = 3
+    for i in range(warmup + 3 * repeats):
+        for k in (("local", "ep") if i % 2 else ("ep", "local")):
+            dist.barrier(group)
+            t = time.perf_counter()
+            runs[k]()
+            dt = torch.tensor([time.perf_counter() - t])
+            dist.all_reduce(dt, dist.ReduceOp.MAX, group=group)
+            if i >= warmup:
+                times[k].append(float(dt))
+    return statistics.median(times["ep"]) - statistics.median(times["local"])
+
+
 def _copy_bandwidth(nbytes: int, repeats: int) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
@@ -369,6 +408,7 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: 
     dist.barrier()
     out["sync"] = _median_time(lambda: dist.all_reduce(small, group=group), 5 * repeats,
                                warmup=3, min_s=0.0)
+    out["ep_extra"] = _ep_layer_extra(group, world, repeats)
     if coll_sizes:
         out["coll"] = {world: _collective_times(rank, group, 0, coll_sizes, repeats)}
         if world >= 4 and world % 2 == 0:  # every rank in a pair: same barrier count
@@ -518,6 +558,9 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     # the slowest rank's median: a collective ends when its last member arrives
     fields["sync_latency"] = max(r["sync"] for r in per_rank_comm)
     a2a_lat, a2a_bw_total = fit_latency_bandwidth(sizes, res["a2a"])
+    # what the EP path adds beyond the model's own price of the probe's four exchanges (a
+    # dispatch and a combine, forward and backward; their bytes are negligible at 4 tokens)
+    fields["ep_layer_overhead"] = max(0.0, res["ep_extra"] - 4 * max(a2a_lat, 0.0))
     p2p_lat, p2p_bw = fit_latency_bandwidth(sizes, res["p2p"])
     # An all-to-all of B bytes per rank moves B (n-1)/n off each rank: report per-rank
     # injection bandwidth, the quantity the model divides by.
@@ -541,6 +584,9 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         "attention_efficiency": "sdpa fwd+bwd, causal, no causal discount in FLOPs",
         "gemm_width_efficiency": "[2048, w] x [w, w] rate / peak, by inner width w",
         "layer_overhead_us": "MoE layer fwd+bwd at 4 tokens, width 32 (per-op dispatch)",
+        "ep_layer_overhead_us": f"the same layer's MoE sharded over the {n_procs} processes "
+                                f"(EPDispatcher, flat) minus local, minus 4 x the all-to-all "
+                                f"intercept",
         "hbm_gb": "physical RAM / processes",
         "hbm_bandwidth_gbs": "tensor copy, read + write",
         "split_backward_extra": "zero-bubble split backward's extra time / plain fwd+bwd, "

@@ -64,6 +64,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("compute", "grouped_gemm_efficiency", "grouped_gemm_efficiency", 1.0),
     ("compute", "attention_efficiency", "attention_efficiency", 1.0),
     ("compute", "layer_overhead_us", "layer_overhead", 1e-6),
+    ("compute", "ep_layer_overhead_us", "ep_layer_overhead", 1e-6),
     ("compute", "split_backward_extra", "split_backward_extra", 1.0),
     ("memory", "hbm_gb", "hbm_bytes", 1e9),
     ("memory", "hbm_bandwidth_gbs", "hbm_bandwidth", 1e9),
@@ -242,6 +243,12 @@ class Platform:
     # CPU (`tuner measure`); 0 on the GPU platforms, whose layers are large enough that launch
     # overheads hide behind the kernels (an assumption, not measured).
     layer_overhead: float = 0.0
+    # Fixed seconds the expert-parallel path adds to one MoE layer per micro-batch (forward +
+    # backward) beyond the fitted latency of its four exchanges: the splits exchange, the
+    # permutes, each exchange waiting for its slowest member. Measured on CPU (`tuner
+    # measure`: the layer_overhead probe with its MoE layer sharded over all processes through
+    # the real EPDispatcher, against the same layer local); 0 where not measured (the GPU files)
+    ep_layer_overhead: float = 0.0
     # Measured on CPU (`tuner measure`): extra time of the zero-bubble split backward (B, then
     # W from the recorded cut nodes: pipeline/split_backward.py) over a plain forward +
     # backward of one decoder layer, as a fraction of the plain time; 0 where not measured
@@ -338,6 +345,9 @@ class Platform:
                              f"(a CPU platform) or neither (one device per rank)")
         if self.layer_overhead < 0:
             raise ValueError(f"platform {self.name!r}: layer_overhead={self.layer_overhead} must be >= 0")
+        if self.ep_layer_overhead < 0:
+            raise ValueError(f"platform {self.name!r}: ep_layer_overhead={self.ep_layer_overhead} "
+                             f"must be >= 0")
         for key in ("peak_flops", "hbm_bytes", "nic_bandwidth", "intra_node_bandwidth",
                     "hbm_bandwidth"):
             if getattr(self, key) <= 0:
