@@ -195,11 +195,12 @@ def _ep_layer_extra(group: dist.ProcessGroup | None, world: int, repeats: int) -
     local = Block(cfg, 0)
     torch.manual_seed(0)
     ep = Block(cfg, 0)
-    layer = next(m for m in ep.modules() if hasattr(m, "experts") and hasattr(m, "dispatcher"))
-    if layer.n_slots % world:
+    layer: Any = next(m for m in ep.modules() if hasattr(m, "experts") and hasattr(m, "dispatcher"))
+    n_slots: int = layer.n_slots
+    if n_slots % world:
         return 0.0  # the probe's experts do not split over these processes: not measured
     rank = dist.get_rank(group)
-    shard_layer(layer, EPDispatcher(group, world, layer.n_slots, "flat"), rank)
+    shard_layer(layer, EPDispatcher(group, world, n_slots, "flat"), rank)
     torch.manual_seed(1 + rank)
     x = torch.randn(1, 4, cfg.d_model, requires_grad=True)
     runs = {"local": lambda: local(x).sum().backward(), "ep": lambda: ep(x).sum().backward()}
