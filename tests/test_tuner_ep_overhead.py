@@ -47,9 +47,9 @@ def test_platform_file_carries_it():
 
 
 def _probe(rank: int, world: int, group) -> float:
-    from tuner.measure import _ep_layer_extra
+    from tuner.measure import ep_layer_extra
 
-    return _ep_layer_extra(group, world, 2)
+    return ep_layer_extra(group, world, 2)
 
 
 def test_the_measurement_is_one_value_on_every_rank():

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 from tuner.platform import Grid, Platform
 
-__all__ = ["compute_fields", "measure_platform", "fit_latency_bandwidth", "write_platform_toml",
+__all__ = ["compute_fields", "ep_layer_extra", "measure_platform", "fit_latency_bandwidth", "write_platform_toml",
            "p2p_one_way_s", "emulator_platform", "emulator_payload_share", "parse_emulator_shape",
            "write_emulator_platform"]
 
@@ -178,7 +178,7 @@ def _layer_overhead(repeats: int) -> float:
     return _median_time(step, repeats, warmup=3)
 
 
-def _ep_layer_extra(group: dist.ProcessGroup | None, world: int, repeats: int) -> float:
+def ep_layer_extra(group: dist.ProcessGroup | None, world: int, repeats: int) -> float:
     """Seconds the EP path adds to `_layer_overhead`'s probe layer (forward + backward): the
     same block twice from one seed, one with its MoE layer sharded over the `world` processes
     through the real EPDispatcher (flat; `trainer.distributed.parallel.shard_layer`), one
@@ -409,7 +409,7 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: 
     dist.barrier()
     out["sync"] = _median_time(lambda: dist.all_reduce(small, group=group), 5 * repeats,
                                warmup=3, min_s=0.0)
-    out["ep_extra"] = _ep_layer_extra(group, world, repeats)
+    out["ep_extra"] = ep_layer_extra(group, world, repeats)
     if coll_sizes:
         out["coll"] = {world: _collective_times(rank, group, 0, coll_sizes, repeats)}
         if world >= 4 and world % 2 == 0:  # every rank in a pair: same barrier count
