@@ -55,11 +55,13 @@ ARMS = ("flat/none", "halo/none", "dedup/none", "flat/layer/2", "halo/layer/2",
         "dedup/layer/2")
 
 
-def run_arm(setup: str, arm: str, args: argparse.Namespace) -> dict | None:
+def train_emulated(setup: str, arm: str, args: argparse.Namespace) -> list[dict] | None:
+    """One arm's `train.py` run inside the emulated cluster `setup` (NODESxGPUS@MBIT; the
+    module docstring's job with this parser's `args`); its metrics.jsonl rows, or None after
+    printing why the run failed."""
     shape, mbit = setup.split("@")
     nodes, gpus = (int(v) for v in shape.split("x"))
     algo, overlap, *rest = arm.split("/")
-    chunks = rest[0] if rest else "1"
     with tempfile.TemporaryDirectory(prefix="bench-moe-overlap-") as tmp:
         out = Path(tmp) / "run"
         train = ["train.py", "--config", "configs/tiny-ep-dp.toml", f"--parallel.ep={nodes * gpus}",
@@ -69,8 +71,8 @@ def run_arm(setup: str, arm: str, args: argparse.Namespace) -> dict | None:
                  "--train.eval_batches=1", "--train.ckpt_every=0", "--train.plot=false",
                  "--train.tensorboard=false", "--train.layer_metrics=false",
                  f"--comm.alltoall={algo}", f"--comm.a2a_overlap={overlap}",
-                 f"--comm.a2a_chunks={chunks}", f"--parallel.microbatches={args.microbatches}",
-                 f"--train.out_dir={out}",
+                 f"--comm.a2a_chunks={rest[0] if rest else 1}",
+                 f"--parallel.microbatches={args.microbatches}", f"--train.out_dir={out}",
                  *(["--data", args.data] if args.data else [])]
         cmd = [sys.executable, "-m", "comm.emulate", "--nodes", str(nodes), "--gpus-per-node",
                str(gpus), "--nic-mbit", mbit, "--timeout-s", str(args.timeout_s), "--", *train]
@@ -82,7 +84,17 @@ def run_arm(setup: str, arm: str, args: argparse.Namespace) -> dict | None:
             print(f"{setup} {arm} failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-3000:]}",
                   file=sys.stderr)
             return None
-        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        return [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+
+
+def run_arm(setup: str, arm: str, args: argparse.Namespace) -> dict | None:
+    shape, mbit = setup.split("@")
+    nodes, gpus = (int(v) for v in shape.split("x"))
+    algo, overlap, *rest = arm.split("/")
+    chunks = rest[0] if rest else "1"
+    rows = train_emulated(setup, arm, args)
+    if rows is None:
+        return None
     steps = [s for s in rows if "step_time_s" in s and s["step"] > args.warmup]
 
     def med(key: str) -> float:

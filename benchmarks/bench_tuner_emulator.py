@@ -50,7 +50,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import ROOT, add_output_args, cpu_name, git_sha, output_dir, previous, print_written
+from _common import add_output_args, cpu_name, git_sha, output_dir, previous, print_written
 
 from model import ModelConfig, presets
 from tuner import Assumptions, ParallelPlan, estimate, load_platform
@@ -77,10 +77,6 @@ def run_parts(setup: str, arm: str, microbatches: int, steps: int = 8, warmup: i
               timeout_s: float = 900) -> dict | None:
     """One bench_moe_overlap arm (its `run_arm` job and flags) as a row that keeps the step
     parts the trainer logs (fwd_bwd_s, grad_sync_s, optim_s) and the router's imbalance."""
-    import os
-    import subprocess
-    import tempfile
-
     import bench_moe_overlap
 
     args = bench_moe_overlap.parser().parse_args(
@@ -88,28 +84,9 @@ def run_parts(setup: str, arm: str, microbatches: int, steps: int = 8, warmup: i
          "--timeout-s", str(timeout_s)])
     nodes, gpus, mbit = parse_emulator_shape(setup)
     algo, overlap, *rest = arm.split("/")
-    with tempfile.TemporaryDirectory(prefix="bench-tuner-emulator-") as tmp:
-        out = Path(tmp) / "run"
-        # bench_moe_overlap.run_arm's command, its metrics file kept
-        train = ["train.py", "--config", "configs/tiny-ep-dp.toml", f"--parallel.ep={nodes * gpus}",
-                 f"--model.n_routed_experts={args.experts}", f"--model.top_k={args.top_k}",
-                 f"--train.steps={steps}", f"--train.seq_len={args.seq_len}",
-                 f"--train.global_batch={args.global_batch}", "--train.eval_every=0",
-                 "--train.eval_batches=1", "--train.ckpt_every=0", "--train.plot=false",
-                 "--train.tensorboard=false", "--train.layer_metrics=false",
-                 f"--comm.alltoall={algo}", f"--comm.a2a_overlap={overlap}",
-                 f"--comm.a2a_chunks={rest[0] if rest else 1}",
-                 f"--parallel.microbatches={microbatches}", f"--train.out_dir={out}"]
-        cmd = [sys.executable, "-m", "comm.emulate", "--nodes", str(nodes), "--gpus-per-node",
-               str(gpus), "--nic-mbit", f"{mbit:g}", "--timeout-s", str(timeout_s), "--", *train]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_CPP_LOG_LEVEL": "ERROR",
-               "OMP_NUM_THREADS": "1"}
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        metrics = out / "metrics.jsonl"
-        if r.returncode != 0 or not metrics.is_file():
-            print(f"{setup} {arm} failed ({r.returncode}):\n{r.stderr[-3000:]}", file=sys.stderr)
-            return None
-        got = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    got = bench_moe_overlap.train_emulated(setup, arm, args)  # its job, the metrics kept
+    if got is None:
+        return None
     st = [x for x in got if "step_time_s" in x and x["step"] > warmup]
 
     def med(key: str) -> float:

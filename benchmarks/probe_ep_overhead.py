@@ -21,10 +21,8 @@ difference per layer; rows go to probe_ep_overhead.jsonl (runs/bench/probe_ep_ov
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,49 +34,16 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _common import add_output_args, cpu_name, git_sha, output_dir, print_written  # noqa: E402
 
-from comm.ep.dispatcher import EPDispatcher  # noqa: E402
 from model import presets  # noqa: E402
-from model.transformer import Block  # noqa: E402
-from trainer.distributed.parallel import shard_layer  # noqa: E402
-
-PROBE = dict(d_model=32, n_heads=2, n_kv_heads=1, head_dim=16, moe_ffn_dim=32)  # layer_overhead's
+from tuner.measure import ep_layer_times, probe_config  # noqa: E402
 
 
-def _moe_layer(block: torch.nn.Module):
-    return next(m for m in block.modules() if hasattr(m, "experts") and hasattr(m, "dispatcher"))
-
-
-def _timed(fn, group) -> float:
-    dist.barrier(group)
-    t = time.perf_counter()
-    fn()
-    dt = torch.tensor([time.perf_counter() - t])
-    dist.all_reduce(dt, dist.ReduceOp.MAX, group=group)
-    return float(dt)
-
-
-def probe(label: str, overrides: dict, tokens: int, rounds: int, warmup: int) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = dataclasses.replace(presets.get("tiny"), **overrides)
-    torch.manual_seed(0)
-    local = Block(cfg, 0)
-    torch.manual_seed(0)
-    ep = Block(cfg, 0)
-    layer = _moe_layer(ep)
-    shard_layer(layer, EPDispatcher(dist.group.WORLD, world, layer.n_slots, "flat"), rank)
-    torch.manual_seed(1 + rank)  # each rank its own tokens
-    x = torch.randn(1, tokens, cfg.d_model, requires_grad=True)
-    runs = {"local": lambda: local(x).sum().backward(), "ep": lambda: ep(x).sum().backward()}
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for i in range(warmup + rounds):
-        for k in (("local", "ep") if i % 2 else ("ep", "local")):
-            t = _timed(runs[k], dist.group.WORLD)
-            if i >= warmup:
-                times[k].append(t)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {"probe": label, "tokens": tokens, "world": world, "experts": layer.n_slots,
+def probe(label: str, cfg, tokens: int, rounds: int, warmup: int) -> dict:
+    world = dist.get_world_size()
+    local_s, ep_s = ep_layer_times(dist.group.WORLD, world, rounds, cfg, tokens, warmup)
+    return {"probe": label, "tokens": tokens, "world": world, "experts": cfg.n_routed_experts,
             "top_k": cfg.top_k, "d_model": cfg.d_model, "rounds": rounds,
-            "local_s": med["local"], "ep_s": med["ep"], "ep_extra_s": med["ep"] - med["local"]}
+            "local_s": local_s, "ep_s": ep_s, "ep_extra_s": ep_s - local_s}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -101,8 +66,8 @@ def main() -> None:
     if 8 % dist.get_world_size():
         raise SystemExit(f"world size {dist.get_world_size()} must divide the tiny preset's 8 "
                          f"experts (2, 4 or 8 processes)")
-    rows = [probe("layer_overhead probe (width 32)", PROBE, 4, args.rounds, args.warmup),
-            probe("tiny preset", {}, args.tokens, args.rounds, args.warmup)]
+    rows = [probe("layer_overhead probe (width 32)", probe_config(), 4, args.rounds, args.warmup),
+            probe("tiny preset", presets.get("tiny"), args.tokens, args.rounds, args.warmup)]
     if dist.get_rank() == 0:
         out = output_dir(args) / "probe_ep_overhead.jsonl"
         with out.open("a") as f:

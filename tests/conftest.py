@@ -21,6 +21,34 @@ settings.register_profile("ci", deadline=None, suppress_health_check=[HealthChec
 settings.load_profile("ci")
 
 
+def toy_platform():
+    """A hand-sized GPU-like platform for estimate tests whose expected steps are computed by
+    hand (100 TFLOPS at one efficiency of 0.5, microsecond latencies)."""
+    from tuner import Platform
+
+    return Platform(
+        name="toy", peak_flops=100e12, hbm_bytes=80e9, gpus_per_node=4, nic_bandwidth=10e9,
+        nics_per_node=2, intra_node_bandwidth=100e9, gemm_efficiency=0.5,
+        grouped_gemm_efficiency=0.5, attention_efficiency=0.5, hbm_bandwidth=1e12,
+        intra_node_latency=1e-6, network_latency=1e-5,
+    )
+
+
+def toy_moe_config():
+    """The 4-layer all-MoE model the toy-platform tests price by hand (V 16, D 64)."""
+    from model import ModelConfig
+
+    return ModelConfig(vocab_size=16, d_model=64, n_layers=4, n_heads=4, n_kv_heads=4,
+                       n_routed_experts=8, top_k=2, moe_ffn_dim=32)
+
+
+def toy_head_seconds(plan) -> float:
+    """The lm_head's forward seconds of one micro-batch of `toy_moe_config` on `toy_platform`,
+    by hand: 2 V D t FLOPs at the toy's single GEMM efficiency (0.5) of its 100 TFLOPS."""
+    t = plan.global_batch * plan.seq_len / (plan.microbatches * plan.n_gpus // plan.pp)
+    return 2 * 16 * 64 * t / (100e12 * 0.5)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -8,16 +8,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from conftest import toy_platform
 
 from model import ModelConfig
 from tuner import ParallelPlan, Platform, estimate
 
-PF = Platform(
-    name="toy", peak_flops=100e12, hbm_bytes=80e9, gpus_per_node=4, nic_bandwidth=10e9,
-    nics_per_node=2, intra_node_bandwidth=100e9, gemm_efficiency=0.5,
-    grouped_gemm_efficiency=0.5, attention_efficiency=0.5, hbm_bandwidth=1e12,
-    intra_node_latency=1e-6, network_latency=1e-5,
-)
+PF = toy_platform()
 # layers 0 and 2 dense, 1 and 3 MoE: two MoE layers
 CFG = ModelConfig(vocab_size=16, d_model=64, n_layers=4, n_heads=4, n_kv_heads=4,
                   n_routed_experts=8, top_k=2, moe_ffn_dim=32, dense_ffn_dim=64, moe_every=2)

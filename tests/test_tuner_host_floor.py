@@ -7,27 +7,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from conftest import toy_head_seconds, toy_moe_config, toy_platform
 
-from model import ModelConfig
-from tuner import Assumptions, ParallelPlan, Platform, estimate
+from tuner import Assumptions, ParallelPlan, estimate
 from tuner.cli import main
 from tuner.layout import PUBLISHED_PRECISION
 
-PF = Platform(
-    name="toy", peak_flops=100e12, hbm_bytes=80e9, gpus_per_node=4, nic_bandwidth=10e9,
-    nics_per_node=2, intra_node_bandwidth=100e9, gemm_efficiency=0.5,
-    grouped_gemm_efficiency=0.5, attention_efficiency=0.5, hbm_bandwidth=1e12,
-    intra_node_latency=1e-6, network_latency=1e-5,
-)
-CFG = ModelConfig(vocab_size=16, d_model=64, n_layers=4, n_heads=4, n_kv_heads=4,
-                  n_routed_experts=8, top_k=2, moe_ffn_dim=32)
-
-
-def _head(plan: ParallelPlan) -> float:
-    """The lm_head's forward seconds of one micro-batch, by hand: 2 V D t FLOPs at the toy's
-    single GEMM efficiency (0.5) of its 100 TFLOPS."""
-    t = plan.global_batch * plan.seq_len / (plan.microbatches * plan.n_gpus // plan.pp)
-    return 2 * 16 * 64 * t / (100e12 * 0.5)
+PF = toy_platform()
+CFG = toy_moe_config()
+_head = toy_head_seconds
 
 
 def test_zero_floor_changes_nothing():

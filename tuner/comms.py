@@ -137,6 +137,7 @@ def auto_choices() -> tuple[str, ...]:
     return tuple(a for a in ALGORITHMS if a != "auto")
 
 
+@functools.lru_cache(maxsize=256)
 def auto_runs_dedup(nodes: int, top_k: int, n_experts: int, d_model: int) -> bool:
     """Whether the trainer's `--comm.alltoall=auto` runs dedup for an EP group over `nodes`
     nodes (trainer.build.resolve_a2a's rule, routing not bound to nodes): top-k > 1 and the

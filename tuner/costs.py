@@ -190,8 +190,9 @@ def a2a_one(nbytes: float, groups: dict[str, GroupPlacement], plan: ParallelPlan
     """One all-to-all of `nbytes` per rank in the EP group, by the plan's algorithm."""
     g = groups["ep"]
     alg = plan.alltoall
-    if alg == "auto" and auto_runs_dedup(g.nodes, cfg.top_k, cfg.n_routed_experts, cfg.d_model):
-        alg = "dedup"  # what the trainer's auto runs there (netsim has no dedup: closed form)
+    if asm.alltoall_model == "netsim" and alg == "auto" and auto_runs_dedup(
+            g.nodes, cfg.top_k, cfg.n_routed_experts, cfg.d_model):
+        alg = "dedup"  # what the trainer's auto runs there; netsim has no dedup: closed form
     if asm.alltoall_model == "netsim" and alg in ("flat", "halo", "auto"):
         algs = auto_choices() if alg == "auto" else (alg,)
         return min(netsim_alltoall_time(nbytes, g, a, pf)

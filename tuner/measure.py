@@ -63,7 +63,8 @@ import torch.nn.functional as F
 
 from tuner.platform import Grid, Platform
 
-__all__ = ["compute_fields", "ep_layer_extra", "measure_platform", "fit_latency_bandwidth", "write_platform_toml",
+__all__ = ["compute_fields", "ep_layer_extra", "ep_layer_times", "probe_config",
+           "measure_platform", "fit_latency_bandwidth", "write_platform_toml",
            "p2p_one_way_s", "emulator_platform", "emulator_payload_share", "parse_emulator_shape",
            "write_emulator_platform"]
 
@@ -162,13 +163,9 @@ def _layer_overhead(repeats: int) -> float:
     """Seconds of one MoE decoder layer's forward + backward at 4 tokens: the tiny preset's
     architecture (GQA, softmax top-2 router, 8 grouped SwiGLU experts) at widths 32, where
     the ~0.1 MFLOP of math is negligible and what remains is per-op dispatch cost."""
-    import dataclasses
-
-    from model import presets
     from model.transformer import Block
 
-    cfg = dataclasses.replace(presets.get("tiny"), d_model=32, n_heads=2, n_kv_heads=1,
-                              head_dim=16, moe_ffn_dim=32)
+    cfg = probe_config()
     block = Block(cfg, 0)
     x = torch.randn(1, 4, cfg.d_model, requires_grad=True)
 
@@ -178,19 +175,29 @@ def _layer_overhead(repeats: int) -> float:
     return _median_time(step, repeats, warmup=3)
 
 
-def ep_layer_extra(group: dist.ProcessGroup | None, world: int, repeats: int) -> float:
-    """Seconds the EP path adds to `_layer_overhead`'s probe layer (forward + backward): the
-    same block twice from one seed, one with its MoE layer sharded over the `world` processes
-    through the real EPDispatcher (flat; `trainer.distributed.parallel.shard_layer`), one
-    local; alternated round by round, each round's time the slowest rank's (an EP layer ends
-    with its last member). Every rank makes the same calls (collectives inside)."""
-    from comm.ep.dispatcher import EPDispatcher
+def probe_config() -> Any:
+    """The tiny preset's architecture (GQA, softmax top-2 router, 8 grouped SwiGLU experts) at
+    the per-op-cost probe's widths (32): `_layer_overhead`'s and `ep_layer_extra`'s layer."""
     from model import presets
+
+    return dataclasses.replace(presets.get("tiny"), d_model=32, n_heads=2, n_kv_heads=1,
+                               head_dim=16, moe_ffn_dim=32)
+
+
+def ep_layer_times(group: dist.ProcessGroup | None, world: int, rounds: int, cfg: Any = None,
+                   tokens: int = 4, warmup: int = 3) -> tuple[float, float] | None:
+    """(local, EP) median seconds of one decoder block's forward + backward (`cfg`: default
+    `probe_config()`, `tokens` per rank, each rank its own): the same block twice from one
+    seed, one with its MoE layer sharded over the `world` processes through the real
+    EPDispatcher (flat; `trainer.distributed.parallel.shard_layer`), one local; alternated
+    round by round, each round's time the slowest rank's (an EP layer ends with its last
+    member). Every rank makes the same calls (collectives inside). None where the experts
+    do not split over `world`."""
+    from comm.ep.dispatcher import EPDispatcher
     from model.transformer import Block
     from trainer.distributed.parallel import shard_layer
 
-    cfg = dataclasses.replace(presets.get("tiny"), d_model=32, n_heads=2, n_kv_heads=1,
-                              head_dim=16, moe_ffn_dim=32)
+    cfg = probe_config() if cfg is None else cfg
     torch.manual_seed(0)
     local = Block(cfg, 0)
     torch.manual_seed(0)
@@ -198,15 +205,14 @@ def ep_layer_extra(group: dist.ProcessGroup | None, world: int, repeats: int) ->
     layer: Any = next(m for m in ep.modules() if hasattr(m, "experts") and hasattr(m, "dispatcher"))
     n_slots: int = layer.n_slots
     if n_slots % world:
-        return 0.0  # the probe's experts do not split over these processes: not measured
+        return None
     rank = dist.get_rank(group)
     shard_layer(layer, EPDispatcher(group, world, n_slots, "flat"), rank)
     torch.manual_seed(1 + rank)
-    x = torch.randn(1, 4, cfg.d_model, requires_grad=True)
+    x = torch.randn(1, tokens, cfg.d_model, requires_grad=True)
     runs = {"local": lambda: local(x).sum().backward(), "ep": lambda: ep(x).sum().backward()}
     times: dict[str, list[float]] = {"local": [], "ep": []}
-    warmup = 3
-    for i in range(warmup + 3 * repeats):
+    for i in range(warmup + rounds):
         for k in (("local", "ep") if i % 2 else ("ep", "local")):
             dist.barrier(group)
             t = time.perf_counter()
@@ -215,7 +221,15 @@ def ep_layer_extra(group: dist.ProcessGroup | None, world: int, repeats: int) ->
             dist.all_reduce(dt, dist.ReduceOp.MAX, group=group)
             if i >= warmup:
                 times[k].append(float(dt))
-    return statistics.median(times["ep"]) - statistics.median(times["local"])
+    return statistics.median(times["local"]), statistics.median(times["ep"])
+
+
+def ep_layer_extra(group: dist.ProcessGroup | None, world: int, repeats: int) -> float:
+    """Seconds the EP path adds to `_layer_overhead`'s probe layer (forward + backward), from
+    `ep_layer_times` over 3 x `repeats` rounds; 0 where the probe's experts do not split over
+    these processes (not measured)."""
+    got = ep_layer_times(group, world, 3 * repeats)
+    return 0.0 if got is None else got[1] - got[0]
 
 
 def _copy_bandwidth(nbytes: int, repeats: int) -> float:
