@@ -75,8 +75,8 @@ __all__ = [
     "GROUP_KINDS", "PRECISIONS", "RECOMPUTE", "RECOMPUTE_MODES", "SCHEDULES", "TRAINER_A2A_OVERLAP",
     "TRAINER_ALLTOALL", "TRAINER_PRECISIONS", "TRAINER_ZERO_LEVELS", "ZERO_LEVELS", "Coords",
     "Layout", "LayoutError", "check", "check_choice", "check_redundant", "divisors",
-    "layout_problems", "layer_split_spec", "not_runnable_because", "rank_chunks",
-    "stage_bounds", "stage_counts", "stage_layers", "stage_rank",
+    "layout_problems", "layer_split_spec", "not_runnable_because", "pipelined_expert_path",
+    "rank_chunks", "stage_bounds", "stage_counts", "stage_layers", "stage_rank",
 ]
 
 # ---- vocabularies (declared once; trainer config checks and the planner import these) -------
@@ -471,6 +471,13 @@ def check(layout: Layout, n_layers: int, n_experts: int, **kw: object) -> None:
         raise LayoutError("; ".join(probs))
 
 
+def pipelined_expert_path(alltoall: str, a2a_overlap: str) -> bool:
+    """Whether a MoE layer runs the pipelined expert path (comm/ep/pipeline.py: dedup, or the
+    layer / fb overlap), which is not built with tensor parallel (trainer.setup refuses it,
+    `not_runnable_because` reports it)."""
+    return alltoall == "dedup" or a2a_overlap in ("layer", "fb")
+
+
 def not_runnable_because(layout: Layout, *, zero: int = 0, alltoall: str = "flat",
                          a2a_overlap: str = "none", recompute: str = "none",
                          precision: str = "bf16") -> list[str]:
@@ -503,8 +510,7 @@ def not_runnable_because(layout: Layout, *, zero: int = 0, alltoall: str = "flat
     if a2a_overlap not in TRAINER_A2A_OVERLAP:
         out.append(f"all-to-all overlap {a2a_overlap!r} is not built in the trainer yet "
                    f"(issue 26)")
-    if layout.tp > 1 and (alltoall == "dedup" or a2a_overlap in ("layer", "fb")):
-        # the same rule as trainer.setup's check: the pipelined expert path has no TP yet
+    if layout.tp > 1 and pipelined_expert_path(alltoall, a2a_overlap):
         out.append(f"tp={layout.tp} with alltoall {alltoall!r} / overlap {a2a_overlap!r}: the "
                    f"pipelined expert path (dedup, layer and fb overlap) is not built with tensor "
                    f"parallel yet")

@@ -35,6 +35,7 @@ from .layout import (
     check_choice,
     check_redundant,
     divisors,
+    pipelined_expert_path,
 )
 from .observe.metrics import check_observability
 from .observe.profiling import parse_profile_steps
@@ -108,7 +109,7 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     tp_probs = tp_problems(par.tp, par.sp, par.etp, mcfg, cfg.train.seq_len, par.pp)
     if tp_probs:
         raise ConfigError("; ".join(tp_probs))
-    if par.tp > 1 and (cfg.comm.alltoall == "dedup" or cfg.comm.a2a_overlap in ("layer", "fb")):
+    if par.tp > 1 and pipelined_expert_path(cfg.comm.alltoall, cfg.comm.a2a_overlap):
         raise ConfigError(f"parallel.tp={par.tp} with comm.alltoall={cfg.comm.alltoall!r} / "
                           f"comm.a2a_overlap={cfg.comm.a2a_overlap!r}: the pipelined expert path "
                           f"(dedup, layer and fb overlap) is not built with tensor parallel yet; use "
