@@ -232,6 +232,52 @@ def ep_layer_extra(group: dist.ProcessGroup | None, world: int, repeats: int) ->
     return 0.0 if got is None else got[1] - got[0]
 
 
+def _speed_worker(rank: int, world: int, group: dist.ProcessGroup | None, threads: int,
+                  rounds: int) -> list[float]:
+    """`speed_probe`'s work on one of `world` processes: the tiny preset's first decoder
+    block (its MoE layer local) forward + backward at 512 tokens, then an AdamW step on its
+    parameters; each round's time the slowest process's."""
+    from model import presets
+    from model.transformer import Block
+
+    torch.set_num_threads(threads)
+    cfg = presets.get("tiny")
+    torch.manual_seed(0)
+    block = Block(cfg, 0)
+    opt = torch.optim.AdamW(block.parameters(), lr=1e-4, foreach=False)
+    torch.manual_seed(1 + rank)
+    x = torch.randn(1, 512, cfg.d_model)
+    out = []
+    for i in range(2 + rounds):
+        dist.barrier(group)
+        t = time.perf_counter()
+        block(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        dt = torch.tensor([time.perf_counter() - t])
+        dist.all_reduce(dt, dist.ReduceOp.MAX, group=group)
+        if i >= 2:
+            out.append(float(dt))
+    return out
+
+
+def speed_probe(n_procs: int, rounds: int = 15) -> float:
+    """Median seconds of one fixed unit of training work (`_speed_worker`: a tiny-preset
+    block's forward + backward + AdamW step, all `n_procs` processes at once, the slowest
+    counting): how fast this machine runs now. Timed beside `measure_platform` and again
+    beside a later run, the ratio of the two says how much the machine's speed moved in
+    between (a shared VM's does: benchmarks/bench_tuner_validate.py). ~2-4 s."""
+    from comm import run_local
+
+    if n_procs < 1:
+        raise ValueError(f"n_procs={n_procs} must be >= 1")
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds} must be >= 1")
+    threads = max(1, (os.cpu_count() or 1) // n_procs)
+    return statistics.median(run_local(_speed_worker, n_procs, threads, rounds,
+                                       threads=threads)[0])
+
+
 def _copy_bandwidth(nbytes: int, repeats: int) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
