@@ -24,7 +24,7 @@ optimizer, 0 without either; `--dispatch` flat for NCCL all-to-all, dedup for De
 (FSDP2 under torch.distributed.pipelining: "step") and `--zero3-runs` its `zero3_runs` (the
 table's gradient-accumulation count of whole schedule runs); `--host-floor-ms` by the run's
 `framework` (HOST_FLOOR_MS: Megatron-Core's measured host floor per MoE layer and
-micro-batch). Where the source leaves a field unknown the run's `assumed` value is used, else this script's default
+micro-batch; its forward share, `forward_host_floor_ms`, with `--host-floor-scope forward`). Where the source leaves a field unknown the run's `assumed` value is used, else this script's default
 (DEFAULTS); each row lists the fields it assumed. Where this checkout's estimate CLI offers them,
 `--precision-policy megatron --zero-sharding flat` are added (Megatron-Core's state bytes and its
 flat distributed-optimizer shards: every source here is Megatron-Core or FSDP2).
@@ -80,6 +80,17 @@ OPTIONAL_FLAGS = (("--precision-policy", "megatron"), ("--zero-sharding", "flat"
 # something that does not grow with the tokens (26.02 prints MBS 1 at 9691: 8.81 ms).
 # docs/reference.md section 5, "host floor". NeMo AutoModel (FSDP2): no figure, not priced.
 HOST_FLOOR_MS: dict[str, float] = {"megatron-core": 9.18, "automodel": 0.0}
+# That row's 9.18 ms is a whole layer (forward + backward). The host syncs in the forward's
+# dispatch only; the backward reuses its splits and runs at device speed, so the floor is
+# priced on the forward (`--host-floor-scope forward`): layer = max(host, forward device) +
+# backward device. The host's share follows from the same row: 9.18 ms minus the model's own
+# backward device time there (`forward_host_floor_ms`: ~1.3 ms on dgx-b200 at MBS 1, 4096
+# tokens, FP8, recompute none). The MBS 4 row of that table (compared) then checks it.
+FLOOR_SOURCE_FLAGS = ["--model", "qwen3-30b-a3b", "--platform", "dgx-b200", "--gpus", "8",
+                      "--seq", "4096", "--global-batch", "512", "--mbs", "1", "--ep", "8",
+                      "--precision", "fp8", "--precision-policy", "megatron",
+                      "--zero-sharding", "flat", "--recompute", "none"]
+FLOOR_SOURCE_LAYERS_X_MICROBATCHES = 48 * 64  # 48 layers, GBS 512 / DP 8 = 64 micro-batches
 
 __all__ = ["estimate_flags", "load_runs", "measured", "order_agreement", "predicted", "spearman",
            "summarise"]
@@ -156,7 +167,8 @@ def estimate_flags(run: dict[str, Any]) -> tuple[list[str], list[str]]:
         raise ValueError(f"run {run['id']}: framework={framework!r}; valid: "
                          f"{', '.join(HOST_FLOOR_MS)}")
     if HOST_FLOOR_MS[framework]:
-        flags += ["--host-floor-ms", str(HOST_FLOOR_MS[framework])]
+        flags += ["--host-floor-ms", f"{forward_host_floor_ms(HOST_FLOOR_MS[framework]):.4g}",
+                  "--host-floor-scope", "forward"]
     mtp = run.get("mtp_layers", 0)  # absent: the run has none; "unknown": not priced
     if isinstance(mtp, int) and not isinstance(mtp, bool) and mtp > 0:
         flags += ["--mtp-layers", str(mtp)]
@@ -284,6 +296,21 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "predicted_order": [i for i, _ in sorted(vals, key=lambda t: -t[1][1])],
         }
     return out
+
+
+@functools.cache
+def forward_host_floor_ms(layer_ms: float) -> float:
+    """The host's share of a measured host-bound layer time `layer_ms` (forward + backward of
+    one MoE layer and micro-batch, the FLOOR_SOURCE run): `layer_ms` minus the backward's
+    device time the estimate gives that run without a floor (2/3 of its compute + exchange
+    per layer and micro-batch: recompute none)."""
+    est = run_estimate(FLOOR_SOURCE_FLAGS, timeout=300.0)
+    device = est["time_s"]["compute"] + est["time_s"]["alltoall"]
+    backward_ms = 1e3 * device * 2 / 3 / FLOOR_SOURCE_LAYERS_X_MICROBATCHES
+    if not 0 < backward_ms < layer_ms:
+        raise RuntimeError(f"host floor: backward device {backward_ms:.3g} ms per layer is not "
+                           f"below the measured {layer_ms} ms; the source row is not host-bound")
+    return layer_ms - backward_ms
 
 
 @functools.cache

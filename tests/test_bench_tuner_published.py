@@ -135,8 +135,15 @@ def test_bad_values_are_named() -> None:
 def test_megatron_rows_get_the_host_floor() -> None:
     """Megatron-Core rows are priced with the measured host floor, AutoModel rows without."""
     flags = b.estimate_flags(_run(framework="megatron-core"))[0]
-    assert _flag(flags, "--host-floor-ms") == str(b.HOST_FLOOR_MS["megatron-core"])
+    host = float(_flag(flags, "--host-floor-ms"))
+    assert _flag(flags, "--host-floor-scope") == "forward"
     assert "--host-floor-ms" not in b.estimate_flags(_run())[0]
+    # the forward's share: the measured layer time minus the estimate's own backward device
+    # time of the source row (2/3 of its compute + exchange per layer and micro-batch)
+    est = b.run_estimate(b.FLOOR_SOURCE_FLAGS, timeout=300.0)
+    back = 1e3 * (est["time_s"]["compute"] + est["time_s"]["alltoall"]) * 2 / 3 / (48 * 64)
+    assert 0 < back < 9.18
+    assert host == pytest.approx(9.18 - back, rel=1e-3)  # rel 1e-3: printed to 4 digits
     # the floor is the measured step of the B200 row it comes from: GBS 512 x 4096 tokens at
     # 9299 tokens/s/GPU on 8 GPUs, over 64 micro-batches x 48 layers (rel 1e-3: 3 digits)
     step = 512 * 4096 / 9299 / 8

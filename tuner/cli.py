@@ -255,8 +255,9 @@ def _estimate(args: argparse.Namespace) -> int:
                       activation_set="trainer" if trainer_set else "published",
                       activation_traffic_passes=4.0 if cpu else 0.0,
                       zero_sharding=args.zero_sharding, fp8_peak_factor=args.fp8_peak_factor,
-                      zero3_gather=args.zero3_gather, zero3_runs=args.zero3_runs,
-                      host_floor=args.host_floor_ms / 1e3, mtp_layers=args.mtp_layers)
+                      fp8_cast_bytes=args.fp8_cast_bytes, zero3_gather=args.zero3_gather, zero3_runs=args.zero3_runs,
+                      host_floor=args.host_floor_ms / 1e3,
+                      host_floor_scope=args.host_floor_scope, mtp_layers=args.mtp_layers)
     from tuner.estimate import estimate
 
     e = estimate(cfg, plan, platform, precision_policy(args.precision_policy, platform.backend,
@@ -404,6 +405,7 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
         A2A_OVERLAP,
         ALLTOALL_ALGORITHMS,
         EP_PLACEMENTS,
+        HOST_FLOOR_SCOPES,
         PRECISION_POLICIES,
         PRECISIONS,
         SCHEDULES,
@@ -455,6 +457,10 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
     e.add_argument("--alltoall-model", default="closed-form", choices=("closed-form", "netsim"))
     e.add_argument("--fp8-peak-factor", type=float, default=None,
                    help="FP8 / bf16 GEMM peak for a platform file without an FP8 rate")
+    e.add_argument("--fp8-cast-bytes", type=float, default=4.0, metavar="B",
+                   help="HBM bytes per element cast to FP8 (each GEMM's input and output "
+                        "gradient: bf16 read + row- and column-wise FP8 writes = 4); 0: casts "
+                        "fused away (Assumptions.fp8_cast_bytes)")
     e.add_argument("--zero3-gather", default="microbatch", choices=ZERO3_GATHER,
                    help="ZeRO-3 gathers and reduce-scatters every micro-batch (train.py's) or "
                         "once per step per pipeline stage (FSDP2 under "
@@ -468,6 +474,10 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
                         "the host's launch time in a host-bound eager framework (dropless MoE "
                         "syncs the host every dispatch); 0 (default): not priced "
                         "(Assumptions.host_floor)")
+    e.add_argument("--host-floor-scope", default="layer", choices=HOST_FLOOR_SCOPES,
+                   help="what --host-floor-ms bounds: the layer's forward + backward (layer) or "
+                        "each pass that syncs the host, the forward and a recomputed forward, "
+                        "the backward at its device time (forward; Assumptions.host_floor_scope)")
     e.add_argument("--mtp-layers", type=int, default=0, metavar="N",
                    help="multi-token-prediction modules to price on the last stage (time "
                         "only; DeepSeek-V3 runs train 1; train.py builds none: default 0; "

@@ -25,7 +25,7 @@ from tuner.counts import LayerCounts
 from tuner.layout import Assumptions, ParallelPlan, PrecisionPolicy
 from tuner.platform import Platform
 
-__all__ = ["a2a_exposed", "a2a_one", "all_gather_time", "fp8_effs", "gemm_peak", "grad_post_time",
+__all__ = ["a2a_exposed", "a2a_one", "all_gather_time", "fp8_cast_time", "fp8_effs", "gemm_peak", "grad_post_time",
            "head_fwd", "place_groups", "kv_width", "layer_collectives", "layer_fwd", "layer_parts",
            "moe_module_time", "recompute_time", "recomputes_a2a", "reduce_scatter_time",
            "step_syncs", "zero3_time"]
@@ -103,6 +103,42 @@ def fp8_effs(pf: Platform, fp8_peak: float, m: float, n: float, k: float, rows: 
     up = pf.fp8_grouped_eff(rows, 2 * f, k, fp8_peak)
     down = pf.fp8_grouped_eff(rows, k, f, fp8_peak)
     return dense, 1.0 / ((2.0 / 3.0) / up + (1.0 / 3.0) / down)
+
+
+# GEMM-holding parts of a layer, and how many rows of the layer's input each token brings
+_CAST_PARTS = ("attention", "shared_experts", "dense_ffn", "experts")
+
+
+def fp8_cast_time(lc: LayerCounts, t_attn: float, t_exp: float, pf: Platform,
+                  cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions) -> float:
+    """Seconds of one layer's FP8 casts for one micro-batch on one rank, forward + backward
+    (0 unless `precision="fp8"`): `Assumptions.fp8_cast_bytes` per element cast, at the
+    platform's HBM bandwidth. A GEMM [m, k] x [k, n] casts its input (m x k) in the forward
+    and its output gradient (m x n) in the backward. Each part's projections come in pairs
+    whose outer widths are D (attention: the QKV projection's input and the output
+    projection's output; a SwiGLU FFN: gate + up's input and down's output) and whose inner
+    widths sum to its forward FLOPs per row / 2D, so a row casts 2D + FLOPs / 2D elements
+    (exact for MHA / GQA and SwiGLU, low for MLA's low-rank projections, whose inner widths
+    are not all D wide); routed experts per routed row (k per token), the rest per token.
+    TP / ETP split each projection's cast work evenly over the group; full recompute casts
+    the forward's inputs again (half of the elements, the pairs' inner widths taken as
+    symmetric)."""
+    if plan.precision != "fp8" or not asm.fp8_cast_bytes:
+        return 0.0
+    D = cfg.d_model
+    elements = 0.0
+    for part in _CAST_PARTS:
+        fl = lc.fwd_flops.get(part, 0.0)
+        if not fl:
+            continue
+        rows_per_token = cfg.top_k if part == "experts" else 1
+        tokens = t_exp if part == "experts" else t_attn
+        # TP's group sees tp x t_attn tokens (ETP's etp x the rows) through 1/tp (1/etp)
+        # of each projection: this rank's share is its own tokens' (rows') casts
+        elements += (2 * D * rows_per_token + fl / (2 * D)) * tokens
+    if plan.checkpointing == "full":
+        elements *= 1.5
+    return asm.fp8_cast_bytes * elements / pf.hbm_bandwidth
 
 
 def layer_fwd(lc: LayerCounts, t_attn: float, t_exp: float, pf: Platform, cfg: ModelConfig,

@@ -106,7 +106,9 @@ Step time (seconds), for the busiest rank:
       other chunks' expert GEMMs; fb: a forward and a backward micro-batch hide each other's
       exchange in the pipeline's steady state; `a2a_exposed`)
     FP8 GEMMs (`precision="fp8"`): projections and FFNs at the FP8 peak (`gemm_peak`);
-    the attention core, router and lm_head stay bf16; MFU stays against the bf16 peak.
+    the attention core, router and lm_head stay bf16; MFU stays against the bf16 peak; the
+    casts to FP8 of each GEMM's input and output gradient at HBM bandwidth
+    (`tuner.costs.fp8_cast_time`, `Assumptions.fp8_cast_bytes`).
 Bytes on the wire per element come from the precision policy (`PrecisionPolicy`:
 grad_comm_bytes, param_comm_bytes, dispatch_bytes, combine_bytes, p2p_bytes).
 MFU = model.flops_per_token(s) x tokens per step / (step time x GPUs x peak).
@@ -134,6 +136,7 @@ from tuner.costs import (
     a2a_exposed,
     a2a_one,
     all_gather_time,
+    fp8_cast_time,
     gemm_peak,
     grad_post_time,
     head_fwd,
@@ -678,6 +681,25 @@ def _dp_collectives(plan: ParallelPlan, pairs: tuple, platform: Platform, gb: in
     return {"reduce_scatter": rs, "all_gather": ag}
 
 
+def host_wait(device: float, f: float, rc: float, plan: ParallelPlan,
+              asm: Assumptions) -> float:
+    """Seconds one MoE layer (one micro-batch) waits for the host beyond its `device` time
+    (forward f and recompute rc seconds of compute set how it splits over the passes):
+    `Assumptions.host_floor` against the whole layer, or with `host_floor_scope="forward"`
+    against each pass that dispatches after a host sync (the forward; the recompute where
+    it reruns the MoE module)."""
+    H = asm.host_floor
+    if asm.host_floor_scope == "layer":
+        return max(0.0, H - device)
+    total = 3 * f + rc
+    if total <= 0:
+        return H
+    wait = max(0.0, H - device * f / total)
+    if rc and plan.checkpointing in ("full", "moe"):
+        wait += max(0.0, H - device * rc / total)
+    return wait
+
+
 def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                           precision: PrecisionPolicy = PUBLISHED_PRECISION,
                           assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
@@ -771,6 +793,9 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
                 fwd += f
                 rec += rc
                 device = 3 * f + rc + pf.layer_overhead  # this layer's device seconds
+                cast = fp8_cast_time(lc, t_attn, t_exp, pf, cfg, plan, asm)  # 0 unless fp8
+                acc["compute"] += cast
+                device += cast
                 if lc.is_moe:
                     exp_, tot = a2a_exposed(plan, parts, rc, ab_a2a, a2a, asm.a2a_chunks,
                                             asm.overlap_compute_share)
@@ -785,9 +810,9 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
                                                asm.zero3_gather, asm.zero3_runs).items():
                     acc[k] += v
                     device += v
-                if lc.is_moe and asm.host_floor > device:
+                if lc.is_moe and asm.host_floor:
                     # host-bound: the layer waits for the host to issue it (Assumptions)
-                    acc["host"] += asm.host_floor - device
+                    acc["host"] += host_wait(device, f, rc, plan, asm)
             stage = s_local * plan.pp + r
             if stage == plan.pp * plan.n_virtual - 1:
                 # each MTP module's logits: the shared output layer once more (Megatron-Core)

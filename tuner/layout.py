@@ -48,6 +48,7 @@ __all__ = [
     "PUBLISHED_PRECISION",
     "CHECKPOINTING",
     "EP_PLACEMENTS",
+    "HOST_FLOOR_SCOPES",
     "ParallelPlan",
     "PrecisionPolicy",
     "SCHEDULES",
@@ -67,6 +68,7 @@ ATTENTION_MODES = ("sharded", "replicated")
 ZERO2_GRAD_SYNC = ("last", "each")
 ZERO_SHARDING = ("flat", "per-parameter")
 ZERO3_GATHER = ("microbatch", "step")  # Assumptions.zero3_gather
+HOST_FLOOR_SCOPES = ("layer", "forward")  # Assumptions.host_floor_scope
 
 
 _ZERO_MEANING = {0: "replicated state", 1: "optimizer state sharded",
@@ -326,6 +328,13 @@ class Assumptions:
         whose file states no FP8 rate. None (default): such a platform refuses fp8. The
         dense FP8 peak of H100/H200 SXM is 2x their bf16 peak (NVIDIA's H100 datasheet:
         1979 vs 989 TFLOPS dense), so 2.0 is the stated parameter for them.
+    fp8_cast_bytes: with `precision="fp8"`, HBM bytes moved per element cast to FP8: every
+        FP8 GEMM's input (forward) and output gradient (backward) is quantized by a kernel of
+        its own that reads it in bf16 (2 B) and writes it in FP8 twice, row- and
+        column-wise (1 + 1 B: the forward's and the weight gradient's operand orientations),
+        as Transformer Engine's cast-transpose does; weights are cast once per step (their
+        FP8 copy kept across micro-batches) and not priced. Default 4.0 (those dtypes'
+        sizes); 0 leaves casts out (fused into the neighbouring kernels).
     overlap_compute_share: share of the device's compute the all-to-all kernels take while
         they run beside compute (`a2a_overlap` "layer" or "fb"): an overlapped exchange of A
         seconds against compute X exposes max(A - X, share x A), the compute running on
@@ -342,6 +351,13 @@ class Assumptions:
         property of the GPU: `--host-floor-ms`; the published-runs benchmark gives it to the
         Megatron-Core rows from a measured Megatron-Bridge run (docs/reference.md section 5,
         "host floor"). Dense layers and the lm_head are not floored.
+    host_floor_scope: what the floor bounds. "layer" (default): the layer's forward +
+        backward together, max(device, floor). "forward": only the passes that dispatch with
+        a host sync, i.e. the forward and, under full or MoE recompute, the recomputed
+        forward; the backward reuses the forward's splits, so the host runs ahead of it and
+        it takes its device time: max(forward device, floor) + backward device (+ the same
+        max for the recompute). Each pass's device share is the layer's device time split
+        as its compute is (forward f, backward 2f, recompute rc of 3f + rc).
     mtp_layers: multi-token-prediction modules (DeepSeek-V3's MTP) the run trains, priced in
         the step time only: each is one more decoder layer of the last layer's kind (with its
         all-to-all, collectives and host floor) and one more pass of the shared output layer,
@@ -376,9 +392,11 @@ class Assumptions:
     zero3_gather: str = "microbatch"
     zero3_runs: int = 1
     fp8_peak_factor: float | None = None
+    fp8_cast_bytes: float = 4.0
     overlap_compute_share: float = 20 / 132
     shared_cores: bool = True
     host_floor: float = 0.0
+    host_floor_scope: str = "layer"
     mtp_layers: int = 0
 
     def __post_init__(self) -> None:
@@ -386,6 +404,9 @@ class Assumptions:
                 or self.mtp_layers < 0:
             raise ValueError(f"mtp_layers={self.mtp_layers!r} must be an int >= 0 (multi-token-"
                              f"prediction modules priced on the last stage; 0: none)")
+        if self.host_floor_scope not in HOST_FLOOR_SCOPES:
+            raise ValueError(f"host_floor_scope={self.host_floor_scope!r}; valid: "
+                             f"{', '.join(HOST_FLOOR_SCOPES)}")
         if isinstance(self.host_floor, bool) or not isinstance(self.host_floor, int | float) \
                 or not 0.0 <= self.host_floor < float("inf"):
             raise ValueError(f"host_floor={self.host_floor!r} must be a number of seconds >= 0 "
@@ -406,6 +427,9 @@ class Assumptions:
                              f"runs per step)")
         if self.zero3_prefetch < 0:
             raise ValueError(f"zero3_prefetch={self.zero3_prefetch} must be >= 0 layers")
+        if not self.fp8_cast_bytes >= 0:
+            raise ValueError(f"fp8_cast_bytes={self.fp8_cast_bytes} must be >= 0 (bytes per "
+                             f"element cast; 0 leaves FP8 casts out)")
         if self.fp8_peak_factor is not None and not self.fp8_peak_factor > 0:
             raise ValueError(f"fp8_peak_factor={self.fp8_peak_factor} must be > 0 (or None)")
         for f in ("alltoall_overlap", "p2p_overlap", "dp_overlap"):
