@@ -24,9 +24,11 @@ fixed unit of training work on W processes at once) is timed right after each pl
 measured (kept beside it, tuner_validate_platform_w<W>.probe.json) and again right before and
 after every row; `speed_ratio` = the mean of the row's two probes / the platform's. The row
 keeps the raw error (`step_err`) and the error of the prediction scaled by that ratio
-(`step_err_adj`: the prediction for the machine as fast as it was during the row); pass /
-fail takes the adjusted one, and a row whose two probes differ by more than
-`UNSTEADY` is marked unsteady (the machine changed speed during it).
+(`step_err_adj`: the prediction for the machine as fast as the probe found it during the
+row), and a row whose two probes differ by more than `UNSTEADY` is marked unsteady. Pass /
+fail takes the raw error: on the 2026-12-02 records the probe did not track the rows (it
+found the machine as fast or faster while the 2-process rows ran 16-26 % slower than
+predicted), so the scaled error is a diagnostic, not the check.
 
     flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_validate.py
     flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_validate.py --reuse-platforms
@@ -324,7 +326,7 @@ def _row(cfg: ModelConfig, name: str, plan: ParallelPlan, m: Measured, args: arg
     t_adj = p["step_time"] * speed["speed_ratio"]
     t_err_adj = t_adj / m.step_time_s - 1
     state_err = p["state"] / m.state_bytes - 1
-    ok = abs(mem_err) <= MEM_TOL and abs(t_err_adj) <= TIME_TOL
+    ok = abs(mem_err) <= MEM_TOL and abs(t_err) <= TIME_TOL
     if plan.zero:  # what ZeRO changes is the state: it is held to the memory bound as well
         ok = ok and abs(state_err) <= MEM_TOL
     pparts = predicted_parts(p)
@@ -494,13 +496,13 @@ def _summary(rows: list[dict]) -> None:
     n_ok = sum(r["pass"] for r in rows)
     layouts = {json.dumps({k: v for k, v in r["plan"].items()
                            if k not in ("global_batch", "seq_len")}, sort_keys=True) for r in rows}
-    n_t = sum(abs(r.get("step_err_adj", r["step_err"])) <= TIME_TOL for r in rows)
-    n_raw = sum(abs(r["step_err"]) <= TIME_TOL for r in rows)
+    n_t = sum(abs(r["step_err"]) <= TIME_TOL for r in rows)
+    n_adj = sum(abs(r.get("step_err_adj", r["step_err"])) <= TIME_TOL for r in rows)
     n_unsteady = sum(bool(r.get("unsteady")) for r in rows)
     n_m = sum(abs(r["mem_err"]) <= MEM_TOL for r in rows)
     print(f"\n{n_ok} of {len(rows)} configurations ({len(layouts)} distinct layouts) within "
-          f"{MEM_TOL:.0%} (memory) and {TIME_TOL:.0%} (step time, scaled by the machine's "
-          f"speed); memory alone {n_m}, step time alone {n_t} ({n_raw} unscaled); "
+          f"{MEM_TOL:.0%} (memory) and {TIME_TOL:.0%} (step time); memory alone {n_m}, step "
+          f"time alone {n_t} ({n_adj} scaled by the speed probe); "
           f"{n_unsteady} rows unsteady; issue 33 asks all of >= {TARGET_LAYOUTS}: "
           f"{'holds' if n_ok == len(rows) and len(layouts) >= TARGET_LAYOUTS else 'FAILS'}")
     zrows = [r for r in rows if r["plan"].get("zero") and r["config"].startswith("zero")]
