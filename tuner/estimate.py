@@ -159,7 +159,7 @@ from tuner.layout import (
     PrecisionPolicy,
 )
 from tuner.platform import Platform
-from tuner.sharing import core_speed, shared_makespan
+from tuner.sharing import core_speed, shared_imbalance, shared_makespan
 
 __all__ = ["Estimate", "StageMemory", "estimate", "run_bubble", "stage_memory", "schedule_stats",
            "step_time_lower_bound", "reduce_scatter_time", "all_gather_time"]
@@ -681,6 +681,19 @@ def _dp_collectives(plan: ParallelPlan, pairs: tuple, platform: Platform, gb: in
     return {"reduce_scatter": rs, "all_gather": ag}
 
 
+def compute_imbalance(plan: ParallelPlan, pf: Platform, asm: Assumptions) -> float:
+    """The routing imbalance the expert GEMMs' time takes: `Assumptions.routing_imbalance`
+    (the busiest EP rank's rows / the mean), or, where the host's processes share its cores
+    (a CPU platform, `Assumptions.shared_cores`), what processor sharing leaves of it
+    (`tuner.sharing.shared_imbalance`: ranks done with their fewer rows give their core share
+    to the busiest). The exchanged rows keep the routing imbalance."""
+    imb = asm.routing_imbalance
+    if not asm.shared_cores or not pf.cores_per_node or plan.ep == 1 or imb == 1.0:
+        return imb
+    return shared_imbalance(min(imb, plan.ep), plan.ep, pf.host_procs(plan.n_gpus),
+                            pf.cores_per_node, pf.threads_per_process)
+
+
 def host_wait(device: float, f: float, rc: float, plan: ParallelPlan,
               asm: Assumptions) -> float:
     """Seconds one MoE layer (one micro-batch) waits for the host beyond its `device` time
@@ -720,6 +733,7 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
     kinds = _kind_counts(cfg_, plan.ep, plan.seq_len, asm.flash_attention)
     t_attn = plan.attention_tokens(asm.attention)
     t_exp = plan.expert_tokens * asm.routing_imbalance
+    t_exp_c = plan.expert_tokens * compute_imbalance(plan, pf, asm)
     bubble, _ = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
     g = place_groups(plan, pf.gpus_per_node, asm.attention)[0]["ep"]
     rows = cfg_.top_k * t_exp * cfg_.d_model / g.size
@@ -739,7 +753,7 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
             fwd = rec = 0.0
             for i in c:
                 lc = kinds[cfg_.is_moe_layer(i)]
-                parts = layer_parts(lc, t_attn, t_exp, pf, cfg_, plan, asm)
+                parts = layer_parts(lc, t_attn, t_exp_c, pf, cfg_, plan, asm)
                 fl, ffn = sum(parts.values()), parts["experts"] + parts["dense"]
                 fwd += fl
                 rec += recompute_time(plan, fl, ffn, moe_module_time(parts, lc.is_moe))
@@ -767,6 +781,8 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     kinds = _kind_counts(cfg, plan.ep, plan.seq_len, asm.flash_attention)
     t_attn = plan.attention_tokens(asm.attention)
     t_exp = plan.expert_tokens * asm.routing_imbalance
+    # the expert GEMMs' busiest rank; on shared cores the idle ranks' share speeds it up
+    t_exp_c = plan.expert_tokens * compute_imbalance(plan, pf, asm)
     bubble = run_bubble(plan, asm)
     groups, pp_inter = place_groups(plan, pf.gpus_per_node, asm.attention)
     gemm_peak(pf, plan, asm)  # an fp8 plan on a platform without an fp8 rate: refused here
@@ -786,14 +802,14 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
             fwd = rec = 0.0
             for i in c:
                 lc = kinds[cfg.is_moe_layer(i)]
-                parts = layer_parts(lc, t_attn, t_exp, pf, cfg, plan, asm)
+                parts = layer_parts(lc, t_attn, t_exp_c, pf, cfg, plan, asm)
                 f = sum(parts.values())
                 rc = recompute_time(plan, f, parts["experts"] + parts["dense"],
                                     moe_module_time(parts, lc.is_moe))
                 fwd += f
                 rec += rc
                 device = 3 * f + rc + pf.layer_overhead  # this layer's device seconds
-                cast = fp8_cast_time(lc, t_attn, t_exp, pf, cfg, plan, asm)  # 0 unless fp8
+                cast = fp8_cast_time(lc, t_attn, t_exp_c, pf, cfg, plan, asm)  # 0 unless fp8
                 acc["compute"] += cast
                 device += cast
                 if lc.is_moe:

@@ -737,7 +737,7 @@ def emulator_platform(base: Platform, nodes: int, gpus_per_node: int, nic_mbit: 
     return dataclasses.replace(
         base, name=f"emulator-{nodes}x{gpus_per_node}-{nic_mbit:g}mbit",
         description=f"comm.emulate {shape} (MTU {mtu}) on {base.name}: {base.description}",
-        gpus_per_node=gpus_per_node, nics_per_node=1,
+        gpus_per_node=gpus_per_node, nics_per_node=1, host_nodes=nodes,
         nic_bandwidth=nic_mbit * 1e6 / 8 * emulator_payload_share(mtu),
         network_latency=base.network_latency + delay,
         sync_latency=base.sync_latency + 2 * (n - 1) * delay if nodes > 1 else base.sync_latency,

@@ -80,6 +80,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("node", "sync_latency_us", "sync_latency", 1e-6),
     ("node", "cores_per_node", "cores_per_node", 1),
     ("node", "threads_per_process", "threads_per_process", 1),
+    ("node", "host_nodes", "host_nodes", 1),
     ("network", "nics_per_node", "nics_per_node", 1),
     ("network", "nic_bandwidth_gbs", "nic_bandwidth", 1e9),
     ("network", "network_latency_us", "network_latency", 1e-6),
@@ -87,7 +88,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
 )
 _INT_FIELDS = {"gpus_per_node", "nodes_per_domain", "nodes_per_group", "nics_per_node"}
 # ints where 0 means "not stated": one device per rank, nothing shared (every GPU file)
-_COUNT_FIELDS = {"cores_per_node", "threads_per_process"}
+_COUNT_FIELDS = {"cores_per_node", "threads_per_process", "host_nodes"}
 _FRACTIONS = {
     "gemm_efficiency", "grouped_gemm_efficiency", "attention_efficiency", "usable_fraction",
 }
@@ -288,6 +289,9 @@ class Platform:
     # busy ones (`tuner.sharing`). 0 = not stated: one device per rank (every GPU file)
     cores_per_node: int = 0
     threads_per_process: int = 0
+    # nodes whose processes all run on one host's `cores_per_node` cores: an emulated cluster
+    # (`tuner.measure.emulator_platform`, every emulated node on this machine); 1 otherwise
+    host_nodes: int = 1
     nodes_per_domain: int = 1
     nodes_per_group: int = 1
     intra_node_latency: float = 5e-6
@@ -343,6 +347,9 @@ class Platform:
             raise ValueError(f"platform {self.name!r}: cores_per_node={self.cores_per_node} and "
                              f"threads_per_process={self.threads_per_process}: give both "
                              f"(a CPU platform) or neither (one device per rank)")
+        if self.host_nodes < 1:
+            raise ValueError(f"platform {self.name!r}: host_nodes={self.host_nodes} must be >= 1 "
+                             f"(nodes sharing one host's cores)")
         if self.layer_overhead < 0:
             raise ValueError(f"platform {self.name!r}: layer_overhead={self.layer_overhead} must be >= 0")
         if self.ep_layer_overhead < 0:
@@ -480,6 +487,11 @@ class Platform:
         stated (one device per rank) and for jobs spanning more than one node."""
         return (self.cores_per_node > 0 and n_procs <= self.gpus_per_node
                 and n_procs * self.threads_per_process > self.cores_per_node)
+
+    def host_procs(self, n_procs: int) -> int:
+        """Processes of an `n_procs` job that share one host's cores: those of its first
+        `host_nodes` nodes."""
+        return min(n_procs, self.gpus_per_node * self.host_nodes)
 
     @property
     def usable_hbm(self) -> float:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from pipeline import Action, Schedule
 from pipeline.schedule import dependencies, n_stages, stage2rank
 
-__all__ = ["core_speed", "shared_makespan"]
+__all__ = ["core_speed", "shared_imbalance", "shared_makespan"]
 
 _EPS = 1e-12
 
@@ -48,6 +48,38 @@ def core_speed(busy: int, total: int, cores: int, threads: int) -> float:
     if busy > total:
         raise ValueError(f"core_speed: busy={busy} exceeds total={total} processes")
     return min(threads, cores / busy) / min(threads, cores / total)
+
+
+def shared_imbalance(imbalance: float, group: int, procs: int, cores: int,
+                     threads: int) -> float:
+    """The routing imbalance an expert phase shows on shared cores: when it ends, in units of
+    the mean rank's work at the all-busy rate (the rate `tuner measure` measures), with
+    `procs` processes on `cores` cores (`threads` each). Each EP group of `group` ranks on
+    the host (all `procs` of them when the group spans more) has one rank at `imbalance` x
+    the mean and the rest sharing what is left evenly; a rank that finishes gives its core
+    share to the others (fluid processor sharing, as `shared_makespan`). On dedicated cores
+    (procs x threads <= cores) this is `imbalance` itself."""
+    for name, v in (("group", group), ("procs", procs), ("cores", cores), ("threads", threads)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"shared_imbalance: {name}={v!r} must be an int >= 1")
+    if not 1.0 <= imbalance <= max(group, 1):
+        raise ValueError(f"shared_imbalance: imbalance={imbalance} must be in [1, {group}] "
+                         f"(max / mean over {group} ranks)")
+    if procs * threads <= cores or group == 1 or imbalance == 1.0:
+        return imbalance
+    g = min(group, procs)
+    rest = (group - imbalance) / (group - 1)
+    loads = ([imbalance] + [rest] * (g - 1)) * (procs // g) + [rest] * (procs % g)
+    base = min(threads, cores / procs)  # each process's speed with all of them busy
+    t, left = 0.0, sorted(loads)
+    done = 0.0  # work each remaining process has finished (they all run at one speed)
+    while left:
+        speed = min(threads, cores / len(left)) / base
+        dt = (left[0] - done) / speed
+        t += dt
+        done = left[0]
+        left = [w for w in left if w > done + _EPS]
+    return t
 
 
 def shared_makespan(schedule: Schedule, cost: Callable[[Action], float] | Mapping[str, float],
