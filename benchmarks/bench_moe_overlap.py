@@ -107,6 +107,7 @@ def run_arm(setup: str, arm: str, args: argparse.Namespace) -> dict | None:
             "step_s": med("step_time_s"), "exchange_s": med("ep_exchange_max_s"),
             "remote_bytes": med("ep_remote_bytes"), "remote_rows": med("ep_remote_rows"),
             "flat_remote_rows": med("ep_flat_remote_rows"),
+            "node_imbalance": med("ep_node_imbalance"),
             "loss_last": steps[-1]["loss"] if steps else None}
 
 

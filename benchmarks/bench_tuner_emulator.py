@@ -100,7 +100,8 @@ def run_parts(setup: str, arm: str, microbatches: int, steps: int = 8, warmup: i
             "fwd_bwd_s": med("fwd_bwd_s"), "grad_sync_s": med("grad_sync_s"),
             "optim_s": med("optim_s"), "imbalance": med("imbalance"),
             "remote_bytes": med("ep_remote_bytes"), "remote_rows": med("ep_remote_rows"),
-            "flat_remote_rows": med("ep_flat_remote_rows"), "loss_last": st[-1]["loss"]}
+            "flat_remote_rows": med("ep_flat_remote_rows"),
+            "node_imbalance": med("ep_node_imbalance"), "loss_last": st[-1]["loss"]}
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -133,7 +134,8 @@ def job(row: dict) -> tuple[ModelConfig, ParallelPlan, Assumptions]:
                         a2a_overlap=row["a2a_overlap"])
     asm = Assumptions(activation_set="trainer", activation_traffic_passes=4.0,
                       zero_sharding="per-parameter", a2a_chunks=int(row.get("a2a_chunks", 1)),
-                      routing_imbalance=float(row.get("imbalance", JOB_IMBALANCE)))
+                      routing_imbalance=float(row.get("imbalance", JOB_IMBALANCE)),
+                      exchange_imbalance=row.get("node_imbalance") or None)
     return cfg, plan, asm
 
 
@@ -143,7 +145,8 @@ def predict(row: dict, pf: Platform) -> dict:
     e = estimate(cfg, plan, pf, FP32_TRAINER_PRECISION, asm)
     return {"step_s": e.step_time, "alltoall_s": e.time.get("alltoall", 0.0),
             "hidden_s": e.alltoall_hidden, "compute_s": e.time.get("compute", 0.0),
-            "dp_sync_s": e.time.get("dp_sync", 0.0), "imbalance": asm.routing_imbalance}
+            "dp_sync_s": e.time.get("dp_sync", 0.0), "imbalance": asm.routing_imbalance,
+            "node_imbalance": asm.exchange_imbalance}
 
 
 def router_key(row: dict) -> tuple[int, int, int]:
@@ -162,10 +165,23 @@ def imbalances(rows: list[dict]) -> dict[tuple[int, int, int], float]:
     return {(4, 16, 4): JOB_IMBALANCE, **{k: statistics.median(v) for k, v in got.items()}}
 
 
+def node_imbalances(rows: list[dict]) -> dict[tuple[tuple[int, int, int], str], float]:
+    """The trainer's measured `ep_node_imbalance` by (`router_key`, all-to-all algorithm):
+    the median over the rows that carry it (runs from --run since the metric exists); rows
+    without it take this, and rows of a key nobody measured price with the routing
+    imbalance (Assumptions.exchange_imbalance None)."""
+    got: dict[tuple[tuple[int, int, int], str], list[float]] = {}
+    for r in rows:
+        if r.get("node_imbalance"):
+            got.setdefault((router_key(r), r["alltoall"]), []).append(float(r["node_imbalance"]))
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
 def compare(rows: list[dict], bases: dict[int, Platform]) -> tuple[list[dict], list[str]]:
     """One result per row group (medians over its repeats), and the groups skipped."""
     out, skipped = [], []
     imb = imbalances(rows)
+    node_imb = node_imbalances(rows)
     for grp in group_rows(rows).values():
         r0 = grp[0]
         n = int(r0["nodes"]) * int(r0["gpus_per_node"])
@@ -179,6 +195,9 @@ def compare(rows: list[dict], bases: dict[int, Platform]) -> tuple[list[dict], l
                            f"{r0['experts']} experts top-{r0['top_k']} (--run one arm)")
             continue
         r0 = {**r0, "imbalance": r0.get("imbalance", imb[router_key(r0)])}
+        if not r0.get("node_imbalance") and (router_key(r0), r0["alltoall"]) in node_imb:
+            # the same tokens through the same dispatch: the node loads another run measured
+            r0["node_imbalance"] = node_imb[(router_key(r0), r0["alltoall"])]
         pf = emulator_platform(bases[n], int(r0["nodes"]), int(r0["gpus_per_node"]),
                                float(r0["nic_mbit"]))
         p = predict(r0, pf)
@@ -190,6 +209,7 @@ def compare(rows: list[dict], bases: dict[int, Platform]) -> tuple[list[dict], l
                     "pred_step_s": p["step_s"], "pred_alltoall_s": p["alltoall_s"],
                     "pred_hidden_s": p["hidden_s"], "pred_compute_s": p["compute_s"],
                     "pred_dp_sync_s": p["dp_sync_s"], "imbalance": p["imbalance"],
+                    "node_imbalance": p["node_imbalance"],
                     **{f"meas_{k}": statistics.median(r[k] for r in grp)
                        for k in ("fwd_bwd_s", "grad_sync_s", "optim_s") if k in r0},
                     "platform": pf.name, "step_err": p["step_s"] / step - 1,
@@ -197,15 +217,20 @@ def compare(rows: list[dict], bases: dict[int, Platform]) -> tuple[list[dict], l
     return out, skipped
 
 
+def _opt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def table(results: list[dict]) -> list[str]:
-    lines = ["| setup | arm | m | sha | n | imb | measured step s | predicted s | error | ok | "
+    lines = ["| setup | arm | m | sha | n | imb | node imb | measured step s | predicted s | error | ok | "
              "measured fwd exchange s | pred exposed a2a s (fwd+bwd) | pred fwd (none: half) |"
              " pred hidden s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         fwd = f"{r['pred_alltoall_s'] / 2:.3f}" if r["arm"].split("/")[1] == "none" else ""
         lines.append(f"| {r['setup']} | {r['arm']} | {r['microbatches']} | {r['measured_sha']} | "
-                     f"{r['repeats']} | {r['imbalance']:.2f} | {r['meas_step_s']:.3f} | {r['pred_step_s']:.3f} | "
+                     f"{r['repeats']} | {r['imbalance']:.2f} | {_opt(r.get('node_imbalance'))} | "
+                     f"{r['meas_step_s']:.3f} | {r['pred_step_s']:.3f} | "
                      f"{100 * r['step_err']:+.1f}% | {'yes' if r['ok'] else 'NO'} | "
                      f"{r['meas_exchange_fwd_s']:.3f} | {r['pred_alltoall_s']:.3f} | {fwd} | "
                      f"{r['pred_hidden_s']:.3f} |")

@@ -68,6 +68,8 @@ def test_node_bound_routing_keeps_tokens_on_one_node(tmp_path, small_data):
     steps = [x for x in rows if "ep_remote_rows" in x]
     assert len(steps) == 6 and all(x["ep_remote_rows"] > 0 for x in steps)
     assert all(x["ep_flat_remote_rows"] == 4 * x["ep_remote_rows"] for x in steps)
+    # the busiest of the 2 nodes sends between the mean and all of the inter-node rows
+    assert all(1.0 <= x["ep_node_imbalance"] <= 2.0 for x in steps)
     meta = json.loads((out / "checkpoints" / "step_00000006" / "meta.json").read_text())
     El = 16 // 4
     for placement in meta["placement"].values():  # expert e's slot: node = slot // (2 El)

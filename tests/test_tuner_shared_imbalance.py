@@ -65,3 +65,31 @@ def test_emulated_nodes_share_the_host():
     assert toy_platform().host_procs(16) == 4  # one node per host: its 4 GPUs
     with pytest.raises(ValueError, match="host_nodes=0 must be >= 1"):
         dataclasses.replace(base, host_nodes=0)
+
+
+def test_node_exchange_imbalance_by_hand():
+    """The trainer's `ep_node_imbalance` (trainer.observe.stats): per exchange the busiest
+    node's rows over the mean node's, weighted by the exchanges' sizes."""
+    from trainer.observe.stats import node_exchange_imbalance
+
+    # layer 0: nodes send 30 and 10 rows (max 30, mean 20); layer 1: 20 and 20 (20, 20)
+    assert node_exchange_imbalance([[30.0, 10.0], [20.0, 20.0]]) == pytest.approx(50 / 40)
+    assert node_exchange_imbalance([[5.0, 5.0, 5.0]]) == 1.0
+    assert node_exchange_imbalance([[0.0, 0.0]]) is None
+
+
+def test_exchange_imbalance_prices_the_exchange_only():
+    """Assumptions.exchange_imbalance scales the exchanged rows (None: the routing
+    imbalance), not the expert compute."""
+    cfg = toy_moe_config()
+    pf = toy_platform()
+    plan = ParallelPlan(pp=1, ep=8, dp=1, microbatches=1, global_batch=8, seq_len=16)
+    a = estimate(cfg, plan, pf, assumptions=Assumptions(routing_imbalance=1.6))
+    b = estimate(cfg, plan, pf, assumptions=Assumptions(routing_imbalance=1.6,
+                                                         exchange_imbalance=1.6))
+    c = estimate(cfg, plan, pf, assumptions=Assumptions(routing_imbalance=1.6,
+                                                         exchange_imbalance=1.2))
+    assert a.step_time == b.step_time
+    assert c.time["compute"] == a.time["compute"] and c.time["alltoall"] < a.time["alltoall"]
+    with pytest.raises(ValueError, match="exchange_imbalance=0.5 must be >= 1"):
+        Assumptions(exchange_imbalance=0.5)

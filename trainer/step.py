@@ -110,6 +110,7 @@ class StepResult:
     ep_remote_rows: float | None  # with an EP group across nodes: rows sent off the node
     ep_remote_bytes: float | None
     ep_flat_remote_rows: float | None
+    ep_node_imbalance: float | None  # busiest node's inter-node rows / mean (observe.stats)
     mem_state_bytes_max: float | None  # with train.memory_report
     mem_act_peak_bytes_max: float | None
     time: float  # wall clock: row-to-row intervals include the logging
@@ -365,6 +366,7 @@ def train_step(parts: StepParts, state: StepState) -> StepResult:
         ep_exchange_min_s=wait.get("ep_exchange_min_s"),
         ep_remote_rows=wait.get("ep_remote_rows"), ep_remote_bytes=wait.get("ep_remote_bytes"),
         ep_flat_remote_rows=wait.get("ep_flat_remote_rows"),
+        ep_node_imbalance=wait.get("ep_node_imbalance"),
         mem_state_bytes_max=wait.get("mem_state_bytes_max"),
         mem_act_peak_bytes_max=wait.get("mem_act_peak_bytes_max"),
         time=time.time(), nonfinite_steps=state.nonfinite_steps or None,

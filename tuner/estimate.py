@@ -732,11 +732,11 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
         raise ValueError("step_time_lower_bound holds for alltoall_model='closed-form' only")
     kinds = _kind_counts(cfg_, plan.ep, plan.seq_len, asm.flash_attention)
     t_attn = plan.attention_tokens(asm.attention)
-    t_exp = plan.expert_tokens * asm.routing_imbalance
     t_exp_c = plan.expert_tokens * compute_imbalance(plan, pf, asm)
     bubble, _ = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
     g = place_groups(plan, pf.gpus_per_node, asm.attention)[0]["ep"]
-    rows = cfg_.top_k * t_exp * cfg_.d_model / g.size
+    t_x = plan.expert_tokens * (asm.exchange_imbalance or asm.routing_imbalance)
+    rows = cfg_.top_k * t_x * cfg_.d_model / g.size
     share = rows * (precision.dispatch_bytes + precision.combine_bytes)  # one pass
     f = 1.0
     if plan.alltoall in ("dedup", "auto") and g.nodes > 1:
@@ -786,7 +786,8 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     bubble = run_bubble(plan, asm)
     groups, pp_inter = place_groups(plan, pf.gpus_per_node, asm.attention)
     gemm_peak(pf, plan, asm)  # an fp8 plan on a platform without an fp8 rate: refused here
-    rows = cfg.top_k * t_exp * D
+    # the exchanged rows: bound by the busiest node's link (Assumptions.exchange_imbalance)
+    rows = cfg.top_k * plan.expert_tokens * (asm.exchange_imbalance or asm.routing_imbalance) * D
     ab_a2a = (rows * pb.dispatch_bytes, rows * pb.combine_bytes)
     a2a = functools.partial(a2a_one, groups=groups, plan=plan, cfg=cfg, pf=pf, asm=asm)
     hop = p2p_time(t_attn * D * pb.p2p_bytes, pp_inter, pf) if plan.pp > 1 else 0.0

@@ -290,6 +290,10 @@ class Assumptions:
         an expert's holders, (c - 1) rows per replica slot, so each EP rank sends r x c rows
         per MoE layer). 2 (pairs): the common case of one redundant slot per hot expert; a
         placement that gives one expert many replicas moves more.
+    exchange_imbalance: the all-to-all's rows on the link that bounds it, the busiest
+        node's inter-node rows / the mean node's (the trainer's `ep_node_imbalance`): a NIC
+        carries its node's rows, so across nodes the exchange waits for the busiest node, not
+        the busiest rank. None (default): `routing_imbalance`.
     activation_set: "published" (the per-layer tensors of the published formulas, see
         `tuner.counts`) or "trainer" (what our eager fp32 model really saves, incl. norms,
         router and permutation indices; with it the last stage keeps final norm, lm_head
@@ -378,6 +382,7 @@ class Assumptions:
     p2p_overlap: float = 0.0
     dp_overlap: float = 0.0
     routing_imbalance: float = 1.0
+    exchange_imbalance: float | None = None
     vendor_alltoall_efficiency: float = 1.0
     grad_bucket_bytes: int = 25 * 2**20
     attention: str = "sharded"  # "sharded" (EP ranks see different tokens) | "replicated"
@@ -436,6 +441,9 @@ class Assumptions:
             v = getattr(self, f)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"{f}={v} must be in [0, 1]")
+        if self.exchange_imbalance is not None and not self.exchange_imbalance >= 1.0:
+            raise ValueError(f"exchange_imbalance={self.exchange_imbalance} must be >= 1 "
+                             f"(busiest node's inter-node rows / mean) or None")
         if self.routing_imbalance < 1.0:
             raise ValueError(f"routing_imbalance={self.routing_imbalance} must be >= 1 (max / mean)")
         if not 0.0 < self.vendor_alltoall_efficiency <= 1.0:

@@ -61,8 +61,11 @@ class EPDispatcher:
         self.stats = self._fresh_stats()
 
     def _fresh_stats(self) -> ExchangeStats:
-        return ExchangeStats(spans_nodes=self.topology is not None
-                             and self.topology.num_nodes > 1)
+        if self.topology is None:
+            return ExchangeStats()
+        return ExchangeStats(spans_nodes=self.topology.num_nodes > 1,
+                             node=self.topology.rank2node[self.rank],
+                             num_nodes=self.topology.num_nodes)
 
     def take_stats(self) -> ExchangeStats:
         """The forward exchanges since the last call (`comm.ep.ExchangeStats`); counting

@@ -35,6 +35,8 @@ class ExchangeStats:
     remote_bytes: int = 0  # their bytes
     flat_remote_rows: int = 0  # the rows a flat dispatch would have sent (one per token, slot)
     spans_nodes: bool = False  # the EP group spans nodes (the three counts above mean something)
+    node: int = 0  # this rank's node in the EP group's topology
+    num_nodes: int = 1
 
 
 class ExpertLayer(Protocol):

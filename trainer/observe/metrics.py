@@ -54,6 +54,7 @@ ROW_TAGS = {
     "ep_remote_rows": "comm/ep_remote_rows",
     "ep_remote_bytes": "comm/ep_remote_bytes",
     "ep_flat_remote_rows": "comm/ep_flat_remote_rows",
+    "ep_node_imbalance": "comm/ep_node_imbalance",
     "pp_idle_max_s": "time/pp_bubble_max_s",
     "pp_idle_frac_max": "time/pp_bubble_frac_max",
     "mem_state_bytes_max": "memory/state_bytes_max",

@@ -20,7 +20,19 @@ from ..distributed.mesh import Mesh
 from .memory import SavedTensorMeter
 from .metrics import LayerGather
 
-__all__ = ["StepStats"]
+__all__ = ["StepStats", "node_exchange_imbalance"]
+
+
+def node_exchange_imbalance(per_layer_node_rows: list[list[float]]) -> float | None:
+    """Rows the busiest node sends to other nodes / the mean node's, over a step's exchanges
+    (`per_layer_node_rows[layer][node]`, one exchange per layer, each bound by its busiest
+    node): sum over layers of the max / sum of the means. With 2 nodes one node's sent rows
+    are the other's received ones, so this is the busiest NIC's load in both directions;
+    with more nodes it is the send side only. None where nothing crossed."""
+    total = sum(sum(r) / len(r) for r in per_layer_node_rows if r)
+    if total <= 0:
+        return None
+    return sum(max(r) for r in per_layer_node_rows if r) / total
 
 
 class StepStats:
@@ -112,6 +124,15 @@ class StepStats:
             dist.all_reduce(v, group=self.mesh.ep_group)
             out.update(ep_remote_rows=float(v[0]), ep_remote_bytes=float(v[1]),
                        ep_flat_remote_rows=float(v[2]))
+            # each layer's rows sent off each node: what the busiest NIC carries
+            per = torch.zeros(len(stats), stats[0].num_nodes, dtype=torch.float64,
+                              device=self.device)
+            for i, st in enumerate(stats):
+                per[i, st.node] = float(st.remote_rows)
+            dist.all_reduce(per, group=self.mesh.ep_group)
+            imb = node_exchange_imbalance(per.cpu().tolist())
+            if imb is not None:
+                out["ep_node_imbalance"] = imb
         return out
 
     def memory(self) -> dict[str, float]:
