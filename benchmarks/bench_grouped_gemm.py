@@ -7,7 +7,7 @@ FLOPs ([M, D] @ [D, F]): the roof a grouped GEMM is measured against. Ops: "fwd"
 "dw" (per-expert x^T dy, the weight gradient).
 
 GPU (the claims): ``python benchmarks/bench_grouped_gemm.py [--out DIR]``.
-CPU (how kernels/cpu.py picked its path; shapes shrunk by --shrink):
+CPU (how piper_kernels/cpu.py picked its path; shapes shrunk by --shrink):
 ``python benchmarks/bench_grouped_gemm.py --allow-cpu --shrink 8 --tokens 1024``.
 Writes JSON rows to DIR/bench_grouped_gemm.jsonl and a plot DIR/bench_grouped_gemm.png; DIR
 is runs/bench/grouped_gemm/ (ignored by git) unless `--out DIR` is given, and `--record` makes
@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from _common import add_output_args, git_sha, output_dir  # noqa: E402
 
-from kernels import cpu as cpu_kernels  # noqa: E402
-from kernels import grouped_gemm  # noqa: E402
+from piper_kernels import cpu as cpu_kernels  # noqa: E402
+from piper_kernels import grouped_gemm  # noqa: E402
 
 DEFAULT_PRESETS = ["mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3"]
 
@@ -105,7 +105,7 @@ def methods(device: torch.device, op: str) -> dict[str, Callable]:
         return m
     m = {}
     if device.type == "cuda":
-        from kernels import grouped_gemm_triton as tri
+        from piper_kernels import grouped_gemm_triton as tri
         m["triton"] = tri.gmm_dw
     else:
         m["ours-cpu"] = cpu_kernels.gmm_dw

@@ -1,7 +1,7 @@
-"""MoE layer forward + backward: ours (model.moe.MoELayer on kernels/) vs transformers vs dense.
+"""MoE layer forward + backward: ours (model.moe.MoELayer on piper_kernels/) vs transformers vs dense.
 
 Three contenders, same weights, same input, fp32 (CPU) or --dtype (GPU):
-- ours:   ``model.moe.MoELayer`` (router -> kernels.permute -> 3 grouped GEMMs -> unpermute)
+- ours:   ``model.moe.MoELayer`` (router -> piper_kernels.permute -> 3 grouped GEMMs -> unpermute)
 - hf:     ``transformers`` ``MixtralSparseMoeBlock`` in its default experts implementation
           (the one a model built from its config picks; "grouped_mm" in transformers 5.x), and
           the per-expert "eager" loop as a second row

@@ -1,10 +1,10 @@
-"""The kernel autotuner's command line: a model preset's expert shapes -> `kernels.autotune`.
+"""The kernel autotuner's command line: a model preset's expert shapes -> `piper_kernels.autotune`.
 
     python -m model.autotune --model mixtral-8x7b [--tokens 8192] [--dtype bfloat16]
                                [--cache PATH] [--max-configs 12]
     python -m model.autotune --model mixtral-8x7b --list gfx90a   # no GPU needed
 
-It lives here, above `kernels`, because it reads `model.presets`; `kernels.autotune` does the
+It lives here, above `piper_kernels`, because it reads `model.presets`; `piper_kernels.autotune` does the
 timing and knows only shapes (D d_model, F moe_ffn_dim, E routed experts, k top-k).
 """
 
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import autotune as _kernel_autotune
-from kernels.tuning import TARGETS, GemmConfig, default_cache_path
+from piper_kernels import autotune as _kernel_autotune
+from piper_kernels.tuning import TARGETS, GemmConfig, default_cache_path
 
 from . import presets
 
@@ -27,14 +27,14 @@ __all__ = ["list_candidates", "main", "tune"]
 
 def tune(model: str, tokens: int, dtype: torch.dtype, max_configs: int,
          device: torch.device, cache: Path) -> dict[str, GemmConfig]:
-    """`kernels.autotune.tune` for the expert shapes of preset `model` (KeyError if unknown)."""
+    """`piper_kernels.autotune.tune` for the expert shapes of preset `model` (KeyError if unknown)."""
     cfg = presets.get(model)
     return _kernel_autotune.tune(model, cfg.d_model, cfg.moe_ffn_dim, cfg.n_routed_experts,
                                  cfg.top_k, tokens, dtype, max_configs, device, cache)
 
 
 def list_candidates(model: str, dtype: torch.dtype, target: str) -> list[str]:
-    """`kernels.autotune.list_candidates` for the expert shapes of preset `model`."""
+    """`piper_kernels.autotune.list_candidates` for the expert shapes of preset `model`."""
     cfg = presets.get(model)
     return _kernel_autotune.list_candidates(model, cfg.d_model, cfg.moe_ffn_dim,
                                             cfg.n_routed_experts, dtype, target)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from kernels import grouped_gemm, permute, unpermute
+from piper_kernels import grouped_gemm, permute, unpermute
 
 from .config import ModelConfig
 from .recompute import recompute
@@ -302,12 +302,12 @@ class MoELayer(nn.Module):
     def sort_rows(self, x_TD: torch.Tensor, slot_idx: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """One row per (token, choice) grouped by slot [T*K, D], the counts per slot [n_slots],
-        and what `unsort_rows` needs (kernels.permute)."""
+        and what `unsort_rows` needs (piper_kernels.permute)."""
         return permute(x_TD, slot_idx, self.n_slots)
 
     def unsort_rows(self, y_sorted: torch.Tensor, topk_w: torch.Tensor, meta: Any
                     ) -> torch.Tensor:
-        """The weighted sum per token [T, D] of its choices' rows (kernels.unpermute)."""
+        """The weighted sum per token [T, D] of its choices' rows (piper_kernels.unpermute)."""
         return unpermute(y_sorted, topk_w, meta)
 
     def shared_forward(self, x_TD: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,7 @@ TORCH_APIS = {
     "dcp.save/load(checkpoint_id=)": (r"dcp\.(save|load)\([^)]*checkpoint_id=", (2, 3),
                                       "dcp.save/load take checkpoint_id from 2.3"),
 }
-SOURCES = ["model", "kernels", "comm", "pipeline", "balance", "tuner", "trainer", "train.py"]
+SOURCES = ["model", "piper_kernels", "comm", "pipeline", "balance", "tuner", "trainer", "train.py"]
 
 
 def _floor() -> tuple[int, int]:

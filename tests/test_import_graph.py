@@ -33,7 +33,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom first. Why this order (from the imports as they are):
-#   kernels, comm   the foundations: grouped GEMM / permute, and topology + all-to-all; they
+#   piper_kernels, comm  the foundations: grouped GEMM / permute, and topology + all-to-all; they
 #                   know nothing of models or of each other.
 #   model           the MoE transformer; calls kernels, is rank-agnostic (no comm: parallelism
 #                   is applied from outside, STYLE 14).
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #   train           the training script, on top: it runs the trainer and, when an elastic
 #                   attempt must re-plan its layout, asks the planner (tuner.replan, issue 30).
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"kernels", "comm"}),
+    frozenset({"piper_kernels", "comm"}),
     frozenset({"model"}),
     frozenset({"pipeline", "balance"}),
     frozenset({"trainer"}),
@@ -323,7 +323,7 @@ def graph() -> dict[str, set[str]]:
 
 def test_graph_sees_the_project(graph: dict[str, set[str]]) -> None:
     # A guard against a reader that silently finds nothing: known modules and edges exist.
-    for m in ("comm", "comm.topology", "model.transformer", "kernels.permute", "trainer",
+    for m in ("comm", "comm.topology", "model.transformer", "piper_kernels.permute", "trainer",
               "trainer.distributed.mesh", "trainer.observe.stats", "train"):
         assert m in graph, f"{m} missing from the import graph"
     assert "model.config" in graph["model.transformer"]  # relative `from .config import`

@@ -1,5 +1,5 @@
 """Ahead-of-time compile of every Triton kernel for NVIDIA A100/H100 and AMD MI250X/MI300X, on
-CPU, and the shared-memory (LDS) model of ``kernels.tuning`` checked against the compiler.
+CPU, and the shared-memory (LDS) model of ``piper_kernels.tuning`` checked against the compiler.
 
 No GPU needed: ``triton.compile`` lowers the kernels through TTIR/TTGIR/LLVM to PTX/cubin
 (sm_80, sm_90) and AMDGCN (gfx90a, gfx942) with the toolchains bundled in the triton wheel.
@@ -26,11 +26,11 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import grouped_gemm_triton as G  # noqa: E402
-from kernels import permute_triton as P  # noqa: E402
-from kernels.autotune import problems  # noqa: E402
-from kernels.tuning import GROUP_M, OPS, TARGETS, GemmConfig, gemm_configs  # noqa: E402
 from model import presets  # noqa: E402
+from piper_kernels import grouped_gemm_triton as G  # noqa: E402
+from piper_kernels import permute_triton as P  # noqa: E402
+from piper_kernels.autotune import problems  # noqa: E402
+from piper_kernels.tuning import GROUP_M, OPS, TARGETS, GemmConfig, gemm_configs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

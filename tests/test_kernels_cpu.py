@@ -1,4 +1,4 @@
-"""CPU path of kernels/: grouped_gemm, permute, unpermute against the plain-torch references."""
+"""CPU path of piper_kernels/: grouped_gemm, permute, unpermute against the plain-torch references."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import (
+import piper_kernels
+from piper_kernels import (
     grouped_gemm,
     permute,
     reference_grouped_gemm,
@@ -36,7 +36,7 @@ def _counts(E: int, M: int, zero_every: int, gen: torch.Generator) -> torch.Tens
 def test_grouped_gemm_matches_reference(M: int, K: int, N: int, E: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(M * 1000 + E)
     counts = _counts(E, M, 3, gen)
-    offs = kernels.offsets_from_counts(counts)
+    offs = piper_kernels.offsets_from_counts(counts)
     x = torch.randn(M, K, generator=gen, dtype=dtype, requires_grad=True)
     w = torch.randn(E, K, N, generator=gen, dtype=dtype, requires_grad=True)
     dy = torch.randn(M, N, generator=gen, dtype=dtype)
@@ -151,7 +151,7 @@ def test_grouped_gemm_backward_computes_only_what_the_pass_needs(monkeypatch) ->
     # A split backward (pipeline zero-bubble: input gradient first, weight gradient later)
     # must run the dx GEMMs in the first pass and the dw GEMMs in the second, not both twice;
     # a plain backward runs each once. Gradients equal the plain backward's.
-    from kernels import cpu as cpu_kernels
+    from piper_kernels import cpu as cpu_kernels
 
     calls = {"dx": 0, "dw": 0}
     real_dx, real_dw = cpu_kernels.gmm_dx, cpu_kernels.gmm_dw

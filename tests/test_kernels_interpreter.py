@@ -1,7 +1,7 @@
 """Runs the Triton kernels on CPU through the Triton interpreter, in subprocesses.
 
 Triton decides at decoration time whether a kernel is interpreted, so TRITON_INTERPRET=1 has
-to be set before ``kernels`` launches anything; a separate process keeps that setting out of
+to be set before ``piper_kernels`` launches anything; a separate process keeps that setting out of
 every other test module. Two children:
 
 - test_kernels_triton.py with one pinned launch config (PIPER_KERNELS_PIN_CONFIG=1): every op,
@@ -93,7 +93,7 @@ def _configs_for(case, dtype: torch.dtype, every_candidate: bool) -> list[dict]:
     (``every_candidate``) every autotune candidate of every target, each at least once. The
     interpreter ignores num_warps and num_stages, so candidates that differ only there run once.
     """
-    from kernels.tuning import TARGETS, gemm_configs, pick
+    from piper_kernels.tuning import TARGETS, gemm_configs, pick
 
     _, counts, _, K, N = case
     E = len(counts)
@@ -119,8 +119,8 @@ def _configs_for(case, dtype: torch.dtype, every_candidate: bool) -> list[dict]:
 
 
 def _check_case(case, dtype: torch.dtype, configs: dict, full_groups: bool = True) -> None:
-    from kernels import grouped_gemm, offsets_from_counts, reference_grouped_gemm
-    from kernels.tuning import GROUP_M
+    from piper_kernels import grouped_gemm, offsets_from_counts, reference_grouped_gemm
+    from piper_kernels.tuning import GROUP_M
 
     _, counts, tail, K, N = case
     counts_E = _counts(counts)
@@ -151,7 +151,7 @@ def _check_case(case, dtype: torch.dtype, configs: dict, full_groups: bool = Tru
 def test_child_pick_is_pinned_without_target() -> None:
     # Without target= the interpreter process gets the pinned 32x32 config: the tests below
     # must pass the GPU targets' configs explicitly, or they would test nothing new.
-    from kernels.tuning import PINNED, pick
+    from piper_kernels.tuning import PINNED, pick
 
     assert pick("fwd", torch.float32, 200, 80, 5, torch.device("cpu")) == PINNED
     assert all(c != PINNED for c in _configs_for(CASES[0], torch.float32, False)[0].values())

@@ -1,4 +1,4 @@
-"""Triton kernels of kernels/ against the plain-torch references, every output and gradient.
+"""Triton kernels of piper_kernels/ against the plain-torch references, every output and gradient.
 
 Runs where Triton can run: compiled on a CUDA/ROCm GPU (marker ``gpu``; fp16 and bf16, larger
 shapes) or on CPU tensors under ``TRITON_INTERPRET=1`` (marker ``interpreter``; fp32 and fp16,
@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from kernels import (
+from piper_kernels import (
     grouped_gemm,
     offsets_from_counts,
     permute,

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import tuning
-from kernels.autotune import problems
-from kernels.backend import resolve_backend, settings
-from kernels.tuning import (
+from model import presets
+from piper_kernels import tuning
+from piper_kernels.autotune import problems
+from piper_kernels.backend import resolve_backend, settings
+from piper_kernels.tuning import (
     OPS,
     TARGETS,
     GemmConfig,
@@ -23,7 +24,6 @@ from kernels.tuning import (
     problem_key,
     store,
 )
-from model import presets
 
 
 @pytest.mark.parametrize("op", ["fwd", "dx", "dw"])
@@ -168,7 +168,7 @@ def test_configs_bad_input() -> None:
 
 
 def test_explicit_configs_bad_input() -> None:
-    from kernels import grouped_gemm, offsets_from_counts
+    from piper_kernels import grouped_gemm, offsets_from_counts
 
     x, w = torch.randn(6, 4), torch.randn(2, 4, 3)
     offs = offsets_from_counts(torch.tensor([2, 4]))

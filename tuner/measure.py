@@ -10,7 +10,7 @@ as the median of repeats after a warm-up:
                   best; [2048, w] x [w, w] for w = 64..1024 -> gemm_width_efficiency; a grid
                   m x n x k (GEMM_GRID, 27 shapes; 8 with `quick`) -> [gemm_table]
     grouped GEMM  model.GroupedExperts forward + backward (SwiGLU: 3 grouped GEMMs through
-                  kernels.grouped_gemm, the torch path the trainer runs on CPU): uneven token
+                  piper_kernels.grouped_gemm, the torch path the trainer runs on CPU): uneven token
                   counts -> grouped_gemm_efficiency; every expert given exactly r rows, r over
                   GROUPED_ROWS -> [grouped_table] (at D = 128, F = 256)
     attention     scaled_dot_product_attention causal forward + backward -> its efficiency

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.backend import settings
+from piper_kernels.backend import settings
 
 OPS = ("fwd", "dx", "dw")
 PRECISIONS = ("ieee", "tf32")

@@ -1,4 +1,4 @@
-"""Triton kernels behind ``kernels.grouped_gemm`` (math and contract in ``grouped_gemm.py``).
+"""Triton kernels behind ``piper_kernels.grouped_gemm`` (math and contract in ``grouped_gemm.py``).
 
 Legend: M token-sorted rows, K in features, N out features, E experts.
 
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.tuning import GROUP_M, pick
+from piper_kernels.tuning import GROUP_M, pick
 
 
 @triton.jit

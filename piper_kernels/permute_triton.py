@@ -1,4 +1,4 @@
-"""Triton kernels behind ``kernels.permute`` / ``kernels.unpermute`` (math in ``permute.py``).
+"""Triton kernels behind ``piper_kernels.permute`` / ``piper_kernels.unpermute`` (math in ``permute.py``).
 
 Legend: T tokens, D model width, k top-k, S = T*k token copies in expert order.
 
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import settings
+from piper_kernels.backend import settings
 
 
 @triton.jit

@@ -12,7 +12,7 @@ may own zero rows. Rows at or past ``offs[-1]`` belong to no expert: their outpu
 (torch._grouped_mm leaves them undefined; zero costs one memset and keeps padding harmless) and
 they contribute nothing to dw. Accumulation is fp32 for every input dtype.
 
-Backends (``kernels/backend.py``): Triton kernels (``grouped_gemm_triton.py``) on CUDA/ROCm
+Backends (``piper_kernels/backend.py``): Triton kernels (``grouped_gemm_triton.py``) on CUDA/ROCm
 and under ``TRITON_INTERPRET=1``; the measured-fastest torch path on CPU (``cpu.py``).
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kernels.backend import resolve_backend
+from piper_kernels.backend import resolve_backend
 
 __all__ = ["grouped_gemm", "reference_grouped_gemm", "offsets_from_counts"]
 
@@ -82,9 +82,9 @@ def _check(x_MK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> Non
 def _impl(backend: str) -> ModuleType:
     """The module with gmm, gmm_dx, gmm_dw (imported on use: the Triton one needs triton)."""
     if backend == "triton":
-        from kernels import grouped_gemm_triton
+        from piper_kernels import grouped_gemm_triton
         return grouped_gemm_triton
-    from kernels import cpu
+    from piper_kernels import cpu
     return cpu
 
 
@@ -146,13 +146,13 @@ def grouped_gemm(
 
     Differentiable in x and w. ``backend`` ("triton", "torch", "reference") overrides the
     per-device choice, for benchmarks and tests. ``configs`` ({"fwd"|"dx"|"dw":
-    ``kernels.tuning.GemmConfig``}, Triton backend only) launches those ops with the given
+    ``piper_kernels.tuning.GemmConfig``}, Triton backend only) launches those ops with the given
     configs instead of ``pick()``'s: how tests run a GPU target's configs under the interpreter.
     """
     _check(x_MK, w_EKN, offs_E)
     name = resolve_backend(x_MK.device, backend)
     if configs:
-        from kernels.tuning import OPS, GemmConfig
+        from piper_kernels.tuning import OPS, GemmConfig
 
         bad = [k for k, v in configs.items() if k not in OPS or not isinstance(v, GemmConfig)]
         if bad:

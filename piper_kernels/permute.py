@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kernels.backend import resolve_backend
+from piper_kernels.backend import resolve_backend
 
 __all__ = ["PermuteMeta", "permute", "unpermute", "reference_permute", "reference_unpermute"]
 
@@ -122,9 +122,9 @@ def _impl(backend: str) -> ModuleType:
     """The module with gather_rows / combine_rows / combine_rows_bwd (imported on use: the
     Triton one needs triton)."""
     if backend == "triton":
-        from kernels import permute_triton
+        from piper_kernels import permute_triton
         return permute_triton
-    from kernels import cpu
+    from piper_kernels import cpu
     return cpu
 
 

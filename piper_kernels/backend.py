@@ -2,9 +2,9 @@
 
 Legend: none (no tensors here).
 
-Rules (docs/architecture.md, "kernels"):
+Rules (docs/architecture.md, "piper_kernels"):
 - CUDA/ROCm tensors (ROCm builds of torch also report ``device.type == "cuda"``) -> Triton.
-- CPU tensors -> the measured-fastest torch path (``kernels/cpu.py``), unless the process was
+- CPU tensors -> the measured-fastest torch path (``piper_kernels/cpu.py``), unless the process was
   started with ``TRITON_INTERPRET=1``: then the Triton kernels run on CPU tensors through the
   interpreter (how the kernels are tested without a GPU).
 - ``PIPER_KERNELS_PIN_CONFIG=1`` pins one known-good launch config (fast interpreter runs, an
@@ -12,7 +12,7 @@ Rules (docs/architecture.md, "kernels"):
 
 The environment is read once, the first time an op runs, and kept in one ``KernelSettings``
 object; nothing is swapped at import time. Triton itself decides interpretation when a kernel
-is decorated, so the variable must be set before ``kernels`` first launches a kernel (tests do
+is decorated, so the variable must be set before ``piper_kernels`` first launches a kernel (tests do
 this in a subprocess).
 """
 

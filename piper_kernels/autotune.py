@@ -9,10 +9,10 @@ Legend: D d_model, F moe_ffn_dim, E routed experts, k top-k, M = tokens * k rows
 The expert SwiGLU runs six grouped GEMM problems per step, each keyed by (op, dtype, N, K, E):
 fwd w1/w3 (K=D, N=F) and w2 (K=F, N=D); dx of those (same kernel on w^T: N and K swap);
 dw of those (a grouped reduction over rows). For each, every candidate of
-``kernels.tuning.gemm_configs`` is timed with ``triton.testing.do_bench`` on balanced routing
+``piper_kernels.tuning.gemm_configs`` is timed with ``triton.testing.do_bench`` on balanced routing
 (M / E rows per expert) and the fastest is stored in the JSON cache under
 "<device name>|triton-<version>"; ``grouped_gemm`` reads that cache at launch. Candidates are
-only those whose modelled shared memory fits the GPU (``kernels.tuning``). ``--list TARGET``
+only those whose modelled shared memory fits the GPU (``piper_kernels.tuning``). ``--list TARGET``
 prints the candidates for a target (sm80, sm90, gfx90a, gfx942) with their modelled bytes and
 the limit, without a GPU. Without a GPU (and without ``--list``) this says so and exits with
 status 2.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.tuning import (
+from piper_kernels.tuning import (
     TARGETS,
     GemmConfig,
     device_target,
@@ -48,7 +48,7 @@ def _bench(op: str, cfg: GemmConfig, M: int, N: int, K: int, E: int, dtype: torc
     """Median milliseconds of one launch of ``op`` with ``cfg`` (balanced routing)."""
     import triton.testing
 
-    from kernels import grouped_gemm_triton as tri
+    from piper_kernels import grouped_gemm_triton as tri
 
     counts = torch.full((E,), M // E, dtype=torch.long)
     counts[: M - int(counts.sum())] += 1
@@ -122,4 +122,4 @@ if __name__ == "__main__":
     # The command line needs a preset's shapes, so it lives above kernels, in model.autotune;
     # kernels never imports model, not even here.
     sys.exit("the kernel autotuner's command line is `python -m model.autotune --model PRESET` "
-             "(it reads model.presets); kernels.autotune.tune takes the shapes directly")
+             "(it reads model.presets); piper_kernels.autotune.tune takes the shapes directly")

@@ -7,8 +7,8 @@ Public ops (contracts in ``docs/architecture.md``):
 - ``unpermute(y_sorted [T*k, D], topk_w [T, k], meta) -> [T, D]``
 and their plain-torch references, which tests and benchmarks import.
 
-Backends (``kernels/backend.py``): Triton on CUDA/ROCm tensors; the per-expert ``torch.mm``
-loop on CPU (chosen by measurement, numbers in ``kernels/cpu.py``); the Triton kernels on CPU
+Backends (``piper_kernels/backend.py``): Triton on CUDA/ROCm tensors; the per-expert ``torch.mm``
+loop on CPU (chosen by measurement, numbers in ``piper_kernels/cpu.py``); the Triton kernels on CPU
 tensors when the process starts with ``TRITON_INTERPRET=1``. ``PIPER_KERNELS_PIN_CONFIG=1`` pins
 one launch config; ``python -m model.autotune --model PRESET`` stores tuned ones in
 ``~/.cache/piper-moe/kernels-autotune.json`` (or ``PIPER_KERNELS_CACHE``).
@@ -16,8 +16,8 @@ one launch config; ``python -m model.autotune --model PRESET`` stores tuned ones
 
 from __future__ import annotations
 
-from kernels.grouped_gemm import grouped_gemm, offsets_from_counts, reference_grouped_gemm
-from kernels.permute import (
+from piper_kernels.grouped_gemm import grouped_gemm, offsets_from_counts, reference_grouped_gemm
+from piper_kernels.permute import (
     PermuteMeta,
     permute,
     reference_permute,
