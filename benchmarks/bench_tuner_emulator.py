@@ -54,7 +54,7 @@ from _common import add_output_args, cpu_name, git_sha, output_dir, previous, pr
 
 from model import ModelConfig, presets
 from tuner import Assumptions, ParallelPlan, estimate, load_platform
-from tuner.layout import FP32_TRAINER_PRECISION
+from tuner.layout import CPU_TRAFFIC_PASSES, FP32_TRAINER_PRECISION
 from tuner.measure import emulator_platform, parse_emulator_shape
 from tuner.platform import Platform
 
@@ -132,7 +132,7 @@ def job(row: dict) -> tuple[ModelConfig, ParallelPlan, Assumptions]:
     plan = ParallelPlan(pp=1, ep=ep, dp=1, microbatches=int(row.get("microbatches", 1)),
                         global_batch=GLOBAL_BATCH, seq_len=SEQ, alltoall=row["alltoall"],
                         a2a_overlap=row["a2a_overlap"])
-    asm = Assumptions(activation_set="trainer", activation_traffic_passes=4.0,
+    asm = Assumptions(activation_set="trainer", activation_traffic_passes=CPU_TRAFFIC_PASSES,
                       zero_sharding="per-parameter", a2a_chunks=int(row.get("a2a_chunks", 1)),
                       routing_imbalance=float(row.get("imbalance", JOB_IMBALANCE)),
                       exchange_imbalance=row.get("node_imbalance") or None)

@@ -100,7 +100,7 @@ from _common import (
 from model import ModelConfig, presets
 from tuner import Assumptions, ParallelPlan, estimate, load_platform
 from tuner.launch import Measured, run_plan_locally
-from tuner.layout import FP32_TRAINER_PRECISION
+from tuner.layout import CPU_TRAFFIC_PASSES, FP32_TRAINER_PRECISION
 from tuner.measure import measure_platform, speed_probe
 
 MEM_TOL, TIME_TOL = 0.10, 0.15  # issue 33, item 7
@@ -259,7 +259,7 @@ def predict(cfg: ModelConfig, plan: ParallelPlan, platform: Path,
     pf = load_platform(platform)
     # ZeRO as the trainer shards it: whole parameters per owner (trainer/distributed/zero.py)
     asm = Assumptions(activation_set="trainer", routing_imbalance=imbalance,
-                      activation_traffic_passes=4.0, zero_sharding="per-parameter",
+                      activation_traffic_passes=CPU_TRAFFIC_PASSES, zero_sharding="per-parameter",
                       shared_cores=shared_cores)
     e = estimate(cfg, plan, pf, FP32_TRAINER_PRECISION, asm)
     state = max(s.state for s in e.stages)

@@ -130,7 +130,7 @@ def _plan(args: argparse.Namespace) -> int:
     req = PlanRequest(args.model, args.platform, args.gpus, args.seq, args.global_batch,
                       args.trials, args.seed, storage, zero, args.redundant)
     from tuner.counts import trainer_act_supported
-    from tuner.layout import Assumptions, precision_policy
+    from tuner.layout import CPU_TRAFFIC_PASSES, Assumptions, precision_policy
 
     cpu = platform.backend == "gloo"
     trainer_set = cpu and trainer_act_supported(cfg)
@@ -139,7 +139,7 @@ def _plan(args: argparse.Namespace) -> int:
                                               args.param_dtype, args.reduce_dtype),
                    assumptions=Assumptions(alltoall_model=args.alltoall_model,
                                            activation_set="trainer" if trainer_set else "published",
-                                           activation_traffic_passes=4.0 if cpu else 0.0,
+                                           activation_traffic_passes=CPU_TRAFFIC_PASSES if cpu else 0.0,
                                            zero_sharding=args.zero_sharding))
     r = out.result
     print(f"{cfg.name} on {args.gpus} x {platform.name}, seq {args.seq}, global batch "
@@ -232,7 +232,7 @@ def _estimate(args: argparse.Namespace) -> int:
 
     from model import ModelConfig, presets
     from tuner.counts import trainer_act_supported
-    from tuner.layout import Assumptions, precision_policy
+    from tuner.layout import CPU_TRAFFIC_PASSES, Assumptions, precision_policy
     from tuner.platform import load_platform
     from tuner.single import EstimateRequest, format_report, plan_of, summary
 
@@ -253,7 +253,7 @@ def _estimate(args: argparse.Namespace) -> int:
     trainer_set = cpu and trainer_act_supported(cfg)
     asm = Assumptions(alltoall_model=args.alltoall_model,
                       activation_set="trainer" if trainer_set else "published",
-                      activation_traffic_passes=4.0 if cpu else 0.0,
+                      activation_traffic_passes=CPU_TRAFFIC_PASSES if cpu else 0.0,
                       zero_sharding=args.zero_sharding, fp8_peak_factor=args.fp8_peak_factor,
                       fp8_cast_bytes=args.fp8_cast_bytes, zero3_gather=args.zero3_gather, zero3_runs=args.zero3_runs,
                       host_floor=args.host_floor_ms / 1e3,

@@ -44,7 +44,8 @@ Step time (seconds), for the busiest rank:
     forward + 2 x forward (backward) [+ recompute] compute at the
     platform's GEMM / grouped-GEMM / attention efficiency, + the platform's fixed per-layer
     overhead (measured on CPU, 0 on GPUs), + `Assumptions.activation_traffic_passes` passes
-    over the chunk's saved activations at the memory bandwidth (0 by default); 4 all-to-alls per MoE layer (6 with
+    over the chunk's saved activations at the platform's `traffic_bandwidth` (measured
+    elementwise rate on CPU, else the memory bandwidth; 0 passes by default); 4 all-to-alls per MoE layer (6 with
     full recompute); P2P of the activation and its gradient; none overlapped unless the
     `Assumptions` say so; a MoE layer whose device time (compute, exposed all-to-all, its
     TP/CP/ETP/ZeRO-3 collectives) is below `Assumptions.host_floor` takes the floor (the
@@ -153,6 +154,7 @@ from tuner.costs import (
 from tuner.counts import LayerCounts, chunk_layers, head_params, layer_counts
 from tuner.layout import (
     DEFAULT_ASSUMPTIONS,
+    FP32_TRAINER_PRECISION,
     PUBLISHED_PRECISION,
     Assumptions,
     ParallelPlan,
@@ -162,7 +164,7 @@ from tuner.platform import Platform
 from tuner.sharing import core_speed, shared_imbalance, shared_makespan
 
 __all__ = ["Estimate", "StageMemory", "estimate", "run_bubble", "stage_memory", "schedule_stats",
-           "step_time_lower_bound", "reduce_scatter_time", "all_gather_time"]
+           "step_time_lower_bound", "reduce_scatter_time", "all_gather_time", "layer_device_time"]
 
 _TP_PARTS = ("attention", "shared_experts", "dense_ffn")  # split over TP (norms, router not)
 
@@ -353,6 +355,25 @@ def _kind_counts(cfg: ModelConfig, ep: int, seq: int, flash: bool) -> dict[bool,
         if moe not in out:
             out[moe] = layer_counts(cfg, i, ep, seq, flash)
     return out
+
+
+def layer_device_time(cfg: ModelConfig, layer: int, tokens: int, seq: int,
+                      pf: Platform) -> tuple[float, float]:
+    """Decoder layer `layer` of `cfg`, forward + backward over `tokens` tokens (sequences of
+    `seq`) on one rank holding all its experts, fp32, no recompute, as `estimate` prices it on
+    `pf` before its activation traffic term: (seconds of its GEMMs, attention and per-layer
+    overhead; bytes of the activations it saves, the trainer's set). `tuner measure` times
+    the same layer and fits `Platform.elementwise_bandwidth` to the difference."""
+    if tokens < seq or tokens % seq:
+        raise ValueError(f"tokens={tokens} must be a positive multiple of seq={seq}")
+    plan = ParallelPlan(pp=1, ep=1, dp=1, microbatches=1, global_batch=tokens // seq,
+                        seq_len=seq)
+    asm = Assumptions(activation_set="trainer")
+    lc = layer_counts(cfg, layer, 1, seq, asm.flash_attention)
+    t = float(tokens)
+    parts = layer_parts(lc, t, t, pf, cfg, plan, asm)
+    act = sum(_layer_act(lc, "none", t, t, cfg.d_model, asm.activation_set).values())
+    return 3 * sum(parts.values()) + pf.layer_overhead, act * FP32_TRAINER_PRECISION.activation_bytes
 
 
 def _divisors(n: int) -> list[int]:
@@ -845,7 +866,7 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
                 act = sum(sum(_layer_act(kinds[cfg.is_moe_layer(i)], plan.checkpointing, t_attn,
                                          t_exp, D, asm.activation_set).values()) for i in c)
                 acc["compute"] += asm.activation_traffic_passes * act * pb.activation_bytes \
-                    / pf.hbm_bandwidth
+                    / pf.traffic_bandwidth
             acc["p2p"] += 2 * hop * (1 - asm.p2p_overlap)
         per_rank.append({k: v * plan.microbatches for k, v in acc.items()})
         hidden = max(hidden, (a2a_total - acc["alltoall"]) * plan.microbatches)

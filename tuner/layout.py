@@ -40,6 +40,7 @@ from trainer.layout import (  # vocabularies of the one layout model, declared t
 __all__ = [
     "ALLTOALL_ALGORITHMS",
     "Assumptions",
+    "CPU_TRAFFIC_PASSES",
     "DEFAULT_ASSUMPTIONS",
     "FP32_TRAINER_PRECISION",
     "GPU_TRAINER_PRECISION",
@@ -251,6 +252,13 @@ def precision_policy(name: str, backend: str = "nccl", param_dtype: str = "auto"
     if name == "megatron":
         return MEGATRON_PRECISION
     raise ValueError(f"precision policy {name!r}; valid: {', '.join(PRECISION_POLICIES)}")
+
+
+# The activation traffic passes a CPU platform is priced with (`Assumptions.
+# activation_traffic_passes`: each saved activation written and read, its gradient written and
+# read); `tuner measure` states the platform's elementwise rate in bytes of these passes
+# (`Platform.elementwise_bandwidth`), so both sides take this one constant.
+CPU_TRAFFIC_PASSES = 4.0
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,13 @@ as the median of repeats after a warm-up:
     small all-reduce  all_reduce of 16 fp64 values over all `n_procs` processes (the step's
                   loss, norm and metrics all-reduces) -> sync_latency (the slowest rank's
                   median)
+    elementwise   the tiny preset's first decoder layer (MoE, experts local) forward + backward
+                  at BLOCK_TOKENS tokens in all processes at once, minus what this platform's
+                  GEMM, attention and overhead entries price for it (`tuner.estimate.
+                  layer_device_time`): the rest, fitted as CPU_TRAFFIC_PASSES passes over the
+                  layer's saved activations (least squares through the origin) ->
+                  elementwise_bandwidth (the unfused elementwise kernels; 0 if the rest is
+                  not positive)
     optimizer     the trainer's AdamW step (foreach=False, fp32) over the tiny preset's
                   parameters, in all processes at once -> optimizer_bandwidth (state bytes
                   updated per second: 16 per parameter, weights + gradients + 2 moments)
@@ -61,9 +68,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tuner.layout import CPU_TRAFFIC_PASSES
 from tuner.platform import Grid, Platform
 
-__all__ = ["compute_fields", "ep_layer_extra", "ep_layer_times", "probe_config",
+__all__ = ["compute_fields", "elementwise_bandwidth_fit", "ep_layer_extra", "ep_layer_times", "probe_config",
            "measure_platform", "fit_latency_bandwidth", "write_platform_toml",
            "p2p_one_way_s", "emulator_platform", "emulator_payload_share", "parse_emulator_shape",
            "write_emulator_platform"]
@@ -290,6 +298,9 @@ WIDTHS = (64, 128, 256, 512, 1024)  # inner GEMM widths of the efficiency-by-wid
 GEMM_GRID = {"m": ((128, 512, 2048), (128, 1024)), "n": ((64, 256, 1024), (64, 512)),
              "k": ((64, 256, 1024), (64, 512))}
 GROUPED_ROWS = ((2, 8, 32, 128, 512), (8, 128))
+# tokens of the elementwise probe's layer (sequences of 256, the tiny preset's): the validation
+# rows' micro-batches hold 512-2048 tokens per rank (benchmarks/bench_tuner_validate.py)
+BLOCK_TOKENS = ((512, 1024, 2048), (256, 512))
 GROUPED_SHAPE = (8, 128, 256)  # experts, D, F of the rows-per-expert table
 ATTN_SEQ = ((64, 256, 1024), (128, 512))
 ATTN_HEAD_DIM = ((32, 64), (32,))
@@ -349,10 +360,49 @@ def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, thre
     split_extra = _split_backward_extra(reps)
     dist.barrier(group)
     grad_flatten, grad_norm = _grad_pass_rates(grads, reps)
-    return {"rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
+    _say(rank, verbose, f"decoder layer at {BLOCK_TOKENS[q]} tokens ({time.perf_counter() - t0:.0f} s so far)")
+    block = _block_times(BLOCK_TOKENS[q], reps, group)
+    return {"block": block, "rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
             "overhead": overhead, "widths": widths, "grid": grid, "grouped_rows": grouped_rows,
             "attn_grid": attn_grid, "optimizer": optimizer, "split_extra": split_extra,
             "grad_flatten": grad_flatten, "grad_norm": grad_norm}
+
+
+def _block_times(tokens: Sequence[int], repeats: int, group: dist.ProcessGroup | None) -> list[float]:
+    """Median seconds of the tiny preset's first decoder layer (experts local) forward +
+    backward at each of `tokens` tokens, in sequences of the preset's 256."""
+    from model import presets
+    from model.transformer import Block
+
+    cfg = presets.get("tiny")
+    torch.manual_seed(0)
+    block = Block(cfg, 0)
+    out = []
+    for n in tokens:
+        x = torch.randn(n // cfg.max_seq_len, cfg.max_seq_len, cfg.d_model, requires_grad=True)
+
+        def step(x: torch.Tensor = x) -> None:
+            block(x).sum().backward()
+
+        dist.barrier(group)
+        out.append(_median_time(step, repeats, warmup=2))
+    return out
+
+
+def elementwise_bandwidth_fit(act_bytes: Sequence[float], measured_s: Sequence[float],
+                              modelled_s: Sequence[float],
+                              passes: float = CPU_TRAFFIC_PASSES) -> float:
+    """Bytes per second of the activation traffic term that fits a layer's measured times:
+    the rest of each time beyond the modelled GEMM / attention / overhead seconds, against
+    `passes` x the layer's saved activation bytes, least squares through the origin. 0 where
+    the rest is not positive overall (the model's other terms already cover the layer)."""
+    if not len(act_bytes) == len(measured_s) == len(modelled_s) >= 1:
+        raise ValueError(f"need equal, non-empty lists; got {len(act_bytes)} byte counts, "
+                         f"{len(measured_s)} measured and {len(modelled_s)} modelled times")
+    b = [passes * a for a in act_bytes]
+    rest = [m - p for m, p in zip(measured_s, modelled_s, strict=True)]
+    slope = sum(x * y for x, y in zip(b, rest, strict=True)) / sum(x * x for x in b)
+    return 1.0 / slope if slope > 0 else 0.0
 
 
 def _split_backward_extra(repeats: int, tokens: int = 1024) -> float:
@@ -584,6 +634,19 @@ def compute_fields(per_rank: list[dict], quick: bool) -> dict[str, Any]:
     }
 
 
+def _elementwise_from_blocks(per_rank: list[dict], probe: Platform, quick: bool) -> float:
+    """`elementwise_bandwidth` from every rank's layer times (median over ranks) against the
+    platform being written (`probe`), priced by `tuner.estimate.layer_device_time`."""
+    from model import presets
+    from tuner.estimate import layer_device_time
+
+    cfg = presets.get("tiny")
+    tokens = BLOCK_TOKENS[1 if quick else 0]
+    priced = [layer_device_time(cfg, 0, n, cfg.max_seq_len, probe) for n in tokens]
+    measured = [statistics.median(r["block"][i] for r in per_rank) for i in range(len(tokens))]
+    return elementwise_bandwidth_fit([a for _, a in priced], measured, [t for t, _ in priced])
+
+
 def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                      verbose: bool = True) -> Path:
     """Run the micro-benchmarks (a few minutes; well under one with `quick`) and write `out`;
@@ -636,6 +699,7 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         collectives=tuple(collectives), cores_per_node=cores, threads_per_process=threads,
         **fields,
     )
+    p = dataclasses.replace(p, elementwise_bandwidth=_elementwise_from_blocks(per_rank, p, quick))
     n_rates = len(per_rank[0]["rates"])
     notes = {
         "peak_tflops": f"best fp32 GEMM of {n_rates} shapes, {threads} "
@@ -655,6 +719,9 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         "optimizer_bandwidth_gbs": "AdamW(foreach=False) step, 16 B/param / s, tiny preset",
         "grad_flatten_bandwidth_gbs": "fp32 grad bytes / s of cat + mul_ + clone, tiny preset",
         "grad_norm_bandwidth_gbs": "fp32 grad bytes / s of the fp64 squared norm, tiny preset",
+        "elementwise_bandwidth_gbs": f"{CPU_TRAFFIC_PASSES:g} passes over the saved activations "
+                                     f"/ s: tiny layer fwd+bwd at {BLOCK_TOKENS[0]} tokens minus "
+                                     f"its GEMM / attention / overhead price (0: not positive)",
         "cores_per_node": "os.cpu_count() of this machine",
         "threads_per_process": f"torch intra-op threads per process (cores // {n_procs}, >= 1)",
         "sync_latency_us": f"all_reduce of 16 fp64 values over the {n_procs} processes",

@@ -41,6 +41,8 @@ prices those collectives directly (`tuner.comms`); a kind or group size it lacks
 to the ring formulas over the link rates. `[memory] optimizer_bandwidth_gbs`: state bytes
 (weights, gradients, moments) the trainer's optimizer step updates per second, measured; 0 or
 absent: the step is memory bound, 2 x the state bytes / hbm_bandwidth (`optimizer_time`).
+`[memory] elementwise_bandwidth_gbs` (measured on CPU): the rate of the activation traffic term,
+see the field; absent: hbm_bandwidth.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("memory", "optimizer_bandwidth_gbs", "optimizer_bandwidth", 1e9),
     ("memory", "grad_flatten_bandwidth_gbs", "grad_flatten_bandwidth", 1e9),
     ("memory", "grad_norm_bandwidth_gbs", "grad_norm_bandwidth", 1e9),
+    ("memory", "elementwise_bandwidth_gbs", "elementwise_bandwidth", 1e9),
     ("node", "gpus_per_node", "gpus_per_node", 1),
     ("node", "nodes_per_domain", "nodes_per_domain", 1),
     ("node", "nodes_per_group", "nodes_per_group", 1),
@@ -283,6 +286,13 @@ class Platform:
     grad_flatten_bandwidth: float = 0.0
     grad_norm_bandwidth: float = 0.0
     sync_latency: float = 0.0
+    # Measured on CPU (0 = not measured: `hbm_bandwidth`): bytes per second at which an eager
+    # decoder layer's work outside its GEMMs, attention and fixed per-op cost runs, counted as
+    # `tuner.layout.CPU_TRAFFIC_PASSES` passes over its saved activations (the estimate's
+    # activation traffic term, `traffic_bandwidth`). The unfused elementwise kernels (norms,
+    # SiLU x gate, softmax over 8 experts, top-k combine, index_select, scatter_add) run far
+    # below a large copy's rate: measured 8.4 vs 18.4 GB/s on this project's 2-core VM
+    elementwise_bandwidth: float = 0.0
     # CPU platforms (`tuner measure`: the machine's cores as the OS reports them and the
     # intra-op threads each process got): with more processes x threads than cores the
     # processes share the cores, and a rank waiting in the pipeline gives its share to the
@@ -339,7 +349,8 @@ class Platform:
         if self.optimizer_bandwidth < 0:
             raise ValueError(f"platform {self.name!r}: optimizer_bandwidth="
                              f"{self.optimizer_bandwidth} must be >= 0 (0 = memory bound)")
-        for key in ("grad_flatten_bandwidth", "grad_norm_bandwidth", "sync_latency"):
+        for key in ("grad_flatten_bandwidth", "grad_norm_bandwidth", "sync_latency",
+                    "elementwise_bandwidth"):
             if getattr(self, key) < 0:
                 raise ValueError(f"platform {self.name!r}: {key}={getattr(self, key)} must be "
                                  f">= 0 (0 = not measured)")
@@ -480,6 +491,12 @@ class Platform:
         if self.optimizer_bandwidth:
             return state_bytes / self.optimizer_bandwidth
         return 2 * state_bytes / self.hbm_bandwidth
+
+    @property
+    def traffic_bandwidth(self) -> float:
+        """Bytes per second of the activation traffic term (`Assumptions.
+        activation_traffic_passes`): the measured `elementwise_bandwidth`, else `hbm_bandwidth`."""
+        return self.elementwise_bandwidth or self.hbm_bandwidth
 
     def shares_cores(self, n_procs: int) -> bool:
         """Whether `n_procs` processes on one node of this platform share its cores (more
