@@ -1,0 +1,37 @@
+"""The pure parts of benchmarks/bench_tuner_validate.py: one row from several passes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_tuner_validate as b  # noqa: E402
+
+from tuner.launch import Measured  # noqa: E402
+
+
+def _pass(step: float, act: float, act_max: float, imb: float, fwd: float, tag: str):
+    return (Measured(step, 100.0, act, act_max, imb, 7), {"fwd_bwd_s": fwd, "optim_s": 0.01},
+            (1.0, 2.0), {"speed_ratio": tag})
+
+
+def test_a_slow_pass_does_not_set_the_row():
+    runs = [_pass(0.40, 50.0, 60.0, 1.4, 0.30, "a"), _pass(0.52, 52.0, 70.0, 1.5, 0.45, "b"),
+            _pass(0.41, 51.0, 61.0, 1.3, 0.31, "c")]
+    m, parts, load, speed = b.combine_passes(runs)
+    assert m.step_time_s == 0.41 and m.act_peak_bytes == 51.0 and m.act_peak_bytes_max == 70.0
+    assert (m.state_bytes, m.imbalance, m.steps) == (100.0, 1.4, 21)
+    assert parts == {"fwd_bwd_s": 0.31, "optim_s": 0.01}
+    assert load == (1.0, 2.0) and speed == {"speed_ratio": "c"}  # the median pass's probes
+    one = b.combine_passes(runs[:1])
+    assert one[0] == runs[0][0] and one[3] == {"speed_ratio": "a"}
+
+
+def test_repeats_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="--repeats=0 must be >= 1"):  # before any measuring
+        b.main(["--repeats", "0", "--out", str(tmp_path)])
