@@ -92,6 +92,14 @@ def _planner(*args, **kw):
     return runnable_layouts(*args, **kw)
 
 
+def _fb_memory(*args, **kw):
+    """`tuner.fb_memory.fb_memory_of_run`, imported only when --comm.a2a_overlap=auto asks
+    whether fb fits (across nodes, >= 2 micro-batches)."""
+    from tuner.fb_memory import fb_memory_of_run
+
+    return fb_memory_of_run(*args, **kw)
+
+
 def main(argv: list[str]) -> int:
     from trainer import Trainer, parse_args, prepare
     from trainer.elastic import resolve
@@ -109,6 +117,7 @@ def main(argv: list[str]) -> int:
                               lambda: _init_process_group(cfg, rank, world))
         prep = prepare(cfg, world, rank)  # every check on the request happens here, before any work
         prep.elastic = record
+        prep.fb_memory = _fb_memory
     except ValueError as e:
         code = _report_bad_request(e, rank)
         if dist.is_initialized():

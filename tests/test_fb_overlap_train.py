@@ -55,3 +55,23 @@ def test_fb_losses_equal_plain(tmp_path, small_data, case):
     assert sorted(got) == sorted(plain) == list(range(1, 21))
     for s in plain:
         assert got[s] == pytest.approx(plain[s], rel=1e-5), (s, plain[s], got[s])
+
+
+def test_auto_runs_fb_across_nodes_and_says_so(tmp_path, small_data):
+    """--comm.a2a_overlap=auto over two declared nodes with 2 micro-batches: train.py hands
+    the trainer the planner's memory of the run, auto picks fb with 2 chunks, logs why, and
+    trains the plain run's losses."""
+    extra = ["--parallel.ep=4", "--parallel.microbatches=2", "--train.steps=6",
+             "--comm.topology=configs/topologies/2x2-local.toml"]
+    plain = _losses(tmp_path, small_data, 4, extra, "none")
+    out = tmp_path / "auto"
+    r = run_train([*COMMON, "--data", small_data, *extra, "--comm.a2a_overlap=auto",
+                   f"--train.out_dir={out}"], nproc=4)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "comm.a2a_overlap=auto: fb (EP group on 2 nodes, 2 micro-batches, a rank's " \
+           "predicted peak with fb" in r.stdout, r.stdout[-3000:]
+    assert "comm.a2a_chunks=auto: 2 (a2a_overlap=auto)" in r.stdout
+    got = step_losses(out)
+    assert sorted(got) == sorted(plain) == list(range(1, 7))
+    for s in plain:
+        assert got[s] == pytest.approx(plain[s], rel=1e-5), (s, plain[s], got[s])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -30,11 +31,16 @@ from .distributed.pipe import build_stages, moe_aux, split_layers
 from .distributed.precision import resolve_precision
 from .distributed.zero import build_optimizer as zero_optimizer
 from .distributed.zero import effective_zero
+from .layout import Layout
 from .observe.memory import rss_peak, rss_reset_peak
 from .setup import build_schedule
 
 __all__ = ["pick_device", "build_model", "Pipeline", "build_pipeline", "apply_tp", "import_hf",
-           "build_grad_sync", "build_optimizer"]
+           "build_grad_sync", "build_optimizer", "FbMemory", "fb_budget", "resolve_a2a"]
+
+# (run config, model config, layout, backend) -> (the busiest rank's predicted peak bytes with
+# --comm.a2a_overlap=fb, fb's extra activation bytes on it): `tuner.fb_memory.fb_memory_of_run`
+FbMemory = Callable[[RunConfig, Any, Layout, str], tuple[float, float]]
 
 
 def pick_device() -> torch.device:
@@ -46,9 +52,10 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_model(cfg: RunConfig, mcfg: Any, mesh: Mesh):
-    """The model on the meta device with its experts sharded over EP (collective: process groups,
-    topology discovery and `auto` calibration)."""
+def build_model(cfg: RunConfig, mcfg: Any, mesh: Mesh, fb_memory: FbMemory | None = None):
+    """(the model on the meta device with its experts sharded over EP, the all-to-all overlap
+    it runs: `resolve_a2a`'s, `auto` decided). Collective: process groups, topology discovery,
+    `auto` calibration and its overlap's memory check."""
     from model import MoETransformer, set_checkpointing
 
     torch.manual_seed(cfg.train.seed)
@@ -60,29 +67,40 @@ def build_model(cfg: RunConfig, mcfg: Any, mesh: Mesh):
     set_checkpointing(model, cfg.train.checkpointing)
     mesh.build_groups(timedelta(seconds=cfg.train.timeout_s))
     topo = ep_topology(cfg, mesh, cfg.comm.alltoall)
-    algo, overlap, chunks = resolve_a2a(cfg, mcfg, mesh, topo)
+    algo, overlap, chunks = resolve_a2a(cfg, mcfg, mesh, topo, fb_memory)
     if cfg.comm.route_groups == "node":
         node_blocks(mcfg, mesh, topo, check=True)
     cost_model = calibrate_auto(mesh, mcfg, topo) \
         if algo == "auto" and topo is not None and topo.num_nodes > 1 else None
     parallelize(model, mesh, alltoall=algo, topology=topo, cost_model=cost_model,
                 redundant=cfg.balance.redundant, overlap=overlap, chunks=chunks)
-    return model
+    return model, overlap
 
 
-def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo) -> tuple[str, str, int]:
+def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo,
+                fb_memory: FbMemory | None = None) -> tuple[str, str, int]:
     """(alltoall, a2a_overlap, a2a_chunks) the EP dispatcher runs, `auto` decided and logged.
 
     alltoall=auto: dedup where the EP group spans nodes, top-k > 1 and the expected inter-node
     bytes of dedup (`comm.collectives.dedup.dedup_byte_ratio`, uniform routing, or bound to topk_group
     nodes with --comm.route_groups=node) are at most DEDUP_AUTO_MAX_RATIO of flat's; else
-    comm's per-call flat / HALO choice. a2a_overlap=auto: layer where the EP group spans nodes
-    (the exchange crosses the network), none inside one node; never fb (not measured to win:
-    docs/alltoall.md). a2a_chunks=auto: 2, the fewest that put one chunk's exchange beside
-    another's GEMMs (a fixed choice, not priced; the planner's `tuner.costs.a2a_exposed`
-    prices 1, 2, 4, 8); 1 under fb, where the other micro-batch's work runs beside it."""
+    comm's per-call flat / HALO choice. a2a_overlap=auto: `trainer.layout.auto_overlap`, the
+    rule the planner prices too: none under tensor parallel or inside one node; across nodes
+    fb with 2 chunks where fb runs (>= 2 micro-batches, a pairable schedule, no full
+    recompute) and its memory is known to fit, else layer with 2 chunks. The memory:
+    `fb_memory` (train.py passes the planner's `tuner.fb_memory.fb_memory_of_run`: the busiest
+    rank's predicted peak with fb's in-flight micro-batches, and their extra activations)
+    against `fb_budget` (0.9 of the free device memory now, before any weight is allocated;
+    on CPU of the host's available memory per local rank), the least budget over all ranks;
+    without `fb_memory` the memory is not known and auto runs layer. fb also needs every EP
+    group across nodes (all ranks pair their micro-batches or none do): a run where one
+    group lies in a node runs layer where its groups span nodes. a2a_chunks=auto: 2 under
+    auto and layer (a fixed choice, not priced; the planner's `tuner.costs.a2a_exposed`
+    prices 1, 2, 4, 8); 1 under an explicit fb, where the other micro-batch's work runs
+    beside it."""
     from comm.collectives.dedup import DEDUP_AUTO_MAX_RATIO, dedup_byte_ratio
 
+    from .layout import auto_overlap, fb_problems
     from .setup import a2a_chunks
 
     c = cfg.comm
@@ -106,9 +124,31 @@ def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo) -> tuple[str, str, 
             f"{ratio:.2f}x flat's inter-node bytes; it runs at <= {DEDUP_AUTO_MAX_RATIO})",
             mesh.rank)
     if overlap == "auto":
-        overlap = "layer" if nodes > 1 else "none"
-        log(f"comm.a2a_overlap=auto: {overlap} (EP group on {nodes} node"
-            f"{'s' if nodes > 1 else ''})", mesh.rank)
+        par, t = cfg.parallel, cfg.train
+        peak = extra = budget = None
+        every_group_spans = True
+        # every input below is the same on every rank (the config, the planner's estimate),
+        # so every rank takes this branch or none does: the collective in it is safe
+        if fb_memory is not None and not fb_problems(par.microbatches, mesh.pp, par.schedule,
+                                                     t.checkpointing):
+            try:
+                peak, extra = fb_memory(cfg, mcfg, mesh.layout, _backend())
+            except ValueError as e:  # a layout the planner does not model: not known
+                log(f"comm.a2a_overlap=auto: fb's memory not estimated ({e})", mesh.rank)
+            if peak is not None:
+                budget, least_nodes = _world_min([fb_budget(), float(nodes)])
+                budget = None if budget < 0 else budget
+                every_group_spans = least_nodes > 1
+        overlap, auto_chunks, why = auto_overlap(
+            nodes, tp=mesh.tp, microbatches=par.microbatches, pp=mesh.pp, schedule=par.schedule,
+            recompute=t.checkpointing, fb_peak=peak, budget=budget, fb_extra=extra)
+        if overlap == "fb" and not every_group_spans:
+            overlap, why = "layer", (f"{why}; not fb: an EP group of the run lies in one node "
+                                     f"(every rank pairs its micro-batches or none does)")
+        log(f"comm.a2a_overlap=auto: {overlap} ({why})", mesh.rank)
+        if overlap != "none" and not chunks:
+            chunks = auto_chunks
+            log(f"comm.a2a_chunks=auto: {chunks} (a2a_overlap=auto)", mesh.rank)
     if overlap == "layer" and not chunks:
         chunks = 2
         log("comm.a2a_chunks=auto: 2", mesh.rank)
@@ -116,6 +156,45 @@ def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo) -> tuple[str, str, 
         chunks = 1
         log("comm.a2a_chunks=auto: 1 (a2a_overlap=fb)", mesh.rank)
     return algo, overlap, max(chunks, 1)
+
+
+FB_BUDGET_SHARE = 0.9  # of the free memory: allocator slack, as the platforms' usable_fraction
+
+
+def fb_budget() -> float:
+    """Bytes this rank may plan to use, for auto's fb memory check: FB_BUDGET_SHARE of the
+    CUDA device's free memory (`torch.cuda.mem_get_info`, at start-up: before any weight is
+    allocated, after the context and whatever else holds the device), on CPU of the host's
+    available memory (/proc/meminfo MemAvailable) over the LOCAL_WORLD_SIZE ranks sharing it;
+    -1 where neither can be read (not known)."""
+    if torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        return FB_BUDGET_SHARE * free
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return -1.0
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return FB_BUDGET_SHARE * kb * 1024 / local
+
+
+def _backend() -> str:
+    """The process group's backend as the planner's precision policy reads it."""
+    if dist.is_available() and dist.is_initialized():
+        return str(dist.get_backend())
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _world_min(values: list[float]) -> list[float]:
+    """Each value's least over all ranks (unchanged without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.tolist()
 
 
 def node_blocks(mcfg: Any, mesh: Mesh, topo, check: bool = False) -> list[list[int]]:
@@ -193,7 +272,9 @@ class Pipeline:
 
 
 def build_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh, model, precision,
-                   device: torch.device) -> Pipeline:
+                   device: torch.device, fb: bool = False) -> Pipeline:
+    """This rank's stages and runtimes; `fb`: the paired schedule of --comm.a2a_overlap=fb
+    (the overlap `build_model` resolved is fb)."""
     import pipeline
 
     par, t = cfg.parallel, cfg.train
@@ -201,7 +282,7 @@ def build_pipeline(cfg: RunConfig, mcfg: Any, mesh: Mesh, model, precision,
     bounds = split_layers(mcfg.n_layers, n_stages, par.layer_split)
     stages = build_stages(model, mesh.pp, mesh.pp_idx, par.n_virtual, bounds,
                           precision.autocast, stream_dtype=precision.param)
-    schedule = build_schedule(par, mesh.pp, fb=cfg.comm.a2a_overlap == "fb" and mesh.ep > 1)
+    schedule = build_schedule(par, mesh.pp, fb=fb)
     per_shard = t.global_batch // mesh.n_data_shards
     # under sequence parallel a stage boundary carries this TP rank's slice of the sequence
     seq = t.seq_len // mesh.tp if mesh.tp > 1 and par.sp else t.seq_len

@@ -101,8 +101,12 @@ class CommConfig:
                                    "chunks pipelined (comm/ep/pipeline.py); fb = layer, and "
                                    "one micro-batch's forward beside another's backward "
                                    "exchanges (parallel.microbatches >= 2; with pp > 1 the "
-                                   "1f1b and interleaved-1f1b schedules); auto = layer where "
-                                   "the EP group spans nodes", "none, layer, fb, auto")
+                                   "1f1b and interleaved-1f1b schedules); auto "
+                                   "(trainer.layout.auto_overlap) = none inside one node or "
+                                   "with tp > 1; across nodes fb with 2 chunks where fb runs "
+                                   "and the planner's memory of fb fits 0.9 of the free "
+                                   "memory on every rank, else layer with 2 chunks; logged "
+                                   "with its reason", "none, layer, fb, auto")
     a2a_chunks: str = opt("auto", "chunks of the layer pipeline", "an int >= 1, or auto")
     route_groups: str = opt("none", "node: the model's routing groups (--model.n_group, a "
                                     "multiple of the EP group's nodes) are bound to nodes, so a "

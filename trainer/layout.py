@@ -68,15 +68,16 @@ from typing import NamedTuple
 
 from comm.collectives.alltoall import ALGORITHMS as _COMM_ALGORITHMS
 from model.checkpointing import CHECKPOINTING
-from pipeline.schedule import schedule_names
+from pipeline.schedule import FB_SCHEDULES, schedule_names
 
 __all__ = [
-    "A2A_OVERLAP", "ALLTOALL_ALGORITHMS", "DENSE_DIMS", "DIMS", "EP_PLACEMENTS", "EXPERT_DIMS",
-    "GROUP_KINDS", "PRECISIONS", "RECOMPUTE", "RECOMPUTE_MODES", "SCHEDULES", "TRAINER_A2A_OVERLAP",
-    "TRAINER_ALLTOALL", "TRAINER_PRECISIONS", "TRAINER_ZERO_LEVELS", "ZERO_LEVELS", "Coords",
-    "Layout", "LayoutError", "check", "check_choice", "check_redundant", "divisors",
-    "layout_problems", "layer_split_spec", "not_runnable_because", "pipelined_expert_path",
-    "rank_chunks", "stage_bounds", "stage_counts", "stage_layers", "stage_rank",
+    "A2A_OVERLAP", "ALLTOALL_ALGORITHMS", "AUTO_OVERLAP_CHUNKS", "DENSE_DIMS", "DIMS",
+    "EP_PLACEMENTS", "EXPERT_DIMS", "GROUP_KINDS", "PRECISIONS", "RECOMPUTE", "RECOMPUTE_MODES",
+    "SCHEDULES", "TRAINER_A2A_OVERLAP", "TRAINER_ALLTOALL", "TRAINER_PRECISIONS",
+    "TRAINER_ZERO_LEVELS", "ZERO_LEVELS", "Coords", "Layout", "LayoutError", "auto_overlap",
+    "check", "check_choice", "check_redundant", "divisors", "fb_problems", "layout_problems",
+    "layer_split_spec", "not_runnable_because", "pipelined_expert_path", "rank_chunks",
+    "stage_bounds", "stage_counts", "stage_layers", "stage_rank",
 ]
 
 # ---- vocabularies (declared once; trainer config checks and the planner import these) -------
@@ -90,9 +91,10 @@ TRAINER_ZERO_LEVELS = (0, 1, 2, 3)  # --parallel.zero (3: FSDP2, trainer/distrib
 ALLTOALL_ALGORITHMS = ("flat", "halo", "dedup", "auto")
 # --comm.alltoall: what comm.all_to_all runs, and dedup (comm/collectives/dedup.py, comm/ep/pipeline.py)
 TRAINER_ALLTOALL = (*(a for a in _COMM_ALGORITHMS if a != "auto"), "dedup", "auto")
-# all-to-all overlapped with compute: none, inside the MoE layer, across micro-batches
-A2A_OVERLAP = ("none", "layer", "fb")
-TRAINER_A2A_OVERLAP = ("none", "layer", "fb")  # --comm.a2a_overlap (also "auto": none or layer)
+# all-to-all overlapped with compute: none, inside the MoE layer, across micro-batches; auto:
+# one of them by `auto_overlap` (the trainer's --comm.a2a_overlap=auto, priced by the planner)
+A2A_OVERLAP = ("none", "layer", "fb", "auto")
+TRAINER_A2A_OVERLAP = ("none", "layer", "fb", "auto")  # --comm.a2a_overlap
 # Recompute modes are the model's activation checkpointing modes (model/checkpointing.py),
 # the same names: none; selective = the FFN intermediates are recomputed; full = the whole
 # block keeps only its input. --train.checkpointing takes them.
@@ -476,6 +478,85 @@ def pipelined_expert_path(alltoall: str, a2a_overlap: str) -> bool:
     layer / fb overlap), which is not built with tensor parallel (trainer.setup refuses it,
     `not_runnable_because` reports it)."""
     return alltoall == "dedup" or a2a_overlap in ("layer", "fb")
+
+
+def fb_problems(microbatches: int, pp: int, schedule: str, recompute: str) -> list[str]:
+    """Why train.py refuses --comm.a2a_overlap=fb with these choices ([] when it runs it),
+    each as the tail of `trainer.setup.check_fb`'s error ("comm.a2a_overlap=fb with ..."). fb
+    pairs one micro-batch's backward with another's forward: it needs two micro-batches, a
+    schedule `pipeline.schedule.build_fb` pairs with pp > 1, and no block recompute in the
+    backward (a recomputed MoE forward would overwrite the routing outputs the paired forward
+    reads; trainer/step.py). Tensor parallel is refused for every pipelined expert path
+    (`pipelined_expert_path`), not here."""
+    out = []
+    if microbatches < 2:
+        out.append(f"parallel.microbatches={microbatches}: it pairs one micro-batch's backward "
+                   f"with another's forward; use parallel.microbatches >= 2 (or a2a_overlap "
+                   f"layer)")
+    if pp > 1 and schedule not in FB_SCHEDULES:
+        out.append(f"parallel.schedule={schedule!r} (pp={pp}) is not built; it runs with "
+                   f"{', '.join(FB_SCHEDULES)}")
+    if recompute == "full":
+        out.append("train.checkpointing='full' is not built (the backward's recomputed MoE "
+                   "forward would run beside the paired forward); use train.checkpointing none "
+                   "or selective")
+    return out
+
+
+AUTO_OVERLAP_CHUNKS = 2  # chunks of the layer pipeline under auto (layer / 2, fb / 2)
+
+
+def auto_overlap(nodes: int, *, tp: int = 1, microbatches: int = 1, pp: int = 1,
+                 schedule: str = "1f1b", recompute: str = "none", fb_peak: float | None = None,
+                 budget: float | None = None,
+                 fb_extra: float | None = None) -> tuple[str, int, str]:
+    """What --comm.a2a_overlap=auto runs for an EP group over `nodes` nodes: (mode, chunks,
+    why). The one rule of the trainer (`trainer.build.resolve_a2a`) and of the planner's
+    price of a plan with a2a_overlap "auto" (`tuner.estimate.resolve_overlap`).
+
+        tp > 1                      none (the pipelined expert path is not built with TP)
+        nodes <= 1                  none (nothing crosses the network)
+        fb refused (`fb_problems`)  layer / 2 (microbatches < 2, an unpaired schedule with
+                                    pp > 1, full recompute)
+        fb's memory not known       layer / 2 (`fb_peak` or `budget` None)
+        fb_peak > budget            layer / 2
+        else                        fb / 2
+
+    `fb_peak`: the predicted peak bytes of the busiest rank when the run holds fb's
+    activations (`pipeline.schedule.build_fb`'s in-flight micro-batches: with pp = 1 two
+    instead of one, with 1F1B up to 2(p - r) on rank r instead of p - r; the planner's
+    `tuner.estimate.stage_memory`); `budget`: the bytes a rank may use (the planner: the
+    platform's usable HBM; the trainer: 0.9 of the device's free memory at start-up, of
+    the host's available memory per local rank on CPU, the least over all ranks);
+    `fb_extra`: fb's extra activation bytes, for the message only.
+
+    Why fb where it runs and fits: on the emulated 2 x 2 cluster at 200 Mbit/s
+    (docs/alltoall.md, "Measured: overlap on the emulator, with micro-batches") fb with 2
+    chunks ran 0.757x the plain step at 4 micro-batches (layer / 2: 0.874x) and 0.813x at 2
+    (layer / 2: 0.921x; fb / 1 0.872x); `tuner.costs.a2a_exposed` prices fb / 2 fastest
+    there too. Not everywhere: at 1 Gbit/s (one repeat) layer / 2 ran 0.755x against fb / 2
+    0.801x, and with 8 ranks on the 2 cores (4 x 2) both overlaps were slower than none (the
+    paired threads compete for the cores); this rule does not price that. Chunks 2: the
+    fewest that put one chunk's exchange beside another's GEMMs; fb / 2 beat fb / 1 at 2
+    and 4 micro-batches and fb / 4 at 2 (2.39 s against 2.80 s), and layer keeps the 2 it
+    had (layer / 4 took 2.78 s against layer / 2's 2.72 s, in separate runs)."""
+    if tp > 1:
+        return "none", 1, f"the pipelined expert path is not built with tensor parallel (tp={tp})"
+    if nodes <= 1:
+        return "none", 1, "EP group on 1 node: no exchange crosses the network"
+    where = f"EP group on {nodes} nodes"
+    c = AUTO_OVERLAP_CHUNKS
+    refused = fb_problems(microbatches, pp, schedule, recompute)
+    if refused:
+        return "layer", c, f"{where}; not fb: {'; '.join(refused)}"
+    if fb_peak is None or budget is None:
+        return "layer", c, f"{where}; not fb: its activation memory is not known to fit"
+    extra = f" (+{fb_extra / 1e9:.3g} GB of activations)" if fb_extra is not None else ""
+    mem = (f"a rank's predicted peak with fb {fb_peak / 1e9:.3g} GB{extra}, budget "
+           f"{budget / 1e9:.3g} GB")
+    if fb_peak > budget:
+        return "layer", c, f"{where}; not fb: {mem}"
+    return "fb", c, f"{where}, {microbatches} micro-batches, {mem}"
 
 
 def not_runnable_because(layout: Layout, *, zero: int = 0, alltoall: str = "flat",

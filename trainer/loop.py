@@ -59,10 +59,11 @@ class Trainer:
         self.precision = resolve_precision(t, self.device.type)
         self.autocast = self.precision.autocast
         self.out = Path(t.out_dir)
-        self.model = build_model(self.cfg, self.mcfg, self.mesh)
+        self.model, overlap = build_model(self.cfg, self.mcfg, self.mesh, prep.fb_memory)
+        self.fb = overlap == "fb"  # resolve_a2a's: none with ep = 1
         moe_ids = [i for i, b in enumerate(self.model.layers) if b.is_moe]  # the whole model's
         self.pipe = build_pipeline(self.cfg, self.mcfg, self.mesh, self.model, self.precision,
-                                   self.device) if self.mesh.pp > 1 else None
+                                   self.device, self.fb) if self.mesh.pp > 1 else None
         self.model.materialize(self.device, seed=t.seed)
         apply_tp(self.cfg, self.model, self.mesh, self.device)  # slices the whole weights
         if self.hf is not None and self.resume_path is None:
@@ -113,7 +114,7 @@ class Trainer:
         self.parts = StepParts(self.cfg, self.mcfg, self.mesh, self.corpus, self.device,
                                self.precision, self.model, self.pipe, self.sync, self.optim,
                                self.stats, self.hooks, self.balancer, self.flops_per_token,
-                               self.peak)
+                               self.peak, self.fb)
         self.ckpt = CheckpointManager(self.parts, self.state, self.hf, self.elastic)
 
     # -- the public surface ------------------------------------------------------------------

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,6 @@ from typing import Any
 import torch
 
 from model.attention import DOC_ATTENTION
-from pipeline.schedule import FB_SCHEDULES
 
 from .checkpoint import CheckpointError, check_same_model, find_latest, read_meta
 from .config import ConfigError, RunConfig
@@ -35,6 +35,7 @@ from .layout import (
     check_choice,
     check_redundant,
     divisors,
+    fb_problems,
     pipelined_expert_path,
 )
 from .observe.metrics import check_observability
@@ -84,6 +85,10 @@ class Prepared:
     # what checkpoints record for elastic restarts (trainer.elastic.resolve): the world the
     # configured layout is for, and whether this attempt runs a re-planned layout
     elastic: dict = dataclasses.field(default_factory=dict)
+    # --comm.a2a_overlap=auto: the planner's memory of this run under fb (train.py passes
+    # `tuner.fb_memory.fb_memory_of_run`, the trainer sits below the tuner); None: not known,
+    # so auto does not pick fb (`trainer.build.resolve_a2a`)
+    fb_memory: Callable[..., tuple[float, float]] | None = None
 
 
 def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
@@ -132,7 +137,7 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
         print(f"note: {zero_note}", file=sys.stderr, flush=True)
     _check_redundant(cfg.balance.redundant, E, mesh.ep)
     check_choice("comm.alltoall", cfg.comm.alltoall, TRAINER_ALLTOALL)
-    check_choice("comm.a2a_overlap", cfg.comm.a2a_overlap, (*TRAINER_A2A_OVERLAP, "auto"))
+    check_choice("comm.a2a_overlap", cfg.comm.a2a_overlap, TRAINER_A2A_OVERLAP)
     a2a_chunks(cfg.comm.a2a_chunks)
     if cfg.comm.a2a_overlap == "fb":
         check_fb(cfg, mesh.pp)
@@ -315,21 +320,12 @@ def _check_microbatches(cfg: RunConfig, mesh: Mesh) -> None:
 
 def check_fb(cfg: RunConfig, pp: int) -> None:
     """--comm.a2a_overlap=fb pairs one micro-batch's backward with another's forward: it needs
-    two micro-batches, a schedule it can pair, and no block recompute in the backward (a
-    recomputed MoE forward would overwrite the layer's routing outputs the paired forward
-    reads; trainer/step.py)."""
-    par = cfg.parallel
-    if par.microbatches < 2:
-        raise ConfigError(f"comm.a2a_overlap=fb with parallel.microbatches={par.microbatches}: "
-                          f"it pairs one micro-batch's backward with another's forward; use "
-                          f"parallel.microbatches >= 2 (or a2a_overlap layer)")
-    if pp > 1 and par.schedule not in FB_SCHEDULES:
-        raise ConfigError(f"comm.a2a_overlap=fb with parallel.schedule={par.schedule!r} (pp={pp}) "
-                          f"is not built; it runs with {', '.join(FB_SCHEDULES)}")
-    if cfg.train.checkpointing == "full":
-        raise ConfigError("comm.a2a_overlap=fb with train.checkpointing='full' is not built (the "
-                          "backward's recomputed MoE forward would run beside the paired "
-                          "forward); use train.checkpointing none or selective")
+    two micro-batches, a schedule it can pair, and no block recompute in the backward
+    (`trainer.layout.fb_problems`, the rule `auto` keeps to as well)."""
+    problems = fb_problems(cfg.parallel.microbatches, pp, cfg.parallel.schedule,
+                           cfg.train.checkpointing)
+    if problems:
+        raise ConfigError("; ".join(f"comm.a2a_overlap=fb with {p}" for p in problems))
 
 
 def _check_virtual(par) -> None:

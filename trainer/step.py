@@ -64,6 +64,7 @@ class StepParts:
     balancer: Balancer | None  # None without migration
     flops_per_token: float
     peak: float  # FLOP/s per process (0: no MFU)
+    fb: bool = False  # --comm.a2a_overlap fb, as resolved (auto may pick it): micro-batches paired
 
 
 @dataclass
@@ -216,7 +217,7 @@ def _forward_backward(parts: StepParts, tokens: torch.Tensor, targets: torch.Ten
     def backward(losses: tuple[torch.Tensor, torch.Tensor]) -> None:
         ((losses[0] + losses[1]) / M).backward()
 
-    if parts.cfg.comm.a2a_overlap == "fb" and parts.mesh.ep > 1:
+    if parts.fb:
         _fb_microbatches(parts, M, forward, backward)
     else:
         for j in range(M):

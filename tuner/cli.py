@@ -8,7 +8,7 @@
     python -m tuner estimate --model M --platform P --gpus N --seq S --global-batch B [--mbs 1]
         [--pp 1] [--vpp 1] [--tp 1] [--cp 1] [--ep 1] [--etp 1] [--zero 0|1|2|3]
         [--recompute none|selective|full] [--dispatch flat|halo|dedup|auto]
-        [--a2a-overlap none|layer|fb] [--precision bf16|fp8]
+        [--a2a-overlap none|layer|fb|auto] [--precision bf16|fp8]
         [--precision-policy trainer|published|megatron] [--schedule S] [--ep-placement P]
         [--redundant R] [--zero3-gather microbatch|step [--zero3-runs N]] [--host-floor-ms MS]
         [--mtp-layers N] [--json]
@@ -441,7 +441,8 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
                    help="MoE all-to-all: flat, halo, dedup (one copy per remote node), auto")
     e.add_argument("--a2a-overlap", default="none", choices=A2A_OVERLAP,
                    help="all-to-all hidden behind compute: none, inside the MoE layer, across "
-                        "micro-batches")
+                        "micro-batches, or auto (what train.py's --comm.a2a_overlap=auto runs "
+                        "on this layout: trainer.layout.auto_overlap)")
     e.add_argument("--precision", default="bf16", choices=PRECISIONS, help="GEMM precision")
     e.add_argument("--precision-policy", default="trainer", choices=PRECISION_POLICIES,
                    help="bytes of training state and collectives: what train.py holds "

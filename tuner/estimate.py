@@ -26,7 +26,8 @@ Memory of pipeline rank r (bytes):
                  with its own weights, gradients and optimizer state, sharded under ZeRO
                  like the other experts (replica group DP).
     activations  peak_inflight(schedule)[r] x the largest per-micro-batch activation of one of
-                 its chunks (see `tuner.counts`), + one layer's working set when recomputing,
+                 its chunks (see `tuner.counts`; with a2a_overlap fb the paired schedule's
+                 in-flight count, `fb_inflight`), + one layer's working set when recomputing,
                  + the last stage's logits (bf16 and fp32 for the loss) for one micro-batch
                  With TP + SP and CP the tokens of a micro-batch are split over the whole
                  stage (b s / (M x stage ranks) per rank), so every activation is per rank
@@ -105,7 +106,8 @@ Step time (seconds), for the busiest rank:
       remote node, auto: the cheapest the trainer's auto picks among; `tuner.comms`) and
       `a2a_overlap` (none; layer: chunked, hidden behind the shared/dense branch and the
       other chunks' expert GEMMs; fb: a forward and a backward micro-batch hide each other's
-      exchange in the pipeline's steady state; `a2a_exposed`)
+      exchange in the pipeline's steady state; `a2a_exposed`; auto: the mode and chunks the
+      trainer's auto runs, `resolve_overlap`)
     FP8 GEMMs (`precision="fp8"`): projections and FFNs at the FP8 peak (`gemm_peak`);
     the attention core, router and lm_head stay bf16; MFU stays against the bf16 peak; the
     casts to FP8 of each GEMM's input and output gradient at HBM bandwidth
@@ -124,6 +126,8 @@ from dataclasses import dataclass, field
 
 from model import ModelConfig
 from pipeline import bubble_fraction, build, peak_inflight
+from pipeline.schedule import FB_SCHEDULES, build_fb
+from trainer.layout import auto_overlap, fb_problems
 from tuner.comms import (
     GroupPlacement,
     allreduce_time,
@@ -164,7 +168,8 @@ from tuner.platform import Platform
 from tuner.sharing import core_speed, shared_imbalance, shared_makespan
 
 __all__ = ["Estimate", "StageMemory", "estimate", "run_bubble", "stage_memory", "schedule_stats",
-           "step_time_lower_bound", "reduce_scatter_time", "all_gather_time", "layer_device_time"]
+           "step_time_lower_bound", "reduce_scatter_time", "all_gather_time", "layer_device_time",
+           "fb_inflight", "fb_memory", "resolve_overlap"]
 
 _TP_PARTS = ("attention", "shared_experts", "dense_ffn")  # split over TP (norms, router not)
 
@@ -329,6 +334,28 @@ def schedule_stats(name: str, pp: int, microbatches: int, n_virtual: int) -> tup
     return 1.0 - m * v * 3.0 / span, peaks
 
 
+def fb_pairs(plan: ParallelPlan) -> bool:
+    """Whether `plan` pairs micro-batches (a2a_overlap fb with an exchange, >= 2 micro-batches
+    and, with pp > 1, a schedule `pipeline.schedule.build_fb` pairs): then its ranks hold
+    `fb_inflight` micro-batches' activations."""
+    return (plan.a2a_overlap == "fb" and plan.ep > 1 and plan.microbatches >= 2
+            and (plan.pp == 1 or plan.schedule in FB_SCHEDULES))
+
+
+@functools.lru_cache(maxsize=1024)
+def fb_inflight(name: str, pp: int, microbatches: int, n_virtual: int) -> tuple[int, ...]:
+    """Peak in-flight micro-batches per pipeline rank of the paired schedule
+    (`pipeline.schedule.build_fb`; with pp = 1 the trainer's paired loop, which holds what
+    build_fb("1f1b", 1, M) does: 2 against the plain loop's 1), a pair's F alive beside its
+    B. 1F1B's deeper warm-up makes rank r hold 2(p - r) against p - r. The peaks are flat
+    beyond the warm-up, so M is capped at 4 p v (checked for p 1-4, v 1-3 up to 8 p v)."""
+    name = name if pp > 1 else "1f1b"
+    m = min(microbatches, 4 * pp * n_virtual)
+    kw = {"n_virtual": n_virtual} if name == "interleaved-1f1b" else {}
+    peaks = peak_inflight(build_fb(name, pp, m, **kw))
+    return tuple(peaks[r] for r in range(pp))
+
+
 def run_bubble(plan: ParallelPlan, asm: Assumptions) -> float:
     """Bubble fraction of a step's pipeline. One schedule run of all M micro-batches, except
     where the step accumulates over several whole runs (`Assumptions.zero3_runs` with
@@ -457,10 +484,16 @@ def _layer_act(lc: LayerCounts, ckpt: str, t_attn: float, t_exp: float, D: int,
 _MOE_MODULE_PARTS = ("router", "experts", "shared_experts")
 
 
-def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
+def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform | None,
                  precision: PrecisionPolicy = PUBLISHED_PRECISION,
                  assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> list[StageMemory]:
-    """Per pipeline rank memory breakdown (see the module docstring)."""
+    """Per pipeline rank memory breakdown (see the module docstring). `platform` places the
+    groups and states the memory of a2a_overlap "auto" (`resolve_overlap`); nothing else here
+    reads it. With fb (`fb_pairs`) the in-flight micro-batches are `fb_inflight`'s."""
+    if plan.a2a_overlap == "auto":
+        if platform is None:
+            raise ValueError("a2a_overlap='auto' needs the platform (its nodes, its memory)")
+        plan, assumptions, _ = resolve_overlap(cfg, plan, platform, precision, assumptions)
     _check(cfg, plan, assumptions)
     D, pb = cfg.d_model, precision
     if plan.zero == 3 and pb.fsdp_master_shard:
@@ -470,6 +503,8 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
     t_attn = plan.attention_tokens(assumptions.attention)
     t_exp = plan.expert_tokens * assumptions.routing_imbalance
     _, inflight = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
+    if fb_pairs(plan):
+        inflight = fb_inflight(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
     emb, head = head_params(cfg)
     aset = assumptions.activation_set
     out = []
@@ -573,6 +608,44 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
             moe_layers=sum(1 for i in layers if cfg.is_moe_layer(i)),
         ))
     return out
+
+
+def fb_memory(cfg: ModelConfig, plan: ParallelPlan, precision: PrecisionPolicy,
+              asm: Assumptions) -> tuple[float, float]:
+    """(peak bytes, extra activation bytes) of the rank with the largest peak when `plan`
+    runs with a2a_overlap fb: `stage_memory` with `fb_inflight`'s micro-batches, and what
+    that holds beyond the same plan with layer (the plain schedule's in-flight count)."""
+    with_fb = stage_memory(cfg, plan.replace(a2a_overlap="fb"), None, precision, asm)
+    plain = stage_memory(cfg, plan.replace(a2a_overlap="layer"), None, precision, asm)
+    r = max(range(len(with_fb)), key=lambda i: with_fb[i].total)
+    return with_fb[r].total, with_fb[r].activations - plain[r].activations
+
+
+def resolve_overlap(cfg: ModelConfig, plan: ParallelPlan, pf: Platform,
+                    precision: PrecisionPolicy = PUBLISHED_PRECISION,
+                    asm: Assumptions = DEFAULT_ASSUMPTIONS
+                    ) -> tuple[ParallelPlan, Assumptions, str]:
+    """(plan, assumptions, why): a plan with a2a_overlap "auto" as the trainer's
+    --comm.a2a_overlap=auto runs it (`trainer.layout.auto_overlap`, the same rule as
+    `trainer.build.resolve_a2a`): the EP group's nodes from `place_groups` on `pf`, fb's
+    memory from `fb_memory` against the platform's usable HBM; the chunks the trainer's
+    auto runs (2) where `Assumptions.a2a_chunks` is 0 (auto). Other plans come back as
+    they are, why "". """
+    if plan.a2a_overlap != "auto":
+        return plan, asm, ""
+    nodes = place_groups(plan, pf.gpus_per_node, asm.attention)[0]["ep"].nodes \
+        if plan.ep > 1 else 1
+    peak = extra = None
+    if plan.tp == 1 and nodes > 1 and not fb_problems(plan.microbatches, plan.pp, plan.schedule,
+                                                      plan.checkpointing):
+        peak, extra = fb_memory(cfg, plan, precision, asm)
+    mode, chunks, why = auto_overlap(nodes, tp=plan.tp, microbatches=plan.microbatches,
+                                     pp=plan.pp, schedule=plan.schedule,
+                                     recompute=plan.checkpointing, fb_peak=peak,
+                                     budget=pf.usable_hbm, fb_extra=extra)
+    if mode != "none" and not asm.a2a_chunks:
+        asm = dataclasses.replace(asm, a2a_chunks=chunks)
+    return plan.replace(a2a_overlap=mode), asm, why
 
 
 def _held_params(part: str, n: float, plan: ParallelPlan, asm: Assumptions,
@@ -796,7 +869,9 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
              precision: PrecisionPolicy = PUBLISHED_PRECISION,
              assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> Estimate:
     """Memory, step time and MFU of `parallel_cfg` for `model_cfg` on `platform`."""
-    cfg, plan, pf, asm, pb = model_cfg, parallel_cfg, platform, assumptions, precision
+    plan, asm, auto_why = resolve_overlap(model_cfg, parallel_cfg, platform, precision,
+                                          assumptions)
+    cfg, pf, pb = model_cfg, platform, precision
     stages = stage_memory(cfg, plan, pf, precision, asm)
     D = cfg.d_model
     kinds = _kind_counts(cfg, plan.ep, plan.seq_len, asm.flash_attention)
@@ -927,7 +1002,10 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
         + ("; ZeRO-3: the fp32 master shard is the weight held (FSDP2's mixed precision), "
            "layers gathered at the wire width" if plan.zero == 3 and pb.fsdp_master_shard
            else ""),
-    ) + (("all-to-all dedup: closed form (comm.netsim has no dedup exchange)",)
+    ) + ((f"a2a_overlap auto: {plan.a2a_overlap}"
+          f"{f' / {asm.a2a_chunks} chunks' if plan.a2a_overlap != 'none' else ''} ({auto_why};"
+          f" trainer.layout.auto_overlap)",) if auto_why else ()) \
+        + (("all-to-all dedup: closed form (comm.netsim has no dedup exchange)",)
          if asm.alltoall_model == "netsim" and plan.alltoall == "dedup" else ()) \
         + ((f"parallel folding: dense side tp={plan.tp} x cp={plan.cp} x dp={plan.attn_dp}, "
           f"expert side etp={plan.etp} x ep={plan.ep} x edp={plan.dp}; TP with sequence "

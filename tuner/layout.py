@@ -500,7 +500,7 @@ class ParallelPlan:
     tp: int = 1  # tensor parallel (with sequence parallel) of attention and dense weights
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention)
     etp: int = 1  # expert tensor parallel: each expert's F dimension split over etp ranks
-    a2a_overlap: str = "none"  # none | layer | fb (A2A_OVERLAP)
+    a2a_overlap: str = "none"  # none | layer | fb | auto (A2A_OVERLAP; `estimate` resolves auto)
     precision: str = "bf16"  # GEMM precision: bf16 | fp8 (PRECISIONS)
 
     def __post_init__(self) -> None:
@@ -619,9 +619,14 @@ def trainer_layout(plan: ParallelPlan):  # noqa: ANN201 - trainer.layout.Layout
 
 def not_runnable(plan: ParallelPlan) -> list[str]:
     """What train.py lacks to run `plan` ([] when it runs it): `trainer.layout`'s
-    `not_runnable_because` of the plan's layout and choices."""
-    from trainer.layout import not_runnable_because
+    `not_runnable_because` of the plan's layout and choices, and with a2a_overlap fb its
+    `fb_problems` (micro-batches, schedule, recompute)."""
+    from trainer.layout import fb_problems, not_runnable_because
 
-    return not_runnable_because(trainer_layout(plan), zero=plan.zero, alltoall=plan.alltoall,
-                                a2a_overlap=plan.a2a_overlap, recompute=plan.checkpointing,
-                                precision=plan.precision)
+    out = not_runnable_because(trainer_layout(plan), zero=plan.zero, alltoall=plan.alltoall,
+                               a2a_overlap=plan.a2a_overlap, recompute=plan.checkpointing,
+                               precision=plan.precision)
+    if plan.a2a_overlap == "fb":
+        out += [f"a2a_overlap fb with {p}" for p in fb_problems(
+            plan.microbatches, plan.pp, plan.schedule, plan.checkpointing)]
+    return out

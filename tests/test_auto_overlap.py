@@ -1,0 +1,230 @@
+"""`--comm.a2a_overlap=auto`: one rule (`trainer.layout.auto_overlap`) for the trainer's
+`trainer.build.resolve_a2a` and the planner's price of a plan with a2a_overlap "auto"
+(`tuner.estimate.resolve_overlap`); fb's memory in the planner (`fb_inflight`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from types import SimpleNamespace
+
+import pytest
+
+from comm.topology import Topology
+from model import presets
+from trainer.build import resolve_a2a
+from trainer.config import ConfigError, parse_args
+from trainer.layout import Layout, auto_overlap, fb_problems
+from trainer.setup import check_fb
+from tuner import estimate, load_platform
+from tuner.estimate import fb_inflight, fb_memory, resolve_overlap, stage_memory
+from tuner.fb_memory import fb_memory_of_run
+from tuner.layout import Assumptions, ParallelPlan, trainer_precision
+
+GB = 1e9
+
+
+def test_rule_by_hand():
+    fits = {"fb_peak": 1 * GB, "budget": 2 * GB}
+    # inside one node, or under tensor parallel: nothing to hide / not built
+    assert auto_overlap(1, microbatches=4, **fits)[:2] == ("none", 1)
+    mode, chunks, why = auto_overlap(2, tp=2, microbatches=4, **fits)
+    assert (mode, chunks) == ("none", 1) and "tensor parallel (tp=2)" in why
+    # across nodes: fb / 2 with >= 2 micro-batches and the memory known to fit
+    mode, chunks, why = auto_overlap(2, microbatches=2, fb_extra=0.25 * GB, **fits)
+    assert (mode, chunks) == ("fb", 2), why
+    assert "EP group on 2 nodes, 2 micro-batches" in why and "+0.25 GB" in why
+    assert "budget 2 GB" in why
+    # one micro-batch: layer / 2, and why not fb
+    mode, chunks, why = auto_overlap(2, microbatches=1, **fits)
+    assert (mode, chunks) == ("layer", 2) and "parallel.microbatches=1" in why
+    # the memory: not known, or not fitting
+    assert auto_overlap(2, microbatches=4)[:2] == ("layer", 2)
+    assert "not known to fit" in auto_overlap(2, microbatches=4, fb_peak=1 * GB)[2]
+    mode, _, why = auto_overlap(2, microbatches=4, fb_peak=3 * GB, budget=2 * GB)
+    assert mode == "layer" and "not fb: a rank's predicted peak with fb 3 GB" in why
+    # what the trainer refuses under fb, auto does not pick
+    assert auto_overlap(2, microbatches=4, pp=2, schedule="gpipe", **fits)[0] == "layer"
+    assert auto_overlap(2, microbatches=4, pp=2, schedule="zb-h1", **fits)[0] == "layer"
+    assert auto_overlap(2, microbatches=4, pp=2, schedule="1f1b", **fits)[0] == "fb"
+    assert auto_overlap(2, microbatches=4, pp=2, schedule="interleaved-1f1b", **fits)[0] == "fb"
+    assert auto_overlap(2, microbatches=4, pp=1, schedule="gpipe", **fits)[0] == "fb"  # unused
+    assert auto_overlap(2, microbatches=4, recompute="full", **fits)[0] == "layer"
+    assert auto_overlap(2, microbatches=4, recompute="selective", **fits)[0] == "fb"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--parallel.microbatches=1"], "comm.a2a_overlap=fb with parallel.microbatches=1"),
+    (["--parallel.microbatches=4", "--parallel.schedule=gpipe"],
+     "comm.a2a_overlap=fb with parallel.schedule='gpipe' (pp=2) is not built"),
+    (["--parallel.microbatches=4", "--train.checkpointing=full"],
+     "comm.a2a_overlap=fb with train.checkpointing='full' is not built"),
+])
+def test_check_fb_refuses_what_fb_problems_names(args, needle):
+    """The trainer's refusal of an explicit fb and auto's reason not to pick it are one list."""
+    cfg = parse_args(["--comm.a2a_overlap=fb", *args])
+    with pytest.raises(ConfigError) as e:
+        check_fb(cfg, 2)
+    assert needle in str(e.value)
+    par = cfg.parallel
+    assert len(fb_problems(par.microbatches, 2, par.schedule, cfg.train.checkpointing)) == 1
+    check_fb(parse_args(["--comm.a2a_overlap=fb", "--parallel.microbatches=2"]), 2)
+
+
+def test_fb_memory_holds_the_paired_micro_batches():
+    """The planner's memory of fb: pp = 1 holds two micro-batches' activations (the plain
+    loop one), 1F1B at pp = 2 four and two on ranks 0 and 1 (plain: two and one)."""
+    cfg = presets.get("tiny")
+    asm, pb = Assumptions(activation_set="trainer"), trainer_precision("gloo")
+    plan = ParallelPlan(pp=1, ep=2, dp=1, microbatches=4, global_batch=8, seq_len=64)
+    layer = stage_memory(cfg, plan.replace(a2a_overlap="layer"), None, pb, asm)[0]
+    fb = stage_memory(cfg, plan.replace(a2a_overlap="fb"), None, pb, asm)[0]
+    assert fb.activations == pytest.approx(2 * layer.activations, rel=1e-12)
+    assert fb.weights == layer.weights and fb.buffers == layer.buffers
+    peak, extra = fb_memory(cfg, plan, pb, asm)
+    assert (peak, extra) == (fb.total, pytest.approx(layer.activations, rel=1e-12))
+    pp2 = ParallelPlan(pp=2, ep=2, dp=1, microbatches=4, global_batch=8, seq_len=64)
+    plain2 = stage_memory(cfg, pp2, None, pb, asm)
+    fb2 = stage_memory(cfg, pp2.replace(a2a_overlap="fb"), None, pb, asm)
+    for r, (k_fb, k_plain) in enumerate(((4, 2), (2, 1))):  # in flight, rank 0 and rank 1
+        per_mb = plain2[r].act_by_part["experts"] / k_plain
+        assert fb2[r].act_by_part["experts"] == pytest.approx(k_fb * per_mb, rel=1e-12)
+    assert fb_inflight("1f1b", 1, 4, 1) == (2,)
+    assert fb_inflight("gpipe", 1, 4, 1) == (2,)  # pp = 1: the trainer's paired loop
+    assert fb_inflight("1f1b", 2, 8, 1) == (4, 2)
+    assert fb_inflight("1f1b", 2, 1000, 1) == (4, 2)  # flat beyond the warm-up
+    # no exchange (ep = 1) or nothing paired (M = 1): the plain schedule's count
+    one = plan.replace(ep=1, a2a_overlap="fb")
+    assert stage_memory(cfg, one, None, assumptions=asm)[0].activations == pytest.approx(
+        stage_memory(cfg, one.replace(a2a_overlap="none"), None, assumptions=asm)[0].activations)
+
+
+GPUS = 2  # per node, in the trainer's topology and the planner's platform
+
+
+def _platform(hbm_bytes: float):
+    return dataclasses.replace(load_platform("local"), gpus_per_node=GPUS, nics_per_node=1,
+                               hbm_bytes=hbm_bytes)
+
+
+GRID = list(itertools.product((1, 2), (1, 2, 4), (1, 2), (1, 2), ("none", "full"),
+                              ("fits", "too small")))
+
+
+@pytest.mark.parametrize("nodes,M,tp,pp,recompute,memory", GRID)
+def test_trainer_and_planner_agree(monkeypatch, nodes, M, tp, pp, recompute, memory):
+    """On a grid of EP spans, micro-batches, TP, PP, recompute and memory the trainer's
+    resolve_a2a (with the planner's memory of the run, as train.py passes it, and a budget
+    set to the platform's usable memory) runs what the planner prices a plan with
+    a2a_overlap "auto" as: the same mode and chunks."""
+    import trainer.build
+
+    cfg_m = presets.get("tiny")
+    ep = nodes * GPUS
+    world = pp * ep
+    plan = ParallelPlan(pp=pp, ep=ep, dp=1, microbatches=M, global_batch=16, seq_len=64, tp=tp,
+                        checkpointing=recompute, a2a_overlap="auto")
+    precision = trainer_precision("gloo")
+    asm = Assumptions(activation_set="trainer", zero_sharding="per-parameter")
+    peak, _ = fb_memory(cfg_m, plan, precision, asm)
+    pf = _platform(peak / 0.9 * (2 if memory == "fits" else 0.5))
+    planned, asm_out, _ = resolve_overlap(cfg_m, plan, pf, precision, asm)
+    want = (planned.a2a_overlap,
+            asm_out.a2a_chunks if planned.a2a_overlap != "none" else 1)
+
+    monkeypatch.setattr(trainer.build, "fb_budget", lambda: pf.usable_hbm)
+    cfg = parse_args(["--comm.alltoall=flat", "--comm.a2a_overlap=auto",
+                      f"--parallel.microbatches={M}", f"--parallel.pp={pp}",
+                      f"--parallel.ep={ep}", f"--parallel.tp={tp}", "--train.global_batch=16",
+                      "--train.seq_len=64", f"--train.checkpointing={recompute}",
+                      "--parallel.schedule=1f1b"])
+    layout = Layout(world, pp=pp, ep=ep, tp=tp)
+    mesh = SimpleNamespace(ep=ep, tp=tp, pp=pp, rank=1, layout=layout)
+    _, overlap, chunks = resolve_a2a(cfg, cfg_m, mesh, Topology.uniform(nodes, GPUS),
+                                     fb_memory_of_run)
+    assert (overlap, chunks) == want
+    # and the rule's expected outcome on this grid
+    if tp > 1 or nodes == 1:
+        assert want == ("none", 1)
+    elif M >= 2 and recompute == "none" and memory == "fits":
+        assert want == ("fb", 2)
+    else:
+        assert want == ("layer", 2)
+
+
+def test_trainer_logs_the_decision_and_why(capsys, monkeypatch):
+    import trainer.build
+
+    monkeypatch.setattr(trainer.build, "fb_budget", lambda: 8 * GB)
+    cfg_m = presets.get("tiny")
+    cfg = parse_args(["--comm.alltoall=flat", "--comm.a2a_overlap=auto",
+                      "--parallel.microbatches=2", "--parallel.ep=4", "--train.global_batch=8"])
+    mesh = SimpleNamespace(ep=4, tp=1, pp=1, rank=0, layout=Layout(4, ep=4))
+    topo = Topology.uniform(2, GPUS)
+    assert resolve_a2a(cfg, cfg_m, mesh, topo, lambda *a: (1 * GB, 0.5 * GB)) == \
+        ("flat", "fb", 2)
+    out = capsys.readouterr().out
+    assert "comm.a2a_overlap=auto: fb (EP group on 2 nodes, 2 micro-batches, a rank's " \
+           "predicted peak with fb 1 GB (+0.5 GB of activations), budget 8 GB)" in out
+    assert "comm.a2a_chunks=auto: 2 (a2a_overlap=auto)" in out
+    # without the planner's memory (no train.py): not known to fit, layer
+    assert resolve_a2a(cfg, cfg_m, mesh, topo) == ("flat", "layer", 2)
+    assert "comm.a2a_overlap=auto: layer (EP group on 2 nodes; not fb: its activation " \
+           "memory is not known to fit)" in capsys.readouterr().out
+
+    def unmodelled(*a):
+        raise ValueError("no such layout")
+
+    assert resolve_a2a(cfg, cfg_m, mesh, topo, unmodelled)[1] == "layer"
+    assert "fb's memory not estimated (no such layout)" in capsys.readouterr().out
+    # an explicit fb keeps its 1 chunk by default
+    fb = parse_args(["--comm.alltoall=flat", "--comm.a2a_overlap=fb",
+                     "--parallel.microbatches=2"])
+    assert resolve_a2a(fb, cfg_m, mesh, topo) == ("flat", "fb", 1)
+
+
+def test_estimate_prices_auto_as_the_mode_it_resolves_to():
+    """`tuner.estimate` of a plan with a2a_overlap "auto" is the estimate of the plan with the
+    mode and chunks auto resolves to, and says so in its notes."""
+    cfg = presets.get("tiny")
+    asm = Assumptions(activation_set="trainer", zero_sharding="per-parameter")
+    precision = trainer_precision("gloo")
+    pf = _platform(64 * GB)
+    for M, mode in ((1, "layer"), (4, "fb")):
+        plan = ParallelPlan(pp=1, ep=4, dp=1, microbatches=M, global_batch=16, seq_len=64,
+                            a2a_overlap="auto")
+        e = estimate(cfg, plan, pf, precision, asm)
+        same = estimate(cfg, plan.replace(a2a_overlap=mode), pf, precision,
+                        dataclasses.replace(asm, a2a_chunks=2))
+        assert e.plan.a2a_overlap == mode and e.step_time == same.step_time
+        assert e.peak_memory == same.peak_memory
+        assert any(n.startswith(f"a2a_overlap auto: {mode} / 2 chunks") for n in e.notes)
+
+
+def test_cli_estimate_takes_auto(capsys):
+    import json
+
+    from tuner.cli import main
+
+    assert main(["estimate", "--model", "tiny", "--platform", "local", "--gpus", "8",
+                 "--ep", "8", "--global-batch", "16", "--seq", "64", "--a2a-overlap", "auto",
+                 "--json"]) == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # local: 4 processes a node, so EP 8 spans 2; M = 16 / 8 = 2 micro-batches
+    assert s["layout"]["a2a_overlap"] == "fb" and s["runnable"] is True
+
+
+def test_planner_reports_refused_fb_not_runnable():
+    from tuner.layout import not_runnable
+
+    base = ParallelPlan(pp=2, ep=2, dp=1, microbatches=4, global_batch=8, seq_len=64,
+                        a2a_overlap="fb")
+    assert not_runnable(base) == []
+    assert not_runnable(base.replace(a2a_overlap="auto")) == []
+    why = not_runnable(base.replace(schedule="gpipe", checkpointing="full"))
+    assert why == ["a2a_overlap fb with parallel.schedule='gpipe' (pp=2) is not built; it runs "
+                   "with 1f1b, interleaved-1f1b",
+                   "a2a_overlap fb with train.checkpointing='full' is not built (the backward's "
+                   "recomputed MoE forward would run beside the paired forward); use "
+                   "train.checkpointing none or selective"], why
+    assert "parallel.microbatches=1" in not_runnable(base.replace(microbatches=1))[0]
