@@ -378,3 +378,23 @@ def test_cuda_event_spans(tmp_path: Path) -> None:
         assert t0 <= s.start <= s.end <= t1 + 1e-3, (s, t0, t1)
     for a, b in zip(spans, spans[1:], strict=False):  # one stream: spans do not overlap
         assert b.start >= a.end - 1e-6, (a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+def test_fb_budget_reads_the_device() -> None:
+    """--comm.a2a_overlap=auto's memory budget on a GPU (trainer.build.fb_budget): a share of
+    the device's free memory as torch reports it, so between 0 and the device's total; more
+    allocated leaves less (CPU runs take the host's MemAvailable instead)."""
+    from trainer.build import FB_BUDGET_SHARE, fb_budget
+
+    free, total = torch.cuda.mem_get_info()
+    before = fb_budget()
+    assert 0 < before <= FB_BUDGET_SHARE * total
+    assert before == pytest.approx(FB_BUDGET_SHARE * free, rel=0.05)
+    block = torch.empty(2**30, dtype=torch.uint8, device="cuda")  # 1 GiB held
+    try:
+        assert fb_budget() <= before - FB_BUDGET_SHARE * 2**30 * 0.9
+    finally:
+        del block
+        torch.cuda.empty_cache()
