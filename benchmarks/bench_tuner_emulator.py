@@ -73,15 +73,33 @@ GROUP_KEYS = ("nodes", "gpus_per_node", "nic_mbit", "arm", "microbatches", "expe
               "git_sha")
 
 
+def parse_run_spec(spec: str) -> tuple[str, str, int, int, int]:
+    """`--run`'s SETUP:ARM:M[:EXPERTS:TOPK] -> (setup, arm, micro-batches, experts, top-k);
+    without the last two the bench_moe_overlap job's 16 experts at top-4."""
+    parts = spec.split(":")
+    if len(parts) not in (3, 5):
+        raise ValueError(f"--run {spec!r}: need SETUP:ARM:M or SETUP:ARM:M:EXPERTS:TOPK, e.g. "
+                         f"2x2@200:dedup/none:1 or 2x2@200:dedup/none:1:64:8")
+    try:
+        nums = [int(x) for x in parts[2:]]
+    except ValueError:
+        raise ValueError(f"--run {spec!r}: M, EXPERTS and TOPK must be integers") from None
+    m, experts, top_k = nums if len(nums) == 3 else (nums[0], 16, 4)
+    if m < 1 or experts < 1 or not 1 <= top_k <= experts:
+        raise ValueError(f"--run {spec!r}: need M >= 1, EXPERTS >= 1 and 1 <= TOPK <= EXPERTS")
+    parse_emulator_shape(parts[0])  # a named error for a bad setup, before anything runs
+    return parts[0], parts[1], m, experts, top_k
+
+
 def run_parts(setup: str, arm: str, microbatches: int, steps: int = 8, warmup: int = 2,
-              timeout_s: float = 900) -> dict | None:
+              timeout_s: float = 900, experts: int = 16, top_k: int = 4) -> dict | None:
     """One bench_moe_overlap arm (its `run_arm` job and flags) as a row that keeps the step
     parts the trainer logs (fwd_bwd_s, grad_sync_s, optim_s) and the router's imbalance."""
     import bench_moe_overlap
 
     args = bench_moe_overlap.parser().parse_args(
         ["--steps", str(steps), "--warmup", str(warmup), "--microbatches", str(microbatches),
-         "--timeout-s", str(timeout_s)])
+         "--timeout-s", str(timeout_s), "--experts", str(experts), "--top-k", str(top_k)])
     nodes, gpus, mbit = parse_emulator_shape(setup)
     algo, overlap, *rest = arm.split("/")
     got = bench_moe_overlap.train_emulated(setup, arm, args)  # its job, the metrics kept
@@ -249,7 +267,7 @@ def parser() -> argparse.ArgumentParser:
                         "bench_tuner_validate measured, tuner_validate_platform_w4.toml)")
     p.add_argument("--base-8", type=Path, default=None,
                    help="a measured 8-process platform (`tuner measure --procs 8`) for 4x2 rows")
-    p.add_argument("--run", default="", metavar="SETUP:ARM:M,...",
+    p.add_argument("--run", default="", metavar="SETUP:ARM:M[:EXPERTS:TOPK],...",
                    help="first run these bench_moe_overlap arms (needs root; hold "
                         "/tmp/piper-bench.lock), e.g. 2x2@200:dedup/none:1, appending rows "
                         f"with the step parts to {RUNS_FILE} in the output folder")
@@ -263,10 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.run:
         meta_run = {"git_sha": git_sha(), "time": time.strftime("%FT%T"),
                     "device": f"{cpu_name()}, emulated NICs"}
+        specs = [parse_run_spec(spec) for spec in args.run.split(",")]  # all checked first
         with open(output_dir(args) / RUNS_FILE, "a") as f:
-            for spec in args.run.split(","):
-                setup, arm, m = spec.split(":")
-                row = run_parts(setup, arm, int(m))
+            for setup, arm, m, experts, top_k in specs:
+                row = run_parts(setup, arm, m, experts=experts, top_k=top_k)
                 if row is not None:
                     f.write(json.dumps({**meta_run, **row, "repeat": 0}) + "\n")
                     f.flush()

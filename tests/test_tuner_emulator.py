@@ -163,3 +163,15 @@ def test_imbalance_comes_from_rows_of_the_same_router():
     assert not res and "no measured imbalance" in skipped[0]
     res, _ = b.compare([{**ROW, "nic_mbit": 1000.0}], {4: local4()})
     assert res[0]["imbalance"] == b.JOB_IMBALANCE  # the network does not change the routing
+
+
+def test_run_spec_parses_and_names_bad_ones():
+    assert b.parse_run_spec("2x2@200:dedup/none:1") == ("2x2@200", "dedup/none", 1, 16, 4)
+    assert b.parse_run_spec("4x2@1000:flat/fb/2:2:64:8") == ("4x2@1000", "flat/fb/2", 2, 64, 8)
+    for bad, msg in (("2x2@200:flat/none", "need SETUP:ARM:M"),
+                     ("2x2@200:flat/none:1:64", "need SETUP:ARM:M"),
+                     ("2x2@200:flat/none:x", "must be integers"),
+                     ("2x2@200:flat/none:1:8:16", "1 <= TOPK <= EXPERTS"),
+                     ("2x2@200:flat/none:0", "M >= 1")):
+        with pytest.raises(ValueError, match=msg):
+            b.parse_run_spec(bad)
