@@ -126,7 +126,7 @@ from dataclasses import dataclass, field
 
 from model import ModelConfig
 from pipeline import bubble_fraction, build, peak_inflight
-from pipeline.schedule import FB_SCHEDULES, build_fb
+from pipeline.schedule import build_fb
 from trainer.layout import auto_overlap, fb_problems
 from tuner.comms import (
     GroupPlacement,
@@ -338,8 +338,10 @@ def fb_pairs(plan: ParallelPlan) -> bool:
     """Whether `plan` pairs micro-batches (a2a_overlap fb with an exchange, >= 2 micro-batches
     and, with pp > 1, a schedule `pipeline.schedule.build_fb` pairs): then its ranks hold
     `fb_inflight` micro-batches' activations."""
-    return (plan.a2a_overlap == "fb" and plan.ep > 1 and plan.microbatches >= 2
-            and (plan.pp == 1 or plan.schedule in FB_SCHEDULES))
+    # the trainer's fb rules on micro-batches and schedule (`fb_problems`); recompute left out:
+    # a refused fb plan with full recompute is still priced with fb's in-flight count
+    return (plan.a2a_overlap == "fb" and plan.ep > 1
+            and not fb_problems(plan.microbatches, plan.pp, plan.schedule, "none"))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -120,17 +120,17 @@ class StepStats:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.mesh.ep_group)
         out = {"ep_exchange_max_s": float(t[0]), "ep_exchange_min_s": float(-t[1])}
         if stats[0].spans_nodes:  # the EP group spans nodes: rows counted
-            v = torch.tensor(sent, dtype=torch.float64, device=self.device)
+            # one sum over the EP group: the three counts, then each layer's rows sent off
+            # each node (what the busiest NIC carries), layer-major
+            n = stats[0].num_nodes
+            v = torch.zeros(3 + len(stats) * n, dtype=torch.float64, device=self.device)
+            v[:3] = torch.tensor(sent, dtype=torch.float64)
+            for i, st in enumerate(stats):
+                v[3 + i * n + st.node] = float(st.remote_rows)
             dist.all_reduce(v, group=self.mesh.ep_group)
             out.update(ep_remote_rows=float(v[0]), ep_remote_bytes=float(v[1]),
                        ep_flat_remote_rows=float(v[2]))
-            # each layer's rows sent off each node: what the busiest NIC carries
-            per = torch.zeros(len(stats), stats[0].num_nodes, dtype=torch.float64,
-                              device=self.device)
-            for i, st in enumerate(stats):
-                per[i, st.node] = float(st.remote_rows)
-            dist.all_reduce(per, group=self.mesh.ep_group)
-            imb = node_exchange_imbalance(per.cpu().tolist())
+            imb = node_exchange_imbalance(v[3:].view(len(stats), n).cpu().tolist())
             if imb is not None:
                 out["ep_node_imbalance"] = imb
         return out
