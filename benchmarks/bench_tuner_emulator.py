@@ -34,7 +34,14 @@ trainer logs besides, the step's parts (fwd_bwd_s, grad_sync_s, optim_s) and the
 `imbalance`, in tuner_emulator_runs.jsonl, which is read beside the moe_overlap rows:
 
     flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_emulator.py --record \
-        --run 2x2@200:flat/none:1,2x2@200:dedup/none:1,2x2@200:dedup/layer/2:1
+        --run 2x2@200:flat/none:1,2x2@200:dedup/none:1,2x2@200:dedup/layer/2:1 --measure-base
+
+`--measure-base` first measures the base platform of every process count among the --run arms
+(`tuner measure --procs N`, ~1-2 minutes each) and writes it beside the rows as
+tuner_emulator_platform_w<N>.<time>.toml; each row of those runs names its file
+(`base_platform`) and is predicted from it, whatever --base says. This VM's speed drifts by
+10-30 % over tens of minutes, so a base measured right before the arms is the one that
+describes them; rows without a `base_platform` take the invocation's --base / --base-8.
 
 Results: tuner_emulator.jsonl (rows appended) and tuner_emulator.md in
 runs/bench/tuner_emulator/ or --out; --record writes them to benchmarks/results/.
@@ -45,12 +52,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from _common import add_output_args, cpu_name, git_sha, output_dir, previous, print_written
+from _common import RECORDS, add_output_args, cpu_name, git_sha, output_dir, previous, print_written
 
 from model import ModelConfig, presets
 from tuner import Assumptions, ParallelPlan, estimate, load_platform
@@ -195,16 +203,41 @@ def node_imbalances(rows: list[dict]) -> dict[tuple[tuple[int, int, int], str], 
     return {k: statistics.median(v) for k, v in got.items()}
 
 
-def compare(rows: list[dict], bases: dict[int, Platform]) -> tuple[list[dict], list[str]]:
-    """One result per row group (medians over its repeats), and the groups skipped."""
+def row_base(row: dict, dirs: list[Path], cache: dict[str, Platform]) -> Platform | None:
+    """The platform measured for a row's run (`base_platform`, --measure-base), found in the
+    first of `dirs` that has it; None when the row names none. A named file that is missing
+    is an error: predicting the row from another base would hide it."""
+    name = row.get("base_platform")
+    if not name:
+        return None
+    if name not in cache:
+        path = next((d / name for d in dirs if (d / name).is_file()), None)
+        if path is None:
+            raise FileNotFoundError(f"row {row['arm']} ({row.get('time')}) was measured with base "
+                                    f"platform {name!r}, found in none of "
+                                    f"{[str(d) for d in dirs]}")
+        cache[name] = load_platform(path)
+    return cache[name]
+
+
+def compare(rows: list[dict], bases: dict[int, Platform],
+            base_dirs: list[Path] | None = None) -> tuple[list[dict], list[str]]:
+    """One result per row group (medians over its repeats), and the groups skipped. A group
+    whose rows name their own base platform (`row_base`, looked up in `base_dirs`) is
+    predicted from it."""
     out, skipped = [], []
+    cache: dict[str, Platform] = {}
     imb = imbalances(rows)
     node_imb = node_imbalances(rows)
     for grp in group_rows(rows).values():
         r0 = grp[0]
         n = int(r0["nodes"]) * int(r0["gpus_per_node"])
         setup = f"{r0['nodes']}x{r0['gpus_per_node']}@{float(r0['nic_mbit']):g}"
-        if n not in bases:
+        own = row_base(r0, base_dirs or [], cache)
+        if own is not None and own.gpus_per_node != n:
+            raise ValueError(f"{setup} {r0['arm']}: its base platform {r0['base_platform']} "
+                             f"describes {own.gpus_per_node} processes, the run had {n}")
+        if own is None and n not in bases:
             skipped.append(f"{setup} {r0['arm']} m{r0.get('microbatches', 1)}: no base platform "
                            f"of {n} processes (--base-{n})")
             continue
@@ -216,7 +249,7 @@ def compare(rows: list[dict], bases: dict[int, Platform]) -> tuple[list[dict], l
         if not r0.get("node_imbalance") and (router_key(r0), r0["alltoall"]) in node_imb:
             # the same tokens through the same dispatch: the node loads another run measured
             r0["node_imbalance"] = node_imb[(router_key(r0), r0["alltoall"])]
-        pf = emulator_platform(bases[n], int(r0["nodes"]), int(r0["gpus_per_node"]),
+        pf = emulator_platform(own or bases[n], int(r0["nodes"]), int(r0["gpus_per_node"]),
                                float(r0["nic_mbit"]))
         p = predict(r0, pf)
         step = statistics.median(r["step_s"] for r in grp)
@@ -230,7 +263,8 @@ def compare(rows: list[dict], bases: dict[int, Platform]) -> tuple[list[dict], l
                     "node_imbalance": p["node_imbalance"],
                     **{f"meas_{k}": statistics.median(r[k] for r in grp)
                        for k in ("fwd_bwd_s", "grad_sync_s", "optim_s") if k in r0},
-                    "platform": pf.name, "step_err": p["step_s"] / step - 1,
+                    "platform": pf.name, "base_platform": r0.get("base_platform", ""),
+                    "step_err": p["step_s"] / step - 1,
                     "ok": abs(p["step_s"] / step - 1) <= TOL})
     return out, skipped
 
@@ -271,6 +305,10 @@ def parser() -> argparse.ArgumentParser:
                    help="first run these bench_moe_overlap arms (needs root; hold "
                         "/tmp/piper-bench.lock), e.g. 2x2@200:dedup/none:1, appending rows "
                         f"with the step parts to {RUNS_FILE} in the output folder")
+    p.add_argument("--measure-base", action="store_true",
+                   help="with --run: first measure the base platform of each process count "
+                        "among the arms (`tuner measure --procs N`) and predict those rows "
+                        "from it (module docstring)")
     add_output_args(p, "tuner_emulator")
     return p
 
@@ -282,12 +320,28 @@ def main(argv: list[str] | None = None) -> int:
         meta_run = {"git_sha": git_sha(), "time": time.strftime("%FT%T"),
                     "device": f"{cpu_name()}, emulated NICs"}
         specs = [parse_run_spec(spec) for spec in args.run.split(",")]  # all checked first
+        own_base: dict[int, str] = {}
+        if args.measure_base:
+            from tuner.measure import measure_platform
+
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            for n in sorted({math.prod(parse_emulator_shape(s)[:2]) for s, *_ in specs}):
+                name = f"tuner_emulator_platform_w{n}.{stamp}.toml"
+                print(f"[bench_tuner_emulator] measuring the {n}-process base platform -> "
+                      f"{name}", file=sys.stderr, flush=True)
+                measure_platform(output_dir(args) / name, n_procs=n)
+                own_base[n] = name
         with open(output_dir(args) / RUNS_FILE, "a") as f:
             for setup, arm, m, experts, top_k in specs:
                 row = run_parts(setup, arm, m, experts=experts, top_k=top_k)
                 if row is not None:
-                    f.write(json.dumps({**meta_run, **row, "repeat": 0}) + "\n")
+                    n = row["nodes"] * row["gpus_per_node"]
+                    extra = {"base_platform": own_base[n]} if n in own_base else {}
+                    f.write(json.dumps({**meta_run, **row, **extra, "repeat": 0}) + "\n")
                     f.flush()
+    elif args.measure_base:
+        raise SystemExit("--measure-base measures the platform for the arms of --run; "
+                         "give --run SETUP:ARM:M,...")
     if args.rows is None:
         args.rows = [previous(here, "moe_overlap.jsonl"), previous(here, RUNS_FILE)]
     if args.base is None:
@@ -298,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             pf = load_platform(path)
             bases[pf.gpus_per_node] = pf
     rows = [r for path in args.rows if path.is_file() for r in read_rows(path)]
-    results, skipped = compare(rows, bases)
+    base_dirs = list(dict.fromkeys([here, *(p.parent for p in args.rows), RECORDS]))
+    results, skipped = compare(rows, bases, base_dirs)
     meta = {"bench": "tuner_emulator", "git_sha": git_sha(), "time": time.strftime("%FT%T"),
             "device": cpu_name(), "rows_files": [str(p) for p in args.rows],
             "base": str(args.base)}

@@ -175,3 +175,31 @@ def test_run_spec_parses_and_names_bad_ones():
                      ("2x2@200:flat/none:0", "M >= 1")):
         with pytest.raises(ValueError, match=msg):
             b.parse_run_spec(bad)
+
+
+def test_rows_with_their_own_base_are_predicted_from_it(tmp_path):
+    """A --measure-base row names the platform measured just before it; compare predicts it
+    from that file, not from the invocation's base, and a named file that is missing or of
+    another process count is an error, never a silent fallback."""
+    fast = dataclasses.replace(local4(), peak_flops=2 * local4().peak_flops)
+    from tuner.measure import write_platform_toml
+
+    write_platform_toml(fast, tmp_path / "w4.fast.toml", {})
+    own = {**ROW, "base_platform": "w4.fast.toml"}
+    plain, _ = b.compare([ROW], {4: local4()}, [tmp_path])
+    got, _ = b.compare([own], {4: local4()}, [tmp_path])
+    want, _ = b.compare([ROW], {4: load_platform(tmp_path / "w4.fast.toml")}, [tmp_path])
+    assert got[0]["pred_step_s"] == pytest.approx(want[0]["pred_step_s"], rel=1e-12)
+    assert got[0]["pred_step_s"] < plain[0]["pred_step_s"]  # the faster compute took effect
+    assert got[0]["base_platform"] == "w4.fast.toml"
+    # no invocation base of that size needed when the row brings its own
+    assert len(b.compare([own], {}, [tmp_path])[0]) == 1
+    with pytest.raises(FileNotFoundError, match="w4.gone.toml"):
+        b.compare([{**ROW, "base_platform": "w4.gone.toml"}], {4: local4()}, [tmp_path])
+    with pytest.raises(ValueError, match="describes 4 processes, the run had 8"):
+        b.compare([{**own, "nodes": 4}], {}, [tmp_path])
+
+
+def test_measure_base_needs_run():
+    with pytest.raises(SystemExit, match="give --run"):
+        b.main(["--measure-base", "--out", "/nonexistent-not-created"])
