@@ -123,6 +123,7 @@ def run_parts(setup: str, arm: str, microbatches: int, steps: int = 8, warmup: i
             "a2a_overlap": overlap, "a2a_chunks": int(rest[0]) if rest else 1,
             "experts": args.experts, "top_k": args.top_k, "microbatches": microbatches,
             "steps": len(st), "step_s": med("step_time_s"), "exchange_s": med("ep_exchange_max_s"),
+            "exchange_min_s": med("ep_exchange_min_s"),
             "fwd_bwd_s": med("fwd_bwd_s"), "grad_sync_s": med("grad_sync_s"),
             "optim_s": med("optim_s"), "imbalance": med("imbalance"),
             "remote_bytes": med("ep_remote_bytes"), "remote_rows": med("ep_remote_rows"),

@@ -16,7 +16,7 @@ from tuner.estimate import step_time_lower_bound
 from tuner.layout import FP32_TRAINER_PRECISION
 from tuner.measure import write_platform_toml
 from tuner.platform import Platform
-from tuner.sharing import core_speed, shared_makespan
+from tuner.sharing import core_speed, exchange_tail_saving, shared_makespan
 
 FB = {"F": 1.0, "B": 2.0}
 
@@ -126,3 +126,105 @@ def test_gpu_platforms_unchanged(name) -> None:
         a = estimate(cfg, plan, pf, assumptions=Assumptions(shared_cores=True))
         b = estimate(cfg, plan, pf, assumptions=Assumptions(shared_cores=False))
         assert a.step_time == b.step_time and a.time == b.time
+
+
+def _tail_by_steps(work: float, tail: float, procs: int, waiting: int, cores: int,
+                   threads: int, dt: float = 1e-4) -> float:
+    """The saving of `exchange_tail_saving` by brute force: time steps of dt, every process
+    with work left runs at `core_speed` of how many have work left; procs - waiting start
+    at 0, the waiting ones at `tail`; the phase ends when the waiting ones are done."""
+    left = [work] * (procs - waiting) + [work] * waiting
+    start = [0.0] * (procs - waiting) + [tail] * waiting
+    t = 0.0
+    while any(w > 1e-12 for w in left[procs - waiting:]):
+        active = [i for i in range(procs) if start[i] <= t + 1e-12 and left[i] > 1e-12]
+        if active:
+            v = core_speed(len(active), procs, cores, threads)
+            for i in active:
+                left[i] -= v * dt
+        t += dt
+    return tail + work - t  # the all-busy price ends the phase at tail + work
+
+
+def test_exchange_tail_saving_by_hand() -> None:
+    # 4 processes on 2 cores, 2 waiting: the others run at 2x during the tail, the waiting
+    # ones at 2x once the others are done
+    assert exchange_tail_saving(1.0, 0.3, 4, 2, 2, 1) == pytest.approx(0.3)  # r = 0.4
+    assert exchange_tail_saving(1.0, 1.0, 4, 2, 2, 1) == pytest.approx(0.5)  # others done
+    assert exchange_tail_saving(1.0, 0.3, 4, 2, 4, 1) == 0.0  # a core each: nothing to gain
+    assert exchange_tail_saving(1.0, 0.0, 4, 2, 2, 1) == 0.0
+    assert exchange_tail_saving(1.0, 0.3, 4, 4, 2, 1) == 0.0  # everybody waits
+    for bad in ({"work": -1.0}, {"tail": -0.1}, {"waiting": 0}, {"waiting": 5}, {"cores": 0}):
+        kw = {"work": 1.0, "tail": 0.3, "procs": 4, "waiting": 2, "cores": 2, "threads": 1,
+              **bad}
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            exchange_tail_saving(**kw)
+
+
+@pytest.mark.parametrize("procs,waiting,cores,threads,work,tail", [
+    (4, 2, 2, 1, 0.8, 0.25), (4, 1, 2, 1, 0.5, 0.4), (8, 2, 2, 1, 0.6, 0.1),
+    (8, 2, 2, 1, 0.3, 0.5), (8, 3, 4, 1, 0.7, 0.2), (6, 2, 4, 2, 0.5, 0.15),
+    (4, 3, 2, 1, 0.4, 0.3)])
+def test_exchange_tail_saving_equals_a_time_stepped_replay(procs, waiting, cores, threads,
+                                                           work, tail) -> None:
+    got = exchange_tail_saving(work, tail, procs, waiting, cores, threads)
+    assert got == pytest.approx(_tail_by_steps(work, tail, procs, waiting, cores, threads),
+                                abs=2e-3)
+
+
+def _emulated(nodes: int = 2, mbit: float = 200.0) -> Platform:
+    from tuner.measure import emulator_platform
+    return emulator_platform(_cpu(), nodes, 2, mbit)
+
+
+def test_tail_saving_in_the_estimate_on_an_emulated_cluster_only(monkeypatch) -> None:
+    """The estimate's compute drops by the layers' tail savings where the EP group's nodes
+    share the host's cores, and only there; the lower bound stays below the estimate."""
+    import importlib
+
+    te = importlib.import_module("tuner.estimate")
+    cfg = dataclasses.replace(presets.get("tiny"), n_routed_experts=16, top_k=4)
+    plans = [ParallelPlan(pp=1, ep=4, dp=1, microbatches=m, global_batch=16, seq_len=256,
+                          alltoall=a, a2a_overlap=o)
+             for a in ("flat", "halo", "dedup") for o, m in (("none", 1), ("layer", 1),
+                                                             ("fb", 2))]
+    asm = dataclasses.replace(ASM, routing_imbalance=1.7, exchange_imbalance=1.27,
+                              zero_sharding="per-parameter")
+    pf = _emulated()
+    assert pf.host_nodes == 2
+    for plan in plans:
+        on = estimate(cfg, plan, pf, FP32_TRAINER_PRECISION, asm)
+        calls: list[float] = []
+        real = te.tail_saving
+
+        def spy(*a, **k):
+            calls.append(real(*a, **k))
+            return 0.0
+        monkeypatch.setattr(te, "tail_saving", spy)
+        off = estimate(cfg, plan, pf, FP32_TRAINER_PRECISION, asm)
+        monkeypatch.setattr(te, "tail_saving", real)
+        assert len(calls) == cfg.n_layers  # every MoE layer, priced once per micro-batch
+        saved = plan.microbatches * sum(calls)
+        assert saved > 0
+        assert off.time["compute"] - on.time["compute"] == pytest.approx(saved, rel=1e-9)
+        assert on.step_time == pytest.approx(off.step_time - saved, rel=1e-9)
+        lb = step_time_lower_bound(cfg, plan, pf, FP32_TRAINER_PRECISION, asm)
+        assert lb <= on.step_time * (1 + 1e-12)
+    # balanced links (no tail), one node's host, or a GPU file: no saving
+    ep = te.place_groups(plans[0], pf.gpus_per_node, asm.attention)[0]["ep"]
+    parts = {"experts": 0.1, "attn": 0.1}
+    assert te.tail_saving(1.0, parts, 0.0, plans[0], pf, ep, asm) > 0
+    assert te.tail_saving(1.0, parts, 0.0, plans[0], pf, ep,
+                          dataclasses.replace(asm, exchange_imbalance=1.0)) == 0.0
+    assert te.tail_saving(1.0, parts, 0.0, plans[0], pf, ep,
+                          dataclasses.replace(asm, shared_cores=False)) == 0.0
+    assert 0.0 < te.tail_bound_factor(plans[0], pf, ep, asm) < 1.0
+    solo = dataclasses.replace(pf, host_nodes=1)
+    ep = te.place_groups(plans[0], solo.gpus_per_node, asm.attention)[0]["ep"]
+    assert te.tail_saving(1.0, {"experts": 0.1, "attn": 0.1}, 0.0, plans[0], solo, ep,
+                          asm) == 0.0
+    assert te.tail_bound_factor(plans[0], solo, ep, asm) == 1.0
+    gpu = load_platform("dgx-h100")
+    ep = te.place_groups(plans[0], gpu.gpus_per_node, asm.attention)[0]["ep"]
+    assert te.tail_saving(1.0, {"experts": 0.1, "attn": 0.1}, 0.0, plans[0], gpu, ep,
+                          asm) == 0.0

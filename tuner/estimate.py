@@ -165,7 +165,7 @@ from tuner.layout import (
     PrecisionPolicy,
 )
 from tuner.platform import Platform
-from tuner.sharing import core_speed, shared_imbalance, shared_makespan
+from tuner.sharing import core_speed, exchange_tail_saving, shared_imbalance, shared_makespan
 
 __all__ = ["Estimate", "StageMemory", "estimate", "run_bubble", "stage_memory", "schedule_stats",
            "step_time_lower_bound", "reduce_scatter_time", "all_gather_time", "layer_device_time",
@@ -790,6 +790,60 @@ def compute_imbalance(plan: ParallelPlan, pf: Platform, asm: Assumptions) -> flo
                             pf.cores_per_node, pf.threads_per_process)
 
 
+def tail_saving(exposed: float, parts: dict[str, float], rc: float, plan: ParallelPlan,
+                pf: Platform, ep: GroupPlacement, asm: Assumptions) -> float:
+    """Seconds of one MoE layer's compute (one micro-batch) that run beside the exchange's
+    tail where an emulated cluster's nodes share one host's cores (`Platform.host_nodes` > 1,
+    the EP group on more than one of them, `Assumptions.shared_cores`): the busiest node's
+    ranks wait `exposed` x (1 - 1 / imbalance) longer than the mean node's on the link
+    (`Assumptions.exchange_imbalance`, else the routing imbalance, as the exchanged rows),
+    and meanwhile the other ranks compute on the cores they leave (`tuner.sharing.
+    exchange_tail_saving`). The layer's four exchanges (dispatch and combine, forward and
+    backward; the recompute's with the backward) each take a quarter of the exposed time and
+    are followed by the compute up to the next one: the experts' forward, the rest of the
+    forward, the experts' backward, the rest of the backward and the recompute. 0 on every
+    platform whose nodes have cores of their own (every GPU file)."""
+    got = _tail_setting(plan, pf, ep, asm)
+    if got is None or exposed <= 0.0:
+        return 0.0
+    procs, waiting, share = got
+    tail = exposed * share / 4
+    e = parts["experts"]
+    rest = sum(parts.values()) - e
+    return sum(exchange_tail_saving(w, tail, procs, waiting, pf.cores_per_node,
+                                    pf.threads_per_process)
+               for w in (e, rest, 2 * e, 2 * rest + rc))
+
+
+def _tail_setting(plan: ParallelPlan, pf: Platform, ep: GroupPlacement,
+                  asm: Assumptions) -> tuple[int, int, float] | None:
+    """(processes on the host, processes of the busiest node, tail / exposed) where
+    `tail_saving` applies, else None."""
+    imb = asm.exchange_imbalance or asm.routing_imbalance
+    if (not asm.shared_cores or pf.host_nodes < 2 or not pf.cores_per_node or ep.nodes < 2
+            or imb <= 1.0):
+        return None
+    procs = pf.host_procs(plan.n_gpus)
+    return procs, min(ep.per_node, procs), 1.0 - 1.0 / imb
+
+
+def tail_bound_factor(plan: ParallelPlan, pf: Platform, ep: GroupPlacement,
+                      asm: Assumptions) -> float:
+    """k in [0, 1] with compute - tail_saving + exposed >= compute + k x exposed for every
+    layer: each phase saves at most s1 (1 - 1 / s2) x its tail (`exchange_tail_saving`), and
+    the tails sum to exposed x (1 - 1 / imbalance); 1 where `tail_saving` is 0. Scales the
+    all-to-all term of `step_time_lower_bound` so that it stays a bound."""
+    got = _tail_setting(plan, pf, ep, asm)
+    if got is None:
+        return 1.0
+    procs, waiting, share = got
+    if waiting == procs:
+        return 1.0
+    s1 = core_speed(procs - waiting, procs, pf.cores_per_node, pf.threads_per_process)
+    s2 = core_speed(waiting, procs, pf.cores_per_node, pf.threads_per_process)
+    return max(0.0, 1.0 - s1 * (1.0 - 1.0 / s2) * share)
+
+
 def host_wait(device: float, f: float, rc: float, plan: ParallelPlan,
               asm: Assumptions) -> float:
     """Seconds one MoE layer (one micro-batch) waits for the host beyond its `device` time
@@ -840,6 +894,7 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
     a2a_lb = 0.0 if g.size == 1 else max(share * g.local_peers / pf.intra_node_bandwidth,
                                          f * share * g.remote_peers / pf.nic_bandwidth_per_gpu)
     a2a_lb *= (3 if recomputes_a2a(plan) else 2) * (1 - asm.alltoall_overlap)
+    a2a_lb *= tail_bound_factor(plan, pf, g, asm)  # other ranks compute in the exchange's tail
     if plan.a2a_overlap != "none":
         a2a_lb = 0.0
     busiest = 0.0
@@ -917,6 +972,9 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
                     acc["alltoall"] += exp_ * (1 - asm.alltoall_overlap)
                     device += exp_ * (1 - asm.alltoall_overlap)
                     a2a_total += tot
+                    # the other nodes' ranks compute while the busiest node's wait on its link
+                    acc["compute"] -= tail_saving(exp_ * (1 - asm.alltoall_overlap), parts, rc,
+                                                  plan, pf, groups["ep"], asm)
                     if groups["ep"].size > 1:  # the EP path's fixed cost (platform, measured)
                         acc["alltoall"] += pf.ep_layer_overhead
                         device += pf.ep_layer_overhead

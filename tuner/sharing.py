@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from pipeline import Action, Schedule
 from pipeline.schedule import dependencies, n_stages, stage2rank
 
-__all__ = ["core_speed", "shared_imbalance", "shared_makespan"]
+__all__ = ["core_speed", "exchange_tail_saving", "shared_imbalance", "shared_makespan"]
 
 _EPS = 1e-12
 
@@ -80,6 +80,37 @@ def shared_imbalance(imbalance: float, group: int, procs: int, cores: int,
         done = left[0]
         left = [w for w in left if w > done + _EPS]
     return t
+
+
+def exchange_tail_saving(work: float, tail: float, procs: int, waiting: int, cores: int,
+                         threads: int) -> float:
+    """Seconds a compute phase of `work` seconds (at the all-busy rate) saves when it follows
+    an exchange whose busiest ranks wait `tail` seconds longer than the rest (fluid processor
+    sharing on `cores` shared cores, `threads` per process, `procs` processes on the host).
+
+    The exchange's busiest node (`waiting` of the processes: its ranks wait on its link) ends
+    `tail` after the others. The others start `work` at once, faster than at the all-busy
+    rate while the waiting ones take no core (speed s1 = `core_speed(procs - waiting, ...)`);
+    when the waiting ones start, each side has its rest to do; all run at the all-busy rate
+    until the others finish (they have less left), then the waiting ones alone (speed s2).
+    The phase ends with the waiting ones at tail + r + (work - r) / s2, r = max(0, work -
+    s1 tail) being what the others had left; the all-busy price ends it at tail + work, so
+    the saving is (work - r) (1 - 1 / s2). On dedicated cores (s1 = s2 = 1), with no tail
+    or with nobody else to run, it is 0."""
+    for name, v in (("procs", procs), ("cores", cores), ("threads", threads)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"exchange_tail_saving: {name}={v!r} must be an int >= 1")
+    if not isinstance(waiting, int) or not 1 <= waiting <= procs:
+        raise ValueError(f"exchange_tail_saving: waiting={waiting!r} must be an int in "
+                         f"[1, procs={procs}]")
+    if work < 0 or tail < 0:
+        raise ValueError(f"exchange_tail_saving: work={work} and tail={tail} must be >= 0")
+    if waiting == procs or work == 0 or tail == 0:
+        return 0.0
+    s1 = core_speed(procs - waiting, procs, cores, threads)
+    s2 = core_speed(waiting, procs, cores, threads)
+    left = max(0.0, work - s1 * tail)
+    return (work - left) * (1.0 - 1.0 / s2)
 
 
 def shared_makespan(schedule: Schedule, cost: Callable[[Action], float] | Mapping[str, float],
