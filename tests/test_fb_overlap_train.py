@@ -75,3 +75,21 @@ def test_auto_runs_fb_across_nodes_and_says_so(tmp_path, small_data):
     assert sorted(got) == sorted(plain) == list(range(1, 7))
     for s in plain:
         assert got[s] == pytest.approx(plain[s], rel=1e-5), (s, plain[s], got[s])
+
+
+def test_dedup_with_fb_and_chunks_equals_plain_flat(tmp_path, small_data):
+    """dedup under fb with the layer pipeline inside each micro-batch (2 chunks), EP = 4 over
+    two declared nodes at top-4: the plain flat run's losses (what auto runs across nodes
+    with >= 2 micro-batches and top-k > 1; the emulator's dedup/fb/2 arm)."""
+    extra = ["--parallel.ep=4", "--parallel.microbatches=2", "--model.top_k=4",
+             "--comm.topology=configs/topologies/2x2-local.toml"]
+    plain = _losses(tmp_path, small_data, 4, extra, "none")
+    out = tmp_path / "dedup-fb2"
+    r = run_train([*COMMON, "--data", small_data, *extra, "--comm.alltoall=dedup",
+                   "--comm.a2a_overlap=fb", "--comm.a2a_chunks=2", f"--train.out_dir={out}"],
+                  nproc=4)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    got = step_losses(out)
+    assert sorted(got) == sorted(plain) == list(range(1, 21))
+    for s in plain:
+        assert got[s] == pytest.approx(plain[s], rel=1e-5), (s, plain[s], got[s])
