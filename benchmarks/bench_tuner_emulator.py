@@ -58,7 +58,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RECORDS, add_output_args, cpu_name, git_sha, output_dir, previous, print_written
+from _common import add_output_args, cpu_name, git_sha, output_dir, previous, print_written
 
 from model import ModelConfig, presets
 from tuner import Assumptions, ParallelPlan, estimate, load_platform
@@ -353,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             pf = load_platform(path)
             bases[pf.gpus_per_node] = pf
     rows = [r for path in args.rows if path.is_file() for r in read_rows(path)]
-    base_dirs = list(dict.fromkeys([here, *(p.parent for p in args.rows), RECORDS]))
+    # a row's base platform lies beside the rows that name it (or in this output folder)
+    base_dirs = list(dict.fromkeys([here, *(p.parent for p in args.rows)]))
     results, skipped = compare(rows, bases, base_dirs)
     meta = {"bench": "tuner_emulator", "git_sha": git_sha(), "time": time.strftime("%FT%T"),
             "device": cpu_name(), "rows_files": [str(p) for p in args.rows],
