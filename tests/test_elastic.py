@@ -116,6 +116,18 @@ def test_with_layout_resets_what_the_plan_does_not_set():
     assert layout_problem(new, mcfg, 3)  # 3 ranks cannot hold ep=2 x dp=2
 
 
+def test_with_layout_applies_the_planned_overlap():
+    """The planner searches the all-to-all overlap (tuner.space), so a re-planned layout runs
+    the mode and chunks it was priced with, and a run's own overlap does not outlive it."""
+    cfg = parse_args([*SMALL, "--comm.a2a_overlap=fb", "--comm.a2a_chunks=3"])
+    new = with_layout(cfg, {"parallel": {"pp": 1, "ep": 2, "dp": 2},
+                            "comm": {"alltoall": "flat", "a2a_overlap": "layer",
+                                     "a2a_chunks": 2}})
+    assert (new.comm.a2a_overlap, new.comm.a2a_chunks) == ("layer", "2")
+    bare = with_layout(cfg, {"parallel": {"pp": 1, "ep": 2, "dp": 2}})
+    assert (bare.comm.a2a_overlap, bare.comm.a2a_chunks) == ("none", "auto")
+
+
 def test_replan_with_the_planner_keeps_the_global_batch(tmp_path):
     """Rank 0's side of a re-plan, with the real planner (tuner.replan), one process."""
     from tuner.replan import runnable_layouts

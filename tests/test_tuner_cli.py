@@ -27,6 +27,11 @@ def test_plan_writes_a_plan_train_py_accepts(tmp_path, capsys):
     assert run.parallel.pp * run.parallel.ep * run.parallel.dp == 64
     assert run.model.preset == "mixtral-8x7b" and run.train.global_batch == 512
     assert run.comm.alltoall == data["run"]["comm"]["alltoall"]
+    comm = data["run"]["comm"]
+    assert (run.comm.a2a_overlap, run.comm.a2a_chunks) == \
+        (comm["a2a_overlap"], str(comm["a2a_chunks"]))
+    assert comm["a2a_overlap"] in ("none", "layer", "fb")
+    assert f"all-to-all overlap: {comm['a2a_overlap']}" in out
     assert run.parallel.zero == par["zero"] in (0, 1, 2)
     assert f"ZeRO-{par['zero']}: " in out
     assert 0 < data["plan"]["predicted_mfu"] < 1
@@ -65,6 +70,16 @@ def test_plan_writes_a_plan_train_py_accepts(tmp_path, capsys):
      r"\(ep=2\); .* valid: 0\.\.4"),
     (["--model", "tiny", "--platform", "local", "--gpus", "1", "--seq", "64", "--redundant", "1"],
      r"--redundant 1: no EP degree > 1 fits these GPUs; .* valid: 0\.\.0"),
+    (["--model", "tiny", "--platform", "local", "--gpus", "2", "--a2a-overlap", "none,lyer"],
+     r"--a2a-overlap='lyer': the all-to-all overlap must be one of none \(every exchange "
+     r"exposed\), layer \(.*\), fb \("),
+    (["--model", "tiny", "--platform", "local", "--gpus", "2", "--a2a-overlap", "auto"],
+     r"--a2a-overlap='auto' is not searched: it runs none, layer or fb, which the search "
+     r"compares"),
+    (["--model", "tiny", "--platform", "local", "--gpus", "1", "--seq", "64", "--a2a-overlap",
+      "layer,fb"],
+     r"no layout of 1 GPUs can run --a2a-overlap layer,fb: overlap needs an all-to-all "
+     r"\(EP > 1\).*; add none to --a2a-overlap"),
     (["--model", "gpt-5", "--platform", "frontier", "--gpus", "64"],
      "unknown model preset 'gpt-5'; valid:"),
     (["--model", "tiny", "--platform", "frontier", "--gpus", "8", "--measure", "2"],
@@ -147,6 +162,38 @@ def test_plan_file_round_trip_carries_redundant(r, tmp_path):
     run = parse_args(["--plan", str(path)])
     assert (run.balance.redundant, run.parallel.ep, run.parallel.zero) == (r, 2, 1)
     assert (f"--balance.redundant={r}" in train_args(plan, "tiny", tmp_path, 4, None)) == bool(r)
+
+
+@pytest.mark.parametrize("mode", ["none", "layer", "fb"])
+def test_plan_file_round_trip_carries_overlap(mode, tmp_path):
+    """[run.comm] a2a_overlap and a2a_chunks in the plan file -> train.py's config parser and
+    its validation (`prepare`) -> the mode and chunks the EP dispatcher runs
+    (`trainer.build.resolve_a2a`): the ones the planner priced (layer and fb with 2 chunks,
+    where an explicit fb would otherwise run 1); measured runs pass them too."""
+    from model import presets
+    from trainer import prepare
+    from trainer.build import resolve_a2a
+    from tuner import ParallelPlan, estimate, load_platform
+    from tuner.launch import train_args
+    from tuner.report import plan_toml
+
+    plan = ParallelPlan(pp=1, ep=2, dp=2, microbatches=2, global_batch=8, seq_len=64,
+                        a2a_overlap=mode)
+    e = estimate(presets.get("tiny"), plan, load_platform("local"))
+    path = tmp_path / "plan.toml"
+    path.write_text(plan_toml(e, "tiny", {"model": "tiny"}))
+    chunks = {"none": "auto", "layer": 2, "fb": 2}[mode]
+    assert tomllib.loads(path.read_text())["run"]["comm"] == \
+        {"alltoall": "flat", "a2a_overlap": mode, "a2a_chunks": chunks}
+    data = tmp_path / "text.txt"
+    data.write_bytes(b"def f(x):\n    return x + 1\n" * 2000)
+    run = parse_args(["--plan", str(path), f"--data={data}"])
+    assert (run.comm.a2a_overlap, run.comm.a2a_chunks) == (mode, str(chunks))
+    got = prepare(run, 4, 0)  # every check train.py makes before it starts (fb's included)
+    assert resolve_a2a(run, got.mcfg, got.mesh, None) == \
+        ("flat", mode, 2 if mode != "none" else 1)
+    args = train_args(plan, "tiny", tmp_path, 4, None)
+    assert f"--comm.a2a_overlap={mode}" in args and f"--comm.a2a_chunks={chunks}" in args
 
 
 def _small_platform(tmp_path: Path, hbm_gb: float) -> Path:

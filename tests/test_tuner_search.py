@@ -1,4 +1,5 @@
-"""Planner search: constraints, TPE against exhaustive enumeration, SQLite resume."""
+"""Planner search: constraints, TPE against exhaustive enumeration, SQLite resume, the
+all-to-all overlap modes and branch and bound with them."""
 
 from __future__ import annotations
 
@@ -7,18 +8,22 @@ import dataclasses
 import pytest
 
 from model import presets
+from trainer.layout import AUTO_OVERLAP_CHUNKS, fb_problems
 from tuner import load_platform
-from tuner.layout import ZERO_LEVELS
+from tuner.estimate import estimate, fb_inflight, stage_memory, step_time_lower_bound
+from tuner.layout import CPU_TRAFFIC_PASSES, ZERO_LEVELS, Assumptions, precision_policy
 from tuner.search import Evaluator, exhaustive, optuna_search
-from tuner.space import SearchSpace, check_gpu_count
+from tuner.space import OVERLAP_CHOICES, SearchSpace, check_gpu_count, overlap_chunks
 
 
 @pytest.fixture(scope="module")
 def small():
     """Mixtral-8x7B on 64 Frontier GCDs, a reduced space of 2304 points (768 layouts x ZeRO
-    0/1/2; exhaustive: 2234 model calls)."""
+    0/1/2, the all-to-all not overlapped; exhaustive: 2234 model calls). The overlap modes
+    are searched in `test_pruned_search_with_overlap_equals_exhaustive`."""
     cfg, pf = presets.get("mixtral-8x7b"), load_platform("frontier")
-    sp = SearchSpace.default(cfg, pf, 64, 512, 4096, mbs=(1, 2), zero=(0, 1, 2))
+    sp = SearchSpace.default(cfg, pf, 64, 512, 4096, mbs=(1, 2), zero=(0, 1, 2),
+                             a2a_overlap=("none",))
     ch = dict(sp.choices, pp=(2, 4, 8, 16), schedule=("1f1b", "zb-h1", "interleaved-1f1b:2"),
               checkpointing=("none", "full"), alltoall=("flat", "halo"))
     return cfg, pf, dataclasses.replace(sp, choices=ch)
@@ -126,3 +131,140 @@ def test_redundant_is_fixed_and_limits_ep():
     with pytest.raises(ValueError, match=r"--redundant 8: an EP rank does not hold more than "
                                          r"E - E/ep = 7 .*valid: 0\.\.7"):
         SearchSpace.default(cfg, pf, 64, 512, 4096, redundant=8)
+
+
+def _overlap_space():
+    """Mixtral-8x7B on 64 Frontier GCDs, a few layouts with every overlap mode."""
+    cfg, pf = presets.get("mixtral-8x7b"), load_platform("frontier")
+    return cfg, pf, SearchSpace.default(cfg, pf, 64, 512, 4096, mbs=(1,), zero=(0, 1))
+
+
+def test_overlap_is_a_dimension_with_the_trainers_rules():
+    """a2a_overlap none / layer / fb is searched; EP = 1 keeps only none (no exchange); the
+    fb points train.py refuses are rejected with `trainer.layout.fb_problems`' own words; a
+    fb point's memory holds the paired schedule's in-flight micro-batches; layer and fb are
+    priced with the chunks the plan file runs (2)."""
+    cfg, pf, sp = _overlap_space()
+    assert sp.choices["a2a_overlap"] == OVERLAP_CHOICES == ("none", "layer", "fb")
+    base = {"pp": 4, "ep": 8, "mbs": 1, "schedule": "1f1b", "alltoall": "flat",
+            "checkpointing": "selective", "placement": "local", "zero": 1, "a2a_overlap": "fb"}
+    assert sp.reject(base) is None
+    plan = sp.to_plan(base)
+    assert (plan.a2a_overlap, plan.microbatches) == ("fb", 32)
+    assert sp.reject(dict(base, ep=1, a2a_overlap="layer")) == \
+        "ep=1 has no all-to-all to overlap: a2a_overlap layer runs as none"
+    assert sp.reject(dict(base, ep=1, a2a_overlap="none")) is None
+    for change in ({"checkpointing": "full"}, {"schedule": "gpipe"}, {"schedule": "zb-h1"}):
+        pt = dict(base, **change)
+        why = fb_problems(32, 4, pt["schedule"], pt["checkpointing"])
+        assert len(why) == 1 and sp.reject(pt) == f"a2a_overlap fb with {why[0]}"
+        assert sp.reject(dict(pt, a2a_overlap="layer")) is None  # layer has no such rule
+    one = SearchSpace.default(cfg, pf, 64, 16, 4096, mbs=(1,))  # 16 sequences: M = 1
+    assert one.to_plan(dict(base, a2a_overlap="none")).microbatches == 1
+    assert one.reject(base) == \
+        f"a2a_overlap fb with {fb_problems(1, 4, '1f1b', 'selective')[0]}"
+    # pp = 1 runs 1f1b (gradient accumulation): fb pairs whatever M >= 2 there
+    assert sp.reject(dict(base, pp=1)) is None
+
+    ev = Evaluator(sp, cfg, pf)
+    fb, layer, none = (ev(dict(base, a2a_overlap=m)) for m in ("fb", "layer", "none"))
+    assert fb.peak_memory == max(s.total for s in stage_memory(cfg, plan, pf))
+    assert fb.peak_memory > layer.peak_memory == none.peak_memory
+    # 1F1B rank r holds 2(p - r) micro-batches' activations under fb, p - r without
+    paired, plain = (stage_memory(cfg, p, pf)[0].act_by_part["experts"]
+                     for p in (plan, plan.replace(a2a_overlap="none")))
+    assert paired / plain == fb_inflight("1f1b", 4, 32, 1)[0] / 4 == 2
+    for c in (fb, layer):
+        asm = Assumptions(a2a_chunks=overlap_chunks(c.point["a2a_overlap"]))
+        assert overlap_chunks(c.point["a2a_overlap"]) == AUTO_OVERLAP_CHUNKS == 2
+        assert c.step_time == estimate(cfg, sp.to_plan(c.point), pf, assumptions=asm).step_time
+    assert fb.estimate.time["alltoall"] < none.estimate.time["alltoall"]
+
+    assert SearchSpace.default(cfg, pf, 64, 512, 4096, a2a_overlap=("fb", "none")
+                               ).choices["a2a_overlap"] == ("none", "fb")
+    with pytest.raises(ValueError, match=r"a2a_overlap='auto' is not searched: it runs none, "
+                                         r"layer or fb"):
+        SearchSpace.default(cfg, pf, 64, 512, 4096, a2a_overlap=("auto",))
+    with pytest.raises(ValueError, match=r"a2a_overlap='lyer': the all-to-all overlap must be "
+                                         r"one of none \(every exchange exposed\), layer "):
+        SearchSpace.default(cfg, pf, 64, 512, 4096, a2a_overlap=("none", "lyer"))
+    with pytest.raises(ValueError, match="no overlap mode given"):
+        SearchSpace.default(cfg, pf, 64, 512, 4096, a2a_overlap=())
+
+
+# (model, platform, GPUs, global batch, narrowed choices, the overlap mode of the optimum):
+# the all-to-all inside one 8-GPU node (Mixtral, EP 8: the layer pipeline wins), across two
+# DGX nodes (Qwen3-30B-A3B, EP 16: fb with dedup wins), and the CPU platform of this machine
+# (tiny on 4 processes sharing 2 cores: the bound's shared-core branch; no overlap wins).
+PRUNE_CASES = {
+    "mixtral-frontier-64": ("mixtral-8x7b", "frontier", 64, 512,
+                            dict(pp=(2, 4, 8), schedule=("1f1b", "zb-h1", "interleaved-1f1b:2"),
+                                 alltoall=("flat", "halo"), zero=(1,)), "layer"),
+    "qwen3-dgx-h100-32": ("qwen3-30b-a3b", "dgx-h100", 32, 256,
+                          dict(pp=(1, 2, 4), ep=(2, 8, 16),
+                               schedule=("1f1b", "zb-h1", "interleaved-1f1b:2"),
+                               alltoall=("flat", "dedup"), checkpointing=("none", "full"),
+                               placement=("local",), zero=(1,)), "fb"),
+    "tiny-local-4": ("tiny", "local", 4, 16, dict(zero=(0, 1)), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PRUNE_CASES))
+def test_pruned_search_with_overlap_equals_exhaustive(case):
+    """Branch and bound with the overlap modes in the space: the lower bound stays below the
+    step of every feasible point (overlapped ones included), and the pruned enumeration
+    returns the exhaustive optimum (overall and the runnable one) with fewer evaluations."""
+    model, platform, n, b, narrow, wins = PRUNE_CASES[case]
+    cfg, pf = presets.get(model), load_platform(platform)
+    prec = precision_policy("trainer", pf.backend)
+    cpu = pf.backend == "gloo"
+    asm = Assumptions(activation_set="trainer" if cpu else "published",
+                      activation_traffic_passes=CPU_TRAFFIC_PASSES if cpu else 0.0)
+    sp = SearchSpace.default(cfg, pf, n, b, 256 if cpu else 4096, mbs=(1,))
+    sp = dataclasses.replace(sp, choices=dict(sp.choices, **narrow))
+    ev = Evaluator(sp, cfg, pf, prec, asm)
+    ref = exhaustive(ev)
+    modes = {c.point["a2a_overlap"] for c in ref.ranked}
+    assert modes == ({"none", "layer", "fb"} if sp.choices["ep"] != (1,) else {"none"})
+    for c in ref.ranked:
+        plan, a = sp.to_plan(c.point), ev.point_assumptions(c.point["a2a_overlap"])
+        assert step_time_lower_bound(cfg, plan, pf, prec, a) <= c.step_time, c.point
+    pruned = exhaustive(Evaluator(sp, cfg, pf, prec, asm, prune=True))
+    assert pruned.best.point == ref.best.point
+    assert pruned.best.step_time == ref.best.step_time
+    assert pruned.best_runnable.point == ref.best_runnable.point
+    assert pruned.rejected["bound"] > 0
+    assert pruned.evaluations + pruned.rejected["bound"] == ref.evaluations
+    assert ref.best.point["a2a_overlap"] == (wins or "none")
+
+
+def test_the_neighbour_walk_steps_onto_the_kept_variant():
+    """pp = 1 keeps 1f1b only and ep = 1 the flat, local, not overlapped exchange: a step onto
+    another variant lands on the kept one (`SearchSpace.canonical`), so leaving a zb-h1 or an
+    overlapped point towards pp = 1 or ep = 1 is one step. Without it, TPE's 100 trials on
+    tiny / 4 CPU processes stalled 16 % off the optimum (pp 2 ep 2 zb-h1 layer, 0.355 s
+    against pp 1 ep 2 layer, 0.306 s) for seeds 0 and 3."""
+    from tuner.planner import leanest_memory
+    from tuner.search import neighbours
+
+    cfg, pf = presets.get("tiny"), load_platform("local")
+    prec = precision_policy("trainer", pf.backend)
+    asm = Assumptions(activation_set="trainer", activation_traffic_passes=CPU_TRAFFIC_PASSES,
+                      zero_sharding="per-parameter")
+    sp = SearchSpace.default(cfg, pf, 4, 16, 256)
+    pt = {"pp": 2, "ep": 2, "mbs": 4, "schedule": "zb-h1", "alltoall": "halo",
+          "checkpointing": "none", "placement": "spread", "zero": 2, "a2a_overlap": "layer"}
+    near = neighbours(sp, pt)
+    assert dict(pt, pp=1, schedule="1f1b") in near and dict(pt, pp=1) not in near
+    assert dict(pt, ep=1, alltoall="flat", placement="local", a2a_overlap="none") in near
+    assert all(q != pt for q in near) and len({sp.key(q) for q in near}) == len(near)
+    assert sp.canonical(pt) is pt
+    narrow = dataclasses.replace(sp, choices=dict(sp.choices, alltoall=("halo",)))
+    assert narrow.canonical(dict(pt, ep=1))["alltoall"] == "halo"  # flat is not a choice
+    ref = exhaustive(Evaluator(sp, cfg, pf, prec, asm, prune=True))
+    lean = leanest_memory(cfg, pf, 4, 16, 256, prec, asm)
+    assert lean is not None
+    for seed in (0, 3):
+        got = optuna_search(Evaluator(sp, cfg, pf, prec, asm, prune=True), n_trials=100,
+                            seed=seed, enqueue=[lean[1]])
+        assert got.best.step_time == ref.best.step_time, (seed, got.best.point, ref.best.point)

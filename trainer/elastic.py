@@ -59,7 +59,7 @@ __all__ = ["REPLAN_MODES", "LAYOUT_FIELDS", "Planner", "Decision", "decide",
 LAYOUT_FIELDS: dict[str, tuple[str, ...]] = {
     "parallel": ("pp", "ep", "dp", "tp", "sp", "schedule", "microbatches", "n_virtual",
                  "layer_split", "ep_placement", "zero"),
-    "comm": ("alltoall",),
+    "comm": ("alltoall", "a2a_overlap", "a2a_chunks"),  # the planner searches the overlap too
     "train": ("checkpointing",),
 }
 class Proposal(Protocol):

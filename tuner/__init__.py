@@ -1,8 +1,8 @@
 """tuner: analytic resource model, platform descriptions, micro-benchmarks, Optuna planner.
 
 Public API: `Platform`, `load_platform`, `platform_names`, `ParallelPlan` (degrees, schedule,
-micro-batches, all-to-all, checkpointing, EP placement, `zero` level 0/1/2 and `redundant`
-expert slots per EP rank), `PrecisionPolicy`, `Assumptions` (incl. `zero_sharding`,
+micro-batches, all-to-all and its overlap, checkpointing, EP placement, `zero` level 0/1/2
+and `redundant` expert slots per EP rank), `PrecisionPolicy`, `Assumptions` (incl. `zero_sharding`,
 `zero2_grad_sync`), `estimate` -> `Estimate` (with per-stage `StageMemory`), `stage_memory`;
 search: `SearchSpace`, `Evaluator`, `exhaustive`, `optuna_search` -> `SearchResult`;
 planning: `PlanRequest`, `run_plan`, `PlanError`; `tuner.launch` runs a plan for real on this

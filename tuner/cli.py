@@ -3,7 +3,7 @@
     python -m tuner plan --model deepseek-v3|HF_CHECKPOINT_DIR --platform frontier --gpus 1024 --seq 4096 \\
         --global-batch 4096 [--trials 300] [--seed 0] [--storage study.db] [--out runs/plans]
         [--alltoall-model closed-form|netsim] [--zero 0,1,2] [--zero-sharding per-parameter|flat]
-        [--redundant R] [--precision-policy trainer|published|megatron]
+        [--a2a-overlap none,layer,fb] [--redundant R] [--precision-policy trainer|published|megatron]
         [--measure K [--measure-steps 8]]
     python -m tuner estimate --model M --platform P --gpus N --seq S --global-batch B [--mbs 1]
         [--pp 1] [--vpp 1] [--tp 1] [--cp 1] [--ep 1] [--etp 1] [--zero 0|1|2|3]
@@ -19,6 +19,10 @@
 `--zero` lists the ZeRO levels searched (default all: 0 replicated state, 1 optimizer state
 sharded over each parameter's data-parallel replicas, 2 gradients too); the plan file carries
 the chosen one as `[run.parallel] zero` and the report says what it saves.
+`--a2a-overlap` lists the all-to-all overlap modes searched (default all: none, layer with 2
+chunks, fb with 2 chunks; `tuner.space.overlap_chunks`); the plan file carries the chosen one
+as `[run.comm] a2a_overlap` and `a2a_chunks`, and the report says what it hides. "auto" is
+not searched: it runs one of the three, which the search compares.
 `--zero-sharding` says how the state is split (`Assumptions.zero_sharding`): "per-parameter"
 (default: what train.py does, whole parameters per owner, trainer/distributed/zero.py) or "flat" (even
 shards, as Megatron's distributed optimizer, DeepSpeed or FSDP2 would).
@@ -100,13 +104,22 @@ def _zero_levels(text: str) -> tuple[int, ...]:
     return check_zero_levels(levels, what="--zero")
 
 
+def _overlap_modes(text: str) -> tuple[str, ...]:
+    """`--a2a-overlap none,layer,fb` -> ("none", "layer", "fb"); an unknown mode is refused
+    naming it and the valid ones (`tuner.space.check_overlap_modes`)."""
+    from tuner.space import check_overlap_modes
+
+    return check_overlap_modes([m.strip() for m in text.split(",")], what="--a2a-overlap")
+
+
 def _plan(args: argparse.Namespace) -> int:
     from model import presets
     from tuner.planner import PlanRequest, run_plan
     from tuner.platform import load_platform
-    from tuner.report import format_table, redundant_summary, zero_summary
+    from tuner.report import format_table, overlap_summary, redundant_summary, zero_summary
 
     zero = _zero_levels(args.zero)
+    overlap = _overlap_modes(args.a2a_overlap)
     if args.redundant < 0:
         raise ValueError(f"--redundant {args.redundant}: redundant expert slots per EP rank must "
                          f"be >= 0 (0 = one slot per expert)")
@@ -128,7 +141,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.storage:
         storage = args.storage if "://" in args.storage else f"sqlite:///{Path(args.storage).resolve()}"
     req = PlanRequest(args.model, args.platform, args.gpus, args.seq, args.global_batch,
-                      args.trials, args.seed, storage, zero, args.redundant)
+                      args.trials, args.seed, storage, zero, args.redundant, overlap)
     from tuner.counts import trainer_act_supported
     from tuner.layout import CPU_TRAFFIC_PASSES, Assumptions, precision_policy
 
@@ -159,6 +172,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"\nbest: MFU {100 * best.mfu:.1f} %, {best.tflops_per_gpu:.1f} TFLOPS/GPU, "
           f"{best.tokens_per_s:,.0f} tokens/s, peak memory {best.peak_memory / 1e9:.1f} GB")
     print(f"  {zero_summary(best)}")
+    print(f"  {overlap_summary(best)}")
     if best.plan.redundant:
         print(f"  {redundant_summary(best)}")
     for s in (best.stages[:1] + best.stages[-1:])[:len(best.stages)]:  # first and last stage
@@ -348,6 +362,10 @@ def parser() -> argparse.ArgumentParser:
                         "optimizer state, 2 also sharded gradients (default 0,1,2)")
     p.add_argument("--zero-sharding", default="per-parameter", choices=("per-parameter", "flat"),
                    help="ZeRO's split: whole parameters per owner (train.py's) or even flat shards")
+    p.add_argument("--a2a-overlap", default="none,layer,fb",
+                   help="all-to-all overlap modes to search, comma-separated: none, layer "
+                        "(2 chunks inside the MoE layer), fb (across micro-batches, 2 chunks); "
+                        "default none,layer,fb")
     p.add_argument("--precision-policy", default="trainer", choices=PRECISION_POLICIES,
                    help="bytes of training state and collectives: what train.py holds "
                         "(default), the paper's 16 B/param, or Megatron-Core's")

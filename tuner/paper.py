@@ -46,6 +46,7 @@ FULL = (("mixtral-8x7b", 102.8, 53.8), ("mixtral-8x22b", 55.4, 29.0), ("llama4-s
 WEAK = ((16, 64, 110, 45.15), (128, 512, 862, 39.38), (256, 1024, 1700, 33.04))
 SEQ_PER_GPU = 8  # assumed global batch: 8 sequences of 4096 tokens per GCD per step
 PAPER_ZERO = (0,)  # the published model replicates all training state
+PAPER_OVERLAP = ("none",)  # and exposes every all-to-all (Piper's layouts are PP x EP)
 
 
 def migration_bytes(E: int, d: int, f: int) -> float:
@@ -81,8 +82,8 @@ def _one_layer(cfg: ModelConfig, pf: Platform) -> float:
 
 def _plan(cfg: ModelConfig, pf: Platform, n: int, trials: int, seed: int) -> Estimate | None:
     b = SEQ_PER_GPU * n
-    space = SearchSpace.default(cfg, pf, n, b, 4096, zero=PAPER_ZERO)
-    lean = leanest_memory(cfg, pf, n, b, 4096, zero=PAPER_ZERO)
+    space = SearchSpace.default(cfg, pf, n, b, 4096, zero=PAPER_ZERO, a2a_overlap=PAPER_OVERLAP)
+    lean = leanest_memory(cfg, pf, n, b, 4096, zero=PAPER_ZERO, a2a_overlap=PAPER_OVERLAP)
     ev = Evaluator(space, cfg, pf)
     r = optuna_search(ev, trials, seed=seed, enqueue=[lean[1]] if lean else None)
     return r.best.estimate if r.best else None
@@ -91,7 +92,8 @@ def _plan(cfg: ModelConfig, pf: Platform, n: int, trials: int, seed: int) -> Est
 def _smallest_fit(cfg: ModelConfig, pf: Platform) -> int | None:
     n = 8
     while n <= 4096:
-        lean = leanest_memory(cfg, pf, n, SEQ_PER_GPU * n, 4096, zero=PAPER_ZERO)
+        lean = leanest_memory(cfg, pf, n, SEQ_PER_GPU * n, 4096, zero=PAPER_ZERO,
+                              a2a_overlap=PAPER_OVERLAP)
         if lean and lean[0] <= pf.usable_hbm:
             return n
         n *= 2

@@ -25,8 +25,8 @@ from tuner.layout import (
     precision_policy,
 )
 from tuner.platform import Platform
-from tuner.search import Evaluator, SearchResult, optuna_search
-from tuner.space import SearchSpace, check_gpu_count
+from tuner.search import Candidate, Evaluator, SearchResult, optuna_search
+from tuner.space import OVERLAP_CHOICES, SearchSpace, check_gpu_count, check_overlap_modes
 
 __all__ = ["PlanError", "PlanRequest", "PlanOutput", "leanest_memory", "run_plan"]
 
@@ -47,9 +47,11 @@ class PlanRequest:
     storage: str | None = None  # e.g. sqlite:///study.db; None = in memory
     zero: tuple[int, ...] = ZERO_LEVELS  # ZeRO levels searched
     redundant: int = 0  # redundant expert slots per EP rank and MoE layer (fixed, not searched)
+    a2a_overlap: tuple[str, ...] = OVERLAP_CHOICES  # all-to-all overlap modes searched
 
     def __post_init__(self) -> None:
         check_zero_levels(self.zero)
+        check_overlap_modes(self.a2a_overlap, what="--a2a-overlap")
         if isinstance(self.redundant, bool) or not isinstance(self.redundant, int) \
                 or self.redundant < 0:
             raise ValueError(f"--redundant {self.redundant!r}: redundant expert slots per EP "
@@ -69,31 +71,48 @@ class PlanOutput:
 def leanest_memory(cfg: ModelConfig, platform: Platform, n_gpus: int, global_batch: int,
                    seq_len: int, precision: PrecisionPolicy = PUBLISHED_PRECISION,
                    assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
-                   zero: tuple[int, ...] = ZERO_LEVELS,
-                   redundant: int = 0) -> tuple[float, dict] | None:
+                   zero: tuple[int, ...] = ZERO_LEVELS, redundant: int = 0,
+                   a2a_overlap: tuple[str, ...] = OVERLAP_CHOICES
+                   ) -> tuple[float, dict] | None:
     """Smallest peak memory of any structurally valid layout with the memory-leanest choices
     (full recompute, one sequence per micro-batch, 1F1B, the ZeRO level of `zero` that needs
-    least, the lower one on a tie) and `redundant` slots, and that layout's point."""
+    least, the lower one on a tie; the leanest overlap mode of `a2a_overlap` the layout
+    allows: none, then layer (the same memory), then fb, which refuses full recompute and
+    takes selective, else none) and `redundant` slots, and that layout's point."""
     space = SearchSpace.default(cfg, platform, n_gpus, global_batch, seq_len, mbs=(1,), zero=zero,
-                                redundant=redundant)
+                                redundant=redundant, a2a_overlap=a2a_overlap)
     ev = Evaluator(space, cfg, platform, precision, assumptions)
     best: tuple[float, dict] | None = None
     for pp in space.choices["pp"]:
         for ep in space.choices["ep"]:
             for z in space.choices["zero"]:  # ascending: a tie keeps the lower level
-                pt = {"pp": pp, "ep": ep, "mbs": 1, "schedule": "1f1b", "alltoall": "flat",
-                      "checkpointing": "full", "placement": "local", "zero": z}
-                c = ev(pt)
-                if c.peak_memory is not None and (best is None or c.peak_memory < best[0]):
+                c, pt = _leanest_point(ev, {"pp": pp, "ep": ep, "mbs": 1, "schedule": "1f1b",
+                                            "alltoall": "flat", "placement": "local", "zero": z})
+                if c is not None and c.peak_memory is not None \
+                        and (best is None or c.peak_memory < best[0]):
                     best = (c.peak_memory, pt)
     return best
+
+
+def _leanest_point(ev: Evaluator, base: dict) -> tuple[Candidate | None, dict]:
+    """The first structurally valid point of `base` with the leanest overlap mode and
+    recompute: modes in `OVERLAP_CHOICES` order (none and layer hold the same activations,
+    fb more), recompute full, then selective, then none."""
+    pt = base
+    for mode in ev.space.choices["a2a_overlap"]:
+        for ckpt in ("full", "selective", "none"):
+            pt = {**base, "checkpointing": ckpt, "a2a_overlap": mode}
+            if ev.space.reject(pt) is None:
+                return ev(pt), pt
+    return None, pt
 
 
 def _explain_no_fit(cfg: ModelConfig, platform: Platform, req: PlanRequest,
                     precision: PrecisionPolicy = PUBLISHED_PRECISION,
                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> str:
     lean = leanest_memory(cfg, platform, req.n_gpus, req.global_batch, req.seq_len, precision,
-                          assumptions, zero=req.zero, redundant=req.redundant)
+                          assumptions, zero=req.zero, redundant=req.redundant,
+                          a2a_overlap=req.a2a_overlap)
     usable = platform.usable_hbm / 1e9
     if req.redundant and lean is not None:
         msg = _explain_redundant(cfg, platform, req, lean, precision, assumptions)
@@ -101,15 +120,23 @@ def _explain_no_fit(cfg: ModelConfig, platform: Platform, req: PlanRequest,
             return msg
     if lean is None and 0 not in req.zero and leanest_memory(
             cfg, platform, req.n_gpus, req.global_batch, req.seq_len, precision, assumptions,
-            zero=(0,)) is not None:
+            zero=(0,), a2a_overlap=req.a2a_overlap) is not None:
         return (f"no layout of {req.n_gpus} GPUs can use ZeRO levels {list(req.zero)}: ZeRO > 0 "
                 f"needs a replica group of > 1 rank (DP x EP > 1); add 0 to --zero")
+    if lean is None and "none" not in req.a2a_overlap and leanest_memory(
+            cfg, platform, req.n_gpus, req.global_batch, req.seq_len, precision, assumptions,
+            zero=req.zero, a2a_overlap=("none",)) is not None:
+        return (f"no layout of {req.n_gpus} GPUs can run --a2a-overlap "
+                f"{','.join(req.a2a_overlap)}: overlap needs an all-to-all (EP > 1), and fb "
+                f"what train.py asks of it (trainer.layout.fb_problems: micro-batches, "
+                f"schedule, recompute); add none to --a2a-overlap")
     if lean is None:
         return (f"no layout of {req.n_gpus} GPUs satisfies the structural constraints for "
                 f"{cfg.name} with global batch {req.global_batch}: choose a global batch that is a "
                 f"multiple of {req.n_gpus} (so every data shard gets whole sequences)")
     msg = (f"{cfg.name} does not fit on {req.n_gpus} x {platform.name} GPUs: its leanest layout "
-           f"(pp={lean[1]['pp']}, ep={lean[1]['ep']}, ZeRO-{lean[1]['zero']}, full recompute, 1 "
+           f"(pp={lean[1]['pp']}, ep={lean[1]['ep']}, ZeRO-{lean[1]['zero']}, "
+           f"{lean[1]['checkpointing']} recompute, 1 "
            f"sequence per micro-batch) "
            f"needs {lean[0] / 1e9:.1f} GB per GPU, usable HBM is {usable:.1f} GB")
     n = req.n_gpus
@@ -118,7 +145,8 @@ def _explain_no_fit(cfg: ModelConfig, platform: Platform, req: PlanRequest,
         try:
             check_gpu_count(n, platform)
             got = leanest_memory(cfg, platform, n, max(req.global_batch, n), req.seq_len,
-                                 precision, assumptions, zero=req.zero, redundant=req.redundant)
+                                 precision, assumptions, zero=req.zero, redundant=req.redundant,
+                                 a2a_overlap=req.a2a_overlap)
         except ValueError:
             continue
         if got is not None and got[0] <= platform.usable_hbm:
@@ -136,10 +164,12 @@ def _explain_redundant(cfg: ModelConfig, platform: Platform, req: PlanRequest,
     from tuner.estimate import stage_memory
 
     args = (cfg, platform, req.n_gpus, req.global_batch, req.seq_len, precision, assumptions)
-    if (base := leanest_memory(*args, zero=req.zero)) is None or base[0] > platform.usable_hbm:
+    if (base := leanest_memory(*args, zero=req.zero, a2a_overlap=req.a2a_overlap)) is None \
+            or base[0] > platform.usable_hbm:
         return ""
     space = SearchSpace.default(cfg, platform, req.n_gpus, req.global_batch, req.seq_len,
-                                mbs=(1,), zero=req.zero, redundant=req.redundant)
+                                mbs=(1,), zero=req.zero, redundant=req.redundant,
+                                a2a_overlap=req.a2a_overlap)
     plan = space.to_plan(lean[1])
     with_r = stage_memory(cfg, plan, platform, precision, assumptions)
     without = max(s.total for s in stage_memory(cfg, plan.replace(redundant=0), platform,
@@ -149,7 +179,7 @@ def _explain_redundant(cfg: ModelConfig, platform: Platform, req: PlanRequest,
     (lo, fit), hi = (0, base), req.redundant
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        got = leanest_memory(*args, zero=req.zero, redundant=mid)
+        got = leanest_memory(*args, zero=req.zero, redundant=mid, a2a_overlap=req.a2a_overlap)
         (lo, fit), hi = ((mid, got), hi) if got is not None and got[0] <= platform.usable_hbm \
             else ((lo, fit), mid)
     p, q = lean[1], fit[1]
@@ -161,7 +191,8 @@ def _explain_redundant(cfg: ModelConfig, platform: Platform, req: PlanRequest,
     return (f"--redundant {req.redundant}: the {req.redundant} redundant expert slots per MoE "
             f"layer need {_gb(peak.redundant_bytes)} per GPU (weights, gradients and optimizer "
             f"state at ZeRO-{p['zero']}) on the leanest layout that hosts them (pp={p['pp']}, "
-            f"ep={p['ep']}, full recompute, 1 sequence per micro-batch: {_gb(lean[0])} with "
+            f"ep={p['ep']}, {p['checkpointing']} recompute, 1 sequence per micro-batch: "
+            f"{_gb(lean[0])} with "
             f"them); {left}; at most --redundant {lo} fits on {req.n_gpus} x {platform.name} "
             f"GPUs (valid: 0..{lo}; its leanest layout: pp={q['pp']}, ep={q['ep']}, "
             f"ZeRO-{q['zero']}, {_gb(fit[0])})")
@@ -199,12 +230,14 @@ def run_plan(cfg: ModelConfig, platform: Platform, req: PlanRequest, out_dir: Pa
         raise PlanError(f"seq {req.seq_len} exceeds {cfg.name}'s max_seq_len {cfg.max_seq_len}")
     try:
         space = SearchSpace.default(cfg, platform, req.n_gpus, req.global_batch, req.seq_len,
-                                    zero=req.zero, redundant=req.redundant)
+                                    zero=req.zero, redundant=req.redundant,
+                                    a2a_overlap=req.a2a_overlap)
     except ValueError as e:
         raise PlanError(str(e)) from None
     # The leanest layout decides "cannot fit at all" before any trial runs.
     lean = leanest_memory(cfg, platform, req.n_gpus, req.global_batch, req.seq_len,
-                          precision, assumptions, zero=req.zero, redundant=req.redundant)
+                          precision, assumptions, zero=req.zero, redundant=req.redundant,
+                          a2a_overlap=req.a2a_overlap)
     if lean is None or lean[0] > platform.usable_hbm:
         raise PlanError(_explain_no_fit(cfg, platform, req, precision, assumptions))
     # Branch and bound skips full evaluations of points that cannot beat the best found.

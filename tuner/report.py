@@ -3,7 +3,8 @@
 The plan file is TOML that `train.py --plan FILE` applies like a config file: the run config
 lives under `[run.<section>]` (model; parallel, incl. `ep_placement`, `zero` and, with more
 than one stage, `layer_split`: the planned layers per stage, so the run cuts the stages the
-estimate priced; comm; train,
+estimate priced; comm: `alltoall`, `a2a_overlap` and `a2a_chunks`, the overlap mode and the
+chunks it was priced with, `tuner.space.overlap_chunks`; train,
 incl. `checkpointing`; balance, `redundant`, only when the plan has redundant expert slots),
 so every choice of the plan is run as planned; `[plan]` records the request
 and the prediction (and, after `--measure`, the measurement), so that a run can be compared
@@ -20,11 +21,12 @@ from tuner.estimate import Estimate
 from tuner.layout import ParallelPlan
 from tuner.platform import Platform
 from tuner.search import Candidate
+from tuner.space import overlap_chunks
 
 __all__ = ["format_table", "plan_toml", "run_sections", "launch_lines", "sbatch_script",
-           "plot_frontier", "zero_summary", "redundant_summary"]
+           "plot_frontier", "zero_summary", "redundant_summary", "overlap_summary", "overlap_label"]
 
-_COLS = ("#", "pp", "ep", "dp", "M", "mbs", "schedule", "a2a", "ckpt", "place", "zero",
+_COLS = ("#", "pp", "ep", "dp", "M", "mbs", "schedule", "a2a", "overlap", "ckpt", "place", "zero",
          "mem GB", "saved GB", "step s", "compute", "all2all", "p2p", "bubble", "dp sync", "MFU %", "TFLOPS")
 
 
@@ -34,16 +36,24 @@ def _row(i: int, c: Candidate) -> list[str]:
     p, t = e.plan, e.time
     sched = p.schedule + (f":{p.n_virtual}" if p.n_virtual > 1 else "")
     return [str(i), str(p.pp), str(p.ep), str(p.dp), str(p.microbatches), str(c.point["mbs"]),
-            sched, p.alltoall, p.checkpointing, p.ep_placement, str(p.zero),
+            sched, p.alltoall, overlap_label(p), p.checkpointing, p.ep_placement, str(p.zero),
             f"{e.peak_memory / 1e9:.1f}", f"{(e.peak_memory_zero0 - e.peak_memory) / 1e9:.1f}",
             f"{e.step_time:.2f}", f"{t['compute']:.2f}", f"{t['alltoall']:.2f}", f"{t['p2p']:.2f}",
             f"{t['bubble']:.2f}", f"{t['dp_sync']:.2f}", f"{100 * e.mfu:.1f}",
             f"{e.tflops_per_gpu:.1f}"]
 
 
+def overlap_label(p: ParallelPlan) -> str:
+    """The plan's all-to-all overlap as the table shows it: "none", or mode / chunks
+    ("layer/2", "fb/2")."""
+    c = overlap_chunks(p.a2a_overlap)
+    return f"{p.a2a_overlap}/{c}" if c else p.a2a_overlap
+
+
 def format_table(ranked: list[Candidate], top: int = 10) -> str:
-    """Fixed-width table of the best `top` candidates (times in seconds per step; "saved GB":
-    peak memory the layout's ZeRO level saves against the same layout with ZeRO-0)."""
+    """Fixed-width table of the best `top` candidates (times in seconds per step; "overlap":
+    the all-to-all overlap mode / chunks; "saved GB": peak memory the layout's ZeRO level
+    saves against the same layout with ZeRO-0)."""
     rows = [list(_COLS)] + [_row(i + 1, c) for i, c in enumerate(ranked[:top])]
     widths = [max(len(r[j]) for r in rows) for j in range(len(_COLS))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
@@ -65,6 +75,30 @@ def zero_summary(e: Estimate, attention: str = "sharded") -> str:
     return (f"ZeRO-{p.zero}: {what} sharded over {g_rep} ranks (non-expert, DP x EP) and {exp}; "
             f"saves {saved / 1e9:.1f} GB per GPU at the peak ({e.peak_memory / 1e9:.1f} "
             f"GB instead of {peak0 / 1e9:.1f} GB with ZeRO-0); gradient sync: {dc}")
+
+
+def overlap_summary(e: Estimate) -> str:
+    """One line: the plan's all-to-all overlap, what it hides, and (fb) the activations it
+    holds beyond the plain schedule's."""
+    p = e.plan
+    exposed = e.time.get("alltoall", 0.0)
+    if p.ep == 1:
+        return "all-to-all overlap: none (ep=1: no exchange)"
+    if p.a2a_overlap == "none":
+        return (f"all-to-all overlap: none; every exchange exposed ({exposed:.3g} s per step "
+                f"on the busiest rank)")
+    how = {"layer": "chunked inside each MoE layer, beside the shared/dense branch and the "
+                    "other chunks' expert GEMMs",
+           "fb": "one micro-batch's forward beside another's backward, each micro-batch "
+                 "chunked as well"}.get(p.a2a_overlap, p.a2a_overlap)
+    extra = ""
+    if p.a2a_overlap == "fb":
+        peak = max(range(len(e.stages)), key=lambda r: e.stages[r].total)
+        extra = (f"; fb holds the paired schedule's in-flight micro-batches: activations "
+                 f"{e.stages[peak].activations / 1e9:.3g} GB on the peak rank")
+    return (f"all-to-all overlap: {overlap_label(p)} ({how}): {exposed:.3g} s per step "
+            f"exposed on the busiest rank, {e.alltoall_hidden:.3g} s hidden (the most on any "
+            f"rank){extra}")
 
 
 def redundant_summary(e: Estimate) -> str:
@@ -93,14 +127,18 @@ def run_sections(p: ParallelPlan, n_layers: int | None = None) -> dict[str, dict
     """The trainer config sections (`train.py` `--section.field`) that run plan `p`: what a
     plan file's [run.*] holds and what `tuner.launch.train_args` passes. With `n_layers` and
     more than one pipeline stage, `parallel.layer_split` states the stage split
-    (`trainer.layout.stage_layers`, the one both sides use)."""
+    (`trainer.layout.stage_layers`, the one both sides use). `comm.a2a_overlap` is the plan's
+    mode and `comm.a2a_chunks` the chunks the search priced it with
+    (`tuner.space.overlap_chunks`: 2 for layer and fb, stated because the trainer's
+    `a2a_chunks=auto` runs an explicit fb with 1; "auto" for none and auto)."""
     split = {"layer_split": layer_split_spec(stage_layers(n_layers, p.pp, p.n_virtual))} \
         if n_layers is not None and p.pp * p.n_virtual > 1 else {}
     return {
         "parallel": {"pp": p.pp, "ep": p.ep, "dp": p.dp, "schedule": p.schedule,
                      "microbatches": p.microbatches, "n_virtual": p.n_virtual,
                      "ep_placement": p.ep_placement, "zero": p.zero, **split},
-        "comm": {"alltoall": p.alltoall},
+        "comm": {"alltoall": p.alltoall, "a2a_overlap": p.a2a_overlap,
+                 "a2a_chunks": overlap_chunks(p.a2a_overlap) or "auto"},
         "train": {"global_batch": p.global_batch, "seq_len": p.seq_len,
                   "checkpointing": p.checkpointing},
         **({"balance": {"redundant": p.redundant}} if p.redundant else {}),

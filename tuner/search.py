@@ -18,10 +18,20 @@ cannot win and its full evaluation is skipped (a layout train.py cannot run yet 
 and ranked all the same, `Candidate.not_runnable` saying what is missing; `SearchResult.best`
 is the fastest overall, `best_runnable` the one to launch). The ranking is unchanged at its top: a pruned point is slower than
 the incumbent. Only for the closed-form all-to-all model, where the bound is proven.
+With the all-to-all overlapped (a2a_overlap layer or fb) the bound counts no all-to-all
+time at all: the exposed part the step pays (`tuner.costs.a2a_exposed`) is >= 0, and
+nothing else the bound keeps (compute, bubble, optimizer) depends on the overlap mode, so it
+stays below the step of every point; a point without overlap keeps its all-to-all term,
+which overlap cannot remove from it. `tests/test_tuner_search.py` checks the pruned search
+against exhaustive enumeration with overlap in the space.
+
+Each point is priced with the chunks its plan file runs (`Evaluator.point_assumptions`,
+`tuner.space.overlap_chunks`), not `Assumptions.a2a_chunks`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import warnings
@@ -33,7 +43,7 @@ from model import ModelConfig
 from tuner.estimate import Estimate, estimate, stage_memory, step_time_lower_bound
 from tuner.layout import PUBLISHED_PRECISION, Assumptions, PrecisionPolicy, not_runnable
 from tuner.platform import Platform
-from tuner.space import Point, SearchSpace
+from tuner.space import Point, SearchSpace, overlap_chunks
 
 __all__ = ["Candidate", "Evaluator", "SearchResult", "exhaustive", "neighbours", "optuna_search"]
 
@@ -73,11 +83,24 @@ class Evaluator:
     bound_checks: int = 0
     incumbent: float = math.inf  # best full step time of a runnable layout evaluated so far
     cache: dict[tuple, Candidate] = field(default_factory=dict)
+    _asm: dict[int, Assumptions] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.prune and self.assumptions.alltoall_model != "closed-form":
             raise ValueError("prune=True needs alltoall_model='closed-form' (the lower bound is "
                              f"proven for it only), got {self.assumptions.alltoall_model!r}")
+
+    def point_assumptions(self, overlap: str) -> Assumptions:
+        """The assumptions a point with a2a_overlap `overlap` is priced with: this
+        evaluator's, with the chunks the plan file will run (`tuner.space.overlap_chunks`:
+        2 for layer and fb) in place of `Assumptions.a2a_chunks`, so what is priced is what
+        is launched."""
+        chunks = overlap_chunks(overlap)
+        if not chunks or chunks == self.assumptions.a2a_chunks:
+            return self.assumptions
+        if chunks not in self._asm:
+            self._asm[chunks] = dataclasses.replace(self.assumptions, a2a_chunks=chunks)
+        return self._asm[chunks]
 
     def __call__(self, pt: Point) -> Candidate:
         key = self.space.key(pt)
@@ -87,7 +110,8 @@ class Evaluator:
         c.rejected = self.space.reject(pt)
         if c.rejected is None:
             plan = self.space.to_plan(pt)
-            mem = stage_memory(self.cfg, plan, self.platform, self.precision, self.assumptions)
+            asm = self.point_assumptions(plan.a2a_overlap)
+            mem = stage_memory(self.cfg, plan, self.platform, self.precision, asm)
             self.memory_checks += 1
             peak = max(mem, key=lambda s: s.total)
             c.peak_memory = peak.total
@@ -100,7 +124,7 @@ class Evaluator:
             else:
                 if self.prune and self.incumbent < math.inf:
                     lb = step_time_lower_bound(self.cfg, plan, self.platform, self.precision,
-                                               self.assumptions, stages=mem)
+                                               asm, stages=mem)
                     self.bound_checks += 1
                     if lb >= self.incumbent:
                         c.lower_bound = lb
@@ -108,7 +132,7 @@ class Evaluator:
                                       f"found {self.incumbent:.3g} s")
                         self.cache[key] = c
                         return c
-                c.estimate = estimate(self.cfg, plan, self.platform, self.precision, self.assumptions)
+                c.estimate = estimate(self.cfg, plan, self.platform, self.precision, asm)
                 self.evaluations += 1
                 c.not_runnable = not_runnable(plan)
                 if c.runnable:  # pruning against the runnable best keeps it and the overall one
@@ -308,11 +332,18 @@ def optuna_search(ev: Evaluator, n_trials: int, seed: int = 0, storage: str | No
 
 def neighbours(space: SearchSpace, pt: Point) -> list[Point]:
     """Points one step away: an ordinal choice moved to the next smaller or larger value, or
-    a categorical choice set to any other value."""
-    out = []
+    a categorical choice set to any other value; a step onto a variant the space keeps once
+    (pp = 1, ep = 1) lands on the kept one (`SearchSpace.canonical`), so such a move is not
+    lost to the rejection of the variant."""
+    out: list[Point] = []
+    seen = {space.key(pt)}
     for n, ch in space.choices.items():
         i = ch.index(pt[n])
         alts = [ch[j] for j in (i - 1, i + 1) if 0 <= j < len(ch)] if n in ORDINAL else \
             [v for v in ch if v != pt[n]]
-        out += [dict(pt, **{n: v}) for v in alts]
+        for v in alts:
+            q = space.canonical(dict(pt, **{n: v}))
+            if space.key(q) not in seen:
+                seen.add(space.key(q))
+                out.append(q)
     return out

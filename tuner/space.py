@@ -2,8 +2,21 @@
 
 A point is a dict of categorical choices: pp, ep, mbs (sequences per rank per micro-batch),
 schedule ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b:v"), alltoall, checkpointing,
-placement, zero (0, 1, 2: `ParallelPlan.zero`). DP and the micro-batch count follow:
-DP = N / (PP * EP), M = b / (DP * EP * mbs).
+placement, zero (0, 1, 2: `ParallelPlan.zero`), a2a_overlap (none, layer, fb:
+`ParallelPlan.a2a_overlap`, the trainer's --comm.a2a_overlap). DP and the micro-batch count
+follow: DP = N / (PP * EP), M = b / (DP * EP * mbs).
+
+The overlap modes and their chunks (`OVERLAP_CHOICES`, `overlap_chunks`): none; layer with 2
+chunks; fb with 2 chunks (the layer pipeline inside each micro-batch, paired across them).
+2 is what the trainer's --comm.a2a_overlap=auto runs with either mode
+(`trainer.layout.AUTO_OVERLAP_CHUNKS`), and the measured best on the emulator: fb / 2 beat
+fb / 1 and fb / 4, layer / 4 did not beat layer / 2 (docs/alltoall.md, "Measured: overlap on
+the emulator"). One chunk count per mode, not a dimension of its own: the model weighs c
+chunks' hidden share of the expert GEMMs ((c - 1) / c) against the latencies each chunk pays
+again (`tuner.costs.a2a_exposed`), not the host work each chunk costs, so where it would pick
+4 or 8 the runs measured (layer / 4, fb / 4 slower than / 2) do not back it. The plan file states the chunks (`comm.a2a_chunks`): with an explicit fb the
+trainer's own `a2a_chunks=auto` would run 1 chunk, not the 2 priced. "auto" is not a point of
+its own: it runs none, layer or fb, which the search compares (as for the all-to-all).
 
 Constraints, checked before anything is evaluated. The layout's own feasibility is the one
 layout model's (`trainer.layout.layout_problems`: the rules train.py checks, so no plan is
@@ -20,8 +33,15 @@ same run):
     PP = 1 runs 1f1b only (gradient accumulation)        peak memory <= usable HBM
     ZeRO > 0 needs a replica group of > 1 rank (DP x EP > 1; with DP = 1 only the
     non-expert state shards, over EP)
+    EP = 1 has no exchange: a2a_overlap none only (layer and fb run as none there)
+    a2a_overlap fb: the trainer's refusals, `trainer.layout.fb_problems` (M >= 2, with
+    PP > 1 a schedule it pairs: 1f1b, interleaved-1f1b; no full recompute), the one list
+    train.py and its auto obey; layer has no rule of its own beyond EP > 1. The pipelined
+    expert path under TP (`trainer.layout.pipelined_expert_path`) is `not_runnable`'s: TP is
+    not a dimension of this space.
 The memory constraint needs the memory model but not the time model: it is checked by
-`tuner.estimate.stage_memory` alone.
+`tuner.estimate.stage_memory` alone (with a2a_overlap fb, the paired schedule's in-flight
+micro-batches, `tuner.estimate.fb_inflight`).
 """
 
 from __future__ import annotations
@@ -32,9 +52,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model import ModelConfig
-from trainer.layout import Layout, LayoutError, divisors, layout_problems
+from trainer.layout import (
+    AUTO_OVERLAP_CHUNKS,
+    Layout,
+    LayoutError,
+    divisors,
+    fb_problems,
+    layout_problems,
+)
 from trainer.layout import check_redundant as layout_check_redundant
 from tuner.layout import (
+    A2A_OVERLAP,
     ALLTOALL_ALGORITHMS,
     CHECKPOINTING,
     EP_PLACEMENTS,
@@ -44,10 +72,40 @@ from tuner.layout import (
 )
 from tuner.platform import Platform
 
-__all__ = ["SearchSpace", "Point", "divisors", "check_gpu_count", "check_redundant"]
+__all__ = ["SearchSpace", "Point", "divisors", "check_gpu_count", "check_redundant",
+           "OVERLAP_CHOICES", "check_overlap_modes", "overlap_chunks"]
 
 Point = dict[str, Any]
 SCHEDULE_CHOICES = ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b:2", "interleaved-1f1b:4")
+# the trainer's overlap modes (A2A_OVERLAP) less auto, leanest first (fb holds more
+# activations); each runs with `overlap_chunks` chunks
+OVERLAP_CHOICES = tuple(m for m in A2A_OVERLAP if m != "auto")
+_OVERLAP_MEANING = {"none": "every exchange exposed",
+                    "layer": f"chunked inside the MoE layer, {AUTO_OVERLAP_CHUNKS} chunks",
+                    "fb": f"across micro-batches, {AUTO_OVERLAP_CHUNKS} chunks"}
+
+
+def overlap_chunks(mode: str) -> int:
+    """The chunks of the layer pipeline a plan with a2a_overlap `mode` is priced and run with:
+    `trainer.layout.AUTO_OVERLAP_CHUNKS` (2) for layer and fb, 0 (none: no pipeline) else
+    (module docstring)."""
+    return AUTO_OVERLAP_CHUNKS if mode in ("layer", "fb") else 0
+
+
+def check_overlap_modes(modes: object, what: str = "a2a_overlap") -> tuple[str, ...]:
+    """`modes` (one overlap mode or several) as a tuple, or a ValueError naming the bad value
+    and the valid ones."""
+    seq = modes if isinstance(modes, (tuple, list)) else (modes,)
+    valid = ", ".join(f"{m} ({_OVERLAP_MEANING[m]})" for m in OVERLAP_CHOICES)
+    if not seq:
+        raise ValueError(f"{what}: no overlap mode given; valid: {valid}")
+    for m in seq:
+        if m == "auto":
+            raise ValueError(f"{what}={m!r} is not searched: it runs none, layer or fb, which "
+                             f"the search compares; valid: {valid}")
+        if not isinstance(m, str) or m not in OVERLAP_CHOICES:
+            raise ValueError(f"{what}={m!r}: the all-to-all overlap must be one of {valid}")
+    return tuple(seq)
 
 
 def _hosts(r: int, n_experts: int, ep: int) -> bool:
@@ -108,11 +166,14 @@ class SearchSpace:
     @classmethod
     def default(cls, cfg: ModelConfig, platform: Platform, n_gpus: int, global_batch: int,
                 seq_len: int, mbs: tuple[int, ...] = (1, 2, 4, 8),
-                zero: tuple[int, ...] = ZERO_LEVELS, redundant: int = 0) -> SearchSpace:
-        """The full space; `zero` narrows the ZeRO levels searched (e.g. (0,) as published);
+                zero: tuple[int, ...] = ZERO_LEVELS, redundant: int = 0,
+                a2a_overlap: tuple[str, ...] = OVERLAP_CHOICES) -> SearchSpace:
+        """The full space; `zero` narrows the ZeRO levels searched (e.g. (0,) as published),
+        `a2a_overlap` the overlap modes (e.g. ("none",): the plain exchange);
         `redundant` is every point's r (EP degrees that cannot host it are left out)."""
         check_gpu_count(n_gpus, platform)
         zero = tuple(sorted(set(check_zero_levels(zero))))
+        overlap = tuple(m for m in OVERLAP_CHOICES if m in check_overlap_modes(a2a_overlap))
         E = max(cfg.n_routed_experts, 1)
         eps = tuple(d for d in divisors(n_gpus) if E % d == 0 and d <= platform.max_ep)
         check_redundant(redundant, cfg, eps)
@@ -126,6 +187,7 @@ class SearchSpace:
             "checkpointing": CHECKPOINTING,
             "placement": EP_PLACEMENTS,
             "zero": zero,
+            "a2a_overlap": overlap,
         }
         return cls(n_gpus, global_batch, seq_len, cfg.n_layers, E, platform.max_ep, choices,
                    platform.gpus_per_node, platform.nodes_per_domain, redundant)
@@ -185,10 +247,34 @@ class SearchSpace:
             return "without a pipeline every schedule is 1f1b (gradient accumulation)"
         if ep == 1 and (pt["alltoall"] != "flat" or pt["placement"] != "local"):
             return "ep=1 has no all-to-all: only the flat/local variant is kept"
+        overlap = pt.get("a2a_overlap", "none")
+        if ep == 1 and overlap != "none":
+            return f"ep=1 has no all-to-all to overlap: a2a_overlap {overlap} runs as none"
+        if overlap == "fb":
+            refused = fb_problems(m, pp, name, pt["checkpointing"])  # train.py's own rules
+            if refused:
+                return f"a2a_overlap fb with {refused[0]}"
         if pt.get("zero", 0) and dp * ep == 1:
             return (f"zero={pt['zero']} needs a replica group of > 1 rank; dp={dp} x ep={ep} "
                     f"holds one copy of each parameter")
         return None
+
+    def canonical(self, pt: Point) -> Point:
+        """The point of this space that is the same run as `pt`, where `reject` keeps one
+        variant of several: without a pipeline (pp = 1) the schedule is 1f1b; without an
+        exchange (ep = 1) the all-to-all is flat, local, not overlapped. `pt` itself
+        otherwise (and where the kept value is not among the choices). The search's
+        neighbour walk moves through these, so pp 2 -> 1 from a zb-h1 point or ep 2 -> 1 from
+        an overlapped one is one step, not a rejected point."""
+        keep: dict[str, Any] = {}
+        if pt["pp"] == 1:
+            keep["schedule"] = "1f1b"
+        if pt["ep"] == 1:
+            keep.update(alltoall="flat", placement="local")
+            if "a2a_overlap" in pt:
+                keep["a2a_overlap"] = "none"
+        keep = {n: v for n, v in keep.items() if pt[n] != v and v in self.choices.get(n, ())}
+        return dict(pt, **keep) if keep else pt
 
     def to_plan(self, pt: Point) -> ParallelPlan:
         """The layout of a point that passed `reject`."""
@@ -200,6 +286,7 @@ class SearchSpace:
             global_batch=self.global_batch, seq_len=self.seq_len, schedule=name,
             n_virtual=int(v or 1), alltoall=pt["alltoall"], checkpointing=pt["checkpointing"],
             ep_placement=pt["placement"], zero=pt.get("zero", 0), redundant=self.redundant,
+            a2a_overlap=pt.get("a2a_overlap", "none"),
         )
 
     @staticmethod
