@@ -197,8 +197,8 @@ def test_tail_saving_in_the_estimate_on_an_emulated_cluster_only(monkeypatch) ->
         calls: list[float] = []
         real = te.tail_saving
 
-        def spy(*a, **k):
-            calls.append(real(*a, **k))
+        def spy(*a, _calls=calls, _real=real, **k):
+            _calls.append(_real(*a, **k))
             return 0.0
         monkeypatch.setattr(te, "tail_saving", spy)
         off = estimate(cfg, plan, pf, FP32_TRAINER_PRECISION, asm)
@@ -228,3 +228,28 @@ def test_tail_saving_in_the_estimate_on_an_emulated_cluster_only(monkeypatch) ->
     ep = te.place_groups(plans[0], gpu.gpus_per_node, asm.attention)[0]["ep"]
     assert te.tail_saving(1.0, {"experts": 0.1, "attn": 0.1}, 0.0, plans[0], gpu, ep,
                           asm) == 0.0
+
+
+def test_overlap_hides_nothing_inside_one_cpu_node() -> None:
+    """On a CPU platform an exchange inside one node is the processes' own loopback copies:
+    layer / fb overlap expose all of it (share 1), so the planner never prefers overlap there
+    (train.py's auto runs none inside a node); across emulated nodes, and on GPU files, the
+    communication kernels' share applies."""
+    import importlib
+
+    te = importlib.import_module("tuner.estimate")
+    cfg = dataclasses.replace(presets.get("tiny"), n_routed_experts=16, top_k=4)
+    one = ParallelPlan(pp=1, ep=4, dp=1, microbatches=1, global_batch=16, seq_len=256)
+    pf = _cpu()
+    ep = te.place_groups(one, pf.gpus_per_node, ASM.attention)[0]["ep"]
+    assert ep.nodes == 1 and te.overlap_share(pf, ep, ASM) == 1.0
+    none = estimate(cfg, one, pf, FP32_TRAINER_PRECISION, ASM)
+    layer = estimate(cfg, dataclasses.replace(one, a2a_overlap="layer"), pf,
+                     FP32_TRAINER_PRECISION, dataclasses.replace(ASM, a2a_chunks=2))
+    assert layer.time["alltoall"] >= none.time["alltoall"]  # chunks only add latencies
+    emu = _emulated()
+    ep2 = te.place_groups(one, emu.gpus_per_node, ASM.attention)[0]["ep"]
+    assert ep2.nodes == 2 and te.overlap_share(emu, ep2, ASM) == ASM.overlap_compute_share
+    gpu = load_platform("dgx-h100")
+    epg = te.place_groups(one, gpu.gpus_per_node, ASM.attention)[0]["ep"]
+    assert te.overlap_share(gpu, epg, ASM) == ASM.overlap_compute_share

@@ -790,6 +790,18 @@ def compute_imbalance(plan: ParallelPlan, pf: Platform, asm: Assumptions) -> flo
                             pf.cores_per_node, pf.threads_per_process)
 
 
+def overlap_share(pf: Platform, ep: GroupPlacement, asm: Assumptions) -> float:
+    """The `share` of an overlapped exchange that cannot hide (`tuner.costs.a2a_exposed`):
+    `Assumptions.overlap_compute_share` (the communication kernels' share of a GPU), except
+    on a CPU platform (`Platform.cores_per_node` stated) with the EP group inside one node,
+    where the exchange is the processes' own copies through loopback on the cores the
+    compute needs: 1, nothing hides (as train.py's `--comm.a2a_overlap=auto` runs none
+    inside a node; measured: docs/planner.md, "The all-to-all overlap in the search")."""
+    if pf.cores_per_node and ep.nodes == 1:
+        return 1.0
+    return asm.overlap_compute_share
+
+
 def tail_saving(exposed: float, parts: dict[str, float], rc: float, plan: ParallelPlan,
                 pf: Platform, ep: GroupPlacement, asm: Assumptions) -> float:
     """Seconds of one MoE layer's compute (one micro-batch) that run beside the exchange's
@@ -968,7 +980,7 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
                 device += cast
                 if lc.is_moe:
                     exp_, tot = a2a_exposed(plan, parts, rc, ab_a2a, a2a, asm.a2a_chunks,
-                                            asm.overlap_compute_share)
+                                            overlap_share(pf, groups["ep"], asm))
                     acc["alltoall"] += exp_ * (1 - asm.alltoall_overlap)
                     device += exp_ * (1 - asm.alltoall_overlap)
                     a2a_total += tot
