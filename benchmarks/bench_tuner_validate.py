@@ -289,11 +289,12 @@ def predicted_parts(p: dict) -> dict[str, float]:
     """The estimate's parts grouped as the trainer times them: forward/backward = compute +
     all-to-all + P2P + bubble (+ TP/CP/ETP/ZeRO-3 terms); grad sync = the gradient reduction
     (all-reduce or reduce to owners, replica sums); optimizer = the update + ZeRO's broadcast
-    of the updated weights (trainer/distributed/zero.py broadcasts inside its step); grad sync
+    of the updated weights and its pack / unpack copies (trainer/distributed/zero.py
+    broadcasts inside its step); grad sync
     also the trainer's gradient passes and the clipping's small all-reduces ("grad_post"),
     other = the step's other small all-reduces ("step_syncs"; both measured platform terms)."""
     t, dc = p["time"], p["dp_collectives"]
-    bcast = dc.get("broadcast", 0.0) + dc.get("all_gather", 0.0)
+    bcast = dc.get("broadcast", 0.0) + dc.get("broadcast_copy", 0.0) + dc.get("all_gather", 0.0)
     rest = ("dp_sync", "optimizer", "grad_post", "step_syncs")
     return {"fwd_bwd_s": sum(v for k, v in t.items() if k not in rest),
             "grad_sync_s": t.get("dp_sync", 0.0) - bcast + t.get("grad_post", 0.0),

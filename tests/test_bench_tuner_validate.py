@@ -35,3 +35,15 @@ def test_a_slow_pass_does_not_set_the_row():
 def test_repeats_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="--repeats=0 must be >= 1"):  # before any measuring
         b.main(["--repeats", "0", "--out", str(tmp_path)])
+
+
+def test_zero_broadcast_and_its_copies_are_the_optimizers_part():
+    """The trainer times ZeRO's weight broadcast inside its optimizer step, with the pack /
+    unpack around it: both go to the predicted optimizer part, the reduction to grad sync."""
+    p = {"time": {"compute": 0.05, "dp_sync": 0.016, "optimizer": 0.004, "grad_post": 0.002,
+                  "step_syncs": 0.001},
+         "dp_collectives": {"all_reduce": 0.010, "broadcast": 0.004, "broadcast_copy": 0.002}}
+    parts = b.predicted_parts(p)
+    assert parts["optim_s"] == pytest.approx(0.004 + 0.004 + 0.002)
+    assert parts["grad_sync_s"] == pytest.approx(0.010 + 0.002)
+    assert parts["fwd_bwd_s"] == pytest.approx(0.05) and parts["other_s"] == 0.001

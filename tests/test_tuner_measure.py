@@ -62,6 +62,19 @@ def test_compute_fields_medians_and_tables_by_hand():
     assert f["hbm_bandwidth"] == 1e9 and f["layer_overhead"] == 1e-3
 
 
+def test_zero_copy_rate_times_the_trainers_pack_and_unpack():
+    """`_zero_copy_rate`: bytes of one pass per second over the weights it is given (the
+    time of a cat plus one copy_ per tensor for 2 x their bytes), leaving their values."""
+    import torch
+
+    from tuner.measure import _zero_copy_rate
+
+    ws = [torch.randn(64, 32), torch.randn(128), torch.randn(8, 16, 4)]
+    before = [w.clone() for w in ws]
+    assert _zero_copy_rate(ws, 3) > 0
+    assert all(torch.equal(a, b) for a, b in zip(ws, before, strict=True))
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_quick_measurement_on_this_machine(tmp_path):
@@ -72,6 +85,8 @@ def test_quick_measurement_on_this_machine(tmp_path):
     assert 0 < p.gemm_efficiency <= 1 and 0 < p.intra_node_bandwidth < 1e12
     assert p.gemm_table is not None and len(p.gemm_table.values) == 8
     assert p.grouped_table is not None and p.attention_table is not None
+    # ZeRO's pack / unpack pass: a copy of each byte, so within a few x of the copy rate
+    assert 0 < p.zero_copy_bandwidth < 4 * p.hbm_bandwidth
     # 8 rows per expert: each expert's [8, 128] x [128, 256] GEMMs are dominated by per-call
     # costs, so they run below 128 rows per expert (16x more work per call)
     assert p.grouped_eff(8, 256, 128) < p.grouped_eff(128, 256, 128)

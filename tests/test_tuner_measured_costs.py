@@ -152,3 +152,62 @@ def test_grad_passes_and_small_all_reduces() -> None:
     for key in ("grad_flatten_bandwidth", "grad_norm_bandwidth", "sync_latency"):
         with pytest.raises(ValueError, match=key):
             _local(**{key: -1.0})
+
+
+def test_zero_copy_rate_measured_else_half_the_copy_bandwidth(tmp_path) -> None:
+    """`zero_copy_bandwidth_gbs`: the file round trip, the named error, and the rate a pass
+    takes: the measured one, else a copy at hbm_bandwidth (which counts read and write)."""
+    p = _local(zero_copy_bandwidth=7.5e9)
+    back = load_platform(write_platform_toml(p, tmp_path / "m.toml", {}))
+    assert back.zero_copy_bandwidth == pytest.approx(7.5e9) and back.zero_copy_rate == 7.5e9
+    bare = _local()
+    assert bare.zero_copy_bandwidth == 0.0
+    assert bare.zero_copy_rate == pytest.approx(bare.hbm_bandwidth / 2, rel=1e-12)
+    assert load_platform("dgx-h100").zero_copy_rate == load_platform("dgx-h100").hbm_bandwidth / 2
+    with pytest.raises(ValueError, match="zero_copy_bandwidth"):
+        _local(zero_copy_bandwidth=-1.0)
+
+
+def _tiny_numel(expert: bool | None = None) -> int:
+    """Elements of the tiny preset's parameters, counted on the torch module (all, or only
+    the routed experts' / only the others')."""
+    from model import MoETransformer
+    from trainer.distributed.parallel import is_expert_param
+
+    return sum(p.numel() for n, p in MoETransformer(presets.get("tiny")).named_parameters()
+               if expert is None or is_expert_param(n) == expert)
+
+
+def test_estimate_prices_zero_broadcast_copies() -> None:
+    """Per-parameter ZeRO-1/2 at DP = 2, tiny, the trainer's 25 MiB buckets: each owner's
+    bucket holds several parameters (tiny's 13.7 MB of fp32 weights split over 2 owners x 2
+    kinds), so every rank packs or unpacks every weight once: 4 B x all parameters at the
+    platform's rate, beside the broadcast, in the ZeRO rows' dp_collectives. ZeRO-0, flat
+    sharding and a group of one rank (DP = EP = 1) copy nothing."""
+    cfg = presets.get("tiny")
+    rate = 6e9
+    p = _local(collectives=FITS, gpus_per_node=2, nics_per_node=2, zero_copy_bandwidth=rate)
+    asm = Assumptions(activation_set="trainer", zero_sharding="per-parameter")
+    n = _tiny_numel()
+    for z in (1, 2):
+        plan = ParallelPlan(pp=1, ep=1, dp=2, microbatches=1, global_batch=8, seq_len=128,
+                            zero=z)
+        e = estimate(cfg, plan, p, FP32_TRAINER_PRECISION, asm)
+        assert e.stages[0].bcast_copy_params == n
+        assert e.dp_collectives["broadcast_copy"] == pytest.approx(4 * n / rate, rel=1e-12)
+        assert e.time["dp_sync"] == pytest.approx(sum(e.dp_collectives.values()), rel=1e-12)
+        unmeasured = estimate(cfg, plan, dataclasses.replace(p, zero_copy_bandwidth=0.0),
+                              FP32_TRAINER_PRECISION, asm)
+        assert unmeasured.dp_collectives["broadcast_copy"] == pytest.approx(
+            4 * n / (p.hbm_bandwidth / 2), rel=1e-12)
+    z0 = ParallelPlan(pp=1, ep=1, dp=2, microbatches=1, global_batch=8, seq_len=128)
+    flat = z0.replace(zero=1)
+    one = ParallelPlan(pp=1, ep=1, dp=1, microbatches=1, global_batch=8, seq_len=128, zero=1)
+    for plan, a in ((z0, asm), (flat, Assumptions(activation_set="trainer")), (one, asm)):
+        e = estimate(cfg, plan, p, FP32_TRAINER_PRECISION, a)
+        assert "broadcast_copy" not in e.dp_collectives and e.stages[0].bcast_copy_params == 0
+    # EP = 2 x DP = 2: the non-experts over the 4 stage ranks, each rank's 4 of the 8
+    # experts per layer over the 2 DP ranks: every weight the rank holds is copied
+    ep = ParallelPlan(pp=1, ep=2, dp=2, microbatches=1, global_batch=8, seq_len=128, zero=1)
+    e = estimate(cfg, ep, _local(zero_copy_bandwidth=rate), FP32_TRAINER_PRECISION, asm)
+    assert e.stages[0].bcast_copy_params == _tiny_numel(False) + _tiny_numel(True) // 2

@@ -255,3 +255,49 @@ def test_planner_trainer_policy_equals_the_meter_per_zero_level_and_param_dtype(
             assert planned == measured, (z, d, planned, measured)
         else:
             assert abs(planned - measured) <= 16 * router, (z, d, planned, measured, router)
+
+
+def _bcast_bucket_worker(rank: int, world: int, _group, ep: int, caps: list[int]) -> dict:
+    """The trainer's ZeRO-1 broadcast buckets of the tiny preset at EP = `ep` x DP = world /
+    ep, set up as train.py does, per bucket cap: the elements in buckets of more than one
+    parameter whose group has more than one rank (those `broadcast_params` packs or unpacks)."""
+    from trainer.distributed.grad_sync import GradSync
+    from trainer.distributed.mesh import Mesh
+    from trainer.distributed.parallel import parallelize
+    from trainer.distributed.tensor_parallel import local
+
+    torch.set_num_threads(1)
+    mesh = Mesh.plan(world, rank, pp=1, ep=ep).build_groups()
+    with torch.device("meta"):
+        model = MoETransformer(presets.get("tiny"))
+    parallelize(model, mesh, alltoall="flat")
+    model.materialize(torch.device("cpu"), seed=0)
+    out = {}
+    for cap in caps:
+        sync = GradSync(model, mesh, zero=1, bucket_bytes=cap)
+        out[cap] = sum(local(p).numel() for b in sync.bcast if len(b.params) > 1
+                       and sync.groups[b.kind] is not None for p in b.params)
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world,ep", [(2, 1), (4, 2)])
+def test_planner_bcast_copies_equal_the_trainers_buckets(world, ep):
+    """The parameters the planner prices as packed / unpacked around ZeRO's weight broadcast
+    (`StageMemory.bcast_copy_params`) equal what the trainer's own `GradSync` buckets hold
+    on every rank: at its default 25 MiB (every bucket several parameters), at 1 MiB (at
+    EP = 1 each 1 MiB expert tensor fills a bucket alone: broadcast in place, not copied)
+    and at 64 KiB (more buckets of one parameter)."""
+    from comm import run_local
+
+    caps = [25 << 20, 1 << 20, 64 << 10]
+    got = run_local(_bcast_bucket_worker, world, ep, caps)
+    cfg, pf = presets.get("tiny"), load_platform("frontier")
+    plan = ParallelPlan(pp=1, ep=ep, dp=world // ep, microbatches=1, global_batch=8,
+                        seq_len=32, zero=1)
+    for cap in caps:
+        asm = Assumptions(zero_sharding="per-parameter", grad_bucket_bytes=cap)
+        st = stage_memory(cfg, plan, pf, FP32_TRAINER_PRECISION, asm)[0]
+        assert {r[cap] for r in got} == {st.bcast_copy_params}, (cap, got)
+    n = [got[0][cap] for cap in caps]  # smaller buckets: more of them hold one parameter
+    assert n[0] >= n[1] >= n[2] > 0 and n[0] > n[2]

@@ -70,7 +70,9 @@ Step time (seconds), for the busiest rank:
                   equal gradient and weight bytes the wire time equals ZeRO-0's.
                   "per-parameter" sharding (this trainer): ZeRO-1 all-reduces, ZeRO-2
                   reduces to owners (a reduce-scatter's time); owners broadcast the weights
-                  (an all-gather's time)
+                  (an all-gather's time), each bucket of several parameters packed by its
+                  owner and unpacked by the others: one pass over its weights per rank at
+                  the platform's `zero_copy_rate` ("broadcast_copy", `_bcast_copy_params`)
         redundant (r > 0): the gradients of replicated experts summed over their replicas
                   after the DP sync (trainer/distributed/replicas.py): per MoE layer, one all-to-all in
                   the EP group in which each rank sends r x c gradient rows (c =
@@ -214,6 +216,9 @@ class StageMemory:
     zero_saved: float = 0.0  # grads + optimizer bytes ZeRO spares this rank (vs ZeRO-0)
     redundant: int = 0  # ParallelPlan.redundant: extra expert slots per MoE layer
     moe_layers: int = 0  # MoE layers on this rank
+    # per-parameter ZeRO-1/2: parameters whose updated weights this rank packs or unpacks
+    # around the weight broadcast (`_bcast_copy_params`)
+    bcast_copy_params: float = 0.0
 
     @property
     def redundant_bytes(self) -> float:
@@ -608,6 +613,8 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform | None
             zero_saved=full_go + n * pb.weight_bytes - weights - grads - optim,
             redundant=plan.redundant,
             moe_layers=sum(1 for i in layers if cfg.is_moe_layer(i)),
+            bcast_copy_params=_bcast_copies(cfg, plan, assumptions, tuple(layers), r == 0,
+                                            r == plan.pp - 1, pb.param_comm_bytes),
         ))
     return out
 
@@ -728,6 +735,52 @@ def _shares(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions, layers: tupl
     return _per_parameter_shares(repr(cfg), layers, first, last, slots, g_rep, g_exp)
 
 
+@functools.lru_cache(maxsize=8192)
+def _bcast_copy_params(key: str, layers: tuple[int, ...], first: bool, last: bool,
+                       slots: float, g_rep: int, g_exp: int, wb: int, cap: int) -> float:
+    """Parameters per-parameter ZeRO-1/2 copies on each rank of a stage around its weight
+    broadcast, as trainer/distributed/grad_sync.py builds and sends it (`_make_buckets`,
+    `broadcast_params`): each parameter owned as `trainer.distributed.zero.assign_owners`
+    assigns it within its kind (non-expert over `g_rep` ranks, expert over `g_exp`), buckets
+    of one (kind, owner) filled in forward order up to `cap` bytes of `wb`-byte weights; a
+    bucket of several parameters is packed (torch.cat) on its owner and unpacked (copy_ per
+    parameter) on every other rank, one pass over its weights on each rank; a bucket of one
+    parameter is broadcast in place, and a group of one rank broadcasts nothing."""
+    from trainer.distributed.zero import assign_owners
+
+    where = {str(i) for i in layers} | ({"first"} if first else set()) | ({"last"} if last else set())
+    tensors = [(is_exp, round(n * slots) if is_exp else n)
+               for w, is_exp, n in _TENSORS[key] if w in where]
+    owner: dict[int, int] = {}
+    for kind, g in ((False, g_rep), (True, g_exp)):
+        idx = [i for i, (e, _) in enumerate(tensors) if e == kind]
+        owner.update(zip(idx, assign_owners([tensors[i][1] for i in idx], g), strict=True))
+    buckets: list[list[float]] = []  # [parameters, numel, group size]
+    open_: dict[tuple[bool, int], list[float]] = {}
+    for i, (e, n) in enumerate(tensors):
+        b = open_.get((e, owner[i]))
+        if b is None or ((b[1] + n) * wb > cap and b[0]):
+            b = [0, 0, g_exp if e else g_rep]
+            buckets.append(b)
+            open_[(e, owner[i])] = b
+        b[0] += 1
+        b[1] += n
+    return float(sum(n for k, n, g in buckets if k > 1 and g > 1))
+
+
+def _bcast_copies(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions,
+                  layers: tuple[int, ...], first: bool, last: bool, wb: int) -> float:
+    """`_bcast_copy_params` of a stage under `plan` (0 unless per-parameter ZeRO-1/2)."""
+    if plan.zero not in (1, 2) or asm.zero_sharding != "per-parameter":
+        return 0.0
+    g_rep, g_exp = plan.replica_groups(asm.attention)
+    _model_tensors(cfg)
+    E = cfg.n_routed_experts
+    slots = (E // plan.ep + plan.redundant) / E if E else 1.0
+    return _bcast_copy_params(repr(cfg), layers, first, last, slots, g_rep, g_exp, wb,
+                              asm.grad_bucket_bytes)
+
+
 def _dp_sync(sm: StageMemory, plan: ParallelPlan, groups: dict[str, GroupPlacement],
              platform: Platform, precision: PrecisionPolicy, asm: Assumptions) -> dict[str, float]:
     """Seconds of each gradient-sync collective of one pipeline rank (module docstring)."""
@@ -740,7 +793,7 @@ def _dp_sync(sm: StageMemory, plan: ParallelPlan, groups: dict[str, GroupPlaceme
         out["replica_sum"] = _replica_sum_time(sm, plan, groups["ep"], platform, gb, asm)
     if plan.zero == 3:  # reduce-scattered per layer and micro-batch (`layer_collectives`)
         return out
-    return {**_dp_collectives(plan, pairs, platform, gb, wb, asm), **out}
+    return {**_dp_collectives(plan, pairs, platform, gb, wb, asm, sm.bcast_copy_params), **out}
 
 
 def _replica_sum_time(sm: StageMemory, plan: ParallelPlan, group: GroupPlacement,
@@ -759,7 +812,10 @@ def _replica_sum_time(sm: StageMemory, plan: ParallelPlan, group: GroupPlacement
 
 
 def _dp_collectives(plan: ParallelPlan, pairs: tuple, platform: Platform, gb: int, wb: int,
-                    asm: Assumptions) -> dict[str, float]:
+                    asm: Assumptions, copied: float = 0.0) -> dict[str, float]:
+    """`copied`: parameters whose weights per-parameter ZeRO packs / unpacks around its
+    broadcast on this rank (`StageMemory.bcast_copy_params`), one pass each at the
+    platform's `zero_copy_rate` ("broadcast_copy")."""
     if plan.zero == 0:
         return {"all_reduce": sum(allreduce_time(n * gb, g, platform) for n, g in pairs)}
     n_rs = plan.microbatches if plan.zero == 2 and asm.zero2_grad_sync == "each" else 1
@@ -768,12 +824,14 @@ def _dp_collectives(plan: ParallelPlan, pairs: tuple, platform: Platform, gb: in
     if asm.zero_sharding == "per-parameter":
         # owners' whole tensors: the backend's reduce and broadcast (measured fits where the
         # platform has them, `tuner.comms`; else the ring halves above)
-        bc = sum(broadcast_time(n * wb, g, platform) for n, g in pairs)
+        bc = {"broadcast": sum(broadcast_time(n * wb, g, platform) for n, g in pairs)}
+        if copied:  # the owner's pack and the receivers' unpack of each bucket
+            bc["broadcast_copy"] = copied * wb / platform.zero_copy_rate
         if plan.zero == 1:
             return {"all_reduce": sum(allreduce_time(n * gb, g, platform) for n, g in pairs),
-                    "broadcast": bc}
+                    **bc}
         return {"reduce": n_rs * sum(reduce_time(n * gb, g, platform) for n, g in pairs),
-                "broadcast": bc}
+                **bc}
     return {"reduce_scatter": rs, "all_gather": ag}
 
 

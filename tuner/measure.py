@@ -37,6 +37,11 @@ as the median of repeats after a warm-up:
                   gradients in all processes at once: flatten (cat, scale, copy back) and the
                   fp64 squared norm -> grad_flatten_bandwidth, grad_norm_bandwidth (fp32
                   gradient bytes per second)
+    ZeRO copies   per-parameter ZeRO's pack and unpack around its weight broadcast
+                  (trainer/distributed/grad_sync.py `broadcast_params`) over the tiny
+                  preset's weights, in all processes at once: torch.cat of the weights into
+                  one buffer, then one copy_ per parameter back out of it ->
+                  zero_copy_bandwidth (weight bytes per second of one pass)
     small all-reduce  all_reduce of 16 fp64 values over all `n_procs` processes (the step's
                   loss, norm and metrics all-reduces) -> sync_latency (the slowest rank's
                   median)
@@ -360,12 +365,14 @@ def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, thre
     split_extra = _split_backward_extra(reps)
     dist.barrier(group)
     grad_flatten, grad_norm = _grad_pass_rates(grads, reps)
+    dist.barrier(group)
+    zero_copy = _zero_copy_rate(params, reps)
     _say(rank, verbose, f"decoder layer at {BLOCK_TOKENS[q]} tokens ({time.perf_counter() - t0:.0f} s so far)")
     block = _block_times(BLOCK_TOKENS[q], reps, group)
     return {"block": block, "rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
             "overhead": overhead, "widths": widths, "grid": grid, "grouped_rows": grouped_rows,
             "attn_grid": attn_grid, "optimizer": optimizer, "split_extra": split_extra,
-            "grad_flatten": grad_flatten, "grad_norm": grad_norm}
+            "grad_flatten": grad_flatten, "grad_norm": grad_norm, "zero_copy": zero_copy}
 
 
 def _block_times(tokens: Sequence[int], repeats: int, group: dist.ProcessGroup | None) -> list[float]:
@@ -463,6 +470,27 @@ def _grad_pass_rates(grads: list[torch.Tensor], repeats: int) -> tuple[float, fl
 
     return (nbytes / _median_time(flatten, repeats, warmup=2),
             nbytes / _median_time(norm, repeats, warmup=2))
+
+
+def _zero_copy_rate(params: Sequence[torch.Tensor], repeats: int) -> float:
+    """Weight bytes per second of one pass of per-parameter ZeRO's copies around its weight
+    broadcast (trainer/distributed/grad_sync.py `broadcast_params`) over `params` (the tiny
+    preset's 43 fp32 weights): the owner's pack (torch.cat of a bucket's parameters into a
+    new buffer) and a receiver's unpack (one copy_ per parameter out of the received
+    buffer). Each rank makes one of the two passes over every byte of a bucket, so the
+    rate is 2 x bytes / (pack + unpack)."""
+    weights = [q.detach() for q in params]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    received = torch.cat([w.reshape(-1) for w in weights])
+
+    def pack_unpack() -> None:
+        torch.cat([w.reshape(-1) for w in weights])
+        i = 0
+        for w in weights:
+            w.copy_(received[i:i + w.numel()].view_as(w))
+            i += w.numel()
+
+    return 2 * nbytes / _median_time(pack_unpack, repeats, warmup=2)
 
 
 def _optimizer_rate(params: list[torch.nn.Parameter], repeats: int) -> float:
@@ -679,6 +707,7 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     fields["split_backward_extra"] = statistics.median(r["split_extra"] for r in per_rank)
     fields["grad_flatten_bandwidth"] = statistics.median(r["grad_flatten"] for r in per_rank)
     fields["grad_norm_bandwidth"] = statistics.median(r["grad_norm"] for r in per_rank)
+    fields["zero_copy_bandwidth"] = statistics.median(r["zero_copy"] for r in per_rank)
     # the slowest rank's median: a collective ends when its last member arrives
     fields["sync_latency"] = max(r["sync"] for r in per_rank_comm)
     a2a_lat, a2a_bw_total = fit_latency_bandwidth(sizes, res["a2a"])
@@ -719,6 +748,8 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         "optimizer_bandwidth_gbs": "AdamW(foreach=False) step, 16 B/param / s, tiny preset",
         "grad_flatten_bandwidth_gbs": "fp32 grad bytes / s of cat + mul_ + clone, tiny preset",
         "grad_norm_bandwidth_gbs": "fp32 grad bytes / s of the fp64 squared norm, tiny preset",
+        "zero_copy_bandwidth_gbs": "fp32 weight bytes / s of one pass of ZeRO's broadcast "
+                                   "pack (cat) / unpack (copy_ per parameter), tiny preset",
         "elementwise_bandwidth_gbs": f"{CPU_TRAFFIC_PASSES:g} passes over the saved activations "
                                      f"/ s: tiny layer fwd+bwd at {BLOCK_TOKENS[0]} tokens minus "
                                      f"its GEMM / attention / overhead price (0: not positive)",

@@ -42,7 +42,9 @@ to the ring formulas over the link rates. `[memory] optimizer_bandwidth_gbs`: st
 (weights, gradients, moments) the trainer's optimizer step updates per second, measured; 0 or
 absent: the step is memory bound, 2 x the state bytes / hbm_bandwidth (`optimizer_time`).
 `[memory] elementwise_bandwidth_gbs` (measured on CPU): the rate of the activation traffic term,
-see the field; absent: hbm_bandwidth.
+see the field; absent: hbm_bandwidth. `[memory] zero_copy_bandwidth_gbs` (measured on CPU):
+weight bytes per second of one pass of per-parameter ZeRO's broadcast pack / unpack, see the
+field; absent: hbm_bandwidth / 2 (`zero_copy_rate`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("memory", "grad_flatten_bandwidth_gbs", "grad_flatten_bandwidth", 1e9),
     ("memory", "grad_norm_bandwidth_gbs", "grad_norm_bandwidth", 1e9),
     ("memory", "elementwise_bandwidth_gbs", "elementwise_bandwidth", 1e9),
+    ("memory", "zero_copy_bandwidth_gbs", "zero_copy_bandwidth", 1e9),
     ("node", "gpus_per_node", "gpus_per_node", 1),
     ("node", "nodes_per_domain", "nodes_per_domain", 1),
     ("node", "nodes_per_group", "nodes_per_group", 1),
@@ -293,6 +296,13 @@ class Platform:
     # SiLU x gate, softmax over 8 experts, top-k combine, index_select, scatter_add) run far
     # below a large copy's rate: measured 8.4 vs 18.4 GB/s on this project's 2-core VM
     elementwise_bandwidth: float = 0.0
+    # Measured on CPU (0 = not measured: `hbm_bandwidth` / 2, a copy's read and write): weight
+    # bytes per second of one pass of per-parameter ZeRO's broadcast around its collective
+    # (trainer/distributed/grad_sync.py `broadcast_params`): the owner packs each bucket of
+    # several parameters (torch.cat), every other rank unpacks it (one copy_ per parameter),
+    # so each byte of such a bucket takes one pass on every rank of its group
+    # (`zero_copy_rate`, `tuner.estimate._dp_collectives`)
+    zero_copy_bandwidth: float = 0.0
     # CPU platforms (`tuner measure`: the machine's cores as the OS reports them and the
     # intra-op threads each process got): with more processes x threads than cores the
     # processes share the cores, and a rank waiting in the pipeline gives its share to the
@@ -350,7 +360,7 @@ class Platform:
             raise ValueError(f"platform {self.name!r}: optimizer_bandwidth="
                              f"{self.optimizer_bandwidth} must be >= 0 (0 = memory bound)")
         for key in ("grad_flatten_bandwidth", "grad_norm_bandwidth", "sync_latency",
-                    "elementwise_bandwidth"):
+                    "elementwise_bandwidth", "zero_copy_bandwidth"):
             if getattr(self, key) < 0:
                 raise ValueError(f"platform {self.name!r}: {key}={getattr(self, key)} must be "
                                  f">= 0 (0 = not measured)")
@@ -491,6 +501,13 @@ class Platform:
         if self.optimizer_bandwidth:
             return state_bytes / self.optimizer_bandwidth
         return 2 * state_bytes / self.hbm_bandwidth
+
+    @property
+    def zero_copy_rate(self) -> float:
+        """Bytes per second of one pack or unpack pass of ZeRO's weight broadcast: the
+        measured `zero_copy_bandwidth`, else a copy at `hbm_bandwidth` (which counts the
+        read and the write of each byte, so a pass moves hbm_bandwidth / 2 bytes a second)."""
+        return self.zero_copy_bandwidth or self.hbm_bandwidth / 2
 
     @property
     def traffic_bandwidth(self) -> float:
