@@ -22,6 +22,12 @@ ROWS=(
   "--pp 4 --ep 64 --zero 3"
   "--pp 8 --ep 32 --zero 3"
   "--pp 32 --ep 8 --zero 3"
+  # the same with dedup and the layer pipeline (the planner's own pick runs them; TP and
+  # ZeRO-3 layouts priced with them too, reported not runnable where train.py lacks them)
+  "--pp 32 --ep 16 --zero 2 --schedule zb-h1 --dispatch dedup --a2a-overlap layer"
+  "--pp 32 --ep 8 --tp 2 --zero 2 --schedule zb-h1 --dispatch dedup --a2a-overlap layer"
+  "--pp 4 --vpp 8 --ep 64 --zero 3 --dispatch dedup --a2a-overlap layer"
+  "--pp 8 --ep 32 --tp 4 --zero 1 --dispatch dedup --a2a-overlap layer"
 )
 for plat in frontier dgx-h100; do
   echo "[advice] $plat: tuner plan (300 trials)"
