@@ -11,7 +11,7 @@ medians. Timed inside the step (instrumented copies of the trainer's code, same 
                            empty buffer), launch (dist.broadcast(async_op=True) calls), wait
                            (work.wait()) and unpack (the receivers' per-parameter copy_)
     plain AdamW            (zero=0) the torch optimizer's step
-    the rest of _update    state_bytes (memory report) and zero_grad
+    the rest of update_state    state_bytes (memory report) and zero_grad
     "other"                allreduce_mean (loss), expert counts, imbalance, the metrics gather
 
 and alone: the inner AdamW step, broadcast_params, a 16-value fp64 all-reduce, the pack
@@ -60,11 +60,11 @@ from trainer.observe.metrics import LayerGather  # noqa: E402
 from trainer.observe.stats import StepStats  # noqa: E402
 from tuner.measure import (  # noqa: E402
     COLL_SIZES,
-    _collective_times,
-    _copy_bandwidth,
-    _optimizer_rate,
-    _tiny_params_with_grads,
+    collective_times,
+    copy_bandwidth,
     fit_latency_bandwidth,
+    optimizer_rate,
+    tiny_params_with_grads,
 )
 
 ACC: dict[str, float] = defaultdict(float)  # this step's seconds per piece
@@ -164,7 +164,7 @@ def _patch() -> None:
     StepStats.expert_counts = _timed("o_expert_counts", StepStats.expert_counts)
     StepStats.imbalance = _timed("o_imbalance", StepStats.imbalance)
     LayerGather.reduce = _timed("o_gather", LayerGather.reduce)
-    step_mod._update = _timed("u_update", step_mod._update)
+    step_mod.update_state = _timed("u_update", step_mod.update_state)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -235,11 +235,11 @@ def main(argv: list[str]) -> None:
     # what `tuner measure` measures, here in the same minute: the optimizer rate over the
     # tiny preset's 43 tensors, the copy bandwidth and the broadcast fit (rank 0 the root)
     dist.barrier()
-    alone["optimizer_bandwidth"] = _optimizer_rate(_tiny_params_with_grads()[0], 7)
+    alone["optimizer_bandwidth"] = optimizer_rate(tiny_params_with_grads()[0], 7)
     dist.barrier()
-    alone["copy_bandwidth"] = _copy_bandwidth(256 * 2**20, 7)
+    alone["copy_bandwidth"] = copy_bandwidth(256 * 2**20, 7)
     if world > 1:
-        bt = _collective_times(rank, None, 0, COLL_SIZES[0], 7)["broadcast"]
+        bt = collective_times(rank, None, 0, COLL_SIZES[0], 7)["broadcast"]
         alone["broadcast_fit"] = fit_latency_bandwidth(COLL_SIZES[0], bt)
     for p in parts.model.parameters():  # zero_grad left none: the update skips those
         p.grad = torch.randn_like(p) * 1e-3

@@ -63,15 +63,15 @@ def test_compute_fields_medians_and_tables_by_hand():
 
 
 def test_zero_copy_rate_times_the_trainers_pack_and_unpack():
-    """`_zero_copy_rate`: bytes of one pass per second over the weights it is given (the
+    """`zero_copy_rate`: bytes of one pass per second over the weights it is given (the
     time of a cat plus one copy_ per tensor for 2 x their bytes), leaving their values."""
     import torch
 
-    from tuner.measure import _zero_copy_rate
+    from tuner.measure import zero_copy_rate
 
     ws = [torch.randn(64, 32), torch.randn(128), torch.randn(8, 16, 4)]
     before = [w.clone() for w in ws]
-    assert _zero_copy_rate(ws, 3) > 0
+    assert zero_copy_rate(ws, 3) > 0
     assert all(torch.equal(a, b) for a, b in zip(ws, before, strict=True))
 
 

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .faults import StepHooks
     from .observe.stats import StepStats
 
-__all__ = ["StepParts", "StepState", "StepResult", "train_step", "forward_loss", "lr_at",
+__all__ = ["StepParts", "StepState", "StepResult", "train_step", "forward_loss", "lr_at", "update_state",
            "allreduce_mean", "doc_layout", "queue_docs", "check_docs_used"]
 
 
@@ -246,7 +246,7 @@ def _fb_microbatches(parts: StepParts, M: int, forward, backward) -> None:
             d.baton = None
 
 
-def _update(parts: StepParts, state: StepState, loss: float, norm: float, lr: float,
+def update_state(parts: StepParts, state: StepState, loss: float, norm: float, lr: float,
             counts) -> list[dict[str, Any]]:
     """The optimizer step, router bias and migration; or, for a non-finite step, skip it (or
     stop, per train.nan_policy). Every rank agrees: loss and norm are global values."""
@@ -337,7 +337,7 @@ def train_step(parts: StepParts, state: StepState) -> StepResult:
     counts = stats.expert_counts()
     imbalance = stats.imbalance(counts)  # of the placement this step ran with
     t3 = time.perf_counter()
-    events = _update(parts, state, loss, norm, lr, counts)
+    events = update_state(parts, state, loss, norm, lr, counts)
     t4 = time.perf_counter()
     state.phase = "metrics all-reduce"  # every stage's layers, migrations, pipeline idle
     gathered = stats.gather.reduce(counts, stats.last_entropy, imbalance, events,

@@ -79,7 +79,8 @@ from tuner.platform import Grid, Platform
 __all__ = ["compute_fields", "elementwise_bandwidth_fit", "ep_layer_extra", "ep_layer_times", "probe_config",
            "measure_platform", "fit_latency_bandwidth", "write_platform_toml",
            "p2p_one_way_s", "emulator_platform", "emulator_payload_share", "parse_emulator_shape",
-           "write_emulator_platform"]
+           "write_emulator_platform", "copy_bandwidth", "tiny_params_with_grads",
+           "zero_copy_rate", "optimizer_rate", "collective_times"]
 
 
 def fit_latency_bandwidth(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
@@ -291,7 +292,7 @@ def speed_probe(n_procs: int, rounds: int = 15) -> float:
                                        threads=threads)[0])
 
 
-def _copy_bandwidth(nbytes: int, repeats: int) -> float:
+def copy_bandwidth(nbytes: int, repeats: int) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
     return 2 * nbytes / _median_time(lambda: dst.copy_(src), repeats)
@@ -355,18 +356,18 @@ def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, thre
             attn_grid.append(_attention_rate(1, 4, S, hd, reps))
     dist.barrier(group)
     _say(rank, verbose, f"memory copy and layer overhead ({time.perf_counter() - t0:.0f} s so far)")
-    copy = _copy_bandwidth((32 if quick else 256) * 2**20, reps)
+    copy = copy_bandwidth((32 if quick else 256) * 2**20, reps)
     dist.barrier(group)
     overhead = _layer_overhead(reps)
     dist.barrier(group)
-    params, grads = _tiny_params_with_grads()
-    optimizer = _optimizer_rate(params, reps)
+    params, grads = tiny_params_with_grads()
+    optimizer = optimizer_rate(params, reps)
     dist.barrier(group)
     split_extra = _split_backward_extra(reps)
     dist.barrier(group)
     grad_flatten, grad_norm = _grad_pass_rates(grads, reps)
     dist.barrier(group)
-    zero_copy = _zero_copy_rate(params, reps)
+    zero_copy = zero_copy_rate(params, reps)
     _say(rank, verbose, f"decoder layer at {BLOCK_TOKENS[q]} tokens ({time.perf_counter() - t0:.0f} s so far)")
     block = _block_times(BLOCK_TOKENS[q], reps, group)
     return {"block": block, "rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
@@ -438,7 +439,7 @@ def _split_backward_extra(repeats: int, tokens: int = 1024) -> float:
     return max(0.0, t_split / t_plain - 1.0)
 
 
-def _tiny_params_with_grads() -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+def tiny_params_with_grads() -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
     """The tiny preset's 43 fp32 parameters (3.4 M), each with a random gradient (also
     returned): what the optimizer and gradient-pass rates are measured on."""
     from model import MoETransformer, presets
@@ -472,7 +473,7 @@ def _grad_pass_rates(grads: list[torch.Tensor], repeats: int) -> tuple[float, fl
             nbytes / _median_time(norm, repeats, warmup=2))
 
 
-def _zero_copy_rate(params: Sequence[torch.Tensor], repeats: int) -> float:
+def zero_copy_rate(params: Sequence[torch.Tensor], repeats: int) -> float:
     """Weight bytes per second of one pass of per-parameter ZeRO's copies around its weight
     broadcast (trainer/distributed/grad_sync.py `broadcast_params`) over `params` (the tiny
     preset's 43 fp32 weights): the owner's pack (torch.cat of a bucket's parameters into a
@@ -493,12 +494,12 @@ def _zero_copy_rate(params: Sequence[torch.Tensor], repeats: int) -> float:
     return 2 * nbytes / _median_time(pack_unpack, repeats, warmup=2)
 
 
-def _optimizer_rate(params: list[torch.nn.Parameter], repeats: int) -> float:
+def optimizer_rate(params: list[torch.nn.Parameter], repeats: int) -> float:
     """State bytes per second of the trainer's optimizer step (trainer/distributed/zero.py's
     torch.optim.AdamW(foreach=False) on fp32 parameters, here the tiny preset's 43 tensors,
     3.4 M parameters): 16 bytes per parameter (weight, gradient, two moments) / step time. The
     per-tensor Python cost is the tiny model's share of it (an assumption for other shapes).
-    `params`: `_tiny_params_with_grads()`; the step changes the weights, not the gradients."""
+    `params`: `tiny_params_with_grads()`; the step changes the weights, not the gradients."""
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=False)
     n = sum(q.numel() for q in params)
     return 16 * n / _median_time(opt.step, repeats, warmup=2)
@@ -522,7 +523,7 @@ def p2p_one_way_s(rank: int, buf: torch.Tensor, repeats: int) -> float:
 COLL_SIZES = ((2**16, 2**18, 2**20, 2**22, 2**24), (2**18, 2**20, 2**22))  # (full, quick)
 
 
-def _collective_times(rank: int, group: dist.ProcessGroup | None, root: int, sizes: Sequence[int],
+def collective_times(rank: int, group: dist.ProcessGroup | None, root: int, sizes: Sequence[int],
                       repeats: int) -> dict[str, list[float]]:
     """Median seconds of all_reduce, reduce to and broadcast from global rank `root` on
     `group` (every member calls; concurrent groups run at once) per size in bytes."""
@@ -541,7 +542,7 @@ def _collective_times(rank: int, group: dist.ProcessGroup | None, root: int, siz
 def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: list[int], repeats: int,
                  coll_sizes: Sequence[int] = ()) -> dict:
     """Median seconds of all_to_all_single and of a 0 <-> 1 ping-pong per message size, and of
-    the collectives (`_collective_times`) on all ranks and on concurrent pairs."""
+    the collectives (`collective_times`) on all ranks and on concurrent pairs."""
     out: dict[str, Any] = {"a2a": [], "p2p": []}
     small = torch.zeros(16, dtype=torch.float64)  # the step's loss / norm / metrics values
     dist.barrier()
@@ -549,10 +550,10 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: 
                                warmup=3, min_s=0.0)
     out["ep_extra"] = ep_layer_extra(group, world, repeats)
     if coll_sizes:
-        out["coll"] = {world: _collective_times(rank, group, 0, coll_sizes, repeats)}
+        out["coll"] = {world: collective_times(rank, group, 0, coll_sizes, repeats)}
         if world >= 4 and world % 2 == 0:  # every rank in a pair: same barrier count
             pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
-            out["coll"][2] = _collective_times(rank, pairs[rank // 2], rank - rank % 2,
+            out["coll"][2] = collective_times(rank, pairs[rank // 2], rank - rank % 2,
                                                coll_sizes, repeats)
     for nb in sizes:
         n = max(world, nb // 4 // world * world)
