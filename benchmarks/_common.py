@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import platform
 import subprocess
 from pathlib import Path
@@ -87,3 +88,24 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def record_ranks(out: Path, name: str, rank: int, world: int, mine: dict, meta: dict) -> None:
+    """For torchrun probes: gather every rank's `mine` (the caller's process group, torn
+    down here), and on rank 0 print them, one line per rank, and append one JSON row
+    (`meta`, the world size and the ranks' dicts) to `out`/`name`.jsonl."""
+    import torch.distributed as dist
+
+    every = [mine] * world
+    if world > 1:
+        dist.all_gather_object(every, mine)
+        dist.destroy_process_group()
+    if rank != 0:
+        return
+    for i, m in enumerate(every):
+        print(f"rank {i} {json.dumps(m)}", flush=True)
+    path = out / f"{name}.jsonl"
+    with path.open("a") as f:
+        f.write(json.dumps({"commit": git_sha(), "world": world, **meta, "ranks": every}) + "\n")
+    print_written(path)
+

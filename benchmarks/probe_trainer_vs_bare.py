@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import add_output_args, git_sha, output_dir, print_written  # noqa: E402
+from _common import add_output_args, output_dir, record_ranks  # noqa: E402
 
 from model import cross_entropy  # noqa: E402
 from trainer import Trainer, parse_args, prepare  # noqa: E402
@@ -83,18 +82,7 @@ def main(argv: list[str]) -> None:
         res.setdefault("bare_meter_fwd_bwd_s", []).append(bare(True))
     med = {k: round(statistics.median(v), 4) for k, v in res.items()}
     med["trainer_over_bare"] = round(med["trainer_fwd_bwd_s"] / med["bare_fwd_bwd_s"], 3)
-    every = [med] * world
-    if world > 1:
-        dist.all_gather_object(every, med)
-        dist.destroy_process_group()
-    if rank == 0:
-        for i, m in enumerate(every):
-            print(f"rank {i} {json.dumps(m)}", flush=True)
-        path = output_dir(args) / "probe_trainer_vs_bare.jsonl"
-        with path.open("a") as f:
-            f.write(json.dumps({"commit": git_sha(), "world": world, "argv": train_argv,
-                                "iters": n_iter, "ranks": every}) + "\n")
-        print_written(path)
+    record_ranks(output_dir(args), "probe_trainer_vs_bare", rank, world, med, {"argv": train_argv, "iters": n_iter})
 
 
 if __name__ == "__main__":

@@ -3,13 +3,16 @@
 Runs under torchrun with train.py's options; every rank builds the real `Trainer`, takes 3
 warm-up steps, then N instrumented `Trainer.train_step()`s, then N rounds of each piece alone
 (every rank entering it at the same moment: a barrier before each), and prints each rank's
-medians. Timed inside the step (instrumented copies of the trainer's code, same calls):
+medians. Timed inside the step (wrappers around the trainer's own calls, no copies of its
+code; `_patch`):
 
-    ZeroOptimizer.step     hyper-parameters into the inner AdamW, the inner AdamW step over
-                           the owned parameters, then `GradSync.broadcast_params`, split into
-                           pack (the owner's torch.cat per bucket), alloc (the receivers'
-                           empty buffer), launch (dist.broadcast(async_op=True) calls), wait
-                           (work.wait()) and unpack (the receivers' per-parameter copy_)
+    ZeroOptimizer.step     the inner AdamW step over the owned parameters (zs_inner), then
+                           `GradSync.broadcast_params` (bc), split into pack
+                           (`GradSync.pack_bucket`, the owner's torch.cat per bucket), launch
+                           (dist.broadcast(async_op=True) calls), wait (work.wait()), unpack
+                           (`GradSync.unpack_bucket`, the receivers' per-parameter copy_) and
+                           the rest (the receivers' empty buffers, the loop); zs_rest: the
+                           hyper-parameters and master copies around the inner step
     plain AdamW            (zero=0) the torch optimizer's step
     the rest of update_state    state_bytes (memory report) and zero_grad
     "other"                allreduce_mean (loss), expert counts, imbalance, the metrics gather
@@ -35,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -48,12 +50,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import add_output_args, git_sha, output_dir, print_written  # noqa: E402
+from _common import add_output_args, output_dir, record_ranks  # noqa: E402
 
+import trainer.distributed.grad_sync as grad_sync_mod  # noqa: E402
 import trainer.step as step_mod  # noqa: E402
 from trainer import Trainer, parse_args, prepare  # noqa: E402
 from trainer.distributed.grad_sync import GradSync  # noqa: E402
-from trainer.distributed.precision import grad_of  # noqa: E402
 from trainer.distributed.tensor_parallel import local  # noqa: E402
 from trainer.distributed.zero import ZeroOptimizer  # noqa: E402
 from trainer.observe.metrics import LayerGather  # noqa: E402
@@ -81,84 +83,71 @@ def _timed(name: str, fn):
     return run
 
 
-@torch.no_grad()
-def broadcast_params(self: GradSync) -> None:
-    """`GradSync.broadcast_params`, the same calls, each kind of work timed."""
-    pending = []
-    for b in self.bcast:
-        group = self.groups[b.kind]
-        if group is None:
-            continue
-        mine = b.owner == self.group_rank[b.kind]
-        single = len(b.params) == 1 and local(b.params[0].data).is_contiguous()
+class _TimedWork:
+    """A collective's Work whose wait() adds its seconds to ACC["bc_wait"]."""
+
+    def __init__(self, work) -> None:
+        self.work = work
+
+    def wait(self):
         t = time.perf_counter()
-        if single:
-            flat = local(b.params[0].data)
-        elif mine:
-            flat = torch.cat([local(p.data).reshape(-1) for p in b.params])
-            ACC["bc_pack"] += time.perf_counter() - t
-            ACC["bc_pack_bytes"] += flat.numel() * flat.element_size()
-        else:
-            flat = torch.empty(sum(local(p).numel() for p in b.params),
-                               dtype=b.params[0].dtype, device=b.params[0].device)
-            ACC["bc_alloc"] += time.perf_counter() - t
+        try:
+            return self.work.wait()
+        finally:
+            ACC["bc_wait"] += time.perf_counter() - t
+
+
+class _TimedDist:
+    """torch.distributed as trainer/distributed/grad_sync.py sees it during the probe: its
+    broadcast launch timed (bc_launch, buckets, bytes) and its Work's wait timed."""
+
+    def __getattr__(self, name: str):
+        return getattr(dist, name)
+
+    @staticmethod
+    def broadcast(tensor, *a, **kw):
         t = time.perf_counter()
-        work = dist.broadcast(flat, dist.get_global_rank(group, b.owner), group=group,
-                              async_op=True)
+        work = dist.broadcast(tensor, *a, **kw)
         ACC["bc_launch"] += time.perf_counter() - t
         ACC["bc_buckets"] += 1
-        ACC["bc_bytes"] += flat.numel() * flat.element_size()
-        pending.append((b, flat, work, mine or single))
-    for b, flat, work, done in pending:
-        t = time.perf_counter()
-        work.wait()
-        ACC["bc_wait"] += time.perf_counter() - t
-        if done:
-            continue
-        t = time.perf_counter()
-        i = 0
-        for p in b.params:
-            d = local(p.data)
-            n = d.numel()
-            d.copy_(flat[i:i + n].view_as(d))
-            i += n
-        ACC["bc_unpack"] += time.perf_counter() - t
-        ACC["bc_unpack_bytes"] += flat.numel() * flat.element_size()
+        ACC["bc_bytes"] += tensor.numel() * tensor.element_size()
+        return _TimedWork(work) if work is not None else None
 
 
-@torch.no_grad()
-def zero_step(self: ZeroOptimizer) -> None:
-    """`ZeroOptimizer.step`, its parts timed."""
-    ACC["zs_enter_mono"] = time.monotonic()
-    t0 = t = time.perf_counter()
-    if self.inner is not None:
-        for og, ig in zip(self.param_groups, self.inner.param_groups, strict=True):
-            for k, v in og.items():
-                if k != "params":
-                    ig[k] = v
-        for p, m in self.master.items():
-            m.grad = grad_of(p)
-        ACC["zs_hparams"] += time.perf_counter() - t
+def _bytes_timed(name: str, fn, flat_of):
+    """`fn` timed into ACC[name], and the bytes of its flat bucket into ACC[name + "_bytes"]."""
+    @functools.wraps(fn)
+    def run(*a, **kw):
         t = time.perf_counter()
-        self.inner.step()
-        ACC["zs_inner"] += time.perf_counter() - t
-        t = time.perf_counter()
-        for p, m in self.master.items():
-            p.copy_(m)
-            m.grad = None
-        ACC["zs_masters"] += time.perf_counter() - t
-    ACC["bc_enter_mono"] = time.monotonic()
-    t = time.perf_counter()
-    self.sync.broadcast_params()
-    t1 = time.perf_counter()
-    ACC["zs_broadcast"] += t1 - t
-    ACC["zs_rest"] += (t1 - t0) - sum(ACC[k] for k in ("zs_hparams", "zs_inner", "zs_masters",
-                                                        "zs_broadcast"))
+        out = fn(*a, **kw)
+        ACC[name] += time.perf_counter() - t
+        flat = flat_of(out, a)
+        ACC[name + "_bytes"] += flat.numel() * flat.element_size()
+        return out
+    return staticmethod(run)
+
+
+def _enter(name: str, fn):
+    """`fn` timed into ACC[name], its entry time on the host's monotonic clock kept too."""
+    timed = _timed(name, fn)
+
+    @functools.wraps(fn)
+    def run(*a, **kw):
+        ACC[name + "_enter_mono"] = time.monotonic()
+        return timed(*a, **kw)
+    return run
 
 
 def _patch() -> None:
-    GradSync.broadcast_params = broadcast_params
-    ZeroOptimizer.step = zero_step
+    """Time the trainer's own calls (wrappers, no copies of its code): ZeroOptimizer.step
+    (zs), its inner AdamW step (zs_inner, wrapped per instance in main), broadcast_params
+    (bc; its pack, launch, wait and unpack inside)."""
+    grad_sync_mod.dist = _TimedDist()
+    GradSync.pack_bucket = _bytes_timed("bc_pack", GradSync.pack_bucket, lambda out, a: out)
+    GradSync.unpack_bucket = _bytes_timed("bc_unpack", GradSync.unpack_bucket,
+                                          lambda out, a: a[1])
+    GradSync.broadcast_params = _enter("bc", GradSync.broadcast_params)
+    ZeroOptimizer.step = _enter("zs", ZeroOptimizer.step)
     step_mod.allreduce_mean = _timed("o_allreduce_mean", step_mod.allreduce_mean)
     step_mod.state_bytes = _timed("u_state_bytes", step_mod.state_bytes)
     StepStats.expert_counts = _timed("o_expert_counts", StepStats.expert_counts)
@@ -200,6 +189,8 @@ def main(argv: list[str]) -> None:
     opt = parts.optim
     opt.step = _timed("u_optim_step", opt.step)
     opt.zero_grad = _timed("u_zero_grad", opt.zero_grad)
+    if isinstance(opt, ZeroOptimizer) and opt.inner is not None:
+        opt.inner.step = _timed("zs_inner", opt.inner.step)
     for _ in range(3):
         tr.train_step()
     res: dict[str, list[float]] = defaultdict(list)
@@ -213,6 +204,11 @@ def main(argv: list[str]) -> None:
         ACC["u_rest"] = ACC["u_update"] - sum(ACC[k] for k in ("u_optim_step", "u_state_bytes",
                                                                "u_zero_grad"))
         ACC["optim_rest"] = r.optim_s - ACC["u_optim_step"]  # = u_rest + state_bytes + ...
+        if "zs" in ACC:  # ZeroOptimizer.step = inner AdamW + broadcast + the rest
+            ACC["zs_broadcast"] = ACC["bc"]
+            ACC["zs_rest"] = ACC["zs"] - ACC["zs_inner"] - ACC["bc"]
+            ACC["bc_rest"] = ACC["bc"] - sum(ACC[k] for k in ("bc_pack", "bc_launch", "bc_wait",
+                                                               "bc_unpack"))
         for k, v in ACC.items():
             if not k.endswith("_mono"):
                 res[k].append(v)
@@ -252,25 +248,21 @@ def main(argv: list[str]) -> None:
             alone["inner_state_bytes"] = 16.0 * n_owned
         ACC.clear()
         alone["broadcast_params"] = _alone(sync.broadcast_params, n_iter, world)
-        for k in ("bc_pack", "bc_alloc", "bc_launch", "bc_wait", "bc_unpack"):
+        for k in ("bc_pack", "bc_launch", "bc_wait", "bc_unpack"):
             alone[k] = ACC.get(k, 0.0) / n_iter
         owned = [b for b in sync.bcast if b.owner == sync.group_rank[b.kind]]
         others = [b for b in sync.bcast if b.owner != sync.group_rank[b.kind]]
 
         def pack() -> None:
             for b in owned:
-                torch.cat([local(p.data).reshape(-1) for p in b.params])
+                sync.pack_bucket(b)
 
         bufs = [torch.empty(sum(local(p).numel() for p in b.params)) for b in others]
 
         @torch.no_grad()
         def unpack() -> None:
             for b, flat in zip(others, bufs, strict=True):
-                i = 0
-                for p in b.params:
-                    d = local(p.data)
-                    d.copy_(flat[i:i + d.numel()].view_as(d))
-                    i += d.numel()
+                sync.unpack_bucket(b, flat)
 
         alone["pack_copy"] = _alone(pack, n_iter, world)
         alone["unpack_copy"] = _alone(unpack, n_iter, world)
@@ -283,18 +275,7 @@ def main(argv: list[str]) -> None:
         alone["adamw_state_bytes"] = 16.0 * sum(q.numel() for q in parts.model.parameters())
     med = {k: round(statistics.median(v), 6) for k, v in res.items()}
     out = {"steps": med, "alone": alone}
-    every = [out] * world
-    if world > 1:
-        dist.all_gather_object(every, out)
-        dist.destroy_process_group()
-    if rank == 0:
-        for i, m in enumerate(every):
-            print(f"rank {i} {json.dumps(m)}", flush=True)
-        path = output_dir(args) / "probe_zero_step.jsonl"
-        with path.open("a") as f:
-            f.write(json.dumps({"commit": git_sha(), "world": world, "argv": train_argv,
-                                "iters": n_iter, "ranks": every}) + "\n")
-        print_written(path)
+    record_ranks(output_dir(args), "probe_zero_step", rank, world, out, {"argv": train_argv, "iters": n_iter})
 
 
 if __name__ == "__main__":

@@ -339,7 +339,7 @@ class GradSync:
             if single:
                 flat = local(b.params[0].data)
             elif mine:
-                flat = torch.cat([local(p.data).reshape(-1) for p in b.params])
+                flat = self.pack_bucket(b)
             else:
                 flat = torch.empty(sum(local(p).numel() for p in b.params),
                                    dtype=b.params[0].dtype, device=b.params[0].device)
@@ -348,14 +348,24 @@ class GradSync:
             pending.append((b, flat, work, mine or single))
         for b, flat, work, done in pending:
             work.wait()
-            if done:  # the owner's own values, or broadcast in place
-                continue
-            i = 0
-            for p in b.params:
-                d = local(p.data)
-                n = d.numel()
-                d.copy_(flat[i:i + n].view_as(d))
-                i += n
+            if not done:  # else the owner's own values, or broadcast in place
+                self.unpack_bucket(b, flat)
+
+    @staticmethod
+    def pack_bucket(b) -> torch.Tensor:
+        """A broadcast bucket's parameters (local shards) as one flat tensor (the owner's
+        copy that `broadcast_params` sends)."""
+        return torch.cat([local(p.data).reshape(-1) for p in b.params])
+
+    @staticmethod
+    def unpack_bucket(b, flat: torch.Tensor) -> None:
+        """Copy a received flat bucket back into its parameters' local shards."""
+        i = 0
+        for p in b.params:
+            d = local(p.data)
+            n = d.numel()
+            d.copy_(flat[i:i + n].view_as(d))
+            i += n
 
 
 def _local_grad(p: nn.Parameter) -> torch.Tensor:
