@@ -71,7 +71,7 @@ def train_emulated(setup: str, arm: str, args: argparse.Namespace) -> list[dict]
                  "--train.eval_batches=1", "--train.ckpt_every=0", "--train.plot=false",
                  "--train.tensorboard=false", "--train.layer_metrics=false",
                  f"--comm.alltoall={algo}", f"--comm.a2a_overlap={overlap}",
-                 f"--comm.a2a_chunks={rest[0] if rest else 1}",
+                 f"--comm.a2a_chunks={rest[0] if rest else 'auto' if overlap == 'auto' else 1}",
                  f"--parallel.microbatches={args.microbatches}", f"--train.out_dir={out}",
                  *(["--data", args.data] if args.data else [])]
         cmd = [sys.executable, "-m", "comm.emulate", "--nodes", str(nodes), "--gpus-per-node",
@@ -84,7 +84,25 @@ def train_emulated(setup: str, arm: str, args: argparse.Namespace) -> list[dict]
             print(f"{setup} {arm} failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-3000:]}",
                   file=sys.stderr)
             return None
-        return [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        picks = auto_picks(r.stdout)
+        return [{**row, **picks} for row in rows]
+
+
+def auto_picks(stdout: str) -> dict:
+    """What `auto` resolved to, from train.py's log (trainer.build.resolve_a2a's lines):
+    picked_alltoall / picked_overlap / picked_chunks, and the trial's line as auto_trial;
+    empty for an arm without auto."""
+    out: dict = {}
+    for line in stdout.splitlines():
+        for prefix, key in (("comm.alltoall=auto: ", "picked_alltoall"),
+                            ("comm.a2a_overlap=auto: ", "picked_overlap"),
+                            ("comm.a2a_chunks=auto: ", "picked_chunks")):
+            if line.startswith(prefix) and not line.startswith(prefix + "the rule says"):
+                out[key] = line[len(prefix):].split(" ")[0]
+        if line.startswith("comm.alltoall / a2a_overlap=auto: trial"):
+            out["auto_trial"] = line.split(": ", 1)[1]
+    return out
 
 
 def run_arm(setup: str, arm: str, args: argparse.Namespace) -> dict | None:
@@ -108,6 +126,8 @@ def run_arm(setup: str, arm: str, args: argparse.Namespace) -> dict | None:
             "remote_bytes": med("ep_remote_bytes"), "remote_rows": med("ep_remote_rows"),
             "flat_remote_rows": med("ep_flat_remote_rows"),
             "node_imbalance": med("ep_node_imbalance"),
+            **{k: rows[0][k] for k in ("picked_alltoall", "picked_overlap", "picked_chunks",
+                                       "auto_trial") if rows and k in rows[0]},
             "loss_last": steps[-1]["loss"] if steps else None}
 
 
@@ -206,9 +226,11 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_arm(setup, arm, args)
                 if row is not None:
                     rows.append({**meta, **row, "repeat": rep})
+                    picked = "/".join(str(row[k]) for k in ("picked_alltoall", "picked_overlap",
+                                                            "picked_chunks") if k in row)
                     print(f"{setup} {arm}: step {row['step_s']:.3f} s, exchange "
                           f"{row['exchange_s']:.3f} s, inter-node {row['remote_bytes'] / 1e6:.2f} "
-                          f"MB", flush=True)
+                          f"MB{f', auto ran {picked}' if picked else ''}", flush=True)
     with open(out / "moe_overlap.jsonl", "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")

@@ -113,6 +113,8 @@ CLI = {
     "pp zero": (["--parallel.pp=0"], 1, ["pp=0 must be >= 1"]),
     "negative dp": (["--parallel.dp=-1"], 1, ["dp=-1 must be >= 1", "or 0 to infer"]),
     "router kind": (["--model.router=relu"], 1, ["router='relu'", "valid: softmax, sigmoid"]),
+    "auto trial rounds": (["--comm.auto_trial=-1"], 1,
+                          ["comm.auto_trial=-1", "an integer >= 0"]),
     "missing topology": (["--comm.topology=/no/topo.toml"], 1,
                          ["comm.topology='/no/topo.toml' does not exist", "omit it to discover"]),
     # pipeline requests: world 4 = pp 2 x ep 2

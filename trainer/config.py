@@ -108,6 +108,11 @@ class CommConfig:
                                    "memory on every rank, else layer with 2 chunks; logged "
                                    "with its reason", "none, layer, fb, auto")
     a2a_chunks: str = opt("auto", "chunks of the layer pipeline", "an int >= 1, or auto")
+    auto_trial: int = opt(5, "where alltoall or a2a_overlap is auto and has a choice to make "
+                             "(EP across nodes), time one MoE layer's forward + backward under "
+                             "each choice for this many rounds before training and run the "
+                             "fastest (trainer/a2a_trial.py); 0 = decide by the rules alone",
+                          "an int >= 0")
     route_groups: str = opt("none", "node: the model's routing groups (--model.n_group, a "
                                     "multiple of the EP group's nodes) are bound to nodes, so a "
                                     "token reaches at most --model.topk_group nodes and "

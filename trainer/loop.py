@@ -59,7 +59,9 @@ class Trainer:
         self.precision = resolve_precision(t, self.device.type)
         self.autocast = self.precision.autocast
         self.out = Path(t.out_dir)
-        self.model, overlap = build_model(self.cfg, self.mcfg, self.mesh, prep.fb_memory)
+        self.model, overlap = build_model(self.cfg, self.mcfg, self.mesh, prep.fb_memory,
+                                          self.device,
+                                          self.precision.autocast_ctx(self.device.type))
         self.fb = overlap == "fb"  # resolve_a2a's: none with ep = 1
         moe_ids = [i for i, b in enumerate(self.model.layers) if b.is_moe]  # the whole model's
         self.pipe = build_pipeline(self.cfg, self.mcfg, self.mesh, self.model, self.precision,

@@ -139,6 +139,10 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     check_choice("comm.alltoall", cfg.comm.alltoall, TRAINER_ALLTOALL)
     check_choice("comm.a2a_overlap", cfg.comm.a2a_overlap, TRAINER_A2A_OVERLAP)
     a2a_chunks(cfg.comm.a2a_chunks)
+    if isinstance(cfg.comm.auto_trial, bool) or not isinstance(cfg.comm.auto_trial, int) \
+            or cfg.comm.auto_trial < 0:
+        raise ConfigError(f"comm.auto_trial={cfg.comm.auto_trial!r}; valid: an integer >= 0 "
+                          f"(rounds of auto's trial; 0 = no trial)")
     if cfg.comm.a2a_overlap == "fb":
         check_fb(cfg, mesh.pp)
     check_choice("comm.route_groups", cfg.comm.route_groups, ("none", "node"))
