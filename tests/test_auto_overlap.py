@@ -186,20 +186,31 @@ def test_trainer_logs_the_decision_and_why(capsys, monkeypatch):
 
 def test_estimate_prices_auto_as_the_mode_it_resolves_to():
     """`tuner.estimate` of a plan with a2a_overlap "auto" is the estimate of the plan with the
-    mode and chunks auto resolves to, and says so in its notes."""
+    mode and chunks auto resolves to (the rule's, unless the trial would find the layer
+    pipeline no faster than none: then none), and says so in its notes."""
     cfg = presets.get("tiny")
     asm = Assumptions(activation_set="trainer", zero_sharding="per-parameter")
     precision = trainer_precision("gloo")
-    pf = _platform(64 * GB)
-    for M, mode in ((1, "layer"), (4, "fb")):
+    seen = set()
+    for hbm, M, mode in ((64, 1, "layer"), (64, 4, "fb"), (64, 2, "fb")):
+        pf = _platform(hbm * GB)
         plan = ParallelPlan(pp=1, ep=4, dp=1, microbatches=M, global_batch=16, seq_len=64,
                             a2a_overlap="auto")
         e = estimate(cfg, plan, pf, precision, asm)
-        same = estimate(cfg, plan.replace(a2a_overlap=mode), pf, precision,
-                        dataclasses.replace(asm, a2a_chunks=2))
-        assert e.plan.a2a_overlap == mode and e.step_time == same.step_time
+        asm2 = dataclasses.replace(asm, a2a_chunks=2)
+        layer, none = (estimate(cfg, plan.replace(a2a_overlap=m), pf, precision, asm2)
+                       for m in ("layer", "none"))
+        want = mode if layer.step_time < none.step_time else "none"
+        seen.add(want)
+        same = estimate(cfg, plan.replace(a2a_overlap=want), pf, precision, asm2)
+        assert e.plan.a2a_overlap == want and e.step_time == same.step_time
         assert e.peak_memory == same.peak_memory
-        assert any(n.startswith(f"a2a_overlap auto: {mode} / 2 chunks") for n in e.notes)
+        note = next(n for n in e.notes if n.startswith("a2a_overlap auto: "))
+        if want == "none":
+            assert "the trial would keep none: the layer pipeline prices" in note
+        else:
+            assert note.startswith(f"a2a_overlap auto: {mode} / 2 chunks")
+    assert seen == {"layer", "none"}, seen  # both outcomes on this platform
 
 
 def test_cli_estimate_takes_auto(capsys):
@@ -211,8 +222,16 @@ def test_cli_estimate_takes_auto(capsys):
                  "--ep", "8", "--global-batch", "16", "--seq", "64", "--a2a-overlap", "auto",
                  "--json"]) == 0
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    # local: 4 processes a node, so EP 8 spans 2; M = 16 / 8 = 2 micro-batches
-    assert s["layout"]["a2a_overlap"] == "fb" and s["runnable"] is True
+    # local: 4 processes a node, so EP 8 spans 2; M = 16 / 8 = 2 micro-batches: the rule
+    # says fb; the trial's price (layer against none) keeps fb or falls back to none
+    assert s["layout"]["a2a_overlap"] in ("fb", "none") and s["runnable"] is True
+    step = {}
+    for m in ("layer", "none"):
+        assert main(["estimate", "--model", "tiny", "--platform", "local", "--gpus", "8",
+                     "--ep", "8", "--global-batch", "16", "--seq", "64", "--a2a-overlap", m,
+                     "--json"]) == 0
+        step[m] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step_time_s"]
+    assert s["layout"]["a2a_overlap"] == ("fb" if step["layer"] < step["none"] else "none")
 
 
 def test_planner_reports_refused_fb_not_runnable():
@@ -238,10 +257,12 @@ def test_trial_candidates_are_the_choices_auto_still_has():
     from trainer.build import trial_candidates
 
     assert trial_candidates("auto", "auto", "dedup", "fb", 2, 2, 4) == [
-        ("dedup", "layer", 2), ("dedup", "none", 1), ("auto", "layer", 2), ("auto", "none", 1)]
+        ("dedup", "layer", 2), ("dedup", "none", 1), ("auto", "layer", 2), ("auto", "none", 1),
+        ("flat", "layer", 2), ("flat", "none", 1)]
     assert trial_candidates("auto", "none", "auto", "none", 2, 4, 4) == [
-        ("auto", "none", 1), ("dedup", "none", 1)]
-    assert trial_candidates("auto", "none", "auto", "none", 2, 2, 1) == [("auto", "none", 1)]
+        ("auto", "none", 1), ("flat", "none", 1), ("dedup", "none", 1)]
+    assert trial_candidates("auto", "none", "auto", "none", 2, 2, 1) == [
+        ("auto", "none", 1), ("flat", "none", 1)]
     assert trial_candidates("auto", "none", "auto", "none", 2, 1, 4) == [("auto", "none", 1)]
     assert trial_candidates("flat", "auto", "flat", "layer", 4, 2, 4) == [
         ("flat", "layer", 4), ("flat", "none", 1)]
@@ -276,7 +297,8 @@ def test_resolve_runs_what_the_trial_measured_fastest(capsys, monkeypatch):
         return 1 * GB, 0.5 * GB
 
     ms = {("dedup", "layer", 2): 0.030, ("dedup", "none", 1): 0.020,
-          ("auto", "layer", 2): 0.040, ("auto", "none", 1): 0.050}
+          ("auto", "layer", 2): 0.040, ("auto", "none", 1): 0.050,
+          ("flat", "layer", 2): 0.045, ("flat", "none", 1): 0.055}
     assert resolve_a2a(cfg, cfg_m, mesh, topo, fits, measured(ms)) == ("dedup", "none", 1)
     assert seen[-1] == list(ms)
     out = capsys.readouterr().out

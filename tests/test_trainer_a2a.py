@@ -53,7 +53,8 @@ def test_losses_equal_plain(tmp_path, small_data, plain, extra):
         assert m, r.stdout[-3000:]
         ms = {name: float(v) for name, v in re.findall(r"(\S+) ([\d.]+) ms", m.group(1))}
         # the rules (dedup at 0.55x the bytes; layer: fb's memory is not known here) first
-        assert set(ms) == {"dedup/layer/2", "dedup/none", "auto/layer/2", "auto/none"}, ms
+        assert set(ms) == {f"{a}/{o}" for a in ("dedup", "auto", "flat")
+                           for o in ("layer/2", "none")}, ms
         assert ms[m.group(2)] == min(ms.values()), (m.group(2), ms)
         algo, overlap = m.group(2).split("/")[:2]
         assert f"comm.alltoall=auto: {algo}" in r.stdout

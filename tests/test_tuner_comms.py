@@ -81,26 +81,19 @@ def test_planner_and_auto_are_one_model(name, nodes):
 
 @pytest.mark.parametrize("nodes,top_k,experts", [(2, 4, 16), (2, 1, 16), (4, 8, 64), (2, 2, 16),
                                                  (1, 4, 16)])
-def test_planner_auto_runs_what_the_trainer_auto_runs(nodes, top_k, experts):
-    """`alltoall=auto` is priced as the algorithm trainer.build.resolve_a2a picks for the same
-    EP group: dedup where it would, else the cheaper of flat and HALO."""
-    import dataclasses
-    from types import SimpleNamespace
-
-    from comm.topology import Topology
-    from trainer.build import resolve_a2a
-    from trainer.config import parse_args
-    from tuner.comms import auto_runs_dedup
+def test_planner_auto_prices_what_the_trainer_auto_weighs(nodes, top_k, experts):
+    """`alltoall=auto` is priced as the cheapest of the algorithms the trainer's auto times
+    (`trainer.build.trial_candidates`: dedup beside comm's per-call flat / HALO where the EP
+    group spans nodes at top-k > 1) and runs the fastest of."""
+    from trainer.build import trial_candidates
+    from tuner.comms import auto_considers_dedup
 
     gpus = 2
-    cfg = parse_args(["--comm.alltoall=auto", "--comm.a2a_overlap=none"])
-    mcfg = dataclasses.replace(presets.get("tiny"), top_k=top_k, n_routed_experts=experts)
-    mesh = SimpleNamespace(ep=nodes * gpus, tp=1, rank=1)  # the mesh fields resolve_a2a reads
-    picked, _, _ = resolve_a2a(cfg, mcfg, mesh, Topology.uniform(nodes, gpus))
-    assert auto_runs_dedup(nodes, top_k, experts, mcfg.d_model) == (picked == "dedup")
+    cands = {a for a, _, _ in trial_candidates("auto", "none", "auto", "none", 2, nodes, top_k)}
+    assert auto_considers_dedup(nodes, top_k, experts) == ("dedup" in cands)
     pf = load_platform("dgx-h100")
     g = placement(nodes * gpus, 1, gpus)
-    got = alltoall_time(NBYTES, g, "auto", pf, 1.0, top_k, experts, mcfg.d_model)
-    want = (alltoall_time(NBYTES, g, "dedup", pf, 1.0, top_k, experts) if picked == "dedup"
-            else min(alltoall_time(NBYTES, g, a, pf) for a in ("flat", "halo")))
+    got = alltoall_time(NBYTES, g, "auto", pf, 1.0, top_k, experts)
+    want = min(alltoall_time(NBYTES, g, a, pf, 1.0, top_k, experts)
+               for a in ("flat", "halo", *(("dedup",) if "dedup" in cands else ())))
     assert got == want

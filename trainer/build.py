@@ -214,13 +214,16 @@ def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo,
 def trial_candidates(alltoall: str, a2a_overlap: str, rule_algo: str, rule_overlap: str,
                      layer_chunks: int, nodes: int, top_k: int) -> list[tuple[str, str, int]]:
     """What `auto`'s trial (`trainer.a2a_trial`) times, the rules' own choice first (it wins
-    ties): with alltoall=auto over several nodes at top-k > 1 the rule's algorithm and the
-    other one of dedup / auto (comm's per-call flat / HALO); with a2a_overlap=auto, where the
-    rule would overlap, the layer pipeline at `layer_chunks` against none (fb's question, too:
-    does hiding the exchange pay here; fb itself needs a whole step). One candidate: no trial."""
+    ties): with alltoall=auto over several nodes the rule's algorithm, auto (comm's per-call
+    flat / HALO choice), flat (auto without its per-call planning: on the emulator's shared
+    cores that planning cost 5-10 % of a step) and, at top-k > 1, dedup; with
+    a2a_overlap=auto, where the rule would overlap, the layer pipeline at `layer_chunks`
+    against none (fb's question, too: does hiding the exchange pay here; fb itself needs a
+    whole step). One candidate: no trial."""
     algos = [rule_algo]
-    if alltoall == "auto" and nodes > 1 and top_k > 1:
-        algos.append("auto" if rule_algo == "dedup" else "dedup")
+    if alltoall == "auto" and nodes > 1:
+        algos += [a for a in ("auto", "flat", "dedup" if top_k > 1 else "")
+                  if a and a != rule_algo]
     if a2a_overlap == "auto" and rule_overlap != "none":
         ovs = [("layer", layer_chunks), ("none", 1)]
     elif rule_overlap == "layer":

@@ -53,7 +53,8 @@ from tuner.platform import Platform
 
 __all__ = ["GroupPlacement", "placement", "alltoall_time", "netsim_alltoall_time", "p2p_time",
            "allreduce_time", "reduce_time", "broadcast_time", "measured_collective_time",
-           "rates", "expected_distinct_nodes", "dedup_factor", "auto_choices"]
+           "rates", "expected_distinct_nodes", "dedup_factor", "auto_choices",
+           "auto_considers_dedup"]
 
 
 @dataclass(frozen=True)
@@ -137,16 +138,13 @@ def auto_choices() -> tuple[str, ...]:
     return tuple(a for a in ALGORITHMS if a != "auto")
 
 
-@functools.lru_cache(maxsize=256)
-def auto_runs_dedup(nodes: int, top_k: int, n_experts: int, d_model: int) -> bool:
-    """Whether the trainer's `--comm.alltoall=auto` runs dedup for an EP group over `nodes`
-    nodes (trainer.build.resolve_a2a's rule, routing not bound to nodes): top-k > 1 and the
-    expected inter-node bytes at most `DEDUP_AUTO_MAX_RATIO` of flat's."""
-    from comm.collectives.dedup import DEDUP_AUTO_MAX_RATIO, dedup_byte_ratio
-
-    if nodes <= 1 or top_k <= 1 or d_model <= 0 or n_experts % nodes:
-        return False
-    return dedup_byte_ratio(nodes, top_k, n_experts, d_model, 4) <= DEDUP_AUTO_MAX_RATIO
+def auto_considers_dedup(nodes: int, top_k: int, n_experts: int) -> bool:
+    """Whether the trainer's `--comm.alltoall=auto` weighs dedup for an EP group over `nodes`
+    nodes (`trainer.build.trial_candidates`): several nodes and top-k > 1 (the planner also
+    needs the experts divisible by the nodes for its expected distinct nodes). The trainer
+    times dedup against the per-call flat / HALO choice and runs the faster; the planner
+    prices both and takes the cheaper (`alltoall_time`)."""
+    return nodes > 1 and top_k > 1 and n_experts > 0 and n_experts % nodes == 0
 
 
 def alltoall_time(nbytes: float, group: GroupPlacement, algorithm: str, platform: Platform,
@@ -156,15 +154,16 @@ def alltoall_time(nbytes: float, group: GroupPlacement, algorithm: str, platform
     over the `group.size` ranks (the own share stays local): `comm.cost.a2a_model` on the loads
     of that exchange, every device of a node exchanging alike. "dedup" needs the routing
     (`top_k` routed copies of each token among `n_experts`) to know how many copies share a
-    node; "auto" is what the trainer's auto runs: dedup where `auto_runs_dedup` (needs
-    `d_model`), else the cheapest of `auto_choices()` (comm's per-call flat / HALO choice)."""
+    node; "auto" is what the trainer's auto runs where its trial (`trainer.a2a_trial`) finds
+    the fastest: the cheapest of `auto_choices()` (comm's per-call flat / HALO choice) and,
+    where `auto_considers_dedup`, dedup. `d_model` is not read (kept for callers)."""
     if group.size == 1 or nbytes <= 0:
         return 0.0
-    if algorithm == "auto" and auto_runs_dedup(group.nodes, top_k, n_experts, d_model):
-        algorithm = "dedup"
     if algorithm == "auto":
+        algs = auto_choices() + (("dedup",) if auto_considers_dedup(group.nodes, top_k,
+                                                                    n_experts) else ())
         return min(alltoall_time(nbytes, group, a, platform, vendor_efficiency, top_k, n_experts)
-                   for a in auto_choices())
+                   for a in algs)
     load = uniform_load(nbytes, group.size, group.per_node,
                         platform.gpus_per_node / platform.nics_per_node)
     if algorithm == "dedup":

@@ -16,7 +16,7 @@ from tuner.comms import (
     allreduce_time,
     alltoall_time,
     auto_choices,
-    auto_runs_dedup,
+    auto_considers_dedup,
     netsim_alltoall_time,
     p2p_time,
     placement,
@@ -226,13 +226,15 @@ def a2a_one(nbytes: float, groups: dict[str, GroupPlacement], plan: ParallelPlan
     """One all-to-all of `nbytes` per rank in the EP group, by the plan's algorithm."""
     g = groups["ep"]
     alg = plan.alltoall
-    if asm.alltoall_model == "netsim" and alg == "auto" and auto_runs_dedup(
-            g.nodes, cfg.top_k, cfg.n_routed_experts, cfg.d_model):
-        alg = "dedup"  # what the trainer's auto runs there; netsim has no dedup: closed form
     if asm.alltoall_model == "netsim" and alg in ("flat", "halo", "auto"):
         algs = auto_choices() if alg == "auto" else (alg,)
-        return min(netsim_alltoall_time(nbytes, g, a, pf)
-                   / (asm.vendor_alltoall_efficiency if a == "flat" else 1.0) for a in algs)
+        t = min(netsim_alltoall_time(nbytes, g, a, pf)
+                / (asm.vendor_alltoall_efficiency if a == "flat" else 1.0) for a in algs)
+        if alg == "auto" and auto_considers_dedup(g.nodes, cfg.top_k, cfg.n_routed_experts):
+            # auto's trial runs the faster; netsim has no dedup exchange: its closed form
+            t = min(t, alltoall_time(nbytes, g, "dedup", pf, asm.vendor_alltoall_efficiency,
+                                     cfg.top_k, cfg.n_routed_experts, cfg.d_model))
+        return t
     return alltoall_time(nbytes, g, alg, pf, asm.vendor_alltoall_efficiency,
                          cfg.top_k, cfg.n_routed_experts, cfg.d_model)
 

@@ -995,9 +995,30 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
 def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platform,
              precision: PrecisionPolicy = PUBLISHED_PRECISION,
              assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> Estimate:
-    """Memory, step time and MFU of `parallel_cfg` for `model_cfg` on `platform`."""
+    """Memory, step time and MFU of `parallel_cfg` for `model_cfg` on `platform`.
+
+    a2a_overlap "auto" is priced as the trainer runs it: the rule's mode
+    (`resolve_overlap`), unless the trainer's trial (`trainer.a2a_trial`: the layer pipeline
+    against none, one MoE layer timed) would find that hiding the exchange does not pay,
+    priced here as the layer plan's step against the plain one's; then none."""
     plan, asm, auto_why = resolve_overlap(model_cfg, parallel_cfg, platform, precision,
                                           assumptions)
+    if parallel_cfg.a2a_overlap == "auto" and plan.a2a_overlap != "none":
+        layer = _estimate(model_cfg, plan.replace(a2a_overlap="layer"), platform, precision,
+                          asm, "")
+        plain = _estimate(model_cfg, plan.replace(a2a_overlap="none"), platform, precision,
+                          asm, "")
+        if layer.step_time >= plain.step_time:
+            return _estimate(model_cfg, plan.replace(a2a_overlap="none"), platform, precision,
+                             asm, f"{auto_why}; the trial would keep none: the layer pipeline "
+                                  f"prices {layer.step_time:.4g} s against none's "
+                                  f"{plain.step_time:.4g} s")
+    return _estimate(model_cfg, plan, platform, precision, asm, auto_why)
+
+
+def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
+              precision: PrecisionPolicy, asm: Assumptions, auto_why: str) -> Estimate:
+    """`estimate` of a plan whose overlap is decided (`resolve_overlap`'s)."""
     cfg, pf, pb = model_cfg, platform, precision
     stages = stage_memory(cfg, plan, pf, precision, asm)
     D = cfg.d_model
