@@ -22,6 +22,11 @@ arms (--comm.a2a_overlap=fb: one micro-batch's forward beside another's backward
 exchange column is still the forward's blocked time; the paired backward's waits are not in
 it (the step time shows them).
 
+An arm with auto (e.g. `auto/auto`: --comm.alltoall=auto --comm.a2a_overlap=auto
+--comm.a2a_chunks=auto) runs --trial-steps more steps, for auto's trial over the first steps
+(trainer/a2a_trial.py); its medians start after the trial and --warmup, and its row keeps what
+auto ran (picked_alltoall, picked_overlap, picked_chunks) and the trial's log line.
+
 Rows: `moe_overlap.jsonl` under runs/bench/moe_overlap/ (or --out, or --record).
 
 `--netsim` projects one MoE dispatch of DeepSeek-V3 instead (comm.netsim, no emulator): every
@@ -42,6 +47,7 @@ import functools
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -66,7 +72,8 @@ def train_emulated(setup: str, arm: str, args: argparse.Namespace) -> list[dict]
         out = Path(tmp) / "run"
         train = ["train.py", "--config", "configs/tiny-ep-dp.toml", f"--parallel.ep={nodes * gpus}",
                  f"--model.n_routed_experts={args.experts}", f"--model.top_k={args.top_k}",
-                 f"--train.steps={args.steps}", f"--train.seq_len={args.seq_len}",
+                 f"--train.steps={args.steps + (args.trial_steps if 'auto' in arm else 0)}",
+                 f"--train.seq_len={args.seq_len}",
                  f"--train.global_batch={args.global_batch}", "--train.eval_every=0",
                  "--train.eval_batches=1", "--train.ckpt_every=0", "--train.plot=false",
                  "--train.tensorboard=false", "--train.layer_metrics=false",
@@ -90,18 +97,27 @@ def train_emulated(setup: str, arm: str, args: argparse.Namespace) -> list[dict]
 
 
 def auto_picks(stdout: str) -> dict:
-    """What `auto` resolved to, from train.py's log (trainer.build.resolve_a2a's lines):
-    picked_alltoall / picked_overlap / picked_chunks, and the trial's line as auto_trial;
-    empty for an arm without auto."""
+    """What `auto` ran, from train.py's log: the rules' choice (trainer.build.resolve_a2a's
+    lines), or where its trial ran (trainer.a2a_trial) the trial's pick, as picked_alltoall /
+    picked_overlap / picked_chunks; the trial's line as auto_trial and its length in steps
+    as trial_steps. Empty for an arm without auto."""
     out: dict = {}
     for line in stdout.splitlines():
         for prefix, key in (("comm.alltoall=auto: ", "picked_alltoall"),
                             ("comm.a2a_overlap=auto: ", "picked_overlap"),
                             ("comm.a2a_chunks=auto: ", "picked_chunks")):
-            if line.startswith(prefix) and not line.startswith(prefix + "the rule says"):
+            if line.startswith(prefix):
                 out[key] = line[len(prefix):].split(" ")[0]
-        if line.startswith("comm.alltoall / a2a_overlap=auto: trial"):
-            out["auto_trial"] = line.split(": ", 1)[1]
+        m = re.match(r"comm.alltoall / a2a_overlap=auto: the next (\d+) steps try", line)
+        if m:
+            out["trial_steps"] = int(m.group(1))
+        m = re.match(r"comm.alltoall / a2a_overlap=auto: (trial over .*; runs (\S+) from here)",
+                     line)
+        if m:
+            out["auto_trial"] = m.group(1)
+            algo, overlap, *chunks = m.group(2).split("/")
+            out |= {"picked_alltoall": algo, "picked_overlap": overlap,
+                    "picked_chunks": chunks[0] if chunks else "1"}
     return out
 
 
@@ -113,7 +129,9 @@ def run_arm(setup: str, arm: str, args: argparse.Namespace) -> dict | None:
     rows = train_emulated(setup, arm, args)
     if rows is None:
         return None
-    steps = [s for s in rows if "step_time_s" in s and s["step"] > args.warmup]
+    # an auto arm's trial steps (trainer/a2a_trial.py) are left out, then --warmup more
+    skip = args.warmup + (rows[0].get("trial_steps", 0) if rows else 0)
+    steps = [s for s in rows if "step_time_s" in s and s["step"] > skip]
 
     def med(key: str) -> float:
         return statistics.median(float(s.get(key, 0.0)) for s in steps)
@@ -127,7 +145,7 @@ def run_arm(setup: str, arm: str, args: argparse.Namespace) -> dict | None:
             "flat_remote_rows": med("ep_flat_remote_rows"),
             "node_imbalance": med("ep_node_imbalance"),
             **{k: rows[0][k] for k in ("picked_alltoall", "picked_overlap", "picked_chunks",
-                                       "auto_trial") if rows and k in rows[0]},
+                                       "auto_trial", "trial_steps") if rows and k in rows[0]},
             "loss_last": steps[-1]["loss"] if steps else None}
 
 
@@ -178,6 +196,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    p.add_argument("--trial-steps", type=int, default=13,
+                   help="extra steps of an arm with auto (its trial: 1 + 2 rounds x 6 choices "
+                        "at most), left out of the medians with --warmup after them")
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)

@@ -9,6 +9,7 @@ import itertools
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from comm.topology import Topology
 from model import presets
@@ -164,14 +165,13 @@ def test_trainer_logs_the_decision_and_why(capsys, monkeypatch):
     assert resolve_a2a(cfg, cfg_m, mesh, topo, lambda *a: (1 * GB, 0.5 * GB)) == \
         ("flat", "fb", 2)
     out = capsys.readouterr().out
-    assert "comm.a2a_overlap=auto: the rule says fb (EP group on 2 nodes, 2 micro-batches, " \
-           "a rank's predicted peak with fb 1 GB (+0.5 GB of activations), budget 8 GB)" in out
-    assert "comm.a2a_overlap=auto: fb\n" in out  # no trial given: the rule's choice runs
+    assert "comm.a2a_overlap=auto: fb (EP group on 2 nodes, 2 micro-batches, a rank's " \
+           "predicted peak with fb 1 GB (+0.5 GB of activations), budget 8 GB)" in out
     assert "comm.a2a_chunks=auto: 2 (a2a_overlap=auto)" in out
     # without the planner's memory (no train.py): not known to fit, layer
     assert resolve_a2a(cfg, cfg_m, mesh, topo) == ("flat", "layer", 2)
-    assert "comm.a2a_overlap=auto: the rule says layer (EP group on 2 nodes; not fb: its " \
-           "activation memory is not known to fit)" in capsys.readouterr().out
+    assert "comm.a2a_overlap=auto: layer (EP group on 2 nodes; not fb: its activation " \
+           "memory is not known to fit)" in capsys.readouterr().out
 
     def unmodelled(*a):
         raise ValueError("no such layout")
@@ -251,64 +251,58 @@ def test_planner_reports_refused_fb_not_runnable():
 
 
 def test_trial_candidates_are_the_choices_auto_still_has():
-    """The rules' choice first (it wins ties); dedup against auto's per-call flat / HALO only
-    where both are possible (several nodes, top-k > 1); overlap against none only where
-    a2a_overlap is auto and the rule would overlap; fixed choices are not re-opened."""
+    """The rules' choice first (it wins ties); dedup, auto's per-call flat / HALO and flat
+    where alltoall is auto across nodes (dedup at top-k > 1); the rule's overlap against none
+    only where a2a_overlap is auto and the rule overlaps; fixed choices are not re-opened."""
     from trainer.build import trial_candidates
 
     assert trial_candidates("auto", "auto", "dedup", "fb", 2, 2, 4) == [
-        ("dedup", "layer", 2), ("dedup", "none", 1), ("auto", "layer", 2), ("auto", "none", 1),
-        ("flat", "layer", 2), ("flat", "none", 1)]
-    assert trial_candidates("auto", "none", "auto", "none", 2, 4, 4) == [
+        ("dedup", "fb", 2), ("dedup", "none", 1), ("auto", "fb", 2), ("auto", "none", 1),
+        ("flat", "fb", 2), ("flat", "none", 1)]
+    assert trial_candidates("auto", "none", "auto", "none", 1, 4, 4) == [
         ("auto", "none", 1), ("flat", "none", 1), ("dedup", "none", 1)]
-    assert trial_candidates("auto", "none", "auto", "none", 2, 2, 1) == [
+    assert trial_candidates("auto", "none", "auto", "none", 1, 2, 1) == [
         ("auto", "none", 1), ("flat", "none", 1)]
-    assert trial_candidates("auto", "none", "auto", "none", 2, 1, 4) == [("auto", "none", 1)]
+    assert trial_candidates("auto", "none", "auto", "none", 1, 1, 4) == [("auto", "none", 1)]
     assert trial_candidates("flat", "auto", "flat", "layer", 4, 2, 4) == [
         ("flat", "layer", 4), ("flat", "none", 1)]
-    assert trial_candidates("flat", "auto", "flat", "none", 2, 1, 4) == [("flat", "none", 1)]
+    assert trial_candidates("flat", "auto", "flat", "none", 1, 1, 4) == [("flat", "none", 1)]
     assert trial_candidates("dedup", "layer", "dedup", "layer", 3, 2, 4) == [
         ("dedup", "layer", 3)]
 
 
-def test_resolve_runs_what_the_trial_measured_fastest(capsys, monkeypatch):
-    """resolve_a2a hands the trial the candidates and runs the fastest it reports: the
-    algorithm as measured; the rule's overlap (fb here) where the layer pipeline beat none,
-    none where none was fastest; and says so. Without --comm.auto_trial the rules decide."""
-    import trainer.build
-    from trainer.a2a_trial import TrialResult, pick
+def test_step_trial_runs_each_candidate_and_keeps_the_fastest():
+    """StepTrial: one uncounted step, then `rounds` rounds of every candidate, each set on
+    every dispatcher for its step; the median per candidate decides, ties to the first
+    listed; the pick stays set and the log line names every time."""
+    from trainer.a2a_trial import StepTrial
 
-    monkeypatch.setattr(trainer.build, "fb_budget", lambda: 8 * GB)
-    cfg_m = dataclasses.replace(presets.get("tiny"), top_k=4)
-    args = ["--comm.alltoall=auto", "--comm.a2a_overlap=auto", "--parallel.microbatches=2",
-            "--parallel.ep=4", "--train.global_batch=8"]
-    cfg = parse_args(args)
-    mesh = SimpleNamespace(ep=4, tp=1, pp=1, rank=0, layout=Layout(4, ep=4))
-    topo = Topology.uniform(2, GPUS)
-    seen: list = []
-
-    def measured(ms: dict):
-        def trial(cands):
-            seen.append(list(cands))
-            return TrialResult({c: ms[c] for c in cands}, 5, 512)
-        return trial
-
-    def fits(*a):
-        return 1 * GB, 0.5 * GB
-
-    ms = {("dedup", "layer", 2): 0.030, ("dedup", "none", 1): 0.020,
-          ("auto", "layer", 2): 0.040, ("auto", "none", 1): 0.050,
-          ("flat", "layer", 2): 0.045, ("flat", "none", 1): 0.055}
-    assert resolve_a2a(cfg, cfg_m, mesh, topo, fits, measured(ms)) == ("dedup", "none", 1)
-    assert seen[-1] == list(ms)
-    out = capsys.readouterr().out
-    assert "dedup/none 20.0 ms (1.00x), dedup/layer/2 30.0 ms (1.50x)" in out
-    assert "fastest dedup/none" in out and "comm.a2a_overlap=auto: none\n" in out
-    ms[("auto", "layer", 2)] = 0.010  # the layer pipeline pays: fb, the rule's way to overlap
-    assert resolve_a2a(cfg, cfg_m, mesh, topo, fits, measured(ms)) == ("auto", "fb", 2)
-    assert "comm.a2a_overlap=auto: fb (the trial's layer pipeline beat none" in \
-        capsys.readouterr().out
-    assert pick(TrialResult({("a", "none", 1): 1.0, ("b", "none", 1): 1.0}, 1, 1)) == \
-        ("a", "none", 1)  # ties: the first listed, the rules' own choice
-    off = parse_args([*args, "--comm.auto_trial=0"])
-    assert resolve_a2a(off, cfg_m, mesh, topo, fits, measured(ms)) == ("dedup", "fb", 2)
+    disps = [SimpleNamespace(algorithm="dedup", overlap="layer", chunks=2) for _ in range(3)]
+    cands = [("dedup", "layer", 2), ("dedup", "none", 1), ("flat", "none", 1)]
+    trial = StepTrial(disps, cands, 3, torch.device("cpu"))
+    assert trial.steps == 1 + 3 * 3
+    # step seconds by candidate: flat/none fastest by median though one round is slow
+    secs = {None: 9.0, cands[0]: [1.0, 1.1, 0.9], cands[1]: [0.8, 0.8, 0.8],
+            cands[2]: [0.5, 2.0, 0.6]}
+    ran, msg = [], None
+    for _ in range(trial.steps):
+        trial.before_step()
+        c = (disps[0].algorithm, disps[0].overlap, disps[0].chunks)
+        assert all((d.algorithm, d.overlap, d.chunks) == c for d in disps)
+        step = trial.plan[trial.i]
+        ran.append(step)
+        assert msg is None
+        msg = trial.after_step(9.0 if step is None else secs[step].pop(0))
+    assert ran == [None, *cands, *cands, *cands]
+    assert trial.done and trial.picked == ("flat", "none", 1)
+    assert all((d.algorithm, d.overlap, d.chunks) == ("flat", "none", 1) for d in disps)
+    assert msg.startswith("comm.alltoall / a2a_overlap=auto: trial over 9 steps (3 rounds")
+    assert "flat/none 0.600 s (1.00x), dedup/none 0.800 s (1.33x), dedup/layer/2 1.000 s " \
+           "(1.67x); runs flat/none from here" in msg
+    trial.before_step()  # after the trial: nothing changes, nothing is recorded
+    assert trial.after_step(5.0) is None and trial.picked == ("flat", "none", 1)
+    tie = StepTrial(disps, cands[:2], 1, torch.device("cpu"))
+    for _ in range(tie.steps):
+        tie.before_step()
+        tie.after_step(1.0)
+    assert tie.picked == cands[0]

@@ -8,7 +8,6 @@ values a 1-process run has, and initial weights come from --model.hf_path when g
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -53,12 +52,11 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_model(cfg: RunConfig, mcfg: Any, mesh: Mesh, fb_memory: FbMemory | None = None,
-                device: torch.device | None = None, autocast_ctx: Any = None):
+def build_model(cfg: RunConfig, mcfg: Any, mesh: Mesh, fb_memory: FbMemory | None = None):
     """(the model on the meta device with its experts sharded over EP, the all-to-all overlap
-    it runs: `resolve_a2a`'s, `auto` decided). Collective: process groups, topology discovery,
-    `auto` calibration, its overlap's memory check and, given the `device` (and the run's
-    `autocast_ctx`), its trial (`trainer.a2a_trial`)."""
+    it runs: `resolve_a2a`'s, `auto` decided by its rules, the candidates `auto`'s trial
+    over the first steps times: `trial_candidates`, [] for no trial). Collective: process
+    groups, topology discovery, `auto` calibration and its overlap's memory check."""
     from model import MoETransformer, set_checkpointing
 
     torch.manual_seed(cfg.train.seed)
@@ -70,37 +68,25 @@ def build_model(cfg: RunConfig, mcfg: Any, mesh: Mesh, fb_memory: FbMemory | Non
     set_checkpointing(model, cfg.train.checkpointing)
     mesh.build_groups(timedelta(seconds=cfg.train.timeout_s))
     topo = ep_topology(cfg, mesh, cfg.comm.alltoall)
-    # auto across nodes plans each exchange with a model of the links, fitted here; the trial
-    # below times auto's per-call flat / HALO with it
-    cost_model = calibrate_auto(mesh, mcfg, topo) if cfg.comm.alltoall == "auto" \
-        and mesh.ep > 1 and topo is not None and topo.num_nodes > 1 else None
-
-    def trial(cands: list) -> Any:
-        from .a2a_trial import run_trial
-
-        assert device is not None
-        t0 = time.perf_counter()
-        log(f"comm auto trial: timing one MoE layer under {len(cands)} choices "
-            f"({cfg.comm.auto_trial} rounds) ...", mesh.rank)
-        res = run_trial(cfg, mcfg, mesh, topo, cost_model, cands, device,
-                        autocast_ctx or contextlib.nullcontext(), cfg.comm.auto_trial)
-        log(f"comm auto trial: {time.perf_counter() - t0:.1f} s", mesh.rank)
-        return res
-
-    algo, overlap, chunks = resolve_a2a(cfg, mcfg, mesh, topo, fb_memory,
-                                        trial if device is not None else None)
+    algo, overlap, chunks = resolve_a2a(cfg, mcfg, mesh, topo, fb_memory)
     if cfg.comm.route_groups == "node":
         node_blocks(mcfg, mesh, topo, check=True)
-    if algo != "auto":
-        cost_model = None
+    nodes = topo.num_nodes if topo is not None else 1
+    candidates = trial_candidates(cfg.comm.alltoall, cfg.comm.a2a_overlap, algo, overlap,
+                                  chunks, nodes, mcfg.top_k) \
+        if cfg.comm.auto_trial > 0 and mesh.ep > 1 and mesh.tp == 1 else []
+    candidates = candidates if len(candidates) > 1 else []
+    # auto across nodes plans each exchange with a model of the links, fitted here (also
+    # where the trial may switch to it)
+    cost_model = calibrate_auto(mesh, mcfg, topo) if nodes > 1 and mesh.ep > 1 and (
+        algo == "auto" or any(c[0] == "auto" for c in candidates)) else None
     parallelize(model, mesh, alltoall=algo, topology=topo, cost_model=cost_model,
                 redundant=cfg.balance.redundant, overlap=overlap, chunks=chunks)
-    return model, overlap
+    return model, overlap, candidates
 
 
 def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo,
-                fb_memory: FbMemory | None = None,
-                trial: Callable[[list], Any] | None = None) -> tuple[str, str, int]:
+                fb_memory: FbMemory | None = None) -> tuple[str, str, int]:
     """(alltoall, a2a_overlap, a2a_chunks) the EP dispatcher runs, `auto` decided and logged.
 
     alltoall=auto: dedup where the EP group spans nodes, top-k > 1 and the expected inter-node
@@ -121,11 +107,9 @@ def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo,
     prices 1, 2, 4, 8); 1 under an explicit fb, where the other micro-batch's work runs
     beside it.
 
-    The rules are the prior. Given a `trial` (build_model's: `trainer.a2a_trial.run_trial`
-    on the run's device) and --comm.auto_trial > 0, the choices auto still has
-    (`trial_candidates`: dedup or not; overlap or none) are timed on one MoE layer and the
-    fastest runs: its algorithm, and the rule's overlap unless none was fastest. All inputs
-    of the candidates are the same on every rank, so every rank runs the trial or none does."""
+    These rules are auto's prior: where --comm.auto_trial > 0 and auto has more than one
+    choice left (`trial_candidates`), the first training steps time them and the fastest runs
+    on (`trainer.a2a_trial.StepTrial`)."""
     from comm.collectives.dedup import DEDUP_AUTO_MAX_RATIO, dedup_byte_ratio
 
     from .layout import auto_overlap, fb_problems
@@ -141,18 +125,16 @@ def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo,
             log("comm.alltoall / a2a_overlap=auto: no dedup, no overlap under tensor parallel "
                 f"(tp={mesh.tp})", mesh.rank)
         return algo, "none", 1
-    rule_algo = algo
     if algo == "auto" and nodes > 1 and mcfg.top_k > 1:
         bound = min(mcfg.topk_group, nodes) if c.route_groups == "node" else 0
         ratio = dedup_byte_ratio(nodes, mcfg.top_k, mcfg.n_routed_experts, mcfg.d_model, 4,
                                  bound)
         if ratio <= DEDUP_AUTO_MAX_RATIO:
-            rule_algo = "dedup"
-        log(f"comm.alltoall=auto: the rule says {rule_algo} (EP over {nodes} nodes at top-"
-            f"{mcfg.top_k}{f', tokens on <= {bound} nodes' if bound else ''}: dedup sends an "
-            f"expected {ratio:.2f}x flat's inter-node bytes; the rule runs it at <= "
-            f"{DEDUP_AUTO_MAX_RATIO})", mesh.rank)
-    rule_overlap, auto_chunks = overlap, 0
+            algo = "dedup"
+        log(f"comm.alltoall=auto: {algo} (EP over {nodes} nodes at top-{mcfg.top_k}"
+            f"{f', tokens on <= {bound} nodes' if bound else ''}: dedup sends an expected "
+            f"{ratio:.2f}x flat's inter-node bytes; it runs at <= {DEDUP_AUTO_MAX_RATIO})",
+            mesh.rank)
     if overlap == "auto":
         par, t = cfg.parallel, cfg.train
         peak = extra = budget = None
@@ -169,36 +151,13 @@ def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo,
                 budget, least_nodes = _world_min([fb_budget(), float(nodes)])
                 budget = None if budget < 0 else budget
                 every_group_spans = least_nodes > 1
-        rule_overlap, auto_chunks, why = auto_overlap(
+        overlap, auto_chunks, why = auto_overlap(
             nodes, tp=mesh.tp, microbatches=par.microbatches, pp=mesh.pp, schedule=par.schedule,
             recompute=t.checkpointing, fb_peak=peak, budget=budget, fb_extra=extra)
-        if rule_overlap == "fb" and not every_group_spans:
-            rule_overlap, why = "layer", (f"{why}; not fb: an EP group of the run lies in one "
-                                          f"node (every rank pairs its micro-batches or none "
-                                          f"does)")
-        log(f"comm.a2a_overlap=auto: the rule says {rule_overlap} ({why})", mesh.rank)
-    algo, overlap = rule_algo, rule_overlap
-    cands = trial_candidates(c.alltoall, c.a2a_overlap, rule_algo, rule_overlap,
-                             chunks or auto_chunks or 2, nodes, mcfg.top_k)
-    if trial is not None and c.auto_trial > 0 and len(cands) > 1:
-        from .a2a_trial import label, pick
-
-        res = trial(cands)
-        best = pick(res)
-        algo = best[0]
-        if c.a2a_overlap == "auto" and best[1] == "none":
-            overlap = "none"  # hiding the exchange did not pay in the trial
-        log(f"comm.alltoall / a2a_overlap=auto: trial of one MoE layer's forward + backward "
-            f"({res.tokens} tokens, {res.repeats} rounds, the slowest rank's median): "
-            f"{res.describe()}; fastest {label(best)}", mesh.rank)
-    if c.alltoall == "auto":
-        log(f"comm.alltoall=auto: {algo}" + (" (per call: flat or HALO)" if algo == "auto"
-                                             else ""), mesh.rank)
-    if c.a2a_overlap == "auto":
-        log(f"comm.a2a_overlap=auto: {overlap}" + (
-            f" (the trial's layer pipeline beat none; the rule's {overlap} runs)"
-            if overlap != "none" and len(cands) > 1 and trial is not None and c.auto_trial > 0
-            else ""), mesh.rank)
+        if overlap == "fb" and not every_group_spans:
+            overlap, why = "layer", (f"{why}; not fb: an EP group of the run lies in one node "
+                                     f"(every rank pairs its micro-batches or none does)")
+        log(f"comm.a2a_overlap=auto: {overlap} ({why})", mesh.rank)
         if overlap != "none" and not chunks:
             chunks = auto_chunks
             log(f"comm.a2a_chunks=auto: {chunks} (a2a_overlap=auto)", mesh.rank)
@@ -212,24 +171,20 @@ def resolve_a2a(cfg: RunConfig, mcfg: Any, mesh: Mesh, topo,
 
 
 def trial_candidates(alltoall: str, a2a_overlap: str, rule_algo: str, rule_overlap: str,
-                     layer_chunks: int, nodes: int, top_k: int) -> list[tuple[str, str, int]]:
+                     chunks: int, nodes: int, top_k: int) -> list[tuple[str, str, int]]:
     """What `auto`'s trial (`trainer.a2a_trial`) times, the rules' own choice first (it wins
     ties): with alltoall=auto over several nodes the rule's algorithm, auto (comm's per-call
     flat / HALO choice), flat (auto without its per-call planning: on the emulator's shared
     cores that planning cost 5-10 % of a step) and, at top-k > 1, dedup; with
-    a2a_overlap=auto, where the rule would overlap, the layer pipeline at `layer_chunks`
-    against none (fb's question, too: does hiding the exchange pay here; fb itself needs a
-    whole step). One candidate: no trial."""
+    a2a_overlap=auto, where the rule would overlap, its overlap (layer or fb, at `chunks`)
+    against none. Fixed choices are not re-opened. One candidate: no trial."""
     algos = [rule_algo]
     if alltoall == "auto" and nodes > 1:
         algos += [a for a in ("auto", "flat", "dedup" if top_k > 1 else "")
                   if a and a != rule_algo]
+    ovs = [(rule_overlap, chunks if rule_overlap != "none" else 1)]
     if a2a_overlap == "auto" and rule_overlap != "none":
-        ovs = [("layer", layer_chunks), ("none", 1)]
-    elif rule_overlap == "layer":
-        ovs = [("layer", layer_chunks)]
-    else:
-        ovs = [("none", 1)]
+        ovs.append(("none", 1))
     return [(a, o, k) for a in algos for o, k in ovs]
 
 

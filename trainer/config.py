@@ -108,11 +108,11 @@ class CommConfig:
                                    "memory on every rank, else layer with 2 chunks; logged "
                                    "with its reason", "none, layer, fb, auto")
     a2a_chunks: str = opt("auto", "chunks of the layer pipeline", "an int >= 1, or auto")
-    auto_trial: int = opt(5, "where alltoall or a2a_overlap is auto and has a choice to make "
-                             "(EP across nodes), time one MoE layer's forward + backward under "
-                             "each choice for this many rounds before training and run the "
-                             "fastest (trainer/a2a_trial.py); 0 = decide by the rules alone",
-                          "an int >= 0")
+    auto_trial: int = opt(2, "where alltoall or a2a_overlap is auto and has choices left (EP "
+                             "across nodes), the first 1 + auto_trial x choices training steps "
+                             "run each choice in turn, auto_trial rounds of them, and the rest "
+                             "of the run uses the fastest (trainer/a2a_trial.py); 0 = the "
+                             "rules decide", "an int >= 0")
     route_groups: str = opt("none", "node: the model's routing groups (--model.n_group, a "
                                     "multiple of the EP group's nodes) are bound to nodes, so a "
                                     "token reaches at most --model.topk_group nodes and "

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .a2a_trial import StepTrial, label
 from .balancing import Balancer
 from .build import (
     apply_tp,
@@ -59,9 +60,7 @@ class Trainer:
         self.precision = resolve_precision(t, self.device.type)
         self.autocast = self.precision.autocast
         self.out = Path(t.out_dir)
-        self.model, overlap = build_model(self.cfg, self.mcfg, self.mesh, prep.fb_memory,
-                                          self.device,
-                                          self.precision.autocast_ctx(self.device.type))
+        self.model, overlap, trial = build_model(self.cfg, self.mcfg, self.mesh, prep.fb_memory)
         self.fb = overlap == "fb"  # resolve_a2a's: none with ep = 1
         moe_ids = [i for i, b in enumerate(self.model.layers) if b.is_moe]  # the whole model's
         self.pipe = build_pipeline(self.cfg, self.mcfg, self.mesh, self.model, self.precision,
@@ -118,6 +117,24 @@ class Trainer:
                                self.stats, self.hooks, self.balancer, self.flops_per_token,
                                self.peak, self.fb)
         self.ckpt = CheckpointManager(self.parts, self.state, self.hf, self.elastic)
+        self.trial = self._trial(trial)
+
+    def _trial(self, candidates: list) -> StepTrial | None:
+        """auto's trial over the first steps (trainer/a2a_trial.py), or None."""
+        if not candidates:
+            return None
+        trial = StepTrial([layer.dispatcher for layer in self.model.moe_layers()],
+                          candidates, self.cfg.comm.auto_trial, self.device)
+        left = self.cfg.train.steps - self.state.step  # before a resume: at most this
+        if trial.steps > left:
+            log(f"comm.alltoall / a2a_overlap=auto: no trial (its {trial.steps} steps for "
+                f"{len(candidates)} choices x {self.cfg.comm.auto_trial} rounds exceed the "
+                f"run's {left}); the rules' choice runs", self.rank)
+            return None
+        log(f"comm.alltoall / a2a_overlap=auto: the next {trial.steps} steps try "
+            f"{', '.join(label(c) for c in candidates)} ({self.cfg.comm.auto_trial} rounds "
+            f"after one uncounted step; --comm.auto_trial)", self.rank)
+        return trial
 
     # -- the public surface ------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -197,7 +214,13 @@ class Trainer:
         while st.step < end:
             try:
                 self.profiler.before(st.step + 1)
+                if self.trial is not None:
+                    self.trial.before_step()
                 m = self.train_step()
+                if self.trial is not None:
+                    decided = self.trial.after_step(m.step_time_s)
+                    if decided:
+                        log(decided, self.rank)
                 if self.compiled:  # graphs compiled so far; after warm-up it must not grow
                     m.compiled_graphs = graph_count()
                 if self.profiler.after(st.step):

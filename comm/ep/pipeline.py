@@ -103,7 +103,9 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
 
 def _exchange(x: torch.Tensor, plan: AllToAllPlan, group: Any, disp: Any, handles: list,
               reverse: AllToAllPlan | None = None) -> tuple[torch.Tensor, ExchangeHandle]:
-    h = ExchangeHandle(plan, group, reverse, getattr(disp, "baton", None))
+    # only fb hands over (auto's trial may run another overlap on the fb schedule)
+    h = ExchangeHandle(plan, group, reverse,
+                       getattr(disp, "baton", None) if disp.overlap == "fb" else None)
     handles.append(h)
     return exchange_start(x, h), h
 
