@@ -34,7 +34,10 @@ ROW = {"bench": "moe_overlap", "git_sha": "d86e4ee", "nodes": 2, "gpus_per_node"
 
 
 def local4():
-    return load_platform("local")  # configs/platforms/local.toml: measured, 4 processes
+    # measured on this VM with 4 processes and kept with the validation rows (a file that
+    # stays put: configs/platforms/local.toml is re-measured, and its per-message latency,
+    # 1-2 ms, moves the ~2 % the exchange test below allows for)
+    return load_platform(str(ROOT / "benchmarks/results/tuner_validate_platform_w4.toml"))
 
 
 def test_payload_share_matches_the_emulators_stated_and_measured_share():
@@ -89,7 +92,9 @@ def test_flat_exchange_prices_the_rows_inter_node_bytes():
     remote_bytes / nodes x 2 / nic rate; the model's forward all-to-all (half of the step's,
     no overlap) adds the per-message latencies and gloo's serial intra-node step: within 5 %
     (they are ~2 % at 2x2@200: 12 messages x ~1 ms of intra-node latency against 0.70 s)."""
-    pf = emulator_platform(local4(), 2, 2, 200.0)
+    # the EP path's fixed host cost (ep_layer_overhead, measured) is booked with the
+    # all-to-all too; this test is about the bytes
+    pf = dataclasses.replace(emulator_platform(local4(), 2, 2, 200.0), ep_layer_overhead=0.0)
     row = {**ROW, "imbalance": 1.0}
     pred_fwd = b.predict(row, pf)["alltoall_s"] / 2
     nic_bound = ROW["remote_bytes"] / 2 * 2 / pf.nic_bandwidth
