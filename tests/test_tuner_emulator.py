@@ -208,3 +208,39 @@ def test_rows_with_their_own_base_are_predicted_from_it(tmp_path):
 def test_measure_base_needs_run():
     with pytest.raises(SystemExit, match="give --run"):
         b.main(["--measure-base", "--out", "/nonexistent-not-created"])
+
+
+def test_bench_reads_what_auto_ran_from_the_trainers_log(capsys):
+    """bench_moe_overlap's `auto_picks` on the trainer's own lines: resolve_a2a's rule lines,
+    then a StepTrial's decision overriding them, and the trial's length."""
+    import dataclasses as dc
+    from types import SimpleNamespace
+
+    import bench_moe_overlap
+    import torch
+
+    from comm.topology import Topology
+    from model import presets
+    from trainer.a2a_trial import StepTrial
+    from trainer.build import resolve_a2a
+    from trainer.config import parse_args
+    from trainer.layout import Layout
+
+    cfg = parse_args(["--comm.alltoall=auto", "--comm.a2a_overlap=auto", "--parallel.ep=4"])
+    mesh = SimpleNamespace(ep=4, tp=1, pp=1, rank=0, layout=Layout(4, ep=4))
+    resolve_a2a(cfg, dc.replace(presets.get("tiny"), top_k=4), mesh, Topology.uniform(2, 2))
+    rules = capsys.readouterr().out
+    assert bench_moe_overlap.auto_picks(rules) == {
+        "picked_alltoall": "dedup", "picked_overlap": "layer", "picked_chunks": "2"}
+    disp = SimpleNamespace(algorithm="dedup", overlap="layer", chunks=2)
+    cands = [("dedup", "layer", 2), ("flat", "none", 1)]
+    trial = StepTrial([disp], cands, 1, torch.device("cpu"))
+    msg = None
+    for s in (1.0, 2.0, 1.5):
+        trial.before_step()
+        msg = trial.after_step(s) or msg
+    log = (rules + "comm.alltoall / a2a_overlap=auto: the next 3 steps try dedup/layer/2, "
+           "flat/none (1 rounds after one uncounted step; --comm.auto_trial)\n" + msg + "\n")
+    got = bench_moe_overlap.auto_picks(log)
+    assert got == {"picked_alltoall": "flat", "picked_overlap": "none", "picked_chunks": "1",
+                   "trial_steps": 3, "auto_trial": msg.split(": ", 1)[1]}
