@@ -12,7 +12,7 @@
 #         from the first run's numbers (its table is in compare-bf16.log).
 # A rank that waits longer than 90 s on a collective or P2P fails the run (a deadlock shows as
 # an error, not a hang). Budget: about 6 minutes (the step limits add up to 420 s), plus up to
-# 250 s of step limits for the fb cases.
+# 250 s of step limits for the fb cases and 260 s for auto's.
 #
 #   benchmarks/gpu_check_multi.sh [OUT_DIR]    (default runs/bench/gpu-multi-<date>, ignored)
 #   STEPS=20 PY=python benchmarks/gpu_check_multi.sh /tmp/multi
@@ -86,6 +86,16 @@ for arm in flat/none flat/layer halo/layer dedup/none dedup/layer flat/fb; do
       "$OUT/ep2-flat-none" "$OUT/ep2-$a2a-$ov" --rtol 1e-4
   fi
 done
+
+# auto across the declared nodes (issue 26): its rules, the calibration of the per-call
+# flat / HALO model on NCCL, then its trial over the first steps (trainer/a2a_trial.py: 13
+# steps switching among dedup / auto / flat x fb / none, on the fb schedule; the decision's
+# all_reduce on a CUDA tensor), 2 micro-batches: the plain run's losses within the same 1e-4
+step "ep2-auto-auto" 240 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+  train.py "${EP2[@]}" --comm.alltoall=auto --comm.a2a_overlap=auto --comm.a2a_chunks=auto \
+  --parallel.microbatches=2 --train.out_dir="$OUT/ep2-auto-auto"
+step "compare-ep2-auto-auto" 20 "$PY" benchmarks/gpu_check_losses.py compare \
+  "$OUT/ep2-flat-none" "$OUT/ep2-auto-auto" --rtol 1e-4
 
 # fb in the pipeline (pipeline.build_fb: 1F1B's steady-state B / F pairs run on the baton,
 # the EP exchanges of both on NCCL in one order): PP=2 x EP=2 against the one-GPU run
