@@ -998,22 +998,21 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     """Memory, step time and MFU of `parallel_cfg` for `model_cfg` on `platform`.
 
     a2a_overlap "auto" is priced as the trainer runs it: the rule's mode
-    (`resolve_overlap`), unless the trainer's trial (`trainer.a2a_trial`: the layer pipeline
-    against none, one MoE layer timed) would find that hiding the exchange does not pay,
-    priced here as the layer plan's step against the plain one's; then none."""
+    (`resolve_overlap`), unless the trainer's trial (`trainer.a2a_trial`: the rule's mode
+    against none over the first steps) would keep none, priced here as the rule's plan's
+    step against the plain one's."""
     plan, asm, auto_why = resolve_overlap(model_cfg, parallel_cfg, platform, precision,
                                           assumptions)
+    got = _estimate(model_cfg, plan, platform, precision, asm, auto_why)
     if parallel_cfg.a2a_overlap == "auto" and plan.a2a_overlap != "none":
-        layer = _estimate(model_cfg, plan.replace(a2a_overlap="layer"), platform, precision,
-                          asm, "")
         plain = _estimate(model_cfg, plan.replace(a2a_overlap="none"), platform, precision,
                           asm, "")
-        if layer.step_time >= plain.step_time:
+        if got.step_time >= plain.step_time:
             return _estimate(model_cfg, plan.replace(a2a_overlap="none"), platform, precision,
-                             asm, f"{auto_why}; the trial would keep none: the layer pipeline "
-                                  f"prices {layer.step_time:.4g} s against none's "
+                             asm, f"{auto_why}; the trial would keep none: {plan.a2a_overlap} "
+                                  f"prices {got.step_time:.4g} s against none's "
                                   f"{plain.step_time:.4g} s")
-    return _estimate(model_cfg, plan, platform, precision, asm, auto_why)
+    return got
 
 
 def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
