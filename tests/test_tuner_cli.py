@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from model import presets
 from trainer.config import parse_args
+from tuner import load_platform
 from tuner.cli import main
 
 
@@ -89,6 +91,8 @@ def test_plan_writes_a_plan_train_py_accepts(tmp_path, capsys):
      "--measure with --gpus 8: this machine runs at most 4 training processes; use --gpus 2 or 4"),
     (["--model", "tiny", "--platform", "local", "--gpus", "2", "--measure", "-1"],
      "--measure -1: must be >= 1"),
+    (["--model", "tiny", "--platform", "local", "--gpus", "2", "--search", "grid"],
+     "--search 'grid'; valid: tpe, exhaustive"),
 ])
 def test_bad_requests_say_what_would_fit(args, message, capsys, tmp_path):
     rc = main(["plan", *args, "--global-batch", "512", "--trials", "5", "--out", str(tmp_path)])
@@ -272,3 +276,27 @@ def test_reproduce_paper_writes_under_runs_unless_recording():
     assert reproduce_path(p.parse_args(["reproduce-paper", "--out", "x.md"])) == Path("x.md")
     with pytest.raises(SystemExit):
         p.parse_args(["reproduce-paper", "--out", "x.md", "--record"])
+
+
+def test_plan_search_exhaustive_writes_the_models_optimum(tmp_path, capsys):
+    """--search exhaustive: every point by branch and bound; the plan file is the best
+    runnable layout of `tuner.search.exhaustive` over the same space (TPE may stop short of
+    it: benchmarks/bench_tuner.py), and it says how many points it looked at."""
+    from tuner.layout import Assumptions, precision_policy
+    from tuner.search import Evaluator, exhaustive
+    from tuner.space import SearchSpace
+
+    rc = main(["plan", "--model", "mixtral-8x7b", "--platform", "frontier", "--gpus", "16",
+               "--global-batch", "64", "--zero", "0,1,2,3", "--search", "exhaustive",
+               "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    cfg, pf = presets.get("mixtral-8x7b"), load_platform("frontier")
+    space = SearchSpace.default(cfg, pf, 16, 64, 4096, zero=(0, 1, 2, 3))
+    assert f"every one of the {space.size} points of the space" in out
+    ref = exhaustive(Evaluator(space, cfg, pf, precision_policy("trainer", pf.backend),
+                               Assumptions(activation_set="published")))
+    plan = tomllib.loads((tmp_path / "mixtral-8x7b-frontier-16.toml").read_text())
+    assert plan["plan"]["predicted_step_time_s"] == pytest.approx(ref.best_runnable.step_time,
+                                                                rel=1e-3)
+    assert plan["run"]["parallel"]["zero"] == ref.best_runnable.point["zero"]

@@ -25,7 +25,7 @@ from tuner.layout import (
     precision_policy,
 )
 from tuner.platform import Platform
-from tuner.search import Candidate, Evaluator, SearchResult, optuna_search
+from tuner.search import Candidate, Evaluator, SearchResult, exhaustive, optuna_search
 from tuner.space import OVERLAP_CHOICES, SearchSpace, check_gpu_count, check_overlap_modes
 
 __all__ = ["PlanError", "PlanRequest", "PlanOutput", "leanest_memory", "run_plan"]
@@ -33,6 +33,9 @@ __all__ = ["PlanError", "PlanRequest", "PlanOutput", "leanest_memory", "run_plan
 
 class PlanError(ValueError):
     """A planning request that cannot be served; the message says what would."""
+
+
+SEARCHES = ("tpe", "exhaustive")  # PlanRequest.search
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,13 @@ class PlanRequest:
     zero: tuple[int, ...] = ZERO_LEVELS  # ZeRO levels searched
     redundant: int = 0  # redundant expert slots per EP rank and MoE layer (fixed, not searched)
     a2a_overlap: tuple[str, ...] = OVERLAP_CHOICES  # all-to-all overlap modes searched
+    # "tpe": the seeded Optuna study of `trials` trials; "exhaustive": every point, by branch
+    # and bound (the optimum of the model, at the cost of one pass over the space)
+    search: str = "tpe"
 
     def __post_init__(self) -> None:
+        if self.search not in SEARCHES:
+            raise ValueError(f"--search {self.search!r}; valid: {', '.join(SEARCHES)}")
         check_zero_levels(self.zero)
         check_overlap_modes(self.a2a_overlap, what="--a2a-overlap")
         if isinstance(self.redundant, bool) or not isinstance(self.redundant, int) \
@@ -244,9 +252,14 @@ def run_plan(cfg: ModelConfig, platform: Platform, req: PlanRequest, out_dir: Pa
     ev = Evaluator(space, cfg, platform, precision, assumptions,
                    prune=assumptions.alltoall_model == "closed-form")
     name = f"{cfg.name}|{platform.name}|{req.n_gpus}|s{req.seq_len}|b{req.global_batch}"
-    # The leanest layout goes first, so a study always holds at least one feasible layout.
-    result = optuna_search(ev, req.trials, seed=req.seed, storage=req.storage, study_name=name,
-                           enqueue=[lean[1]])
+    if req.search == "exhaustive":
+        print(f"tuner plan: every one of the {space.size} points of the space (branch and "
+              f"bound) ...", flush=True)
+        result = exhaustive(ev)
+    else:
+        # The leanest layout goes first, so a study always holds at least one feasible layout.
+        result = optuna_search(ev, req.trials, seed=req.seed, storage=req.storage,
+                               study_name=name, enqueue=[lean[1]])
     if result.best is None:
         raise PlanError(_explain_no_fit(cfg, platform, req, precision, assumptions))
     if result.best_runnable is None:
