@@ -300,3 +300,21 @@ def test_plan_search_exhaustive_writes_the_models_optimum(tmp_path, capsys):
     assert plan["plan"]["predicted_step_time_s"] == pytest.approx(ref.best_runnable.step_time,
                                                                 rel=1e-3)
     assert plan["run"]["parallel"]["zero"] == ref.best_runnable.point["zero"]
+
+
+def test_zero3_summary_names_its_per_layer_collectives():
+    """The report's ZeRO line for ZeRO-3 says what it shards (parameters too) and prices its
+    per-layer gathers and reduce-scatters (the estimate's zero3 part), never an empty sync."""
+    from tuner import estimate
+    from tuner.layout import ParallelPlan, precision_policy
+    from tuner.report import zero_summary
+
+    pf, cfg = load_platform("frontier"), presets.get("mixtral-8x7b")
+    plan = ParallelPlan(pp=1, ep=8, dp=8, microbatches=4, global_batch=256, seq_len=4096,
+                        zero=3)
+    e = estimate(cfg, plan, pf, precision_policy("trainer", pf.backend))
+    line = zero_summary(e)
+    assert line.startswith("ZeRO-3: parameters + gradients + optimizer state sharded")
+    assert f"per-layer weight gathers and gradient reduce-scatters, " \
+           f"{e.time['zero3']:.2f} s exposed" in line
+    assert not line.endswith("gradient sync: ")

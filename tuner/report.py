@@ -69,8 +69,12 @@ def zero_summary(e: Estimate, attention: str = "sharded") -> str:
     if p.zero == 0:
         return (f"ZeRO-0: optimizer state and gradients replicated (replica groups: {g_rep} ranks "
                 f"non-expert, {g_exp} experts)")
-    what = "optimizer state" if p.zero == 1 else "optimizer state + gradients"
+    what = {1: "optimizer state", 2: "optimizer state + gradients"}.get(
+        p.zero, "parameters + gradients + optimizer state")
     dc = ", ".join(f"{k.replace('_', '-')} {v:.2f} s" for k, v in e.dp_collectives.items())
+    if p.zero == 3:  # its collectives run per layer (`layer_collectives`), not after the step
+        dc = (f"per-layer weight gathers and gradient reduce-scatters, "
+              f"{e.time.get('zero3', 0.0):.2f} s exposed" + (f"; {dc}" if dc else ""))
     exp = f"{g_exp} (experts, DP)" if g_exp > 1 else "not over DP = 1 for experts"
     return (f"ZeRO-{p.zero}: {what} sharded over {g_rep} ranks (non-expert, DP x EP) and {exp}; "
             f"saves {saved / 1e9:.1f} GB per GPU at the peak ({e.peak_memory / 1e9:.1f} "
