@@ -16,13 +16,14 @@ import json
 import platform
 import subprocess
 from pathlib import Path
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "benchmarks" / "results"  # tracked: written only with --record
 RUNS = ROOT / "runs" / "bench"  # ignored (.gitignore: runs/): the default for every run
 
 __all__ = ["RECORDS", "ROOT", "RUNS", "add_output_args", "cpu_name", "git_sha", "output_dir",
-           "previous", "print_written"]
+           "previous", "print_written", "Probe", "probe_trainer", "record_ranks"]
 
 
 def add_output_args(p: argparse.ArgumentParser, name: str) -> None:
@@ -88,6 +89,40 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+class Probe(NamedTuple):
+    """What `probe_trainer` sets up."""
+
+    args: argparse.Namespace  # the probe's own flags
+    train_argv: list[str]  # the rest: train.py's
+    cfg: Any  # trainer.RunConfig
+    trainer: Any  # trainer.Trainer, built
+    world: int
+    rank: int
+    iters: int
+
+
+def probe_trainer(p: argparse.ArgumentParser, argv: list[str], iters: int) -> Probe:
+    """For torchrun probes: `p` parses the probe's flags and leaves the rest to train.py's
+    parser; threads as train.py sets them; a gloo process group where world > 1; the
+    Trainer built; iterations from PROBE_ITERS, else `iters`."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from trainer import Trainer, parse_args, prepare
+
+    n_iter = int(os.environ.get("PROBE_ITERS", str(iters)))
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    args, train_argv = p.parse_known_args(argv)
+    cfg = parse_args(train_argv)
+    prep = prepare(cfg, world, rank)
+    torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // world))
+    if world > 1:
+        dist.init_process_group("gloo")
+    return Probe(args, train_argv, cfg, Trainer(prep), world, rank, n_iter)
 
 
 def record_ranks(out: Path, name: str, rank: int, world: int, mine: dict, meta: dict) -> None:

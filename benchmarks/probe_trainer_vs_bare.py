@@ -21,21 +21,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import add_output_args, output_dir, record_ranks  # noqa: E402
+from _common import add_output_args, output_dir, probe_trainer, record_ranks  # noqa: E402
 
 from model import cross_entropy  # noqa: E402
-from trainer import Trainer, parse_args, prepare  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
@@ -45,15 +42,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> None:
-    n_iter = int(os.environ.get("PROBE_ITERS", "6"))
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    args, train_argv = parser().parse_known_args(argv)
-    cfg = parse_args(train_argv)
-    prep = prepare(cfg, world, rank)
-    torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // world))
-    if world > 1:
-        dist.init_process_group("gloo")
-    tr = Trainer(prep)
+    args, train_argv, cfg, tr, world, rank, n_iter = probe_trainer(parser(), argv, 6)
     parts, t = tr.parts, cfg.train
     res: dict[str, list[float]] = {}
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import sys
 import time
@@ -50,11 +49,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import add_output_args, output_dir, record_ranks  # noqa: E402
+from _common import add_output_args, output_dir, probe_trainer, record_ranks  # noqa: E402
 
 import trainer.distributed.grad_sync as grad_sync_mod  # noqa: E402
 import trainer.step as step_mod  # noqa: E402
-from trainer import Trainer, parse_args, prepare  # noqa: E402
 from trainer.distributed.grad_sync import GradSync  # noqa: E402
 from trainer.distributed.tensor_parallel import local  # noqa: E402
 from trainer.distributed.zero import ZeroOptimizer  # noqa: E402
@@ -175,16 +173,8 @@ def _alone(fn, n: int, world: int) -> float:
 
 
 def main(argv: list[str]) -> None:
-    n_iter = int(os.environ.get("PROBE_ITERS", "30"))
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    args, train_argv = parser().parse_known_args(argv)
-    cfg = parse_args(train_argv)
-    prep = prepare(cfg, world, rank)
-    torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // world))
-    if world > 1:
-        dist.init_process_group("gloo")
-    _patch()
-    tr = Trainer(prep)
+    _patch()  # module and class attributes: before the Trainer is built
+    args, train_argv, cfg, tr, world, rank, n_iter = probe_trainer(parser(), argv, 30)
     parts = tr.parts
     opt = parts.optim
     opt.step = _timed("u_optim_step", opt.step)

@@ -219,8 +219,9 @@ class Trainer:
                 m = self.train_step()
                 if self.trial is not None:
                     decided = self.trial.after_step(m.step_time_s)
-                    if decided:
-                        log(decided, self.rank)
+                    if decided:  # the pick stays set on the dispatchers; the loop is done
+                        log(decided, self.rank)  # with the trial
+                        self.trial = None
                 if self.compiled:  # graphs compiled so far; after warm-up it must not grow
                     m.compiled_graphs = graph_count()
                 if self.profiler.after(st.step):

@@ -148,15 +148,14 @@ def auto_considers_dedup(nodes: int, top_k: int, n_experts: int) -> bool:
 
 
 def alltoall_time(nbytes: float, group: GroupPlacement, algorithm: str, platform: Platform,
-                  vendor_efficiency: float = 1.0, top_k: int = 1, n_experts: int = 0,
-                  d_model: int = 0) -> float:
+                  vendor_efficiency: float = 1.0, top_k: int = 1, n_experts: int = 0) -> float:
     """Seconds for one all-to-all where each rank's send buffer holds `nbytes` spread evenly
     over the `group.size` ranks (the own share stays local): `comm.cost.a2a_model` on the loads
     of that exchange, every device of a node exchanging alike. "dedup" needs the routing
     (`top_k` routed copies of each token among `n_experts`) to know how many copies share a
     node; "auto" is what the trainer's auto runs where its trial (`trainer.a2a_trial`) finds
     the fastest: the cheapest of `auto_choices()` (comm's per-call flat / HALO choice) and,
-    where `auto_considers_dedup`, dedup. `d_model` is not read (kept for callers)."""
+    where `auto_considers_dedup`, dedup."""
     if group.size == 1 or nbytes <= 0:
         return 0.0
     if algorithm == "auto":

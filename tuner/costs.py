@@ -233,10 +233,10 @@ def a2a_one(nbytes: float, groups: dict[str, GroupPlacement], plan: ParallelPlan
         if alg == "auto" and auto_considers_dedup(g.nodes, cfg.top_k, cfg.n_routed_experts):
             # auto's trial runs the faster; netsim has no dedup exchange: its closed form
             t = min(t, alltoall_time(nbytes, g, "dedup", pf, asm.vendor_alltoall_efficiency,
-                                     cfg.top_k, cfg.n_routed_experts, cfg.d_model))
+                                     cfg.top_k, cfg.n_routed_experts))
         return t
     return alltoall_time(nbytes, g, alg, pf, asm.vendor_alltoall_efficiency,
-                         cfg.top_k, cfg.n_routed_experts, cfg.d_model)
+                         cfg.top_k, cfg.n_routed_experts)
 
 
 def a2a_exposed(plan: ParallelPlan, parts: dict[str, float], rec: float, ab: tuple[float, float],
