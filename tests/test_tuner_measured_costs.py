@@ -12,6 +12,7 @@ import pytest
 from model import presets
 from tuner import Assumptions, ParallelPlan, estimate, load_platform
 from tuner.comms import allreduce_time, broadcast_time, placement, reduce_time
+from tuner.estimate import schedule_stats
 from tuner.layout import FP32_TRAINER_PRECISION
 from tuner.measure import write_platform_toml
 from tuner.platform import Platform
@@ -107,6 +108,36 @@ def test_zero_bubble_split_backward_extra() -> None:
     assert f1.step_time == f0.step_time  # same ops in the same order: exact
     with pytest.raises(ValueError, match="split_backward_extra"):
         _local(split_backward_extra=-0.1)
+
+
+def test_zero_bubble_input_share_sets_the_bubble(tmp_path) -> None:
+    """B's measured share of the split backward shapes zb-h1's bubble: with no W left
+    (share 1) the schedule is 1F1B's, bubble for bubble, also where the statistics are
+    extrapolated (m > 4p); at the unmeasured default (equal halves) it is the ZB-H1 optimum
+    (p - 1) / (3m + p - 1); in between it grows with the share. The estimate's pipeline
+    part follows the bubble: busy / (1 - bubble)."""
+    for p_, m in ((2, 4), (2, 8), (4, 8), (4, 64), (8, 200)):
+        assert schedule_stats("zb-h1", p_, m, 1, (1.0, 0.0))[0] == pytest.approx(
+            schedule_stats("1f1b", p_, m, 1)[0], abs=1e-12)
+        assert schedule_stats("zb-h1", p_, m, 1)[0] == pytest.approx(
+            (p_ - 1) / (3 * m + p_ - 1), abs=1e-12)
+        bubbles = [schedule_stats("zb-h1", p_, m, 1, (s, 0.1))[0] for s in (0.5, 0.6, 0.7, 0.9)]
+        assert bubbles == sorted(bubbles) and bubbles[0] < bubbles[-1]
+    cfg = presets.get("tiny")
+    plan = ParallelPlan(pp=2, ep=1, dp=1, microbatches=4, global_batch=16, seq_len=256,
+                        schedule="zb-h1")
+    half, two_thirds = (_local(gpus_per_node=2, nics_per_node=2,
+                               split_backward_input_share=s) for s in (0.5, 2 / 3))
+    e0, e1 = (estimate(cfg, plan, p, FP32_TRAINER_PRECISION) for p in (half, two_thirds))
+    busy = e0.step_time - e0.time["bubble"] - e0.time["dp_sync"] - e0.time["optimizer"]
+    b0 = schedule_stats("zb-h1", 2, 4, 1, (0.5, 0.0))[0]
+    b1 = schedule_stats("zb-h1", 2, 4, 1, (round(2 / 3, 3), 0.0))[0]
+    assert e0.time["bubble"] == pytest.approx(busy * b0 / (1 - b0), rel=1e-9)
+    assert e1.time["bubble"] == pytest.approx(busy * b1 / (1 - b1), rel=1e-9)
+    back = load_platform(write_platform_toml(two_thirds, tmp_path / "m.toml", {}))
+    assert back.split_backward_input_share == pytest.approx(2 / 3, rel=1e-6)  # 6 digits kept
+    with pytest.raises(ValueError, match="split_backward_input_share"):
+        _local(split_backward_input_share=1.5)
 
 
 def _rank_grad_bytes(ep: int) -> float:

@@ -51,8 +51,9 @@ Step time (seconds), for the busiest rank:
     `Assumptions` say so; a MoE layer whose device time (compute, exposed all-to-all, its
     TP/CP/ETP/ZeRO-3 collectives) is below `Assumptions.host_floor` takes the floor (the
     difference is the "host" part: a host-bound eager framework, 0 by default)
-    pipeline  busy / (1 - bubble_fraction(schedule, F=1, B=2)) (W=B=1 for zb-h1): the unit
-              bubble scaled to the slowest rank; a step of several whole schedule runs
+    pipeline  busy / (1 - bubble_fraction(schedule, F=1, B=2)) (zb-h1: the backward, with
+              the extra, split into B and W by the platform's measured input share; 0.5
+              where not measured): the unit bubble scaled to the slowest rank; a step of several whole schedule runs
               (`Assumptions.zero3_runs`) pays one fill and drain per run (`run_bubble`).
               Where the platform's processes share the
               node's cores (`Platform.shares_cores`: a measured CPU platform with more
@@ -282,13 +283,36 @@ class Estimate:
         return self.plan.global_batch * self.plan.seq_len / self.step_time
 
 
-def _exact_stats(name: str, pp: int, m: int, v: int) -> tuple[float, tuple[int, ...]]:
+# zb-h1's split of a backward when the platform measures none: B and W equal halves, no extra
+EQUAL_SPLIT = (0.5, 0.0)
+
+
+def zb_split(pf: Platform) -> tuple[float, float]:
+    """(B's share of the split backward, its extra over a plain forward + backward) on `pf`,
+    rounded so that schedule statistics of nearby platforms share a cache entry."""
+    return round(pf.split_backward_input_share, 3), round(pf.split_backward_extra, 3)
+
+
+def _unit_costs(name: str, split: tuple[float, float]) -> tuple[dict[str, float], float]:
+    """(per-kind action costs in units of one forward, one (stage, micro-batch)'s total): F=1
+    and B=2 (a backward is two forwards); for zb-h1 the backward of (1 + extra) x 3 - 1 units
+    split into B (the input share) and W (the rest). Every stage is priced as a split one (the
+    first, fed token ids, runs its backward plain: the busiest rank's time carries that)."""
+    if name != "zb-h1":
+        return {"F": 1.0, "B": 2.0}, 3.0
+    share, extra = split
+    back = 2.0 + 3.0 * extra
+    return {"F": 1.0, "B": share * back, "W": (1.0 - share) * back}, 1.0 + back
+
+
+def _exact_stats(name: str, pp: int, m: int, v: int, split: tuple[float, float]
+                 ) -> tuple[float, tuple[int, ...]]:
     """(makespan in units of F, peak in-flight per rank) of the simulated schedule."""
     kw = {"n_virtual": v} if name == "interleaved-1f1b" else {}
     sched = build(name, pp, m, **kw)
-    costs = {"F": 1.0, "B": 1.0, "W": 1.0} if name == "zb-h1" else {"F": 1.0, "B": 2.0}
+    costs, unit = _unit_costs(name, split)
     bubble = bubble_fraction(sched, costs) if pp > 1 else 0.0
-    makespan = m * v * 3.0 / (1.0 - bubble)  # every (stage, mb) costs F + B (+ W) = 3
+    makespan = m * v * unit / (1.0 - bubble)
     peaks = peak_inflight(sched)
     return makespan, tuple(peaks[r] for r in range(pp))
 
@@ -296,29 +320,31 @@ def _exact_stats(name: str, pp: int, m: int, v: int) -> tuple[float, tuple[int, 
 def shared_span(plan: ParallelPlan, pf: Platform, cpu_share: float) -> float:
     """Makespan of `plan`'s schedule replayed on `pf`'s shared cores (`tuner.sharing`), in
     units of the busiest rank's busy time: the factor that replaces 1 / (1 - bubble). Unit
-    costs as `schedule_stats` (F=1, B=2; zb-h1 F=B=W=1), `plan.n_gpus / pp` processes per
-    pipeline rank, `cpu_share` of each action computing."""
+    costs as `schedule_stats` (F=1, B=2; zb-h1 split by the platform's `zb_split`),
+    `plan.n_gpus / pp` processes per pipeline rank, `cpu_share` of each action computing."""
     return _shared_span(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual,
                         plan.n_gpus // plan.pp, plan.n_gpus, pf.cores_per_node,
-                        pf.threads_per_process, round(cpu_share, 4))
+                        pf.threads_per_process, round(cpu_share, 4), zb_split(pf))
 
 
 @functools.lru_cache(maxsize=1024)
 def _shared_span(name: str, pp: int, m: int, v: int, per_stage: int, n: int, cores: int,
-                 threads: int, cpu_share: float) -> float:
+                 threads: int, cpu_share: float, split: tuple[float, float]) -> float:
     kw = {"n_virtual": v} if name == "interleaved-1f1b" else {}
     sched = build(name, pp, m, **kw)
-    costs = {"F": 1.0, "B": 1.0, "W": 1.0} if name == "zb-h1" else {"F": 1.0, "B": 2.0}
+    costs, unit = _unit_costs(name, split)
     if per_stage * pp != n:
         raise ValueError(f"{n} processes do not split evenly over {pp} pipeline ranks")
     span = shared_makespan(sched, costs, dict.fromkeys(sched, per_stage), cores, threads,
                            cpu_share)
-    return span / (m * v * 3.0)
+    return span / (m * v * unit)
 
 
 @functools.lru_cache(maxsize=4096)
-def schedule_stats(name: str, pp: int, microbatches: int, n_virtual: int) -> tuple[float, tuple[int, ...]]:
-    """(bubble fraction with F=1, B=2 (B=W=1 for zb-h1), peak in-flight micro-batches per rank).
+def schedule_stats(name: str, pp: int, microbatches: int, n_virtual: int,
+                   split: tuple[float, float] = EQUAL_SPLIT) -> tuple[float, tuple[int, ...]]:
+    """(bubble fraction with F=1, B=2 (zb-h1: B and W as `split`, (B's share, extra), says:
+    `_unit_costs`), peak in-flight micro-batches per rank).
 
     Beyond the warm-up every schedule here is periodic: each extra micro-batch adds the same
     work and no idle time, and in-flight counts stay flat (grow by one per micro-batch for
@@ -328,15 +354,16 @@ def schedule_stats(name: str, pp: int, microbatches: int, n_virtual: int) -> tup
     """
     m, v = microbatches, n_virtual
     m0 = 2 * pp * v
+    unit = _unit_costs(name, split)[1]
     if pp == 1 or m <= 2 * m0:
-        span, peaks = _exact_stats(name, pp, m, v)
+        span, peaks = _exact_stats(name, pp, m, v, split)
     else:
-        s0, p0 = _exact_stats(name, pp, m0, v)
-        s1, p1 = _exact_stats(name, pp, 2 * m0, v)
+        s0, p0 = _exact_stats(name, pp, m0, v, split)
+        s1, p1 = _exact_stats(name, pp, 2 * m0, v, split)
         f = (m - m0) / m0
         span = s0 + (s1 - s0) * f
         peaks = tuple(int(round(a + (b - a) * f)) for a, b in zip(p0, p1, strict=True))
-    return 1.0 - m * v * 3.0 / span, peaks
+    return 1.0 - m * v * unit / span, peaks
 
 
 def fb_pairs(plan: ParallelPlan) -> bool:
@@ -363,21 +390,23 @@ def fb_inflight(name: str, pp: int, microbatches: int, n_virtual: int) -> tuple[
     return tuple(peaks[r] for r in range(pp))
 
 
-def run_bubble(plan: ParallelPlan, asm: Assumptions) -> float:
+def run_bubble(plan: ParallelPlan, asm: Assumptions,
+               split: tuple[float, float] = EQUAL_SPLIT) -> float:
     """Bubble fraction of a step's pipeline. One schedule run of all M micro-batches, except
     where the step accumulates over several whole runs (`Assumptions.zero3_runs` with
     zero3_gather="step": FSDP2 under torch.distributed.pipelining, one schedule per local
     batch): then every run fills and drains the pipeline, the M micro-batches split as evenly
     as the runs allow. A run of m micro-batches spans 3 m v / (1 - b(m)) unit costs
-    (`schedule_stats`), so the step's fraction is 1 - 3 M v / (sum of the runs' spans)."""
+    (`schedule_stats`), so the step's fraction is 1 - 3 M v / (sum of the runs' spans).
+    `split`: zb-h1's (B share, extra), `zb_split` of the platform."""
     runs = asm.zero3_runs if plan.zero == 3 and asm.zero3_gather == "step" else 1
     m, v = plan.microbatches, plan.n_virtual
     if runs <= 1 or runs > m:  # runs > m: refused by the ZeRO-3 term (tuner.costs.zero3_time)
-        return schedule_stats(plan.schedule, plan.pp, m, v)[0]
+        return schedule_stats(plan.schedule, plan.pp, m, v, split)[0]
     span = 0.0
     for i in range(runs):
         mi = m // runs + (i < m % runs)
-        span += 3.0 * mi * v / (1.0 - schedule_stats(plan.schedule, plan.pp, mi, v)[0])
+        span += 3.0 * mi * v / (1.0 - schedule_stats(plan.schedule, plan.pp, mi, v, split)[0])
     return 1.0 - 3.0 * m * v / span
 
 
@@ -953,7 +982,8 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
     kinds = _kind_counts(cfg_, plan.ep, plan.seq_len, asm.flash_attention)
     t_attn = plan.attention_tokens(asm.attention)
     t_exp_c = plan.expert_tokens * compute_imbalance(plan, pf, asm)
-    bubble, _ = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
+    bubble, _ = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual,
+                               zb_split(pf))
     g = place_groups(plan, pf.gpus_per_node, asm.attention)[0]["ep"]
     t_x = plan.expert_tokens * (asm.exchange_imbalance or asm.routing_imbalance)
     rows = cfg_.top_k * t_x * cfg_.d_model / g.size
@@ -1026,7 +1056,7 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
     t_exp = plan.expert_tokens * asm.routing_imbalance
     # the expert GEMMs' busiest rank; on shared cores the idle ranks' share speeds it up
     t_exp_c = plan.expert_tokens * compute_imbalance(plan, pf, asm)
-    bubble = run_bubble(plan, asm)
+    bubble = run_bubble(plan, asm, zb_split(pf))
     groups, pp_inter = place_groups(plan, pf.gpus_per_node, asm.attention)
     gemm_peak(pf, plan, asm)  # an fp8 plan on a platform without an fp8 rate: refused here
     # the exchanged rows: bound by the busiest node's link (Assumptions.exchange_imbalance)

@@ -29,9 +29,10 @@ as the median of repeats after a warm-up:
                   concurrent disjoint pairs (a DP group of 2 beside another), each fitted
                   t = latency + bytes / bandwidth -> [collectives] (the model prices these
                   collectives with them instead of ring formulas over the all-to-all rate)
-    split backward  one tiny-preset decoder layer at 1024 tokens, forward + zero-bubble split
-                  backward (pipeline/split_backward.py: B, then W) against forward + plain
-                  backward -> split_backward_extra (the fraction it adds)
+    split backward  one tiny-preset decoder layer at 4 x 256 tokens, forward + zero-bubble
+                  split backward (pipeline/split_backward.py: B, then W) against forward +
+                  plain backward -> split_backward_extra (the fraction it adds), and B's
+                  share of B + W -> split_backward_input_share
     gradient passes  the trainer's work on the gradients after the backward besides the
                   collectives (trainer/distributed/grad_sync.py), over the tiny preset's
                   gradients in all processes at once: flatten (cat, scale, copy back) and the
@@ -363,7 +364,7 @@ def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, thre
     params, grads = tiny_params_with_grads()
     optimizer = optimizer_rate(params, reps)
     dist.barrier(group)
-    split_extra = _split_backward_extra(reps)
+    split_extra, split_share = _split_backward(reps)
     dist.barrier(group)
     grad_flatten, grad_norm = _grad_pass_rates(grads, reps)
     dist.barrier(group)
@@ -373,6 +374,7 @@ def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, thre
     return {"block": block, "rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
             "overhead": overhead, "widths": widths, "grid": grid, "grouped_rows": grouped_rows,
             "attn_grid": attn_grid, "optimizer": optimizer, "split_extra": split_extra,
+            "split_share": split_share,
             "grad_flatten": grad_flatten, "grad_norm": grad_norm, "zero_copy": zero_copy}
 
 
@@ -413,10 +415,12 @@ def elementwise_bandwidth_fit(act_bytes: Sequence[float], measured_s: Sequence[f
     return 1.0 / slope if slope > 0 else 0.0
 
 
-def _split_backward_extra(repeats: int, tokens: int = 1024) -> float:
-    """(forward + split backward) / (forward + plain backward) - 1 for one decoder layer of
-    the tiny preset at `tokens` tokens (the zero-bubble schedule's B then W, as its stages run
-    them), clamped at 0."""
+def _split_backward(repeats: int, tokens: int = 1024) -> tuple[float, float]:
+    """(extra, input share) of the zero-bubble split backward on one decoder layer of the tiny
+    preset at `tokens` tokens in sequences of its max_seq_len (the shape of a validation
+    run's micro-batch), as its stages run it (B, then W): extra = (forward + B + W) /
+    (forward + plain backward) - 1, clamped at 0; input share = B / (B + W). Each call is
+    timed phase by phase, the medians taken over at least 5 calls of each form."""
     from model import presets
     from model.transformer import Block
     from pipeline.split_backward import backward_input, backward_weight
@@ -424,19 +428,29 @@ def _split_backward_extra(repeats: int, tokens: int = 1024) -> float:
     cfg = presets.get("tiny")
     block = Block(cfg, 1)
     params = list(block.parameters())
-    x = torch.randn(1, tokens, cfg.d_model, requires_grad=True)
+    seq = min(tokens, cfg.max_seq_len)
+    x = torch.randn(max(1, tokens // seq), seq, cfg.d_model, requires_grad=True)
 
     def plain() -> None:
         block(x).sum().backward()
 
-    def split() -> None:
-        out = block(x).sum()
-        _, work = backward_input([out], [None], x, params)
-        backward_weight(work, params)
-
     t_plain = _median_time(plain, repeats, warmup=2)
-    t_split = _median_time(split, repeats, warmup=2)
-    return max(0.0, t_split / t_plain - 1.0)
+    fwd, b_in, w = [], [], []
+    for i in range(max(5, repeats) + 2):
+        t0 = time.perf_counter()
+        out = block(x).sum()
+        t1 = time.perf_counter()
+        _, work = backward_input([out], [None], x, params)
+        t2 = time.perf_counter()
+        backward_weight(work, params)
+        t3 = time.perf_counter()
+        if i >= 2:  # the first two warm up
+            fwd.append(t1 - t0)
+            b_in.append(t2 - t1)
+            w.append(t3 - t2)
+    med = statistics.median
+    t_split = med(fwd) + med(b_in) + med(w)
+    return max(0.0, t_split / t_plain - 1.0), med(b_in) / (med(b_in) + med(w))
 
 
 def tiny_params_with_grads() -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
@@ -706,6 +720,7 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
             collectives.append((kind, n, lat, bw))
     fields["optimizer_bandwidth"] = statistics.median(r["optimizer"] for r in per_rank)
     fields["split_backward_extra"] = statistics.median(r["split_extra"] for r in per_rank)
+    fields["split_backward_input_share"] = statistics.median(r["split_share"] for r in per_rank)
     fields["grad_flatten_bandwidth"] = statistics.median(r["grad_flatten"] for r in per_rank)
     fields["grad_norm_bandwidth"] = statistics.median(r["grad_norm"] for r in per_rank)
     fields["zero_copy_bandwidth"] = statistics.median(r["zero_copy"] for r in per_rank)
@@ -745,7 +760,8 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         "hbm_gb": "physical RAM / processes",
         "hbm_bandwidth_gbs": "tensor copy, read + write",
         "split_backward_extra": "zero-bubble split backward's extra time / plain fwd+bwd, "
-                                "tiny layer, 1024 tokens",
+                                "tiny layer, 4 x 256 tokens",
+        "split_backward_input_share": "B / (B + W) of that split backward",
         "optimizer_bandwidth_gbs": "AdamW(foreach=False) step, 16 B/param / s, tiny preset",
         "grad_flatten_bandwidth_gbs": "fp32 grad bytes / s of cat + mul_ + clone, tiny preset",
         "grad_norm_bandwidth_gbs": "fp32 grad bytes / s of the fp64 squared norm, tiny preset",

@@ -70,6 +70,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("compute", "layer_overhead_us", "layer_overhead", 1e-6),
     ("compute", "ep_layer_overhead_us", "ep_layer_overhead", 1e-6),
     ("compute", "split_backward_extra", "split_backward_extra", 1.0),
+    ("compute", "split_backward_input_share", "split_backward_input_share", 1.0),
     ("memory", "hbm_gb", "hbm_bytes", 1e9),
     ("memory", "hbm_bandwidth_gbs", "hbm_bandwidth", 1e9),
     ("memory", "usable_fraction", "usable_fraction", 1.0),
@@ -260,6 +261,12 @@ class Platform:
     # W from the recorded cut nodes: pipeline/split_backward.py) over a plain forward +
     # backward of one decoder layer, as a fraction of the plain time; 0 where not measured
     split_backward_extra: float = 0.0
+    # The input-gradient pass B's share of a split backward (B + W): it sets how much of each
+    # backward races down the pipeline and how much (W) is left to fill its bubbles. Measured
+    # on CPU (`tuner measure`: 0.6-0.7 on the tiny layer, where the attention and elementwise
+    # backward all belong to B); 0.5 where not measured, the equal-halves assumption
+    # the zero-bubble schedules are usually drawn with (and the model's before it was measured)
+    split_backward_input_share: float = 0.5
     # Measured GEMM efficiency by width: ((w, efficiency), ...) for [2048, w] x [w, w]
     # products, w ascending. Narrow GEMMs run far below peak on a CPU (width 128: ~0.3 of the
     # best shape), which one efficiency cannot say. Empty (GPU platforms): gemm_efficiency.
@@ -353,6 +360,10 @@ class Platform:
         if self.split_backward_extra < 0:
             raise ValueError(f"platform {self.name!r}: split_backward_extra="
                              f"{self.split_backward_extra} must be >= 0")
+        if not 0.0 <= self.split_backward_input_share <= 1.0:
+            raise ValueError(f"platform {self.name!r}: split_backward_input_share="
+                             f"{self.split_backward_input_share} must be in [0, 1] (B's share "
+                             f"of B + W)")
         if self.fp8_peak_flops < 0:
             raise ValueError(f"platform {self.name!r}: fp8_peak_flops={self.fp8_peak_flops} "
                              f"must be >= 0 (0 = no FP8 rate stated)")
