@@ -558,9 +558,10 @@ def _summary(rows: list[dict]) -> None:
 
 # What the zb-h1 rows carry that the model does not:
 ZB_NOTE = (
-    "zb-h1: the split backward (pipeline/split_backward.py) walks each micro-batch's autograd "
-    "graph in Python and runs two autograd passes (B, then W from the recorded cut nodes), a "
-    "per-micro-batch overhead the step-time model does not include.")
+    "zb-h1: the split backward (pipeline/split_backward.py) is priced from the platform's "
+    "measured extra over a plain backward (split_backward_extra) and B's share of B + W "
+    "(split_backward_input_share), which shapes the schedule's bubble (docs/planner.md, "
+    "'Zero bubble: the split backward, measured').")
 
 
 def _speed_cell(r: dict) -> str:
