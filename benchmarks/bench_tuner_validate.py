@@ -4,7 +4,7 @@ Issue 33 (item 7, "Local"): at least 12 CPU layouts (PP, EP, DP, ZeRO levels, sc
 README's fine-tune recipe, the default job) on a freshly measured platform, step time within
 15 % and peak memory within 10 % for each. The layouts: ten at 16 x 256 tokens (PP 1-2, EP
 1-2, DP 1-2, 1f1b / gpipe / interleaved / zb-h1), the default job (`configs/tiny.toml`: PP=2 x
-EP=2, 1F1B over 4 micro-batches, `comm.alltoall` auto), five ZeRO rows (ZeRO 0/1/2 at DP = 2,
+EP=2, 1F1B over 4 micro-batches, `comm.alltoall` auto), seven ZeRO rows (ZeRO 0/1/2/3 at DP = 2,
 8 x 128 tokens, where the training state outweighs the activations, so what ZeRO shards moves
 the total; each also judged on the state bytes alone), and the README recipe: the tiny
 Mixtral checkpoint of `examples/make_tiny_hf.py`, its data prepared with its tokenizer, and
@@ -157,6 +157,11 @@ CONFIGS += [
                                        seq_len=SZ, zero=1)),
     ("zero1 pp2-ep1-dp2 m2", ParallelPlan(pp=2, ep=1, dp=2, microbatches=2, global_batch=BZ,
                                           seq_len=SZ, zero=1)),
+    # ZeRO-3 (the trainer's FSDP2): priced with the platform's measured per-layer overhead
+    ("zero3 pp1-ep1-dp2", ParallelPlan(pp=1, ep=1, dp=2, microbatches=1, global_batch=BZ,
+                                       seq_len=SZ, zero=3)),
+    ("zero3 pp2-ep1-dp2 m2", ParallelPlan(pp=2, ep=1, dp=2, microbatches=2, global_batch=BZ,
+                                          seq_len=SZ, zero=3)),
 ]
 # The README's fine-tune recipe: its layout is what the planner picks, so it is planned at run
 # time (`readme_recipe`) on the 4-process platform just measured.

@@ -142,3 +142,45 @@ def test_zero3_gathered_once_per_step() -> None:
         Assumptions(zero3_runs=0)
     with pytest.raises(ValueError, match="zero3_gather='layer'; valid: microbatch, step"):
         Assumptions(zero3_gather="layer")
+
+
+def test_zero3_on_cpu_hides_nothing_and_adds_the_measured_overhead() -> None:
+    """On a CPU platform (cores stated) every micro-batch pays its two gathers and its
+    reduce-scatter whole (the copies and gloo's work use the cores the compute needs), plus
+    the platform's measured per-layer ZeRO-3 overhead; a GPU file without that field keeps
+    the prefetch rule (the test above). `zero3_layer_overhead` subtracts the same modelled
+    collectives from a measured extra."""
+    import torch
+
+    from model import MoETransformer, presets
+    from trainer.distributed.parallel import is_expert_param
+    from tuner.costs import all_gather_time, place_groups, reduce_scatter_time
+    from tuner.measure import zero3_layer_overhead
+
+    cfg = _mha(L=4)
+    plan = ParallelPlan(pp=1, ep=1, dp=2, microbatches=4, global_batch=8, seq_len=16, zero=3)
+    pb = PUBLISHED_PRECISION
+    cpu = dataclasses.replace(PF, cores_per_node=2, threads_per_process=1, zero3_layer_overhead=0.02)
+    rep = cfg.attention_params() + 2 * 64 + 8 * 64
+    exp = 8 * cfg.expert_params()
+    g = place_groups(plan, cpu.gpus_per_node, "sharded")[0]
+    ag = all_gather_time(rep * 2, g["rep"], cpu) + all_gather_time(exp * 2, g["dp"], cpu)
+    rs = reduce_scatter_time(rep * 2, g["rep"], cpu) + reduce_scatter_time(exp * 2, g["dp"], cpu)
+    e = estimate(cfg, plan, cpu, pb)
+    assert e.time["zero3"] == pytest.approx(4 * 4 * (2 * ag + rs + 0.02), rel=1e-9)
+    # the measurement's side: the tiny preset's first layer at fp32 over 2 processes
+    tiny = presets.get("tiny")
+    with torch.device("meta"):
+        block = MoETransformer(tiny).layers[0]
+    t_exp = sum(q.numel() for n, q in block.named_parameters() if is_expert_param(n))
+    t_rep = sum(q.numel() for q in block.parameters()) - t_exp
+    g2 = place_groups(ParallelPlan(pp=1, ep=1, dp=2, microbatches=1, global_batch=2,
+                                   seq_len=64, zero=3), cpu.gpus_per_node, "replicated")[0]
+    coll = (2 * (all_gather_time(4 * t_rep, g2["rep"], cpu) + all_gather_time(4 * t_exp, g2["dp"], cpu))
+            + reduce_scatter_time(4 * t_rep, g2["rep"], cpu)
+            + reduce_scatter_time(4 * t_exp, g2["dp"], cpu))
+    extra = tiny.n_layers * (0.03 + coll)
+    assert zero3_layer_overhead(extra, 2, cpu) == pytest.approx(0.03, rel=1e-9)
+    assert zero3_layer_overhead(0.0, 2, cpu) == 0.0
+    with pytest.raises(ValueError, match="zero3_layer_overhead_us"):
+        dataclasses.replace(PF, zero3_layer_overhead=-1e-3)

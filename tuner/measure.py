@@ -239,6 +239,77 @@ def ep_layer_times(group: dist.ProcessGroup | None, world: int, rounds: int, cfg
     return statistics.median(times["local"]), statistics.median(times["ep"])
 
 
+def zero3_layer_times(world: int, rounds: int, tokens: int = 1024, warmup: int = 2
+                      ) -> tuple[float, float] | None:
+    """(plain, ZeRO-3) median seconds of the tiny preset's forward + backward (`tokens` tokens
+    per rank in sequences of its max_seq_len): the same model twice from one seed, one
+    sharded over all `world` processes by the trainer's FSDP2 wrapping
+    (`trainer.distributed.zero3.shard_model`, fp32), one plain; alternated round by round,
+    each round's time the slowest rank's. Every rank makes the same calls (the mesh's
+    groups, the gathers). None with one process (nothing to shard over)."""
+    if world < 2:
+        return None
+    from model import MoETransformer, presets
+    from trainer.distributed.mesh import Mesh
+    from trainer.distributed.parallel import parallelize
+    from trainer.distributed.precision import Precision
+    from trainer.distributed.zero3 import shard_model
+
+    cfg = presets.get("tiny")
+    rank = dist.get_rank()
+    mesh = Mesh.plan(world, rank, pp=1, ep=1).build_groups()
+    models: dict[str, Any] = {}
+    for kind in ("plain", "zero3"):
+        with torch.device("meta"):
+            m = MoETransformer(cfg)
+        parallelize(m, mesh, alltoall="flat")
+        m.materialize(torch.device("cpu"), seed=0)
+        if kind == "zero3":
+            shard_model(m, mesh, Precision(torch.float32, torch.float32, torch.float32), "cpu")
+        models[kind] = m
+    seq = min(tokens, cfg.max_seq_len)
+    tok = torch.randint(0, cfg.vocab_size, (max(1, tokens // seq), seq),
+                        generator=torch.Generator().manual_seed(1 + rank))
+    times: dict[str, list[float]] = {"plain": [], "zero3": []}
+    for i in range(warmup + rounds):
+        for k in (("plain", "zero3") if i % 2 else ("zero3", "plain")):
+            dist.barrier()
+            t = time.perf_counter()
+            models[k](tok).sum().backward()
+            dt = torch.tensor([time.perf_counter() - t])
+            dist.all_reduce(dt, dist.ReduceOp.MAX)
+            if i >= warmup:
+                times[k].append(float(dt))
+    return statistics.median(times["plain"]), statistics.median(times["zero3"])
+
+
+def zero3_layer_overhead(extra_s: float, world: int, pf: Platform) -> float:
+    """Seconds per decoder layer and micro-batch that ZeRO-3 adds on `pf` beyond what the
+    model prices of its collectives: `extra_s` (what `zero3_layer_times` measured sharded
+    minus plain, over the tiny preset's whole model) / its layers, minus one layer's two
+    all-gathers and one reduce-scatter of fp32 weights over the `world` processes at `pf`'s
+    collective fits (on a CPU platform none of them hides: `tuner.costs.zero3_time`);
+    clamped at 0. The rest is FSDP2's per-group work in Python (copy-in / copy-out of the
+    flat buffers, the DTensor views) and the embedding / head group, spread over the layers."""
+    from model import MoETransformer, presets
+    from trainer.distributed.parallel import is_expert_param
+    from tuner.costs import all_gather_time, place_groups, reduce_scatter_time
+    from tuner.layout import ParallelPlan
+
+    cfg = presets.get("tiny")
+    with torch.device("meta"):
+        block = MoETransformer(cfg).layers[0]
+    exp = sum(q.numel() for n, q in block.named_parameters() if is_expert_param(n))
+    rep = sum(q.numel() for q in block.parameters()) - exp
+    groups = place_groups(ParallelPlan(pp=1, ep=1, dp=world, microbatches=1, global_batch=world,
+                                       seq_len=cfg.max_seq_len, zero=3), pf.gpus_per_node,
+                          "replicated")[0]
+    ag = all_gather_time(4 * rep, groups["rep"], pf) + all_gather_time(4 * exp, groups["dp"], pf)
+    rs = reduce_scatter_time(4 * rep, groups["rep"], pf) + reduce_scatter_time(4 * exp,
+                                                                             groups["dp"], pf)
+    return max(0.0, extra_s / cfg.n_layers - (2 * ag + rs))
+
+
 def ep_layer_extra(group: dist.ProcessGroup | None, world: int, repeats: int) -> float:
     """Seconds the EP path adds to `_layer_overhead`'s probe layer (forward + backward), from
     `ep_layer_times` over 3 x `repeats` rounds; 0 where the probe's experts do not split over
@@ -563,6 +634,8 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: 
     out["sync"] = _median_time(lambda: dist.all_reduce(small, group=group), 5 * repeats,
                                warmup=3, min_s=0.0)
     out["ep_extra"] = ep_layer_extra(group, world, repeats)
+    z3 = zero3_layer_times(world, 3 * repeats)
+    out["zero3_extra"] = 0.0 if z3 is None else z3[1] - z3[0]
     if coll_sizes:
         out["coll"] = {world: collective_times(rank, group, 0, coll_sizes, repeats)}
         if world >= 4 and world % 2 == 0:  # every rank in a pair: same barrier count
@@ -745,6 +818,9 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         **fields,
     )
     p = dataclasses.replace(p, elementwise_bandwidth=_elementwise_from_blocks(per_rank, p, quick))
+    if n_procs > 1:
+        p = dataclasses.replace(p, zero3_layer_overhead=zero3_layer_overhead(
+            statistics.median(r["zero3_extra"] for r in per_rank_comm), n_procs, p))
     n_rates = len(per_rank[0]["rates"])
     notes = {
         "peak_tflops": f"best fp32 GEMM of {n_rates} shapes, {threads} "
@@ -757,6 +833,9 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         "ep_layer_overhead_us": f"the same layer's MoE sharded over the {n_procs} processes "
                                 f"(EPDispatcher, flat) minus local, minus 4 x the all-to-all "
                                 f"intercept",
+        "zero3_layer_overhead_us": "ZeRO-3 (the trainer's FSDP2) tiny model fwd+bwd over the "
+                                   "processes minus plain, per layer, minus its modelled "
+                                   "gathers and reduce-scatter",
         "hbm_gb": "physical RAM / processes",
         "hbm_bandwidth_gbs": "tensor copy, read + write",
         "split_backward_extra": "zero-bubble split backward's extra time / plain fwd+bwd, "
