@@ -146,10 +146,11 @@ def test_zero3_gathered_once_per_step() -> None:
 
 def test_zero3_on_cpu_hides_nothing_and_adds_the_measured_overhead() -> None:
     """On a CPU platform (cores stated) every micro-batch pays its two gathers and its
-    reduce-scatter whole (the copies and gloo's work use the cores the compute needs), plus
-    the platform's measured per-layer ZeRO-3 overhead; a GPU file without that field keeps
-    the prefetch rule (the test above). `zero3_layer_overhead` subtracts the same modelled
-    collectives from a measured extra."""
+    reduce-scatter whole (the copies and gloo's work use the cores the compute needs); the
+    platform's measured per-layer ZeRO-3 overhead is compute (per layer and micro-batch) and
+    its optimizer overhead is per layer and step; a GPU file without them keeps the prefetch
+    rule (the test above). `zero3_layer_overhead` subtracts the same modelled collectives
+    from a measured extra."""
     import torch
 
     from model import MoETransformer, presets
@@ -160,14 +161,20 @@ def test_zero3_on_cpu_hides_nothing_and_adds_the_measured_overhead() -> None:
     cfg = _mha(L=4)
     plan = ParallelPlan(pp=1, ep=1, dp=2, microbatches=4, global_batch=8, seq_len=16, zero=3)
     pb = PUBLISHED_PRECISION
-    cpu = dataclasses.replace(PF, cores_per_node=2, threads_per_process=1, zero3_layer_overhead=0.02)
+    bare = dataclasses.replace(PF, cores_per_node=2, threads_per_process=1)
+    cpu = dataclasses.replace(bare, zero3_layer_overhead=0.02, zero3_optimizer_overhead=0.005)
     rep = cfg.attention_params() + 2 * 64 + 8 * 64
     exp = 8 * cfg.expert_params()
     g = place_groups(plan, cpu.gpus_per_node, "sharded")[0]
     ag = all_gather_time(rep * 2, g["rep"], cpu) + all_gather_time(exp * 2, g["dp"], cpu)
     rs = reduce_scatter_time(rep * 2, g["rep"], cpu) + reduce_scatter_time(exp * 2, g["dp"], cpu)
     e = estimate(cfg, plan, cpu, pb)
-    assert e.time["zero3"] == pytest.approx(4 * 4 * (2 * ag + rs + 0.02), rel=1e-9)
+    assert e.time["zero3"] == pytest.approx(4 * 4 * (2 * ag + rs), rel=1e-9)
+    e0 = estimate(cfg, plan, bare, pb)
+    assert e.time["compute"] - e0.time["compute"] == pytest.approx(4 * 4 * 0.02, rel=1e-9)
+    assert e.time["optimizer"] - e0.time["optimizer"] == pytest.approx(4 * 0.005, rel=1e-9)
+    z1 = plan.replace(zero=1)  # other levels: neither overhead
+    assert estimate(cfg, z1, cpu, pb).step_time == estimate(cfg, z1, bare, pb).step_time
     # the measurement's side: the tiny preset's first layer at fp32 over 2 processes
     tiny = presets.get("tiny")
     with torch.device("meta"):

@@ -343,23 +343,22 @@ def zero3_time(parts: dict[str, float], rec: float, plan: ParallelPlan, pf: Plat
                     per micro-batch
     On a CPU platform (`Platform.cores_per_node` stated) nothing hides: the gathers' copies
     and gloo's work run on the cores the compute needs (measured: docs/planner.md, "ZeRO-3
-    on CPU"), so a micro-batch pays 2 ag + rs (step: runs (ag + rs) / M); every platform
-    adds its measured `zero3_layer_overhead` per micro-batch (0 on the GPU files)."""
+    on CPU"), so a micro-batch pays 2 ag + rs (step: runs (ag + rs) / M). FSDP2's own work
+    per layer (`Platform.zero3_layer_overhead`) is compute, priced with the layer's."""
     rep, exp = w_bytes
     ag = (all_gather_time(rep * pb.param_comm_bytes, groups["rep"], pf)
           + all_gather_time(exp * pb.param_comm_bytes, groups["dp"], pf))
     rs = (reduce_scatter_time(rep * pb.grad_comm_bytes, groups["rep"], pf)
           + reduce_scatter_time(exp * pb.grad_comm_bytes, groups["dp"], pf))
     f = 0.0 if pf.cores_per_node else sum(parts.values())
-    over = pf.zero3_layer_overhead
     if gather == "step":
         if runs > plan.microbatches:
             raise ValueError(f"zero3_runs={runs} schedule runs exceed the step's "
                              f"{plan.microbatches} micro-batches")
-        return runs * (max(0.0, ag - f) + rs) / plan.microbatches + over
+        return runs * (max(0.0, ag - f) + rs) / plan.microbatches
     if pf.cores_per_node:
-        return 2 * ag + rs + over
-    return max(0.0, ag - f) + max(0.0, ag + rs - 2 * f - rec) + over
+        return 2 * ag + rs
+    return max(0.0, ag - f) + max(0.0, ag + rs - 2 * f - rec)
 
 
 def grad_post_time(held: float, owned: float, plan: ParallelPlan, pf: Platform,

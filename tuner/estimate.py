@@ -1083,6 +1083,8 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                 fwd += f
                 rec += rc
                 device = 3 * f + rc + pf.layer_overhead  # this layer's device seconds
+                if plan.zero == 3:  # FSDP2's own work per layer (measured on CPU, else 0)
+                    device += pf.zero3_layer_overhead
                 cast = fp8_cast_time(lc, t_attn, t_exp_c, pf, cfg, plan, asm)  # 0 unless fp8
                 acc["compute"] += cast
                 device += cast
@@ -1111,6 +1113,8 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                 # each MTP module's logits: the shared output layer once more (Megatron-Core)
                 fwd += (1 + asm.mtp_layers) * head_fwd(cfg, plan, pf, t_attn)
             chunk = 3 * fwd + rec + len(c) * pf.layer_overhead
+            if plan.zero == 3:  # FSDP2's own work per layer: compute (shares the cores)
+                chunk += len(c) * pf.zero3_layer_overhead
             if plan.schedule == "zb-h1" and stage > 0:
                 # the split backward (B, then W) runs slower than a plain one by the
                 # platform's measured fraction (0 unless measured); the first stage, fed token
@@ -1140,7 +1144,11 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                   for k, v in _dp_sync(sm, plan, groups, pf, precision, asm).items()}
         if sum(parts_.values()) > dp_sync:
             dp_sync, dp_parts = sum(parts_.values()), parts_
-    optim = max(pf.optimizer_time(sm.update_bytes) for sm in stages)  # measured or 2 x / HBM
+    # measured or 2 x / HBM; ZeRO-3's AdamW over FSDP2's DTensor shards adds its measured
+    # per-layer cost (CPU platforms; 0 elsewhere)
+    optim = max(pf.optimizer_time(sm.update_bytes)
+                + (len(sm.layers) * pf.zero3_optimizer_overhead if plan.zero == 3 else 0.0)
+                for sm in stages)
     # the trainer's gradient passes and small all-reduces (measured on CPU platforms, else 0)
     post, n_clip, n_rest = 0.0, 0, 0
     for sm in stages:

@@ -240,13 +240,14 @@ def ep_layer_times(group: dist.ProcessGroup | None, world: int, rounds: int, cfg
 
 
 def zero3_layer_times(world: int, rounds: int, tokens: int = 1024, warmup: int = 2
-                      ) -> tuple[float, float] | None:
-    """(plain, ZeRO-3) median seconds of the tiny preset's forward + backward (`tokens` tokens
-    per rank in sequences of its max_seq_len): the same model twice from one seed, one
-    sharded over all `world` processes by the trainer's FSDP2 wrapping
-    (`trainer.distributed.zero3.shard_model`, fp32), one plain; alternated round by round,
-    each round's time the slowest rank's. Every rank makes the same calls (the mesh's
-    groups, the gathers). None with one process (nothing to shard over)."""
+                      ) -> dict[str, float] | None:
+    """Median seconds of the tiny preset's forward + backward (`tokens` tokens per rank in
+    sequences of its max_seq_len) and of the trainer's AdamW step (foreach=False) over it:
+    the same model twice from one seed, one sharded over all `world` processes by the
+    trainer's FSDP2 wrapping (`trainer.distributed.zero3.shard_model`, fp32), one plain;
+    alternated round by round, each round's time the slowest rank's. Keys: plain, zero3
+    (fwd + bwd), plain_opt, zero3_opt. Every rank makes the same calls (the mesh's groups,
+    the gathers). None with one process (nothing to shard over)."""
     if world < 2:
         return None
     from model import MoETransformer, presets
@@ -259,6 +260,7 @@ def zero3_layer_times(world: int, rounds: int, tokens: int = 1024, warmup: int =
     rank = dist.get_rank()
     mesh = Mesh.plan(world, rank, pp=1, ep=1).build_groups()
     models: dict[str, Any] = {}
+    opts: dict[str, torch.optim.Optimizer] = {}
     for kind in ("plain", "zero3"):
         with torch.device("meta"):
             m = MoETransformer(cfg)
@@ -267,20 +269,29 @@ def zero3_layer_times(world: int, rounds: int, tokens: int = 1024, warmup: int =
         if kind == "zero3":
             shard_model(m, mesh, Precision(torch.float32, torch.float32, torch.float32), "cpu")
         models[kind] = m
+        opts[kind] = torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False)
     seq = min(tokens, cfg.max_seq_len)
     tok = torch.randint(0, cfg.vocab_size, (max(1, tokens // seq), seq),
                         generator=torch.Generator().manual_seed(1 + rank))
-    times: dict[str, list[float]] = {"plain": [], "zero3": []}
+    times: dict[str, list[float]] = {k: [] for k in ("plain", "zero3", "plain_opt", "zero3_opt")}
+
+    def timed(fn: Callable[[], object]) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        dt = torch.tensor([time.perf_counter() - t])
+        dist.all_reduce(dt, dist.ReduceOp.MAX)
+        return float(dt)
+
     for i in range(warmup + rounds):
         for k in (("plain", "zero3") if i % 2 else ("zero3", "plain")):
-            dist.barrier()
-            t = time.perf_counter()
-            models[k](tok).sum().backward()
-            dt = torch.tensor([time.perf_counter() - t])
-            dist.all_reduce(dt, dist.ReduceOp.MAX)
+            fb = timed(lambda k=k: models[k](tok).sum().backward())
+            opt = timed(opts[k].step)
+            opts[k].zero_grad()
             if i >= warmup:
-                times[k].append(float(dt))
-    return statistics.median(times["plain"]), statistics.median(times["zero3"])
+                times[k].append(fb)
+                times[f"{k}_opt"].append(opt)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def zero3_layer_overhead(extra_s: float, world: int, pf: Platform) -> float:
@@ -635,7 +646,8 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: 
                                warmup=3, min_s=0.0)
     out["ep_extra"] = ep_layer_extra(group, world, repeats)
     z3 = zero3_layer_times(world, 3 * repeats)
-    out["zero3_extra"] = 0.0 if z3 is None else z3[1] - z3[0]
+    out["zero3_extra"] = 0.0 if z3 is None else z3["zero3"] - z3["plain"]
+    out["zero3_opt_extra"] = 0.0 if z3 is None else z3["zero3_opt"] - z3["plain_opt"]
     if coll_sizes:
         out["coll"] = {world: collective_times(rank, group, 0, coll_sizes, repeats)}
         if world >= 4 and world % 2 == 0:  # every rank in a pair: same barrier count
@@ -819,8 +831,13 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     )
     p = dataclasses.replace(p, elementwise_bandwidth=_elementwise_from_blocks(per_rank, p, quick))
     if n_procs > 1:
-        p = dataclasses.replace(p, zero3_layer_overhead=zero3_layer_overhead(
-            statistics.median(r["zero3_extra"] for r in per_rank_comm), n_procs, p))
+        from model import presets
+
+        p = dataclasses.replace(
+            p, zero3_layer_overhead=zero3_layer_overhead(
+                statistics.median(r["zero3_extra"] for r in per_rank_comm), n_procs, p),
+            zero3_optimizer_overhead=max(0.0, statistics.median(
+                r["zero3_opt_extra"] for r in per_rank_comm) / presets.get("tiny").n_layers))
     n_rates = len(per_rank[0]["rates"])
     notes = {
         "peak_tflops": f"best fp32 GEMM of {n_rates} shapes, {threads} "
@@ -836,6 +853,8 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         "zero3_layer_overhead_us": "ZeRO-3 (the trainer's FSDP2) tiny model fwd+bwd over the "
                                    "processes minus plain, per layer, minus its modelled "
                                    "gathers and reduce-scatter",
+        "zero3_optimizer_overhead_us": "AdamW step over those DTensor shards minus over the "
+                                       "plain model, per layer",
         "hbm_gb": "physical RAM / processes",
         "hbm_bandwidth_gbs": "tensor copy, read + write",
         "split_backward_extra": "zero-bubble split backward's extra time / plain fwd+bwd, "

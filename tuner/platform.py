@@ -72,6 +72,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("compute", "split_backward_extra", "split_backward_extra", 1.0),
     ("compute", "split_backward_input_share", "split_backward_input_share", 1.0),
     ("compute", "zero3_layer_overhead_us", "zero3_layer_overhead", 1e-6),
+    ("memory", "zero3_optimizer_overhead_us", "zero3_optimizer_overhead", 1e-6),
     ("memory", "hbm_gb", "hbm_bytes", 1e9),
     ("memory", "hbm_bandwidth_gbs", "hbm_bandwidth", 1e9),
     ("memory", "usable_fraction", "usable_fraction", 1.0),
@@ -272,6 +273,10 @@ class Platform:
     # (the trainer's FSDP2) adds beyond the model's price of its gathers and reduce-scatter
     # (FSDP2's per-group copies and DTensor work in Python); 0 where not measured (GPU files)
     zero3_layer_overhead: float = 0.0
+    # Measured on CPU (`tuner measure`): seconds per decoder layer on a rank that the AdamW
+    # step over ZeRO-3's DTensor shards takes beyond a plain AdamW step over the same model
+    # (torch's per-tensor DTensor dispatch); 0 where not measured
+    zero3_optimizer_overhead: float = 0.0
     # Measured GEMM efficiency by width: ((w, efficiency), ...) for [2048, w] x [w, w]
     # products, w ascending. Narrow GEMMs run far below peak on a CPU (width 128: ~0.3 of the
     # best shape), which one efficiency cannot say. Empty (GPU platforms): gemm_efficiency.
@@ -365,9 +370,10 @@ class Platform:
         if self.split_backward_extra < 0:
             raise ValueError(f"platform {self.name!r}: split_backward_extra="
                              f"{self.split_backward_extra} must be >= 0")
-        if self.zero3_layer_overhead < 0:
-            raise ValueError(f"platform {self.name!r}: zero3_layer_overhead_us="
-                             f"{self.zero3_layer_overhead * 1e6} must be >= 0")
+        for name, v in (("zero3_layer_overhead_us", self.zero3_layer_overhead),
+                        ("zero3_optimizer_overhead_us", self.zero3_optimizer_overhead)):
+            if v < 0:
+                raise ValueError(f"platform {self.name!r}: {name}={v * 1e6} must be >= 0")
         if not 0.0 <= self.split_backward_input_share <= 1.0:
             raise ValueError(f"platform {self.name!r}: split_backward_input_share="
                              f"{self.split_backward_input_share} must be in [0, 1] (B's share "
