@@ -267,9 +267,15 @@ def predict(cfg: ModelConfig, plan: ParallelPlan, platform: Path,
                       activation_traffic_passes=CPU_TRAFFIC_PASSES, zero_sharding="per-parameter",
                       shared_cores=shared_cores)
     e = estimate(cfg, plan, pf, FP32_TRAINER_PRECISION, asm)
-    state = max(s.state for s in e.stages)
+    # ZeRO-3's gathered layer copies (FSDP2's unsharded parameters, transient around each
+    # layer's use) are held to no module parameter, gradient or optimizer state, so the
+    # trainer's memory meter (trainer/observe/memory.py) does not see them: the comparison
+    # leaves them out of the state and reports them apart (`gathered`)
+    gathered = max(s.state_by_part.get("zero3_gathered", 0.0) for s in e.stages)
+    state = max(s.state - s.state_by_part.get("zero3_gathered", 0.0) for s in e.stages)
     act = max(s.activations for s in e.stages)
     return {"state": state, "act": act, "memory": state + act, "step_time": e.step_time,
+            "gathered": gathered,
             "zero_saved": max(s.zero_saved for s in e.stages), "time": dict(e.time),
             "dp_collectives": dict(e.dp_collectives)}
 
@@ -346,6 +352,7 @@ def _row(cfg: ModelConfig, name: str, plan: ParallelPlan, m: Measured, args: arg
         "pred_state_gb": p["state"] / 1e9, "meas_state_gb": m.state_bytes / 1e9,
         "state_err": state_err, "zero": plan.zero, "pred_zero_saved_gb": p["zero_saved"] / 1e9,
         "pred_act_gb": p["act"] / 1e9, "meas_act_gb": m.act_peak_bytes / 1e9,
+        "pred_zero3_gathered_gb": p["gathered"] / 1e9,
         "meas_act_max_gb": m.act_peak_bytes_max / 1e9,
         "pred_mem_balanced_gb": p_bal["memory"] / 1e9,
         "pred_step_balanced_s": p_bal["step_time"], "meas_imbalance": m.imbalance,

@@ -1,8 +1,9 @@
 """Command line of the tuner: `python -m tuner plan | estimate | reproduce-paper | measure`.
 
     python -m tuner plan --model deepseek-v3|HF_CHECKPOINT_DIR --platform frontier --gpus 1024 --seq 4096 \\
-        --global-batch 4096 [--trials 300] [--seed 0] [--storage study.db] [--out runs/plans]
-        [--alltoall-model closed-form|netsim] [--zero 0,1,2] [--zero-sharding per-parameter|flat]
+        --global-batch 4096 [--search auto|tpe|exhaustive] [--trials 300] [--seed 0]
+        [--storage study.db] [--out runs/plans]
+        [--alltoall-model closed-form|netsim] [--zero 0,1,2,3] [--zero-sharding per-parameter|flat]
         [--a2a-overlap none,layer,fb] [--redundant R] [--precision-policy trainer|published|megatron]
         [--measure K [--measure-steps 8]]
     python -m tuner estimate --model M --platform P --gpus N --seq S --global-batch B [--mbs 1]
@@ -17,8 +18,14 @@
     python -m tuner measure [--out configs/platforms/local.toml] [--procs 4]
 
 `--zero` lists the ZeRO levels searched (default all: 0 replicated state, 1 optimizer state
-sharded over each parameter's data-parallel replicas, 2 gradients too); the plan file carries
-the chosen one as `[run.parallel] zero` and the report says what it saves.
+sharded over each parameter's data-parallel replicas, 2 gradients too, 3 the parameters too,
+gathered per layer); the plan file carries the chosen one as `[run.parallel] zero` and the
+report says what it saves.
+`--search` (default auto): exhaustive, every point of the space by branch and bound (the
+model's optimum; DeepSeek-V3 on 1024 GPUs, ~1 minute here, progress printed), with the
+closed-form all-to-all model; a seeded TPE study of `--trials` trials with netsim, whose
+evaluations simulate the exchange's flows. `--search tpe` is the fast answer (seconds), which
+can end off the optimum (1.15x on DeepSeek-V3 / 1024 Frontier GCDs: benchmarks/bench_tuner.py).
 `--a2a-overlap` lists the all-to-all overlap modes searched (default all: none, layer with 2
 chunks, fb with 2 chunks; `tuner.space.overlap_chunks`); the plan file carries the chosen one
 as `[run.comm] a2a_overlap` and `a2a_chunks`, and the report says what it hides. "auto" is
@@ -352,19 +359,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     p.add_argument("--trials", type=int, default=300)
-    p.add_argument("--search", default="tpe",
-                   help="tpe: the seeded Optuna study of --trials trials (default); "
-                        "exhaustive: every point of the space by branch and bound, the "
-                        "model's optimum (DeepSeek-V3 on 1024 GPUs with ZeRO 0-3: 1-2 minutes)")
+    p.add_argument("--search", default="auto",
+                   help="auto (default): exhaustive with the closed-form all-to-all model, tpe "
+                        "with netsim; exhaustive: every point of the space by branch and "
+                        "bound, the model's optimum (DeepSeek-V3 on 1024 GPUs with ZeRO 0-3: "
+                        "~1 minute); tpe: the seeded Optuna study of --trials trials (seconds; "
+                        "can end off the optimum)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--storage", default="", help="SQLite file (or an Optuna URL): resumes")
     p.add_argument("--out", default="runs/plans", help="folder for plan, sbatch script, plot")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--alltoall-model", default="closed-form", choices=("closed-form", "netsim"),
                    help="all-to-all cost: closed form, or comm.netsim's flow simulation")
-    p.add_argument("--zero", default="0,1,2",
+    p.add_argument("--zero", default="0,1,2,3",
                    help="ZeRO levels to search, comma-separated: 0 replicated state, 1 sharded "
-                        "optimizer state, 2 also sharded gradients (default 0,1,2)")
+                        "optimizer state, 2 also sharded gradients, 3 also sharded parameters "
+                        "(default all)")
     p.add_argument("--zero-sharding", default="per-parameter", choices=("per-parameter", "flat"),
                    help="ZeRO's split: whole parameters per owner (train.py's) or even flat shards")
     p.add_argument("--a2a-overlap", default="none,layer,fb",

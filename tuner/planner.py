@@ -11,6 +11,8 @@ much the leanest layout leaves them, and the largest r that fits.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +37,7 @@ class PlanError(ValueError):
     """A planning request that cannot be served; the message says what would."""
 
 
-SEARCHES = ("tpe", "exhaustive")  # PlanRequest.search
+SEARCHES = ("auto", "tpe", "exhaustive")  # PlanRequest.search
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,10 @@ class PlanRequest:
     redundant: int = 0  # redundant expert slots per EP rank and MoE layer (fixed, not searched)
     a2a_overlap: tuple[str, ...] = OVERLAP_CHOICES  # all-to-all overlap modes searched
     # "tpe": the seeded Optuna study of `trials` trials; "exhaustive": every point, by branch
-    # and bound (the optimum of the model, at the cost of one pass over the space)
-    search: str = "tpe"
+    # and bound (the optimum of the model, at the cost of one pass over the space); "auto":
+    # exhaustive with the closed-form all-to-all model (its bound prunes), tpe with netsim
+    # (every evaluation simulates the exchange's flows: a pass over the space is too long)
+    search: str = "auto"
 
     def __post_init__(self) -> None:
         if self.search not in SEARCHES:
@@ -252,10 +256,25 @@ def run_plan(cfg: ModelConfig, platform: Platform, req: PlanRequest, out_dir: Pa
     ev = Evaluator(space, cfg, platform, precision, assumptions,
                    prune=assumptions.alltoall_model == "closed-form")
     name = f"{cfg.name}|{platform.name}|{req.n_gpus}|s{req.seq_len}|b{req.global_batch}"
-    if req.search == "exhaustive":
+    search = req.search
+    if search == "auto":
+        search = "exhaustive" if assumptions.alltoall_model == "closed-form" else "tpe"
+    if search == "exhaustive" and req.storage:
+        raise PlanError(f"--storage {req.storage!r} resumes a TPE study; the search here is "
+                        f"exhaustive (--search {req.search}): add --search tpe, or drop "
+                        f"--storage")
+    if search == "exhaustive":
         print(f"tuner plan: every one of the {space.size} points of the space (branch and "
-              f"bound) ...", flush=True)
-        result = exhaustive(ev)
+              f"bound; --search tpe samples {req.trials} of them instead) ...", flush=True)
+        t0 = time.perf_counter()
+
+        def progress(done: int, best: float) -> None:
+            got = f"best so far {best:.4g} s per step" if math.isfinite(best) else \
+                "no layout fits yet"
+            print(f"  {done} of {space.size} points ({100 * done / space.size:.0f} %), {got}, "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+
+        result = exhaustive(ev, progress, every=max(1000, space.size // 10))
     else:
         # The leanest layout goes first, so a study always holds at least one feasible layout.
         result = optuna_search(ev, req.trials, seed=req.seed, storage=req.storage,

@@ -45,7 +45,8 @@ def runnable_layouts(mcfg: ModelConfig, platform: str, n_gpus: int, seq_len: int
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per trial otherwise
     plat = load_platform(platform)
     req = PlanRequest(model=mcfg.name, platform=plat.name, n_gpus=n_gpus, seq_len=seq_len,
-                      global_batch=global_batch, trials=trials, seed=seed, redundant=redundant)
+                      global_batch=global_batch, trials=trials, seed=seed, redundant=redundant,
+                      search="tpe")  # a resize waits on it: seconds, not a pass over the space
     out = run_plan(mcfg, plat, req, None)
     props = []
     for c in out.result.ranked:

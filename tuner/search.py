@@ -35,6 +35,7 @@ import dataclasses
 import logging
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import optuna
@@ -184,9 +185,19 @@ def _result(ev: Evaluator, cands: list[Candidate], trials: int, name: str = "") 
                         ev.bound_checks, history)
 
 
-def exhaustive(ev: Evaluator) -> SearchResult:
-    """Evaluate every point of the space (the reference the planner is judged against)."""
-    cands = [ev(pt) for pt in ev.space.points()]
+def exhaustive(ev: Evaluator, progress: Callable[[int, float], None] | None = None,
+               every: int = 10000) -> SearchResult:
+    """Evaluate every point of the space (the reference the planner is judged against).
+    `progress(points done, best step time so far)` is called every `every` points."""
+    if every < 1:
+        raise ValueError(f"every={every} must be >= 1")
+    cands, best = [], math.inf
+    for i, pt in enumerate(ev.space.points(), 1):
+        c = ev(pt)
+        cands.append(c)
+        best = min(best, c.step_time)
+        if progress is not None and i % every == 0:
+            progress(i, best)
     return _result(ev, cands, len(cands))
 
 
