@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DeepSeek-V3 on 1024 Frontier GCDs and 1024 H100: the planner's pick and the TP / ZeRO-3
 # layouts it is compared with (docs/planner.md, "the advice with the new model"). Analytic,
-# nothing is timed; ~2 minutes on 2 cores. Results under OUT_DIR (default runs/tuner_advice):
+# nothing is timed; ~4 minutes on 2 cores. Results under OUT_DIR (default runs/tuner_advice):
 # plan_<platform>.log (the search's table) and estimate_<platform>.jsonl (one JSON per row).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +30,7 @@ ROWS=(
   "--pp 8 --ep 32 --tp 4 --zero 1 --dispatch dedup --a2a-overlap layer"
 )
 for plat in frontier dgx-h100; do
-  echo "[advice] $plat: tuner plan (300 trials)"
+  echo "[advice] $plat: tuner plan (every point of the space, ZeRO 0-3: ~1-2 minutes)"
   "$PY" -m tuner plan "${COMMON[@]}" --platform "$plat" --out "$OUT_DIR/plans_$plat" \
     > "$OUT_DIR/plan_$plat.log"
   grep -E "^ +1 |^best:" "$OUT_DIR/plan_$plat.log"

@@ -438,7 +438,7 @@ def test_plan_for_a_hf_checkpoint_launches_from_it(tmp_path, data_bin) -> None:
 
     src = make_hf(tmp_path / "src", "mixtral", shard="50MB")
     rc = tuner_main(["plan", "--model", str(src), "--platform", "local", "--gpus", "4",
-                     "--seq", "32", "--global-batch", "8", "--trials", "10",
+                     "--seq", "32", "--global-batch", "8", "--search", "tpe", "--trials", "10",
                      "--out", str(tmp_path / "plans")])
     assert rc == 0
     plan = next((tmp_path / "plans").glob("*.toml"))

@@ -17,8 +17,8 @@ from tuner.cli import main
 @pytest.mark.integration
 def test_plan_writes_a_plan_train_py_accepts(tmp_path, capsys):
     rc = main(["plan", "--model", "mixtral-8x7b", "--platform", "frontier", "--gpus", "64",
-               "--global-batch", "512", "--trials", "10", "--out", str(tmp_path),
-               "--storage", str(tmp_path / "study.db")])
+               "--global-batch", "512", "--search", "tpe", "--trials", "10",
+               "--out", str(tmp_path), "--storage", str(tmp_path / "study.db")])
     out = capsys.readouterr().out
     assert rc == 0
     plan_path = tmp_path / "mixtral-8x7b-frontier-64.toml"
@@ -34,7 +34,7 @@ def test_plan_writes_a_plan_train_py_accepts(tmp_path, capsys):
         (comm["a2a_overlap"], str(comm["a2a_chunks"]))
     assert comm["a2a_overlap"] in ("none", "layer", "fb")
     assert f"all-to-all overlap: {comm['a2a_overlap']}" in out
-    assert run.parallel.zero == par["zero"] in (0, 1, 2)
+    assert run.parallel.zero == par["zero"] in (0, 1, 2, 3)
     assert f"ZeRO-{par['zero']}: " in out
     assert 0 < data["plan"]["predicted_mfu"] < 1
     assert data["plan"]["predicted_peak_memory_gb"] <= 64 * 0.9
@@ -53,9 +53,11 @@ def test_plan_writes_a_plan_train_py_accepts(tmp_path, capsys):
     # the trainer's GPU default, bf16 weights + fp32 masters, costs 18 B per parameter where a
     # replica group has one rank (experts at pp=32 x ep=8 on 256 GPUs: edp = 1), fp32 16 B
     (["--model", "deepseek-v3", "--platform", "frontier", "--gpus", "64"],
+     r"does not fit on 64 x frontier GPUs: .* It would fit on 256 GPUs \(pp=2, ep=32, ZeRO-3"),
+    (["--model", "deepseek-v3", "--platform", "frontier", "--gpus", "64", "--zero", "0,1,2"],
      r"does not fit on 64 x frontier GPUs: .* It would fit on 512 GPUs \(pp=32, ep=16, ZeRO-1"),
     (["--model", "deepseek-v3", "--platform", "frontier", "--gpus", "64", "--param-dtype",
-      "fp32"],
+      "fp32", "--zero", "0,1,2"],
      r"does not fit on 64 x frontier GPUs: .* It would fit on 256 GPUs \(pp=32, ep=8, ZeRO-1"),
     (["--model", "deepseek-v3", "--platform", "frontier", "--gpus", "64", "--zero", "0"],
      r"does not fit on 64 x frontier GPUs: .* It would fit on 512 GPUs \(pp=32, ep=16, ZeRO-0"),
@@ -92,7 +94,11 @@ def test_plan_writes_a_plan_train_py_accepts(tmp_path, capsys):
     (["--model", "tiny", "--platform", "local", "--gpus", "2", "--measure", "-1"],
      "--measure -1: must be >= 1"),
     (["--model", "tiny", "--platform", "local", "--gpus", "2", "--search", "grid"],
-     "--search 'grid'; valid: tpe, exhaustive"),
+     "--search 'grid'; valid: auto, tpe, exhaustive"),
+    (["--model", "tiny", "--platform", "local", "--gpus", "2", "--seq", "64", "--search",
+      "exhaustive", "--storage", "study.db"],
+     r"--storage '.*study.db' resumes a TPE study; the search here is exhaustive \(--search "
+     r"exhaustive\): add --search tpe, or drop --storage"),
 ])
 def test_bad_requests_say_what_would_fit(args, message, capsys, tmp_path):
     rc = main(["plan", *args, "--global-batch", "512", "--trials", "5", "--out", str(tmp_path)])
@@ -110,7 +116,8 @@ def test_measure_runs_the_best_plan_and_records_it(tmp_path, capsys):
 
     db = tmp_path / "study.db"
     rc = main(["plan", "--model", "tiny", "--platform", "local", "--gpus", "2", "--seq", "64",
-               "--global-batch", "4", "--trials", "12", "--out", str(tmp_path), "--storage", str(db),
+               "--global-batch", "4", "--search", "tpe", "--trials", "12", "--out", str(tmp_path),
+               "--storage", str(db),
                "--measure", "1", "--measure-steps", "4"])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -225,7 +232,7 @@ def test_redundant_slots_that_do_not_fit_say_what_they_need(tmp_path, capsys):
     need = 4 * slot * 16
     pf = _small_platform(tmp_path, 0.07)
     argv = ["plan", "--model", "tiny", "--platform", str(pf), "--gpus", "2", "--seq", "64",
-            "--global-batch", "4", "--trials", "5", "--out", str(tmp_path)]
+            "--global-batch", "4", "--search", "tpe", "--trials", "5", "--out", str(tmp_path)]
     assert main([*argv, "--redundant", "4"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --redundant 4: the 4 redundant expert slots per MoE layer "

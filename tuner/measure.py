@@ -285,7 +285,12 @@ def zero3_layer_times(world: int, rounds: int, tokens: int = 1024, warmup: int =
 
     for i in range(warmup + rounds):
         for k in (("plain", "zero3") if i % 2 else ("zero3", "plain")):
-            fb = timed(lambda k=k: models[k](tok).sum().backward())
+            model = models[k]
+
+            def fwd_bwd(model: Any = model) -> None:
+                model(tok).sum().backward()
+
+            fb = timed(fwd_bwd)
             opt = timed(opts[k].step)
             opts[k].zero_grad()
             if i >= warmup:
