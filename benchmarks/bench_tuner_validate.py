@@ -271,8 +271,9 @@ def predict(cfg: ModelConfig, plan: ParallelPlan, platform: Path,
     # layer's use) are held to no module parameter, gradient or optimizer state, so the
     # trainer's memory meter (trainer/observe/memory.py) does not see them: the comparison
     # leaves them out of the state and reports them apart (`gathered`)
-    gathered = max(s.state_by_part.get("zero3_gathered", 0.0) for s in e.stages)
-    state = max(s.state - s.state_by_part.get("zero3_gathered", 0.0) for s in e.stages)
+    held = [(s.state, s.state_by_part.get("zero3_gathered", 0.0)) for s in e.stages]
+    gathered = max(g for _, g in held)
+    state = max(st - g for st, g in held)
     act = max(s.activations for s in e.stages)
     return {"state": state, "act": act, "memory": state + act, "step_time": e.step_time,
             "gathered": gathered,

@@ -1065,6 +1065,9 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
     a2a = functools.partial(a2a_one, groups=groups, plan=plan, cfg=cfg, pf=pf, asm=asm)
     hop = p2p_time(t_attn * D * pb.p2p_bytes, pp_inter, pf) if plan.pp > 1 else 0.0
     w_layer = {moe: _layer_weights(kinds[moe], plan, cfg) for moe in kinds}
+    # fixed compute per layer and micro-batch: the platform's per-layer overhead and, under
+    # ZeRO-3, FSDP2's own work (measured on CPU, else 0); compute, so it shares the cores
+    fixed = pf.layer_overhead + (pf.zero3_layer_overhead if plan.zero == 3 else 0.0)
 
     keys = ("compute", "alltoall", "p2p", "tp", "cp", "etp", "zero3", "host")
     per_rank = []
@@ -1082,9 +1085,7 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                                     moe_module_time(parts, lc.is_moe))
                 fwd += f
                 rec += rc
-                device = 3 * f + rc + pf.layer_overhead  # this layer's device seconds
-                if plan.zero == 3:  # FSDP2's own work per layer (measured on CPU, else 0)
-                    device += pf.zero3_layer_overhead
+                device = 3 * f + rc + fixed  # this layer's device seconds
                 cast = fp8_cast_time(lc, t_attn, t_exp_c, pf, cfg, plan, asm)  # 0 unless fp8
                 acc["compute"] += cast
                 device += cast
@@ -1112,9 +1113,7 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
             if stage == plan.pp * plan.n_virtual - 1:
                 # each MTP module's logits: the shared output layer once more (Megatron-Core)
                 fwd += (1 + asm.mtp_layers) * head_fwd(cfg, plan, pf, t_attn)
-            chunk = 3 * fwd + rec + len(c) * pf.layer_overhead
-            if plan.zero == 3:  # FSDP2's own work per layer: compute (shares the cores)
-                chunk += len(c) * pf.zero3_layer_overhead
+            chunk = 3 * fwd + rec + len(c) * fixed
             if plan.schedule == "zb-h1" and stage > 0:
                 # the split backward (B, then W) runs slower than a plain one by the
                 # platform's measured fraction (0 unless measured); the first stage, fed token

@@ -199,6 +199,18 @@ def probe_config() -> Any:
                                head_dim=16, moe_ffn_dim=32)
 
 
+def _slowest_time(fn: Callable[[], object], group: dist.ProcessGroup | None = None) -> float:
+    """Seconds of one call of `fn` on the slowest rank of `group`: every rank enters it after
+    a barrier, and the times are all-reduced with MAX (a collective step ends with its last
+    member). Every rank must call it."""
+    dist.barrier(group)
+    t = time.perf_counter()
+    fn()
+    dt = torch.tensor([time.perf_counter() - t])
+    dist.all_reduce(dt, dist.ReduceOp.MAX, group=group)
+    return float(dt)
+
+
 def ep_layer_times(group: dist.ProcessGroup | None, world: int, rounds: int, cfg: Any = None,
                    tokens: int = 4, warmup: int = 3) -> tuple[float, float] | None:
     """(local, EP) median seconds of one decoder block's forward + backward (`cfg`: default
@@ -229,13 +241,9 @@ def ep_layer_times(group: dist.ProcessGroup | None, world: int, rounds: int, cfg
     times: dict[str, list[float]] = {"local": [], "ep": []}
     for i in range(warmup + rounds):
         for k in (("local", "ep") if i % 2 else ("ep", "local")):
-            dist.barrier(group)
-            t = time.perf_counter()
-            runs[k]()
-            dt = torch.tensor([time.perf_counter() - t])
-            dist.all_reduce(dt, dist.ReduceOp.MAX, group=group)
+            dt = _slowest_time(runs[k], group)
             if i >= warmup:
-                times[k].append(float(dt))
+                times[k].append(dt)
     return statistics.median(times["local"]), statistics.median(times["ep"])
 
 
@@ -275,14 +283,6 @@ def zero3_layer_times(world: int, rounds: int, tokens: int = 1024, warmup: int =
                         generator=torch.Generator().manual_seed(1 + rank))
     times: dict[str, list[float]] = {k: [] for k in ("plain", "zero3", "plain_opt", "zero3_opt")}
 
-    def timed(fn: Callable[[], object]) -> float:
-        dist.barrier()
-        t = time.perf_counter()
-        fn()
-        dt = torch.tensor([time.perf_counter() - t])
-        dist.all_reduce(dt, dist.ReduceOp.MAX)
-        return float(dt)
-
     for i in range(warmup + rounds):
         for k in (("plain", "zero3") if i % 2 else ("zero3", "plain")):
             model = models[k]
@@ -290,8 +290,8 @@ def zero3_layer_times(world: int, rounds: int, tokens: int = 1024, warmup: int =
             def fwd_bwd(model: Any = model) -> None:
                 model(tok).sum().backward()
 
-            fb = timed(fwd_bwd)
-            opt = timed(opts[k].step)
+            fb = _slowest_time(fwd_bwd)
+            opt = _slowest_time(opts[k].step)
             opts[k].zero_grad()
             if i >= warmup:
                 times[k].append(fb)
@@ -302,28 +302,24 @@ def zero3_layer_times(world: int, rounds: int, tokens: int = 1024, warmup: int =
 def zero3_layer_overhead(extra_s: float, world: int, pf: Platform) -> float:
     """Seconds per decoder layer and micro-batch that ZeRO-3 adds on `pf` beyond what the
     model prices of its collectives: `extra_s` (what `zero3_layer_times` measured sharded
-    minus plain, over the tiny preset's whole model) / its layers, minus one layer's two
-    all-gathers and one reduce-scatter of fp32 weights over the `world` processes at `pf`'s
-    collective fits (on a CPU platform none of them hides: `tuner.costs.zero3_time`);
+    minus plain, over the tiny preset's whole model) / its layers, minus `tuner.costs.
+    zero3_time` of its first layer (the weights the estimate gathers for it, fp32, over the
+    `world` processes: on a CPU platform two all-gathers and a reduce-scatter, none hidden);
     clamped at 0. The rest is FSDP2's per-group work in Python (copy-in / copy-out of the
     flat buffers, the DTensor views) and the embedding / head group, spread over the layers."""
-    from model import MoETransformer, presets
-    from trainer.distributed.parallel import is_expert_param
-    from tuner.costs import all_gather_time, place_groups, reduce_scatter_time
-    from tuner.layout import ParallelPlan
+    from model import presets
+    from tuner.costs import place_groups, zero3_time
+    from tuner.counts import layer_counts
+    from tuner.estimate import _layer_weights
+    from tuner.layout import FP32_TRAINER_PRECISION, ParallelPlan
 
     cfg = presets.get("tiny")
-    with torch.device("meta"):
-        block = MoETransformer(cfg).layers[0]
-    exp = sum(q.numel() for n, q in block.named_parameters() if is_expert_param(n))
-    rep = sum(q.numel() for q in block.parameters()) - exp
-    groups = place_groups(ParallelPlan(pp=1, ep=1, dp=world, microbatches=1, global_batch=world,
-                                       seq_len=cfg.max_seq_len, zero=3), pf.gpus_per_node,
-                          "replicated")[0]
-    ag = all_gather_time(4 * rep, groups["rep"], pf) + all_gather_time(4 * exp, groups["dp"], pf)
-    rs = reduce_scatter_time(4 * rep, groups["rep"], pf) + reduce_scatter_time(4 * exp,
-                                                                             groups["dp"], pf)
-    return max(0.0, extra_s / cfg.n_layers - (2 * ag + rs))
+    plan = ParallelPlan(pp=1, ep=1, dp=world, microbatches=1, global_batch=world,
+                        seq_len=cfg.max_seq_len, zero=3)
+    groups = place_groups(plan, pf.gpus_per_node, "replicated")[0]
+    w = _layer_weights(layer_counts(cfg, 0, 1, cfg.max_seq_len, True), plan, cfg)
+    priced = zero3_time({}, 0.0, plan, pf, FP32_TRAINER_PRECISION, groups, w)
+    return max(0.0, extra_s / cfg.n_layers - priced)
 
 
 def ep_layer_extra(group: dist.ProcessGroup | None, world: int, repeats: int) -> float:

@@ -232,6 +232,13 @@ def run_plan(cfg: ModelConfig, platform: Platform, req: PlanRequest, out_dir: Pa
         precision = precision_policy("trainer", platform.backend)
     from tuner.report import launch_lines, plan_toml, plot_frontier, sbatch_script
 
+    search = req.search
+    if search == "auto":
+        search = "exhaustive" if assumptions.alltoall_model == "closed-form" else "tpe"
+    if search == "exhaustive" and req.storage:
+        raise PlanError(f"--storage {req.storage!r} resumes a TPE study; the search here is "
+                        f"exhaustive (--search {req.search}): add --search tpe, or drop "
+                        f"--storage")
     try:
         check_gpu_count(req.n_gpus, platform)
     except ValueError as e:
@@ -256,13 +263,6 @@ def run_plan(cfg: ModelConfig, platform: Platform, req: PlanRequest, out_dir: Pa
     ev = Evaluator(space, cfg, platform, precision, assumptions,
                    prune=assumptions.alltoall_model == "closed-form")
     name = f"{cfg.name}|{platform.name}|{req.n_gpus}|s{req.seq_len}|b{req.global_batch}"
-    search = req.search
-    if search == "auto":
-        search = "exhaustive" if assumptions.alltoall_model == "closed-form" else "tpe"
-    if search == "exhaustive" and req.storage:
-        raise PlanError(f"--storage {req.storage!r} resumes a TPE study; the search here is "
-                        f"exhaustive (--search {req.search}): add --search tpe, or drop "
-                        f"--storage")
     if search == "exhaustive":
         print(f"tuner plan: every one of the {space.size} points of the space (branch and "
               f"bound; --search tpe samples {req.trials} of them instead) ...", flush=True)
