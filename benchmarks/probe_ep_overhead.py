@@ -38,11 +38,16 @@ from model import presets  # noqa: E402
 from tuner.measure import ep_layer_times, probe_config  # noqa: E402
 
 
-def probe(label: str, cfg, tokens: int, rounds: int, warmup: int) -> dict:
+def probe(label: str, cfg, tokens: int, rounds: int, warmup: int, chunks: int = 1) -> dict:
     world = dist.get_world_size()
-    local_s, ep_s = ep_layer_times(dist.group.WORLD, world, rounds, cfg, tokens, warmup)
+    overlap = "layer" if chunks > 1 else "none"
+    got = ep_layer_times(dist.group.WORLD, world, rounds, cfg, tokens, warmup, overlap, chunks)
+    if got is None:
+        raise SystemExit(f"the {cfg.n_routed_experts} experts do not split over {world} ranks")
+    local_s, ep_s = got
     return {"probe": label, "tokens": tokens, "world": world, "experts": cfg.n_routed_experts,
             "top_k": cfg.top_k, "d_model": cfg.d_model, "rounds": rounds,
+            "a2a_overlap": overlap, "chunks": chunks,
             "local_s": local_s, "ep_s": ep_s, "ep_extra_s": ep_s - local_s}
 
 
@@ -51,6 +56,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=21)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tokens", type=int, default=2048, help="tokens per rank of the tiny-preset probe")
+    p.add_argument("--chunks", default="1",
+                   help="comma-separated chunk counts of the EP layer's dispatcher: 1 = one "
+                        "exchange (--comm.a2a_overlap=none), c > 1 = the layer pipeline in c "
+                        "chunks (--comm.a2a_overlap=layer --comm.a2a_chunks=c)")
     add_output_args(p, "probe_ep_overhead")
     return p
 
@@ -58,23 +67,31 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     p = parser()
     args = p.parse_args()
-    if args.rounds < 1 or args.warmup < 0 or args.tokens < 1:
-        p.error(f"--rounds {args.rounds}, --warmup {args.warmup}, --tokens {args.tokens}: need "
-                f"rounds >= 1, warmup >= 0, tokens >= 1")
+    try:
+        chunk_list = [int(c) for c in args.chunks.split(",")]
+    except ValueError:
+        chunk_list = []
+    if args.rounds < 1 or args.warmup < 0 or args.tokens < 1 or not chunk_list \
+            or min(chunk_list) < 1:
+        p.error(f"--rounds {args.rounds}, --warmup {args.warmup}, --tokens {args.tokens}, "
+                f"--chunks {args.chunks!r}: need rounds >= 1, warmup >= 0, tokens >= 1, chunks "
+                f"a comma-separated list of ints >= 1")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     if 8 % dist.get_world_size():
         raise SystemExit(f"world size {dist.get_world_size()} must divide the tiny preset's 8 "
                          f"experts (2, 4 or 8 processes)")
-    rows = [probe("layer_overhead probe (width 32)", probe_config(), 4, args.rounds, args.warmup),
-            probe("tiny preset", presets.get("tiny"), args.tokens, args.rounds, args.warmup)]
+    rows = [probe(label, cfg, tokens, args.rounds, args.warmup, c) for c in chunk_list
+            for label, cfg, tokens in (("layer_overhead probe (width 32)", probe_config(), 4),
+                                       ("tiny preset", presets.get("tiny"), args.tokens))]
     if dist.get_rank() == 0:
         out = output_dir(args) / "probe_ep_overhead.jsonl"
         with out.open("a") as f:
             for r in rows:
                 r.update(git_sha=git_sha(), device=cpu_name(), cores=os.cpu_count(),
                          time=time.strftime("%Y-%m-%dT%H:%M"), load_after=os.getloadavg()[0])
-                print(f"{r['probe']:32} {r['tokens']:5d} tokens x {r['world']} ranks: local "
+                print(f"{r['probe']:32} {r['tokens']:5d} tokens x {r['world']} ranks, "
+                      f"{r['chunks']} chunk(s): local "
                       f"{r['local_s'] * 1e3:8.2f} ms, EP {r['ep_s'] * 1e3:8.2f} ms, EP adds "
                       f"{r['ep_extra_s'] * 1e3:7.2f} ms per layer fwd+bwd")
                 f.write(json.dumps(r) + "\n")

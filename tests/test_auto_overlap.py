@@ -320,3 +320,38 @@ def test_step_trial_runs_each_candidate_and_keeps_the_fastest():
         tie.before_step()
         tie.after_step(1.0)
     assert tie.picked == cands[0]
+
+
+def test_a_resumed_run_keeps_the_recorded_trial_pick_where_it_applies():
+    """StepTrial.record -> checkpoint meta (JSON) -> resume_pick: the same candidates on the
+    same mesh keep the pick (and say what the trial timed); other candidates, another mesh,
+    no record or a damaged one try again, saying why."""
+    import json
+
+    from trainer.a2a_trial import StepTrial, resume_pick
+
+    disps = [SimpleNamespace(algorithm="dedup", overlap="layer", chunks=2)]
+    cands = [("dedup", "layer", 2), ("dedup", "none", 1), ("flat", "none", 1)]
+    trial = StepTrial(disps, cands, 1, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="before the trial decided"):
+        trial.record({"world": 4}, 0)
+    for secs in (9.0, 1.0, 0.7, 0.8):
+        trial.before_step()
+        trial.after_step(secs)
+    mesh = {"world": 4, "pp": 1, "dp": 1, "ep": 4, "tp": 1, "ep_nodes": 2}
+    rec = json.loads(json.dumps(trial.record(mesh, 4)))  # as meta.json carries it
+    assert rec["picked"] == ["dedup", "none", 1] and rec["step"] == 4
+    picked, why = resume_pick(rec, cands, dict(mesh))
+    assert picked == ("dedup", "none", 1)
+    assert why == ("comm.alltoall / a2a_overlap=auto: keeps dedup/none, the pick of the trial "
+                   "recorded in the checkpoint (ended at step 4: dedup/none 0.700 s (1.00x), "
+                   "flat/none 0.800 s (1.14x), dedup/layer/2 1.000 s (1.43x)); no new trial")
+    assert resume_pick(None, cands, mesh) == (None, "the checkpoint records no trial")
+    picked, why = resume_pick(rec, cands[:2], mesh)
+    assert picked is None and "this run's choices are dedup/layer/2, dedup/none" in why
+    picked, why = resume_pick(rec, cands, {**mesh, "ep_nodes": 4})
+    assert picked is None and "'ep_nodes': 2" in why and "'ep_nodes': 4" in why
+    picked, why = resume_pick({k: v for k, v in rec.items() if k != "seconds"}, cands, mesh)
+    assert picked is None and "unreadable (KeyError" in why
+    picked, why = resume_pick({**rec, "picked": ["halo", "none", 1]}, cands, mesh)
+    assert picked is None and "timed" in why

@@ -57,6 +57,28 @@ def test_losses_equal_plain(tmp_path, small_data, plain, extra):
         assert len(secs) == 6 and secs[m.group(2)] == min(secs.values()), (m.group(2), secs)
 
 
+def test_a_resumed_run_keeps_the_trial_pick(tmp_path, small_data, plain):
+    """auto's trial over steps 1-7 (one round of its 6 choices), a stop after step 10, a
+    resume to 20: the resumed run keeps the pick the checkpoint recorded (no second trial),
+    and the losses are the plain run's (every choice computes the same rows)."""
+    out = tmp_path / "run"
+    args = [*COMMON, "--data", small_data, "--comm.alltoall=auto", "--comm.a2a_overlap=auto",
+            "--comm.auto_trial=1", f"--train.out_dir={out}"]
+    r = run_train([*args, "--train.stop_after=10"], nproc=4)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    m = re.search(r"auto: trial over 6 steps .*?; runs (\S+) from here\n", r.stdout)
+    assert m, r.stdout[-3000:]
+    r2 = run_train([*args, "--resume"], nproc=4)
+    assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-5000:]
+    assert f"keeps {m.group(1)}, the pick of the trial recorded in the checkpoint (ended at " \
+           f"step 7" in r2.stdout, r2.stdout[-3000:]
+    assert "steps try" not in r2.stdout and "trial over" not in r2.stdout
+    got = step_losses(out)
+    assert sorted(got) == list(range(1, 21))
+    for s in plain:
+        assert got[s] == pytest.approx(plain[s], rel=1e-5), (s, plain[s], got[s])
+
+
 def test_node_bound_routing_keeps_tokens_on_one_node(tmp_path, small_data):
     """--comm.route_groups=node with 2 groups on the 2 nodes, topk_group=1: every token's 4
     experts lie on one node, so dedup sends each remote token once (flat: 4 times), and forced

@@ -26,6 +26,10 @@ paired micro-batches run one after the other (the plain loop's work and order).
 
 A run shorter than the trial (1 + rounds x candidates steps) runs the rules' choice and says
 so. `--comm.auto_trial=0` turns the trial off.
+
+Checkpoints carry the outcome (`StepTrial.record`, meta.json's "a2a_trial"): a resumed run
+with the same candidates on the same mesh keeps the recorded pick instead of trying again
+(`resume_pick`); on another mesh (an elastic resize) or with other candidates it tries again.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Candidate", "StepTrial", "label"]
+__all__ = ["Candidate", "StepTrial", "label", "resume_pick"]
 
 # (algorithm, overlap, chunks) of the EP dispatcher
 Candidate = tuple[str, str, int]
@@ -65,6 +69,7 @@ class StepTrial:
         self.times: dict[Candidate, list[float]] = {c: [] for c in candidates}
         self.i = 0
         self.picked: Candidate | None = None
+        self.secs: dict[Candidate, float] = {}
 
     @property
     def steps(self) -> int:
@@ -98,7 +103,7 @@ class StepTrial:
             red = med.to(self.device) if dist.get_backend() == "nccl" else med
             dist.all_reduce(red, op=dist.ReduceOp.MAX)
             med = red.cpu()
-        secs = dict(zip(self.candidates, med.tolist(), strict=True))
+        secs = self.secs = dict(zip(self.candidates, med.tolist(), strict=True))
         # the fastest; ties go to the first listed, the rules' own choice
         self.picked = min(self.candidates, key=lambda k: secs[k])
         self._set(self.picked)
@@ -108,3 +113,45 @@ class StepTrial:
         return (f"comm.alltoall / a2a_overlap=auto: trial over {self.steps - 1} steps "
                 f"({self.rounds} rounds, median step of the slowest rank): {timed}; runs "
                 f"{label(self.picked)} from here")
+
+    def record(self, mesh: dict[str, int], step: int) -> dict[str, Any]:
+        """The decided trial as checkpoint meta (`resume_pick` reads it back): the candidates,
+        the pick, each candidate's median seconds, the mesh it ran on and the step it ended."""
+        if self.picked is None:
+            raise RuntimeError("StepTrial.record before the trial decided")
+        return {"candidates": [list(c) for c in self.candidates], "picked": list(self.picked),
+                "seconds": [self.secs[c] for c in self.candidates], "mesh": dict(mesh),
+                "step": step}
+
+
+def resume_pick(record: Any, candidates: list[Candidate], mesh: dict[str, int]
+                ) -> tuple[Candidate | None, str]:
+    """The pick a resumed run keeps from a checkpoint's trial `record` (`StepTrial.record`),
+    and the log line that says so; (None, why) where it tries again: no record, other
+    candidates (another config or cluster shape), another mesh (an elastic resize: other
+    links, other loads) or a record this code cannot read."""
+    if not record:
+        return None, "the checkpoint records no trial"
+    def cand(c: Any) -> Candidate:
+        algo, overlap, chunks = c
+        return str(algo), str(overlap), int(chunks)
+
+    try:
+        cands = [cand(c) for c in record["candidates"]]
+        picked = cand(record["picked"])
+        seconds = [float(x) for x in record["seconds"]]
+        saved_mesh = dict(record["mesh"])
+    except (KeyError, TypeError, ValueError) as e:
+        return None, f"the checkpoint's trial record is unreadable ({type(e).__name__}: {e})"
+    if cands != [cand(c) for c in candidates] or picked not in cands \
+            or len(seconds) != len(cands):
+        return None, (f"the checkpoint's trial timed {', '.join(label(c) for c in cands)}; "
+                      f"this run's choices are {', '.join(label(c) for c in candidates)}")
+    if saved_mesh != dict(mesh):
+        return None, f"the checkpoint's trial ran on mesh {saved_mesh}, this run is {dict(mesh)}"
+    best = seconds[cands.index(picked)]
+    timed = ", ".join(f"{label(c)} {s:.3f} s ({s / best:.2f}x)"
+                      for c, s in sorted(zip(cands, seconds, strict=True), key=lambda kv: kv[1]))
+    return picked, (f"comm.alltoall / a2a_overlap=auto: keeps {label(picked)}, the pick of the "
+                    f"trial recorded in the checkpoint (ended at step {record.get('step', '?')}: "
+                    f"{timed}); no new trial")

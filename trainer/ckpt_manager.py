@@ -27,6 +27,9 @@ class CheckpointManager:
         self.elastic = elastic if elastic is not None else {}
         self.root = Path(parts.cfg.train.out_dir) / "checkpoints"
         self.load = LoadRecord(parts.cfg.balance.window)
+        # auto's decided trial (trainer/a2a_trial.py: StepTrial.record), saved with every
+        # checkpoint from then on; a resume reads the saved one back here
+        self.a2a_trial: dict[str, Any] | None = None
 
     def after_step(self, counts) -> None:
         """The step's tokens per expert (`StepStats.last_counts`), for the recorded load."""
@@ -41,6 +44,8 @@ class CheckpointManager:
             meta["hf"] = {"model_type": hf.model_type, "source": str(hf.path.resolve()),
                           "config": hf.config}
         meta["elastic"] = self.elastic  # trainer/elastic.py: the configured world, re-planned?
+        if self.a2a_trial is not None:
+            meta["a2a_trial"] = self.a2a_trial
         layer_state = p.balancer.state_by_layer() if p.balancer else {}
         # the recorded expert load a run with another EP size re-balances from
         for name, load in self.load.by_layer(p.stats.layer_names).items():
@@ -59,6 +64,7 @@ class CheckpointManager:
                 p.mesh.rank)
         meta = load_checkpoint(path, p.model, p.optim, p.mcfg.to_dict(), placement)
         self.state.step = int(meta["step"])
+        self.a2a_trial = meta.get("a2a_trial")
         if p.balancer is not None:
             p.balancer.load_state_by_layer(meta.get("layer_state", {}))
 

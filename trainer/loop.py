@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .a2a_trial import StepTrial, label
+from .a2a_trial import StepTrial, label, resume_pick
 from .balancing import Balancer
 from .build import (
     apply_tp,
@@ -117,24 +117,44 @@ class Trainer:
                                self.stats, self.hooks, self.balancer, self.flops_per_token,
                                self.peak, self.fb)
         self.ckpt = CheckpointManager(self.parts, self.state, self.hf, self.elastic)
-        self.trial = self._trial(trial)
+        self.trial_candidates = trial  # auto's trial starts in run(), after a resume
+        self.trial: StepTrial | None = None
 
-    def _trial(self, candidates: list) -> StepTrial | None:
-        """auto's trial over the first steps (trainer/a2a_trial.py), or None."""
+    def _trial(self, candidates: list, resumed: bool) -> StepTrial | None:
+        """auto's trial over the next steps (trainer/a2a_trial.py), or None: no choices left;
+        a resumed run whose checkpoint recorded a trial it can keep (`resume_pick`: the pick
+        is set on the dispatchers); fewer steps left than the trial takes."""
         if not candidates:
             return None
-        trial = StepTrial([layer.dispatcher for layer in self.model.moe_layers()],
-                          candidates, self.cfg.comm.auto_trial, self.device)
-        left = self.cfg.train.steps - self.state.step  # before a resume: at most this
+        dispatchers = [layer.dispatcher for layer in self.model.moe_layers()]
+        if resumed:
+            picked, why = resume_pick(self.ckpt.a2a_trial, candidates, self._trial_mesh())
+            if picked is not None:
+                for d in dispatchers:
+                    d.algorithm, d.overlap, d.chunks = picked
+                log(why, self.rank)
+                return None
+            self.ckpt.a2a_trial = None
+            log(f"comm.alltoall / a2a_overlap=auto: a new trial ({why})", self.rank)
+        trial = StepTrial(dispatchers, candidates, self.cfg.comm.auto_trial, self.device)
+        left = self.cfg.train.steps - self.state.step
         if trial.steps > left:
             log(f"comm.alltoall / a2a_overlap=auto: no trial (its {trial.steps} steps for "
                 f"{len(candidates)} choices x {self.cfg.comm.auto_trial} rounds exceed the "
-                f"run's {left}); the rules' choice runs", self.rank)
+                f"run's {left} left); the rules' choice runs", self.rank)
             return None
         log(f"comm.alltoall / a2a_overlap=auto: the next {trial.steps} steps try "
             f"{', '.join(label(c) for c in candidates)} ({self.cfg.comm.auto_trial} rounds "
             f"after one uncounted step; --comm.auto_trial)", self.rank)
         return trial
+
+    def _trial_mesh(self) -> dict[str, int]:
+        """What a recorded trial must have run on to be kept: the mesh and the EP nodes."""
+        layers = self.model.moe_layers()
+        topo = layers[0].dispatcher.topology if layers else None
+        return {"world": self.mesh.world_size, "pp": self.mesh.pp, "dp": self.mesh.dp,
+                "ep": self.mesh.ep, "tp": self.mesh.tp,
+                "ep_nodes": topo.num_nodes if topo is not None else 1}
 
     # -- the public surface ------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -163,6 +183,7 @@ class Trainer:
         if self.resume_path is not None:
             self.resume(self.resume_path)
             log(f"resumed from {self.resume_path} at step {st.step}", self.rank)
+        self.trial = self._trial(self.trial_candidates, self.resume_path is not None)
         if self.rank == 0:
             truncate_jsonl(self.out / "metrics.jsonl", st.step)
             truncate_jsonl(self.out / "counts.jsonl", st.step)
@@ -220,7 +241,8 @@ class Trainer:
                 if self.trial is not None:
                     decided = self.trial.after_step(m.step_time_s)
                     if decided:  # the pick stays set on the dispatchers; the loop is done
-                        log(decided, self.rank)  # with the trial
+                        log(decided, self.rank)  # with the trial; checkpoints carry the pick
+                        self.ckpt.a2a_trial = self.trial.record(self._trial_mesh(), st.step)
                         self.trial = None
                 if self.compiled:  # graphs compiled so far; after warm-up it must not grow
                     m.compiled_graphs = graph_count()

@@ -212,14 +212,16 @@ def _slowest_time(fn: Callable[[], object], group: dist.ProcessGroup | None = No
 
 
 def ep_layer_times(group: dist.ProcessGroup | None, world: int, rounds: int, cfg: Any = None,
-                   tokens: int = 4, warmup: int = 3) -> tuple[float, float] | None:
+                   tokens: int = 4, warmup: int = 3, overlap: str = "none", chunks: int = 1
+                   ) -> tuple[float, float] | None:
     """(local, EP) median seconds of one decoder block's forward + backward (`cfg`: default
     `probe_config()`, `tokens` per rank, each rank its own): the same block twice from one
     seed, one with its MoE layer sharded over the `world` processes through the real
     EPDispatcher (flat; `trainer.distributed.parallel.shard_layer`), one local; alternated
     round by round, each round's time the slowest rank's (an EP layer ends with its last
     member). Every rank makes the same calls (collectives inside). None where the experts
-    do not split over `world`."""
+    do not split over `world`. `overlap`, `chunks`: the EP layer's dispatcher runs the layer
+    pipeline (`comm.ep.pipeline`: "layer" with `chunks` chunks) instead of one exchange."""
     from comm.ep.dispatcher import EPDispatcher
     from model.transformer import Block
     from trainer.distributed.parallel import shard_layer
@@ -234,7 +236,8 @@ def ep_layer_times(group: dist.ProcessGroup | None, world: int, rounds: int, cfg
     if n_slots % world:
         return None
     rank = dist.get_rank(group)
-    shard_layer(layer, EPDispatcher(group, world, n_slots, "flat"), rank)
+    shard_layer(layer, EPDispatcher(group, world, n_slots, "flat", overlap=overlap,
+                                    chunks=chunks), rank)
     torch.manual_seed(1 + rank)
     x = torch.randn(1, tokens, cfg.d_model, requires_grad=True)
     runs = {"local": lambda: local(x).sum().backward(), "ep": lambda: ep(x).sum().backward()}
