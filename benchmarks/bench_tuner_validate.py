@@ -21,8 +21,12 @@ and the machine's load average before and after each run.
 Machine drift. This VM's speed moves by 10-30 % over minutes (other tenants), so a platform
 measured at one moment can be stale by the time a row runs. `tuner.measure.speed_probe` (a
 fixed unit of training work on W processes at once) is timed right after each platform is
-measured (kept beside it, tuner_validate_platform_w<W>.probe.json) and again right before and
-after every row; `speed_ratio` = the mean of the row's two probes / the platform's. The row
+measured (kept beside it, tuner_validate_platform_w<W>[.m<k>].probe.json; the median
+platform's is the median of those) and again right before and after every row; `speed_ratio`
+= the mean of the row's two probes / the platform's. Since 2026-12-06 the platform is measured
+before every pass and the rows are predicted on the median of those measurements: one
+measurement taken in a fast minute (peak GEMM rate 0.091 against 0.077 TFLOP/s an hour
+earlier) put all 2-process rows 10-27 % slow of their prediction in one record. The row
 keeps the raw error (`step_err`) and the error of the prediction scaled by that ratio
 (`step_err_adj`: the prediction for the machine as fast as the probe found it during the
 row), and a row whose two probes differ by more than `UNSTEADY` is marked unsteady. Pass /
@@ -45,8 +49,10 @@ predicted), so the scaled error is a diagnostic, not the check.
 
 1. Platform. A CPU "device" is one training process, and W processes share this machine's
    cores, so compute rates depend on W: `tuner.measure` is run with W processes at once for
-   every world size used (2 and 4), each written to tuner_validate_platform_w<W>.toml in the
-   output folder, and each config is predicted on the platform of its own world size
+   every world size used (2 and 4), once before every pass over the rows (`--repeats`), each
+   written to tuner_validate_platform_w<W>.m<k>.toml in the output folder; the rows are
+   predicted on their field-wise median (`tuner.measure.median_platform`),
+   tuner_validate_platform_w<W>.toml, each config on the platform of its own world size
    (`--reuse-platforms` and `--repredict` take the output folder's platform files, else the
    recorded ones in benchmarks/results/).
 2. Runs. Each config runs as a short real `torchrun` job of train.py (fp32, gloo)
@@ -101,7 +107,7 @@ from model import ModelConfig, presets
 from tuner import Assumptions, ParallelPlan, estimate, load_platform
 from tuner.launch import Measured, run_plan_locally
 from tuner.layout import CPU_TRAFFIC_PASSES, FP32_TRAINER_PRECISION
-from tuner.measure import measure_platform, speed_probe
+from tuner.measure import measure_platform, median_platform, speed_probe
 
 MEM_TOL, TIME_TOL = 0.10, 0.15  # issue 33, item 7
 UNSTEADY = 0.10  # a row's before / after speed probes further apart than this: unsteady
@@ -431,21 +437,37 @@ def main(argv: list[str] | None = None) -> None:
     worlds = sorted({p.n_gpus for _, p in configs} | ({README_REQUEST["gpus"]} if readme else set()))
     platforms: dict[int, Path] = {}
     platform_load: dict[int, list[float]] = {}
+    measurements: dict[int, list[Path]] = {}  # each world's platform files, one per pass
+
+    def measure_round(k: int) -> None:
+        """Measure every world's platform once more (before pass k): file .m<k>.toml."""
+        for w in worlds:
+            f = platform_path(out, w).with_suffix(f".m{k}.toml")
+            t0, l0 = time.perf_counter(), os.getloadavg()[0]
+            measure_platform(f, n_procs=w)
+            probe_path(f).write_text(json.dumps(
+                {"probe_s": speed_probe(w, PROBE_ROUNDS), "rounds": PROBE_ROUNDS,
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+            platform_load.setdefault(w, []).extend([l0, os.getloadavg()[0]])
+            measurements.setdefault(w, []).append(f)
+            platforms.setdefault(w, f)  # the first until the passes are done
+            print(f"measured platform {k} of {args.repeats} for {w} processes in "
+                  f"{time.perf_counter() - t0:.0f} s: {f} (load average {l0:.1f} -> "
+                  f"{os.getloadavg()[0]:.1f})", flush=True)
+
     for w in worlds:
         if args.reuse_platforms or args.repredict:
             platforms[w] = previous(out, platform_path(out, w).name)
             if platforms[w].is_file():
                 print(f"platform for {w} processes: {platforms[w]}")
                 continue
-        platforms[w] = platform_path(out, w)
-        t0, l0 = time.perf_counter(), os.getloadavg()[0]
-        measure_platform(platforms[w], n_procs=w)
-        probe_path(platforms[w]).write_text(json.dumps(
-            {"probe_s": speed_probe(w, PROBE_ROUNDS), "rounds": PROBE_ROUNDS,
-             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
-        platform_load[w] = [l0, os.getloadavg()[0]]
-        print(f"measured platform for {w} processes in {time.perf_counter() - t0:.0f} s: "
-              f"{platforms[w]} (load average {l0:.1f} -> {platform_load[w][1]:.1f})")
+            del platforms[w]
+    if any(w not in platforms for w in worlds):
+        if args.repredict:
+            raise SystemExit(f"--repredict: no platform file for {sorted(set(worlds) - set(platforms))}"
+                             f" processes in {out} or benchmarks/results/")
+        worlds = [w for w in worlds if w not in platforms]
+        measure_round(1)
 
     rows = []
     print(f"machine: {cpu_name()}, {os.cpu_count()} cores; load average "
@@ -488,6 +510,8 @@ def main(argv: list[str] | None = None) -> None:
             runs: dict[str, list[tuple[Measured, dict, tuple[float, float], dict]]] = {
                 name: [] for name, *_ in jobs}
             for rep in range(args.repeats):  # passes over every row: a slow spell hits one pass
+                if measurements and rep > 0:
+                    measure_round(rep + 1)
                 for name, plan, _cfg, model, data, _extra in jobs:
                     run_dir = Path(tmp) / name.replace(" ", "_").replace(":", "").replace("/", "_")
                     l0 = os.getloadavg()[0]
@@ -501,6 +525,18 @@ def main(argv: list[str] | None = None) -> None:
                     if args.repeats > 1:
                         print(f"[pass {rep + 1}/{args.repeats}] {name}: step {m.step_time_s:.3f} s",
                               flush=True)
+            for w, files in measurements.items():  # the rows are predicted on the median
+                platforms[w] = median_platform(files, platform_path(out, w))
+                probe_path(platforms[w]).write_text(json.dumps(
+                    {"probe_s": statistics.median(platform_probe(f) or 0.0 for f in files),
+                     "of": [f.name for f in files],
+                     "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+                print(f"platform for {w} processes: the median of {len(files)} measurements, "
+                      f"{platforms[w]}")
+            for name, plan, *_ in jobs:  # each row's probes against the median platform's
+                runs[name] = [(m, parts, load, speed_fields(
+                    platform_probe(platforms[plan.n_gpus]), sp["probe_before_s"],
+                    sp["probe_after_s"])) for m, parts, load, sp in runs[name]]
             for name, plan, cfg, _model, _data, extra in jobs:
                 m, parts, load, speed = combine_passes(runs[name])
                 rows.append(_row(cfg, name, plan, m, args, platforms, parts, load,
@@ -519,8 +555,8 @@ def main(argv: list[str] | None = None) -> None:
         latest[r["config"]] = r
     _markdown([latest[n] for n in NAMES if n in latest], out / "tuner_validate.md")
     print_written(out / "tuner_validate.jsonl", out / "tuner_validate.md",
-                  *(f for p in platforms.values() if p.parent == out
-                    for f in (p, probe_path(p)) if f.is_file()))
+                  *(f for p in [*platforms.values(), *(g for fs in measurements.values() for g in fs)]
+                    if p.parent == out for f in (p, probe_path(p)) if f.is_file()))
 
 
 def combine_passes(runs: list[tuple[Measured, dict, tuple[float, float], dict]]

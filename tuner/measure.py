@@ -81,7 +81,7 @@ __all__ = ["compute_fields", "elementwise_bandwidth_fit", "ep_layer_extra", "ep_
            "measure_platform", "fit_latency_bandwidth", "write_platform_toml",
            "p2p_one_way_s", "emulator_platform", "emulator_payload_share", "parse_emulator_shape",
            "write_emulator_platform", "copy_bandwidth", "tiny_params_with_grads",
-           "zero_copy_rate", "optimizer_rate", "collective_times"]
+           "zero_copy_rate", "optimizer_rate", "collective_times", "median_platform"]
 
 
 def fit_latency_bandwidth(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
@@ -890,6 +890,76 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                            "(half the s x s products) / time / peak",
     }
     return write_platform_toml(p, out, notes)
+
+
+def _median_value(vals: list[Any], where: str) -> Any:
+    """`median_platform`'s combine: numbers -> their median (ints must agree: they are
+    counts, not measurements), lists and tables element by element, strings must agree."""
+    first = vals[0]
+    if isinstance(first, bool) or isinstance(first, str):
+        if any(v != first for v in vals):
+            raise ValueError(f"median_platform: {where} differs between the files: {vals}")
+        return first
+    if isinstance(first, int):
+        if any(v != first for v in vals):
+            raise ValueError(f"median_platform: {where} (a count) differs between the files: "
+                             f"{vals}")
+        return first
+    if isinstance(first, float):
+        return statistics.median(float(v) for v in vals)
+    if isinstance(first, dict):
+        keys = list(first)
+        if any(list(v) != keys for v in vals):
+            raise ValueError(f"median_platform: {where} has other keys in another file")
+        return {k: _median_value([v[k] for v in vals], f"{where}.{k}" if where else k)
+                for k in keys}
+    if isinstance(first, (list, tuple)):
+        if any(len(v) != len(first) for v in vals):
+            raise ValueError(f"median_platform: {where} has another length in another file")
+        return [_median_value([v[i] for v in vals], f"{where}[{i}]") for i in range(len(first))]
+    if first is None and all(v is None for v in vals):
+        return None
+    raise ValueError(f"median_platform: cannot combine {where} = {vals!r}")
+
+
+def _value_comments(path: Path) -> dict[str, str]:
+    """The comments of a platform file as `write_platform_toml` writes them: after a value
+    (by its key), above a table (by the table's name)."""
+    out: dict[str, str] = {}
+    above = ""
+    for line in path.read_text().splitlines():
+        s = line.strip()
+        if s.startswith("[") and s.endswith("]"):
+            if above:
+                out[s[1:-1]] = above
+            above = ""
+        elif s.startswith("# "):
+            above = s[2:]
+        else:
+            above = ""
+            if "=" in s and "  # " in s:
+                key, rest = s.split("=", 1)
+                out[key.strip()] = rest.split("  # ", 1)[1]
+    return out
+
+
+def median_platform(paths: Sequence[Path], out: Path) -> Path:
+    """One platform file from several measurements of the same machine (`measure_platform`
+    run at different moments: this VM's speed drifts by 10-30 % over minutes): every
+    measured number is the median of the files' (tables and collective fits element by
+    element), counts and names must agree. Written to `out` with the first file's comments
+    and a header naming the files."""
+    from tuner.platform import load_platform
+
+    if not paths:
+        raise ValueError("median_platform: no platform files")
+    dicts = [load_platform(p).to_dict() for p in paths]
+    p = Platform.from_dict(_median_value(dicts, ""), source=str(out))
+    write_platform_toml(p, out, _value_comments(Path(paths[0])))
+    text = out.read_text()
+    names = ", ".join(Path(q).name for q in paths)
+    out.write_text(f"# The median of {len(paths)} measurements ({names}), value by value.\n" + text)
+    return out
 
 
 # ---- the namespace-emulated cluster (`python -m comm.emulate`) -----------------------------
