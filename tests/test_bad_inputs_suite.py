@@ -115,6 +115,8 @@ CLI = {
     "router kind": (["--model.router=relu"], 1, ["router='relu'", "valid: softmax, sigmoid"]),
     "auto trial rounds": (["--comm.auto_trial=-1"], 1,
                           ["comm.auto_trial=-1", "an integer >= 0"]),
+    "memory report every": (["--train.memory_report_every=0"], 1,
+                            ["train.memory_report_every=0 must be >= 1", "1 = meter every step"]),
     "missing topology": (["--comm.topology=/no/topo.toml"], 1,
                          ["comm.topology='/no/topo.toml' does not exist", "omit it to discover"]),
     # pipeline requests: world 4 = pp 2 x ep 2

@@ -280,3 +280,27 @@ def test_step_result_carries_every_tagged_number():
     row = full.row()
     assert "pp_idle_max_s" not in row and "layers" not in row and "events" not in row
     assert set(row) == set(values) - {"pp_idle_max_s", "layers"}
+
+
+def test_memory_report_every_meters_every_nth_step(tmp_path, data):
+    """--train.memory_report_every=2: the meter (and its saved-tensor hooks) runs on steps 2
+    and 4 only; `tuner.launch.read_metrics` takes the memory from those and the step time
+    from steps 1 and 3, the ones that ran as a plain step."""
+    import statistics
+
+    from tuner.launch import read_metrics
+
+    out = tmp_path / "metered"
+    r = run_train([*SMALL, "--data", data, f"--train.out_dir={out}", "--parallel.pp=1",
+                   "--parallel.ep=1", "--train.tensorboard=false", "--train.memory_report=true",
+                   "--train.memory_report_every=2"], nproc=1)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    rows = _rows(out)
+    assert [x["step"] for x in rows] == [1, 2, 3, 4]
+    assert [x["step"] for x in rows if "mem_act_peak_bytes_max" in x] == [2, 4]
+    assert [x["step"] for x in rows if "mem_state_bytes_max" in x] == [2, 4]
+    assert all(x["mem_act_peak_bytes_max"] > 0 for x in rows if x["step"] in (2, 4))
+    m = read_metrics(out, 0)
+    assert m.step_time_s == statistics.median(x["step_time_s"] for x in rows[0::2])
+    assert m.act_peak_bytes == statistics.median(x["mem_act_peak_bytes_max"] for x in rows[1::2])
+    assert m.steps == 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tuner import load_platform
@@ -10,6 +12,7 @@ from tuner.measure import (
     compute_fields,
     fit_latency_bandwidth,
     measure_platform,
+    median_platform,
     write_platform_toml,
 )
 
@@ -43,6 +46,46 @@ def _rank(scale: float) -> dict:
             "grouped": 4.0 * scale, "grouped_rows": [2.0 * scale, 16.0 * scale],
             "attn": 6.0 * scale, "attn_grid": [8.0 * scale, 50.0 * scale],
             "copy": 1e9 * scale, "overhead": 1e-3 * scale}
+
+
+def test_median_platform_takes_each_measured_value_s_median(tmp_path):
+    """Three measurements of one machine -> one file: every number the median of the three
+    (scalars, the per-shape tables and the collective fits element by element), the first
+    file's comments kept; counts that differ are refused, naming the field."""
+    import dataclasses
+
+    base = load_platform(Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+                         / "tuner_validate_platform_w2.toml")
+    files = []
+    for i, f in enumerate((1.0, 3.0, 2.0)):
+        coll = tuple((kind, n, lat * f, bw / f) for kind, n, lat, bw in base.collectives)
+        gt = base.gemm_table
+        p = dataclasses.replace(base, peak_flops=base.peak_flops * f,
+                                layer_overhead=base.layer_overhead * (4.0 - f),
+                                collectives=coll,
+                                gemm_table=dataclasses.replace(
+                                    gt, values=tuple(v * f / 3 for v in gt.values)))
+        files.append(write_platform_toml(p, tmp_path / f"m{i}.toml",
+                                         {"peak_tflops": f"note {i}", "gemm_table": "grid"}))
+    got = load_platform(median_platform(files, tmp_path / "median.toml"))
+    assert got.peak_flops == pytest.approx(base.peak_flops * 2.0, rel=1e-5)
+    assert got.layer_overhead == pytest.approx(base.layer_overhead * 2.0, rel=1e-5)
+    assert got.gemm_table.values == pytest.approx([v * 2 / 3 for v in base.gemm_table.values],
+                                                  rel=1e-3)
+    for (kind, n, lat, bw), (k0, n0, lat0, bw0) in zip(got.collectives, base.collectives,
+                                                       strict=True):
+        assert (kind, n) == (k0, n0)
+        assert lat == pytest.approx(lat0 * 2, rel=1e-5) and bw == pytest.approx(bw0 / 2, rel=1e-5)
+    assert got.gpus_per_node == base.gpus_per_node and got.name == base.name
+    text = (tmp_path / "median.toml").read_text()
+    assert text.startswith("# The median of 3 measurements (m0.toml, m1.toml, m2.toml)")
+    assert "  # note 0" in text and "# grid\n[gemm_table]" in text
+    other = write_platform_toml(dataclasses.replace(base, gpus_per_node=4), tmp_path / "o.toml",
+                                {})
+    with pytest.raises(ValueError, match="gpus_per_node.*differs"):
+        median_platform([files[0], other], tmp_path / "bad.toml")
+    with pytest.raises(ValueError, match="no platform files"):
+        median_platform([], tmp_path / "bad.toml")
 
 
 def test_compute_fields_medians_and_tables_by_hand():

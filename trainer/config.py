@@ -218,6 +218,10 @@ class TrainConfig:
                              "none, selective, full")
     memory_report: bool = opt(False, "log per-rank state bytes and peak saved-activation bytes "
                                      "(max over ranks)", "true, false")
+    memory_report_every: int = opt(1, "with memory_report: meter every Nth step only (the "
+                                      "saved-tensor hooks cost Python time per saved tensor, "
+                                      "2-6 % of a tiny CPU step), so the other steps time a "
+                                      "plain step", "int >= 1")
     export_hf: str = opt("", "at the end, also write a Hugging Face checkpoint here "
                              "(trainer.export)", '"" or a folder')
     trace_counts: bool = opt(False, "write per-step, per-expert token counts to "

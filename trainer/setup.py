@@ -195,6 +195,9 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
     if t.eval_batches < 1 or t.log_every < 1 or t.ckpt_keep < 1:
         raise ConfigError(f"train.eval_batches={t.eval_batches}, log_every={t.log_every}, "
                           f"ckpt_keep={t.ckpt_keep} must be >= 1")
+    if t.memory_report_every < 1:
+        raise ConfigError(f"train.memory_report_every={t.memory_report_every} must be >= 1 "
+                          f"(1 = meter every step)")
     _check_debug(cfg.debug, world_size)
     if cfg.balance.enabled:
         from balance import METHODS, MigrationPolicy

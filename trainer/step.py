@@ -130,6 +130,12 @@ class StepResult:
                 if f.name not in ("events", "logged") and (v := getattr(self, f.name)) is not None}
 
 
+def metered(t, step: int) -> bool:
+    """Whether step `step` (1-based) runs under the memory meter: --train.memory_report, every
+    --train.memory_report_every-th step."""
+    return bool(t.memory_report) and step % t.memory_report_every == 0
+
+
 def lr_at(o, step: int, total: int) -> float:
     """Linear warm-up to o.lr, then cosine decay to o.min_lr at step `total`."""
     if step < o.warmup_steps:
@@ -257,7 +263,7 @@ def update_state(parts: StepParts, state: StepState, loss: float, norm: float, l
             g["lr"] = lr
         with record_function("optimizer.step"):
             parts.optim.step()
-        if t.memory_report:  # weights + grads + optimizer state, all alive right now
+        if metered(t, state.step + 1):  # weights + grads + optimizer state, all alive now
             parts.stats.state_bytes = state_bytes(parts.model, parts.optim)
         parts.optim.zero_grad(set_to_none=True)
         if parts.mcfg.bias_balancing:
@@ -314,9 +320,10 @@ def train_step(parts: StepParts, state: StepState) -> StepResult:
     stats.begin(logged)
     t0 = time.perf_counter()
     state.phase = "forward/backward (MoE all-to-all, pipeline P2P)"
-    if t.memory_report:
+    metering = metered(t, state.step + 1)
+    if metering:
         stats.meter.reset_peak()
-    meter = stats.meter if t.memory_report else contextlib.nullcontext()
+    meter = stats.meter if metering else contextlib.nullcontext()
     # arm the gradient hooks: a parameter's gradient is final after M accumulations
     parts.sync.start_step(parts.cfg.parallel.microbatches)
     with meter, record_function("forward_backward"):
@@ -346,7 +353,7 @@ def train_step(parts: StepParts, state: StepState) -> StepResult:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     wait = stats.exchange_time()
-    if t.memory_report:
+    if metering:
         wait.update(stats.memory())
     state.step += 1
     tok_s = t.global_batch * t.seq_len / dt
