@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> None:
     if any(w not in platforms for w in worlds):
         if args.repredict:
             raise SystemExit(f"--repredict: no platform file for {sorted(set(worlds) - set(platforms))}"
-                             f" processes in {out} or benchmarks/results/")
+                             f" processes in {out} or among the recorded results")
         worlds = [w for w in worlds if w not in platforms]
         measure_round(1)
 
