@@ -533,10 +533,11 @@ def main(argv: list[str] | None = None) -> None:
                     m = run_plan_locally(plan, model, run_dir, steps=args.steps,
                                          warmup=args.warmup, data=data,
                                          meter_every=args.meter_every)
-                    speed = speed_fields(platform_probe(platforms[plan.n_gpus]), before,
-                                         speed_probe(plan.n_gpus, PROBE_ROUNDS))
+                    # the row's probes; against the platform's once the platform is final
+                    probes = {"probe_before_s": before,
+                              "probe_after_s": speed_probe(plan.n_gpus, PROBE_ROUNDS)}
                     runs[name].append((m, measured_parts(run_dir, args.warmup),
-                                       (l0, os.getloadavg()[0]), speed))
+                                       (l0, os.getloadavg()[0]), probes))
                     if args.repeats > 1:
                         print(f"[pass {rep + 1}/{args.repeats}] {name}: step {m.step_time_s:.3f} s",
                               flush=True)
@@ -548,7 +549,7 @@ def main(argv: list[str] | None = None) -> None:
                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
                 print(f"platform for {w} processes: the median of {len(files)} measurements, "
                       f"{platforms[w]}")
-            for name, plan, *_ in jobs:  # each row's probes against the median platform's
+            for name, plan, *_ in jobs:  # each row's probes against its platform's (median)
                 runs[name] = [(m, parts, load, speed_fields(
                     platform_probe(platforms[plan.n_gpus]), sp["probe_before_s"],
                     sp["probe_after_s"])) for m, parts, load, sp in runs[name]]

@@ -132,6 +132,7 @@ def resume_pick(record: Any, candidates: list[Candidate], mesh: dict[str, int]
     links, other loads) or a record this code cannot read."""
     if not record:
         return None, "the checkpoint records no trial"
+
     def cand(c: Any) -> Candidate:
         algo, overlap, chunks = c
         return str(algo), str(overlap), int(chunks)
@@ -143,7 +144,7 @@ def resume_pick(record: Any, candidates: list[Candidate], mesh: dict[str, int]
         saved_mesh = dict(record["mesh"])
     except (KeyError, TypeError, ValueError) as e:
         return None, f"the checkpoint's trial record is unreadable ({type(e).__name__}: {e})"
-    if cands != [cand(c) for c in candidates] or picked not in cands \
+    if cands != list(candidates) or picked not in cands \
             or len(seconds) != len(cands):
         return None, (f"the checkpoint's trial timed {', '.join(label(c) for c in cands)}; "
                       f"this run's choices are {', '.join(label(c) for c in candidates)}")

@@ -253,9 +253,10 @@ def _fb_microbatches(parts: StepParts, M: int, forward, backward) -> None:
 
 
 def update_state(parts: StepParts, state: StepState, loss: float, norm: float, lr: float,
-            counts) -> list[dict[str, Any]]:
+            counts, metering: bool = False) -> list[dict[str, Any]]:
     """The optimizer step, router bias and migration; or, for a non-finite step, skip it (or
-    stop, per train.nan_policy). Every rank agrees: loss and norm are global values."""
+    stop, per train.nan_policy). Every rank agrees: loss and norm are global values.
+    `metering`: the step runs under the memory report (`metered`), so it records the state."""
     t = parts.cfg.train
     if math.isfinite(loss) and math.isfinite(norm):
         state.phase = "optimizer step"
@@ -263,7 +264,7 @@ def update_state(parts: StepParts, state: StepState, loss: float, norm: float, l
             g["lr"] = lr
         with record_function("optimizer.step"):
             parts.optim.step()
-        if metered(t, state.step + 1):  # weights + grads + optimizer state, all alive now
+        if metering:  # the memory report: weights + grads + optimizer state, all alive now
             parts.stats.state_bytes = state_bytes(parts.model, parts.optim)
         parts.optim.zero_grad(set_to_none=True)
         if parts.mcfg.bias_balancing:
@@ -344,7 +345,7 @@ def train_step(parts: StepParts, state: StepState) -> StepResult:
     counts = stats.expert_counts()
     imbalance = stats.imbalance(counts)  # of the placement this step ran with
     t3 = time.perf_counter()
-    events = update_state(parts, state, loss, norm, lr, counts)
+    events = update_state(parts, state, loss, norm, lr, counts, metering)
     t4 = time.perf_counter()
     state.phase = "metrics all-reduce"  # every stage's layers, migrations, pipeline idle
     gathered = stats.gather.reduce(counts, stats.last_entropy, imbalance, events,

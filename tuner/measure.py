@@ -896,14 +896,9 @@ def _median_value(vals: list[Any], where: str) -> Any:
     """`median_platform`'s combine: numbers -> their median (ints must agree: they are
     counts, not measurements), lists and tables element by element, strings must agree."""
     first = vals[0]
-    if isinstance(first, bool) or isinstance(first, str):
+    if isinstance(first, (bool, str, int)) or first is None:  # names, flags, counts
         if any(v != first for v in vals):
             raise ValueError(f"median_platform: {where} differs between the files: {vals}")
-        return first
-    if isinstance(first, int):
-        if any(v != first for v in vals):
-            raise ValueError(f"median_platform: {where} (a count) differs between the files: "
-                             f"{vals}")
         return first
     if isinstance(first, float):
         return statistics.median(float(v) for v in vals)
@@ -917,8 +912,6 @@ def _median_value(vals: list[Any], where: str) -> Any:
         if any(len(v) != len(first) for v in vals):
             raise ValueError(f"median_platform: {where} has another length in another file")
         return [_median_value([v[i] for v in vals], f"{where}[{i}]") for i in range(len(first))]
-    if first is None and all(v is None for v in vals):
-        return None
     raise ValueError(f"median_platform: cannot combine {where} = {vals!r}")
 
 
