@@ -109,7 +109,7 @@ from _common import (
 
 from model import ModelConfig, presets
 from tuner import Assumptions, ParallelPlan, estimate, load_platform
-from tuner.launch import Measured, run_plan_locally
+from tuner.launch import Measured, run_plan_locally, step_rows
 from tuner.layout import CPU_TRAFFIC_PASSES, FP32_TRAINER_PRECISION
 from tuner.measure import measure_platform, median_platform, speed_probe
 
@@ -296,11 +296,10 @@ PARTS = ("fwd_bwd_s", "grad_sync_s", "optim_s", "ep_exchange_max_s", "pp_idle_ma
 
 
 def measured_parts(run_dir: Path, warmup: int) -> dict[str, float]:
-    """Medians over the measured steps of the trainer's step parts, and "other_s": the step
-    minus forward/backward, gradient sync and optimizer (loss and metric all-reduces)."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if x.strip()]
-    rows = [r for r in rows if "step_time_s" in r and r["step"] > warmup]
+    """Medians over the timed steps (`tuner.launch.step_rows`: those the step time comes
+    from) of the trainer's step parts, and "other_s": the step minus forward/backward,
+    gradient sync and optimizer (loss and metric all-reduces)."""
+    rows = step_rows(run_dir, warmup)[0]
     out = {k: statistics.median(r[k] for r in rows) for k in PARTS if k in rows[0]}
     out["other_s"] = statistics.median(
         r["step_time_s"] - r["fwd_bwd_s"] - r["grad_sync_s"] - r["optim_s"] for r in rows)

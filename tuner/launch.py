@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # optuna is imported by tuner.search; only its type is needed
     import optuna
 
 __all__ = ["MAX_LOCAL_PROCS", "Measured", "LaunchError", "train_args", "run_plan_locally",
-           "read_metrics", "check_runnable", "measure_top", "small_corpus"]
+           "read_metrics", "step_rows", "check_runnable", "measure_top", "small_corpus"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LOCAL_PROCS = 4  # training processes a run here may start (2 cores; issue 8's CPU runs)
@@ -116,12 +116,11 @@ def small_corpus(path: Path, n_bytes: int = 1_000_000) -> Path:
     return path
 
 
-def read_metrics(out_dir: Path, warmup: int) -> Measured:
-    """Medians of a finished run's metrics.jsonl over the steps after `warmup`: the memory
-    over the metered steps (those with the memory report), the step time and the routing
-    imbalance over the others where the run metered only some (`--train.memory_report_every`
-    > 1: the saved-tensor hooks cost 2-6 % of a tiny CPU step, which a plan does not), else
-    over all."""
+def step_rows(out_dir: Path, warmup: int) -> tuple[list[dict], list[dict]]:
+    """A finished run's metrics.jsonl rows after `warmup`: (timed, metered). Metered: the
+    steps with the memory report. Timed: the others where the run metered only some
+    (`--train.memory_report_every` > 1: the saved-tensor hooks cost 2-6 % of a tiny CPU step,
+    which a plan does not), else all."""
     path = out_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     rows = [r for r in rows if "step_time_s" in r and r["step"] > warmup]
@@ -132,7 +131,13 @@ def read_metrics(out_dir: Path, warmup: int) -> Measured:
         raise LaunchError(f"{path}: no memory report after the {warmup} warm-up steps (run with "
                           f"--train.memory_report=true and enough steps for "
                           f"--train.memory_report_every)")
-    timed = [r for r in rows if "mem_act_peak_bytes_max" not in r] or rows
+    return [r for r in rows if "mem_act_peak_bytes_max" not in r] or rows, metered
+
+
+def read_metrics(out_dir: Path, warmup: int) -> Measured:
+    """Medians over a finished run's steps after `warmup` (`step_rows`): the memory over the
+    metered steps, the step time and the routing imbalance over the timed ones."""
+    timed, metered = step_rows(out_dir, warmup)
     acts = [r["mem_act_peak_bytes_max"] for r in metered]
     return Measured(
         step_time_s=statistics.median(r["step_time_s"] for r in timed),
