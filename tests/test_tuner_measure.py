@@ -133,3 +133,50 @@ def test_quick_measurement_on_this_machine(tmp_path):
     # 8 rows per expert: each expert's [8, 128] x [128, 256] GEMMs are dominated by per-call
     # costs, so they run below 128 rows per expert (16x more work per call)
     assert p.grouped_eff(8, 256, 128) < p.grouped_eff(128, 256, 128)
+
+
+def _no_hop_platform(**kw):
+    """The recorded 4-process platform of this machine with P2P made free (latency 0)."""
+    import dataclasses
+
+    p = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / \
+        "tuner_validate_platform_w4.toml"
+    base = dict(intra_node_bandwidth=1e30, intra_node_latency=0.0, cores_per_node=2,
+                threads_per_process=1)
+    return dataclasses.replace(load_platform(p), **{**base, **kw})
+
+
+def test_shared_pipeline_factor_by_hand():
+    # 1F1B, 2 stages x 2 processes on 2 cores, F = 1 s and B = 2 s at the all-computing rate:
+    # whenever a stage waits, the other computes (its dependency), so the cores never idle
+    # and the replay ends when all the work is done: 4 processes x 4 micro-batches x 3 s at
+    # half a core each = 24 core-seconds on 2 cores = 12 s. A measured step of 15 s: 1.25
+    from tuner.measure import shared_pipeline_factor
+
+    def rank(step):
+        return {"F": [1.0, 1.0, 1.0], "B": [2.0, 2.0, 2.0], "step": [step, 14.0, 16.0]}
+
+    per_rank = [rank(15.0) for _ in range(4)]
+    pf = _no_hop_platform()
+    assert shared_pipeline_factor(per_rank, pf) == pytest.approx(15.0 / 12.0, rel=1e-9)
+    # priced hand-overs make the replay longer, so the same step is a smaller factor
+    slow_p2p = _no_hop_platform(intra_node_latency=0.2)
+    assert shared_pipeline_factor(per_rank, slow_p2p) < 15.0 / 12.0
+
+
+@pytest.mark.multiproc
+def test_pipeline_probe_runs_a_real_pipeline():
+    # the probe on 4 gloo processes (2 stages x 2): every rank reports its stage's forward
+    # and backward and the same (slowest) step per round; the factor is a ratio of a real
+    # pipeline to its replay, which on any machine lies well inside (0.3, 3)
+    from comm import run_local
+    from tuner.measure import PIPE_PROBE, _pipeline_worker, shared_pipeline_factor
+
+    per_rank = run_local(_pipeline_worker, 4, 2, threads=1, timeout_s=300.0)
+    assert all(len(r[k]) == 2 for r in per_rank for k in ("F", "B", "step"))
+    assert all(r["step"] == per_rank[0]["step"] for r in per_rank)
+    f = [min(r["F"]) for r in per_rank]
+    # a step holds every micro-batch's forward of a stage, each no faster than with its
+    # stage alone on the cores (2x the all-computing rate)
+    assert min(per_rank[0]["step"]) > PIPE_PROBE["microbatches"] * min(f) / 2
+    assert 0.3 < shared_pipeline_factor(per_rank, _no_hop_platform()) < 3.0

@@ -94,7 +94,7 @@ ASM = Assumptions(activation_set="trainer", activation_traffic_passes=4.0)
 
 def test_estimate_uses_it_on_shared_cores_only(tmp_path) -> None:
     cfg = presets.get("tiny")
-    pf = _cpu()
+    pf = _cpu(shared_pipeline_factor=1.0)  # the replay as is (the factor: the test below)
     assert pf.shares_cores(4) and (pf.cores_per_node, pf.threads_per_process) == (2, 1)
     back = load_platform(write_platform_toml(pf, tmp_path / "p.toml", {}))
     assert (back.cores_per_node, back.threads_per_process) == (2, 1)
@@ -112,6 +112,34 @@ def test_estimate_uses_it_on_shared_cores_only(tmp_path) -> None:
     for p2 in (_cpu(cores_per_node=4), _cpu(cores_per_node=0, threads_per_process=0)):
         assert not p2.shares_cores(4)
         assert estimate(cfg, PP_DP, p2, FP32_TRAINER_PRECISION, ASM).step_time == ded.step_time
+
+
+def test_measured_pipeline_factor_scales_the_replayed_pipeline_only(tmp_path) -> None:
+    # the replayed pipeline (busy + bubble) is scaled by the platform's measured factor; the
+    # rest of the step (DP sync, optimizer, the step's syncs) is not, and neither is a plan
+    # without a pipeline nor one on dedicated cores
+    cfg = presets.get("tiny")
+    one, slow = _cpu(shared_pipeline_factor=1.0), _cpu(shared_pipeline_factor=1.25)
+    assert load_platform(write_platform_toml(slow, tmp_path / "p.toml", {})) \
+        .shared_pipeline_factor == 1.25
+    e1, e2 = (estimate(cfg, PP_DP, p, FP32_TRAINER_PRECISION, ASM) for p in (one, slow))
+    pipe1 = sum(v for k, v in e1.time.items()
+                if k not in ("dp_sync", "optimizer", "grad_post", "step_syncs"))
+    assert e2.step_time - e1.step_time == pytest.approx(0.25 * pipe1, rel=1e-9)
+    assert e2.time["bubble"] - e1.time["bubble"] == pytest.approx(0.25 * pipe1, rel=1e-9)
+    assert step_time_lower_bound(cfg, PP_DP, slow, FP32_TRAINER_PRECISION, ASM) <= e2.step_time
+    flat = PP_DP.replace(pp=1, dp=4, microbatches=1)
+    ded = dataclasses.replace(ASM, shared_cores=False)
+    for plan, asm in ((flat, ASM), (PP_DP, ded)):
+        assert estimate(cfg, plan, slow, FP32_TRAINER_PRECISION, asm).step_time == \
+            estimate(cfg, plan, one, FP32_TRAINER_PRECISION, asm).step_time
+    # a factor below 1 keeps the lower bound below the estimate
+    fast = _cpu(shared_pipeline_factor=0.8)
+    assert step_time_lower_bound(cfg, PP_DP, fast, FP32_TRAINER_PRECISION, ASM) <= \
+        estimate(cfg, PP_DP, fast, FP32_TRAINER_PRECISION, ASM).step_time
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="shared_pipeline_factor"):
+            _cpu(shared_pipeline_factor=bad)
 
 
 @pytest.mark.parametrize("name", ["frontier", "dgx-h100", "h200-node"])

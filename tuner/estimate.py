@@ -1015,10 +1015,11 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
         busiest = max(busiest, busy * plan.microbatches)
     upd = max(st.update_bytes for st in stages or stage_memory(cfg_, plan, pf, precision, asm))
     if asm.shared_cores and plan.pp > 1 and pf.shares_cores(plan.n_gpus):
-        # on shared cores no rank runs faster than with only its own stage computing
+        # on shared cores no rank runs faster than with only its own stage computing; the
+        # estimate scales the replay by the platform's measured factor (bound kept below 1)
         fast = core_speed(plan.n_gpus // plan.pp, plan.n_gpus, pf.cores_per_node,
                           pf.threads_per_process)
-        return busiest / fast + pf.optimizer_time(upd)
+        return busiest / fast * min(1.0, pf.shared_pipeline_factor) + pf.optimizer_time(upd)
     return busiest / (1.0 - bubble) + pf.optimizer_time(upd)
 
 
@@ -1135,7 +1136,9 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
     if shared:
         # processes share the node's cores: replay the schedule with the waiting ranks' share
         # given to the busy ones (`tuner.sharing`); compute is the part that uses a core
-        pipe = busy * shared_span(plan, pf, per_rank[busiest]["compute"] / busy if busy else 1.0)
+        # and scale it by what the platform measured a real pipeline to take over the replay
+        pipe = busy * shared_span(plan, pf, per_rank[busiest]["compute"] / busy if busy else 1.0) \
+            * pf.shared_pipeline_factor
 
     dp_sync, dp_parts = -1.0, {}
     for sm in stages:

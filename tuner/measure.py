@@ -53,6 +53,15 @@ as the median of repeats after a warm-up:
                   layer's saved activations (least squares through the origin) ->
                   elementwise_bandwidth (the unfused elementwise kernels; 0 if the rest is
                   not positive)
+    shared pipeline  where the processes share the cores (more processes x threads than
+                  cores, an even count): a real 1F1B pipeline of 2 stages (PipelineRuntime,
+                  gloo P2P), half the processes per stage, against the shared-core replay
+                  (`tuner.sharing`) of the same schedule with its forward and backward timed
+                  with every process computing -> shared_pipeline_factor (measured / replayed;
+                  the estimate scales its replayed pipeline by it). On this project's 2-core
+                  VM a pipeline of 4 processes ran 1.12-1.27x its replay (2026-12-06): its
+                  processes took 2-8 % more CPU time for the same actions than in lock-step,
+                  and the cores idled 2-6 % of the step, and the replay credits neither
     optimizer     the trainer's AdamW step (foreach=False, fp32) over the tiny preset's
                   parameters, in all processes at once -> optimizer_bandwidth (state bytes
                   updated per second: 16 per parameter, weights + gradients + 2 moments)
@@ -81,7 +90,8 @@ __all__ = ["compute_fields", "elementwise_bandwidth_fit", "ep_layer_extra", "ep_
            "measure_platform", "fit_latency_bandwidth", "write_platform_toml",
            "p2p_one_way_s", "emulator_platform", "emulator_payload_share", "parse_emulator_shape",
            "write_emulator_platform", "copy_bandwidth", "tiny_params_with_grads",
-           "zero_copy_rate", "optimizer_rate", "collective_times", "median_platform"]
+           "zero_copy_rate", "optimizer_rate", "collective_times", "median_platform",
+           "shared_pipeline_factor", "PIPE_PROBE"]
 
 
 def fit_latency_bandwidth(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
@@ -672,6 +682,95 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: 
     return out
 
 
+PIPE_PROBE = {"microbatches": 4, "tokens": 512, "blocks": 2}  # per stage: tiny blocks
+
+
+def _pipeline_worker(rank: int, world: int, group: dist.ProcessGroup | None, rounds: int
+                     ) -> dict[str, list[float]]:
+    """`shared_pipeline_factor`'s probe on one of `world` processes: a real 1F1B pipeline of
+    2 stages (`pipeline.PipelineRuntime`, gloo P2P), `world` / 2 processes per stage (ranks
+    below world / 2 run stage 0, rank r pairs with r + world / 2), each stage
+    PIPE_PROBE["blocks"] tiny-preset decoder blocks (MoE local) over PIPE_PROBE
+    ["microbatches"] micro-batches of PIPE_PROBE["tokens"] tokens. Each round first times the
+    stage's forward and backward of one micro-batch with every process computing at once (the
+    rate the platform's other entries are measured at), then one pipelined step. Returns this
+    rank's per-round times: "F", "B" and "step" (the step the slowest process's)."""
+    import pipeline
+    from model import presets
+    from model.transformer import Block
+
+    cfg = presets.get("tiny")
+    half = world // 2
+    stage = int(rank >= half)
+    pairs = [dist.new_group([i, i + half]) for i in range(half)]  # every rank: same order
+    torch.manual_seed(stage)
+    mod = torch.nn.Sequential(*[Block(cfg, i) for i in range(PIPE_PROBE["blocks"])])
+    m, T = PIPE_PROBE["microbatches"], PIPE_PROBE["tokens"]
+    shape = (max(1, T // cfg.max_seq_len), min(T, cfg.max_seq_len), cfg.d_model)
+    gen = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(shape, generator=gen) for _ in range(m)]
+    ys = [torch.randn(shape, generator=gen) for _ in range(m)]
+
+    def loss_fn(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(y, t)
+
+    rt = pipeline.PipelineRuntime(pipeline.build("1f1b", 2, m), {stage: mod}, loss_fn,
+                                  act_shape=shape, group=pairs[rank % half])
+    out: dict[str, list[float]] = {"F": [], "B": [], "step": []}
+    for i in range(2 + rounds):  # the first two warm up
+        dist.barrier(group)
+        x = xs[0].clone().requires_grad_(stage > 0)
+        t0 = time.perf_counter()
+        y = mod(x)
+        loss = loss_fn(y, ys[0]) if stage else (y * ys[0]).sum()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        del x, y, loss
+        mod.zero_grad(set_to_none=True)
+        dist.barrier(group)
+        t3 = time.perf_counter()
+        rt.step(None if stage else xs, ys if stage else None)
+        step = torch.tensor([time.perf_counter() - t3])
+        dist.all_reduce(step, dist.ReduceOp.MAX, group=group)
+        mod.zero_grad(set_to_none=True)
+        if i >= 2:
+            out["F"].append(t1 - t0)
+            out["B"].append(t2 - t1)
+            out["step"].append(float(step))
+    return out
+
+
+def shared_pipeline_factor(per_rank: list[dict[str, list[float]]], pf: Platform) -> float:
+    """Measured pipelined step / the shared-core replay's price of it (`_pipeline_worker`'s
+    results on `pf`'s processes, `pf` the platform being written). The replay
+    (`tuner.sharing.shared_makespan`) runs the probe's 1F1B schedule with each stage's
+    forward and backward at their all-computing medians (over the stage's processes and the
+    rounds) and each action's two P2P hand-overs priced as the estimate prices them
+    (`tuner.comms.p2p_time`, waiting that takes no core); the step is the median round's."""
+    import pipeline
+    from model import presets
+    from tuner.comms import p2p_time
+    from tuner.sharing import shared_makespan
+
+    world = len(per_rank)
+    half = world // 2
+    med = statistics.median
+    cost = {(s, k): med(v for r in per_rank[s * half:(s + 1) * half] for v in r[k])
+            for s in (0, 1) for k in ("F", "B")}
+    cfg = presets.get("tiny")
+    hop = p2p_time(PIPE_PROBE["tokens"] * cfg.d_model * 4, False, pf)
+    # one cpu_share for the replay: the busier stage's (the estimate passes the busiest's)
+    busiest = max((0, 1), key=lambda s: cost[(s, "F")] + cost[(s, "B")])
+    cpu = ((cost[(busiest, "F")] + cost[(busiest, "B")])
+           / (cost[(busiest, "F")] + cost[(busiest, "B")] + 4 * hop))
+    replay = shared_makespan(
+        pipeline.build("1f1b", 2, PIPE_PROBE["microbatches"]),
+        lambda a: cost[(a.stage, a.kind)] + 2 * hop, {0: half, 1: half},
+        pf.cores_per_node, pf.threads_per_process, cpu)
+    return med(per_rank[0]["step"]) / replay
+
+
 def _toml_value(v: object, digits: int = 6) -> str:
     """A number or (nested) list of numbers as TOML; floats to `digits` significant digits."""
     if isinstance(v, list):
@@ -842,6 +941,12 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                 statistics.median(r["zero3_extra"] for r in per_rank_comm), n_procs, p),
             zero3_optimizer_overhead=max(0.0, statistics.median(
                 r["zero3_opt_extra"] for r in per_rank_comm) / presets.get("tiny").n_layers))
+    if n_procs % 2 == 0 and p.shares_cores(n_procs):
+        _say(0, verbose, f"pipeline on shared cores: 1F1B, 2 stages x {n_procs // 2} "
+                         f"processes (~{3 if quick else 10} s)")
+        per_rank_pipe = run_local(_pipeline_worker, n_procs, 4 if quick else 15,
+                                  threads=threads, timeout_s=600.0)
+        p = dataclasses.replace(p, shared_pipeline_factor=shared_pipeline_factor(per_rank_pipe, p))
     n_rates = len(per_rank[0]["rates"])
     notes = {
         "peak_tflops": f"best fp32 GEMM of {n_rates} shapes, {threads} "
@@ -859,6 +964,11 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                                    "gathers and reduce-scatter",
         "zero3_optimizer_overhead_us": "AdamW step over those DTensor shards minus over the "
                                        "plain model, per layer",
+        "shared_pipeline_factor": f"1F1B pipeline, 2 stages x {n_procs // 2} processes "
+                                  f"on these cores (PipelineRuntime, {PIPE_PROBE['blocks']} "
+                                  f"tiny blocks per stage, {PIPE_PROBE['microbatches']} x "
+                                  f"{PIPE_PROBE['tokens']} tokens): measured step / the "
+                                  f"shared-core replay of its measured actions",
         "hbm_gb": "physical RAM / processes",
         "hbm_bandwidth_gbs": "tensor copy, read + write",
         "split_backward_extra": "zero-bubble split backward's extra time / plain fwd+bwd, "

@@ -72,6 +72,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("compute", "split_backward_extra", "split_backward_extra", 1.0),
     ("compute", "split_backward_input_share", "split_backward_input_share", 1.0),
     ("compute", "zero3_layer_overhead_us", "zero3_layer_overhead", 1e-6),
+    ("compute", "shared_pipeline_factor", "shared_pipeline_factor", 1.0),
     ("memory", "zero3_optimizer_overhead_us", "zero3_optimizer_overhead", 1e-6),
     ("memory", "hbm_gb", "hbm_bytes", 1e9),
     ("memory", "hbm_bandwidth_gbs", "hbm_bandwidth", 1e9),
@@ -273,6 +274,11 @@ class Platform:
     # (the trainer's FSDP2) adds beyond the model's price of its gathers and reduce-scatter
     # (FSDP2's per-group copies and DTensor work in Python); 0 where not measured (GPU files)
     zero3_layer_overhead: float = 0.0
+    # Measured on CPU where processes share the cores (`tuner measure`): a real pipeline's
+    # step / the shared-core replay's price of it (`tuner.sharing`, its actions timed with
+    # every process computing); the estimate scales a replayed pipeline by it. 1 where not
+    # measured (dedicated devices: no replay)
+    shared_pipeline_factor: float = 1.0
     # Measured on CPU (`tuner measure`): seconds per decoder layer on a rank that the AdamW
     # step over ZeRO-3's DTensor shards takes beyond a plain AdamW step over the same model
     # (torch's per-tensor DTensor dispatch); 0 where not measured
@@ -367,6 +373,10 @@ class Platform:
                 continue
             if f.name in _FRACTIONS and not 0.0 < v <= 1.0:
                 raise ValueError(f"platform {self.name!r}: {f.name}={v} must be in (0, 1]")
+        if not (math.isfinite(self.shared_pipeline_factor) and self.shared_pipeline_factor > 0):
+            raise ValueError(f"platform {self.name!r}: shared_pipeline_factor="
+                             f"{self.shared_pipeline_factor} must be a finite number > 0 "
+                             f"(measured step / replayed step; 1 = the replay as is)")
         if self.split_backward_extra < 0:
             raise ValueError(f"platform {self.name!r}: split_backward_extra="
                              f"{self.split_backward_extra} must be >= 0")
