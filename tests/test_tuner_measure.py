@@ -170,9 +170,9 @@ def test_pipeline_probe_runs_a_real_pipeline():
     # and backward and the same (slowest) step per round; the factor is a ratio of a real
     # pipeline to its replay, which on any machine lies well inside (0.3, 3)
     from comm import run_local
-    from tuner.measure import PIPE_PROBE, _pipeline_worker, shared_pipeline_factor
+    from tuner.measure import PIPE_PROBE, pipeline_probe_worker, shared_pipeline_factor
 
-    per_rank = run_local(_pipeline_worker, 4, 2, threads=1, timeout_s=300.0)
+    per_rank = run_local(pipeline_probe_worker, 4, 2, threads=1, timeout_s=300.0)
     assert all(len(r[k]) == 2 for r in per_rank for k in ("F", "B", "step"))
     assert all(r["step"] == per_rank[0]["step"] for r in per_rank)
     f = [min(r["F"]) for r in per_rank]

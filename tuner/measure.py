@@ -91,7 +91,7 @@ __all__ = ["compute_fields", "elementwise_bandwidth_fit", "ep_layer_extra", "ep_
            "p2p_one_way_s", "emulator_platform", "emulator_payload_share", "parse_emulator_shape",
            "write_emulator_platform", "copy_bandwidth", "tiny_params_with_grads",
            "zero_copy_rate", "optimizer_rate", "collective_times", "median_platform",
-           "shared_pipeline_factor", "PIPE_PROBE"]
+           "shared_pipeline_factor", "PIPE_PROBE", "pipeline_probe_worker"]
 
 
 def fit_latency_bandwidth(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
@@ -685,7 +685,7 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: 
 PIPE_PROBE = {"microbatches": 4, "tokens": 512, "blocks": 2}  # per stage: tiny blocks
 
 
-def _pipeline_worker(rank: int, world: int, group: dist.ProcessGroup | None, rounds: int
+def pipeline_probe_worker(rank: int, world: int, group: dist.ProcessGroup | None, rounds: int
                      ) -> dict[str, list[float]]:
     """`shared_pipeline_factor`'s probe on one of `world` processes: a real 1F1B pipeline of
     2 stages (`pipeline.PipelineRuntime`, gloo P2P), `world` / 2 processes per stage (ranks
@@ -742,7 +742,7 @@ def _pipeline_worker(rank: int, world: int, group: dist.ProcessGroup | None, rou
 
 
 def shared_pipeline_factor(per_rank: list[dict[str, list[float]]], pf: Platform) -> float:
-    """Measured pipelined step / the shared-core replay's price of it (`_pipeline_worker`'s
+    """Measured pipelined step / the shared-core replay's price of it (`pipeline_probe_worker`'s
     results on `pf`'s processes, `pf` the platform being written). The replay
     (`tuner.sharing.shared_makespan`) runs the probe's 1F1B schedule with each stage's
     forward and backward at their all-computing medians (over the stage's processes and the
@@ -944,7 +944,7 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     if n_procs % 2 == 0 and p.shares_cores(n_procs):
         _say(0, verbose, f"pipeline on shared cores: 1F1B, 2 stages x {n_procs // 2} "
                          f"processes (~{3 if quick else 10} s)")
-        per_rank_pipe = run_local(_pipeline_worker, n_procs, 4 if quick else 15,
+        per_rank_pipe = run_local(pipeline_probe_worker, n_procs, 4 if quick else 15,
                                   threads=threads, timeout_s=600.0)
         p = dataclasses.replace(p, shared_pipeline_factor=shared_pipeline_factor(per_rank_pipe, p))
     n_rates = len(per_rank[0]["rates"])
