@@ -941,7 +941,8 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                 statistics.median(r["zero3_extra"] for r in per_rank_comm), n_procs, p),
             zero3_optimizer_overhead=max(0.0, statistics.median(
                 r["zero3_opt_extra"] for r in per_rank_comm) / presets.get("tiny").n_layers))
-    if n_procs % 2 == 0 and p.shares_cores(n_procs):
+    piped = n_procs % 2 == 0 and p.shares_cores(n_procs)
+    if piped:
         _say(0, verbose, f"pipeline on shared cores: 1F1B, 2 stages x {n_procs // 2} "
                          f"processes (~{3 if quick else 10} s)")
         per_rank_pipe = run_local(pipeline_probe_worker, n_procs, 4 if quick else 15,
@@ -964,11 +965,13 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                                    "gathers and reduce-scatter",
         "zero3_optimizer_overhead_us": "AdamW step over those DTensor shards minus over the "
                                        "plain model, per layer",
-        "shared_pipeline_factor": f"1F1B pipeline, 2 stages x {n_procs // 2} processes "
-                                  f"on these cores (PipelineRuntime, {PIPE_PROBE['blocks']} "
-                                  f"tiny blocks per stage, {PIPE_PROBE['microbatches']} x "
-                                  f"{PIPE_PROBE['tokens']} tokens): measured step / the "
-                                  f"shared-core replay of its measured actions",
+        "shared_pipeline_factor": (f"1F1B pipeline, 2 stages x {n_procs // 2} processes "
+                                   f"on these cores (PipelineRuntime, {PIPE_PROBE['blocks']} "
+                                   f"tiny blocks per stage, {PIPE_PROBE['microbatches']} x "
+                                   f"{PIPE_PROBE['tokens']} tokens): measured step / the "
+                                   f"shared-core replay of its measured actions"
+                                   if piped else "not measured: the processes do not share "
+                                   "the cores (or are an odd count); 1 = the replay as is"),
         "hbm_gb": "physical RAM / processes",
         "hbm_bandwidth_gbs": "tensor copy, read + write",
         "split_backward_extra": "zero-bubble split backward's extra time / plain fwd+bwd, "
