@@ -51,7 +51,9 @@ predicted), so the scaled error is a diagnostic, not the check.
    cores, so compute rates depend on W: `tuner.measure` is run with W processes at once for
    every world size used (2 and 4), once before every pass over the rows (`--repeats`), each
    written to tuner_validate_platform_w<W>.m<k>.toml in the output folder; the rows are
-   predicted on their field-wise median (`tuner.measure.median_platform`),
+   predicted on their field-wise median (`tuner.measure.median_platform`; the fields fitted
+   against the platform's other entries, such as the elementwise rate, fitted again from
+   the medians of their measured inputs, kept as tuner_validate_platform_w<W>.m<k>.raw.json),
    tuner_validate_platform_w<W>.toml, each config on the platform of its own world size
    (`--reuse-platforms` and `--repredict` take the output folder's platform files, else the
    recorded ones in benchmarks/results/).
@@ -253,6 +255,12 @@ def trainer_supports_zero() -> bool:
 def probe_path(platform: Path) -> Path:
     """The speed probe timed beside a platform file (see the module docstring)."""
     return platform.with_suffix(".probe.json")
+
+
+def raw_path(platform: Path) -> Path:
+    """The measured inputs of a platform's fitted fields (`measure_platform`'s raw_out), which
+    `median_platform` fits again against the median platform."""
+    return platform.with_suffix(".raw.json")
 
 
 def platform_probe(platform: Path) -> float | None:
@@ -457,7 +465,7 @@ def main(argv: list[str] | None = None) -> None:
         for w in worlds:
             f = platform_path(out, w).with_suffix(f".m{k}.toml")
             t0, l0 = time.perf_counter(), os.getloadavg()[0]
-            measure_platform(f, n_procs=w)
+            measure_platform(f, n_procs=w, raw_out=raw_path(f))
             probe_path(f).write_text(json.dumps(
                 {"probe_s": speed_probe(w, PROBE_ROUNDS), "rounds": PROBE_ROUNDS,
                  "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
@@ -541,7 +549,8 @@ def main(argv: list[str] | None = None) -> None:
                         print(f"[pass {rep + 1}/{args.repeats}] {name}: step {m.step_time_s:.3f} s",
                               flush=True)
             for w, files in measurements.items():  # the rows are predicted on the median
-                platforms[w] = median_platform(files, platform_path(out, w))
+                platforms[w] = median_platform(files, platform_path(out, w),
+                                               [raw_path(f) for f in files])
                 probe_path(platforms[w]).write_text(json.dumps(
                     {"probe_s": statistics.median(platform_probe(f) or 0.0 for f in files),
                      "of": [f.name for f in files],

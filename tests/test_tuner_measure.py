@@ -121,8 +121,19 @@ def test_zero_copy_rate_times_the_trainers_pack_and_unpack():
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_quick_measurement_on_this_machine(tmp_path):
-    path = measure_platform(tmp_path / "local.toml", n_procs=2, quick=True)
+    path = measure_platform(tmp_path / "local.toml", n_procs=2, quick=True,
+                            raw_out=tmp_path / "local.raw.json")
     p = load_platform(path)
+    import json
+
+    from tuner.measure import residual_fields
+
+    raw = json.loads((tmp_path / "local.raw.json").read_text())
+    assert raw["n_procs"] == 2 and raw["quick"] is True and len(raw["block_s"]) == 2
+    # the fitted fields written are the raw inputs fitted against the file's own entries
+    # (2 processes on this machine's cores: the pipeline probe runs only where they share)
+    for k, v in residual_fields(raw, p).items():
+        assert getattr(p, k) == pytest.approx(v, rel=1e-5), k
     assert p.backend == "gloo" and p.gpus_per_node == 2
     assert 1e8 < p.peak_flops < 1e14  # a CPU process: between 0.1 GFLOP/s and 100 TFLOP/s
     assert 0 < p.gemm_efficiency <= 1 and 0 < p.intra_node_bandwidth < 1e12
@@ -151,17 +162,63 @@ def test_shared_pipeline_factor_by_hand():
     # whenever a stage waits, the other computes (its dependency), so the cores never idle
     # and the replay ends when all the work is done: 4 processes x 4 micro-batches x 3 s at
     # half a core each = 24 core-seconds on 2 cores = 12 s. A measured step of 15 s: 1.25
-    from tuner.measure import shared_pipeline_factor
+    from tuner.measure import pipeline_probe_summary, shared_pipeline_factor
 
     def rank(step):
         return {"F": [1.0, 1.0, 1.0], "B": [2.0, 2.0, 2.0], "step": [step, 14.0, 16.0]}
 
-    per_rank = [rank(15.0) for _ in range(4)]
+    summary = pipeline_probe_summary([rank(15.0) for _ in range(4)])
+    assert summary == {"procs": 4.0, "F0": 1.0, "B0": 2.0, "F1": 1.0, "B1": 2.0, "step": 15.0}
     pf = _no_hop_platform()
-    assert shared_pipeline_factor(per_rank, pf) == pytest.approx(15.0 / 12.0, rel=1e-9)
+    assert shared_pipeline_factor(summary, pf) == pytest.approx(15.0 / 12.0, rel=1e-9)
     # priced hand-overs make the replay longer, so the same step is a smaller factor
     slow_p2p = _no_hop_platform(intra_node_latency=0.2)
-    assert shared_pipeline_factor(per_rank, slow_p2p) < 15.0 / 12.0
+    assert shared_pipeline_factor(summary, slow_p2p) < 15.0 / 12.0
+    with pytest.raises(ValueError, match="even count"):
+        pipeline_probe_summary([rank(15.0) for _ in range(3)])
+
+
+def test_median_platform_fits_the_fitted_fields_again_against_the_median(tmp_path):
+    # three measurements, each consistent in itself: GEMM, attention and overhead prices and
+    # the layer times all scaled by s, the fitted fields (residual_fields) fitted against
+    # each file's own entries. With s = 0.8, 1.0, 1.3 every measured median is the s = 1
+    # file's, so the median platform is that file, fitted fields included; a field-wise
+    # median of the fitted fields would mix files
+    import dataclasses
+    import json
+
+    from tuner.measure import residual_fields
+
+    base = _no_hop_platform(intra_node_latency=1e-3)
+    raw0 = {"n_procs": 4, "quick": False, "block_s": [0.05, 0.09, 0.2], "ep_extra_s": 0.02,
+            "zero3_extra_s": 0.3, "zero3_opt_extra_s": 0.01,
+            "pipeline": {"procs": 4.0, "F0": 0.03, "B0": 0.05, "F1": 0.03, "B1": 0.06,
+                         "step": 0.4}}
+    paths, raws, fitted = [], [], []
+    for k, s in enumerate((1.3, 0.8, 1.0)):
+        p = dataclasses.replace(base, peak_flops=base.peak_flops / s,
+                                layer_overhead=base.layer_overhead * s,
+                                intra_node_latency=base.intra_node_latency * s)
+        raw = {**raw0, "block_s": [t * s for t in raw0["block_s"]],
+               "ep_extra_s": raw0["ep_extra_s"] * s,
+               "pipeline": {**raw0["pipeline"], "step": 0.4 * s}}
+        fitted.append(residual_fields(raw, p))
+        p = dataclasses.replace(p, **fitted[-1])
+        paths.append(write_platform_toml(p, tmp_path / f"p{k}.toml", {}))
+        raws.append(tmp_path / f"p{k}.raw.json")
+        raws[-1].write_text(json.dumps(raw))
+    assert len({f["elementwise_bandwidth"] for f in fitted}) == 3  # the files differ
+    got = load_platform(median_platform(paths, tmp_path / "m.toml", raws))
+    mid = load_platform(paths[2])
+    for field in ("peak_flops", "layer_overhead", "intra_node_latency", *fitted[2]):
+        assert getattr(got, field) == pytest.approx(getattr(mid, field), rel=1e-4), field
+    assert "fitted again" in (tmp_path / "m.toml").read_text().splitlines()[0]
+    # bad inputs: one raw file per platform file, and the pipeline probe in all or none
+    with pytest.raises(ValueError, match="one per platform"):
+        median_platform(paths, tmp_path / "x.toml", raws[:2])
+    (tmp_path / "np.raw.json").write_text(json.dumps({**raw0, "pipeline": None}))
+    with pytest.raises(ValueError, match="pipeline probe"):
+        median_platform(paths, tmp_path / "x.toml", [*raws[:2], tmp_path / "np.raw.json"])
 
 
 @pytest.mark.multiproc
@@ -170,7 +227,12 @@ def test_pipeline_probe_runs_a_real_pipeline():
     # and backward and the same (slowest) step per round; the factor is a ratio of a real
     # pipeline to its replay, which on any machine lies well inside (0.3, 3)
     from comm import run_local
-    from tuner.measure import PIPE_PROBE, pipeline_probe_worker, shared_pipeline_factor
+    from tuner.measure import (
+        PIPE_PROBE,
+        pipeline_probe_summary,
+        pipeline_probe_worker,
+        shared_pipeline_factor,
+    )
 
     per_rank = run_local(pipeline_probe_worker, 4, 2, threads=1, timeout_s=300.0)
     assert all(len(r[k]) == 2 for r in per_rank for k in ("F", "B", "step"))
@@ -179,4 +241,5 @@ def test_pipeline_probe_runs_a_real_pipeline():
     # a step holds every micro-batch's forward of a stage, each no faster than with its
     # stage alone on the cores (2x the all-computing rate)
     assert min(per_rank[0]["step"]) > PIPE_PROBE["microbatches"] * min(f) / 2
-    assert 0.3 < shared_pipeline_factor(per_rank, _no_hop_platform()) < 3.0
+    assert 0.3 < shared_pipeline_factor(pipeline_probe_summary(per_rank),
+                                        _no_hop_platform()) < 3.0

@@ -71,6 +71,7 @@ Everything runs on one node, so the network (NIC) entries repeat the intra-node 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -91,7 +92,8 @@ __all__ = ["compute_fields", "elementwise_bandwidth_fit", "ep_layer_extra", "ep_
            "p2p_one_way_s", "emulator_platform", "emulator_payload_share", "parse_emulator_shape",
            "write_emulator_platform", "copy_bandwidth", "tiny_params_with_grads",
            "zero_copy_rate", "optimizer_rate", "collective_times", "median_platform",
-           "shared_pipeline_factor", "PIPE_PROBE", "pipeline_probe_worker"]
+           "shared_pipeline_factor", "PIPE_PROBE", "pipeline_probe_worker",
+           "pipeline_probe_summary", "residual_fields"]
 
 
 def fit_latency_bandwidth(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
@@ -741,23 +743,34 @@ def pipeline_probe_worker(rank: int, world: int, group: dist.ProcessGroup | None
     return out
 
 
-def shared_pipeline_factor(per_rank: list[dict[str, list[float]]], pf: Platform) -> float:
-    """Measured pipelined step / the shared-core replay's price of it (`pipeline_probe_worker`'s
-    results on `pf`'s processes, `pf` the platform being written). The replay
-    (`tuner.sharing.shared_makespan`) runs the probe's 1F1B schedule with each stage's
-    forward and backward at their all-computing medians (over the stage's processes and the
-    rounds) and each action's two P2P hand-overs priced as the estimate prices them
-    (`tuner.comms.p2p_time`, waiting that takes no core); the step is the median round's."""
+def pipeline_probe_summary(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
+    """`pipeline_probe_worker`'s results of every rank -> {"procs": processes, "F0", "B0",
+    "F1", "B1": each stage's forward and backward at the all-computing rate (medians over the
+    stage's processes and the rounds), "step": the median round's pipelined step}."""
+    world = len(per_rank)
+    if world < 2 or world % 2:
+        raise ValueError(f"pipeline probe results of {world} ranks; need an even count >= 2")
+    half = world // 2
+    med = statistics.median
+    out = {f"{k}{s}": med(v for r in per_rank[s * half:(s + 1) * half] for v in r[k])
+           for s in (0, 1) for k in ("F", "B")}
+    return {"procs": float(world), **out, "step": med(per_rank[0]["step"])}
+
+
+def shared_pipeline_factor(summary: dict[str, float], pf: Platform) -> float:
+    """Measured pipelined step / the shared-core replay's price of it
+    (`pipeline_probe_summary` of the probe on `pf`'s processes, `pf` the platform being
+    written). The replay (`tuner.sharing.shared_makespan`) runs the probe's 1F1B schedule
+    with each stage's forward and backward at their all-computing medians and each action's
+    two P2P hand-overs priced as the estimate prices them (`tuner.comms.p2p_time`, waiting
+    that takes no core)."""
     import pipeline
     from model import presets
     from tuner.comms import p2p_time
     from tuner.sharing import shared_makespan
 
-    world = len(per_rank)
-    half = world // 2
-    med = statistics.median
-    cost = {(s, k): med(v for r in per_rank[s * half:(s + 1) * half] for v in r[k])
-            for s in (0, 1) for k in ("F", "B")}
+    half = int(summary["procs"]) // 2
+    cost = {(s, k): summary[f"{k}{s}"] for s in (0, 1) for k in ("F", "B")}
     cfg = presets.get("tiny")
     hop = p2p_time(PIPE_PROBE["tokens"] * cfg.d_model * 4, False, pf)
     # one cpu_share for the replay: the busier stage's (the estimate passes the busiest's)
@@ -768,7 +781,7 @@ def shared_pipeline_factor(per_rank: list[dict[str, list[float]]], pf: Platform)
         pipeline.build("1f1b", 2, PIPE_PROBE["microbatches"]),
         lambda a: cost[(a.stage, a.kind)] + 2 * hop, {0: half, 1: half},
         pf.cores_per_node, pf.threads_per_process, cpu)
-    return med(per_rank[0]["step"]) / replay
+    return summary["step"] / replay
 
 
 def _toml_value(v: object, digits: int = 6) -> str:
@@ -865,23 +878,56 @@ def compute_fields(per_rank: list[dict], quick: bool) -> dict[str, Any]:
     }
 
 
-def _elementwise_from_blocks(per_rank: list[dict], probe: Platform, quick: bool) -> float:
-    """`elementwise_bandwidth` from every rank's layer times (median over ranks) against the
-    platform being written (`probe`), priced by `tuner.estimate.layer_device_time`."""
+def _elementwise_from_blocks(measured: Sequence[float], probe: Platform, quick: bool) -> float:
+    """`elementwise_bandwidth` from the layer times at BLOCK_TOKENS (median over ranks)
+    against the platform being written (`probe`), priced by `tuner.estimate.
+    layer_device_time`."""
     from model import presets
     from tuner.estimate import layer_device_time
 
     cfg = presets.get("tiny")
     tokens = BLOCK_TOKENS[1 if quick else 0]
+    if len(measured) != len(tokens):
+        raise ValueError(f"{len(measured)} layer times for {len(tokens)} token counts {tokens}")
     priced = [layer_device_time(cfg, 0, n, cfg.max_seq_len, probe) for n in tokens]
-    measured = [statistics.median(r["block"][i] for r in per_rank) for i in range(len(tokens))]
-    return elementwise_bandwidth_fit([a for _, a in priced], measured, [t for t, _ in priced])
+    return elementwise_bandwidth_fit([a for _, a in priced], list(measured),
+                                     [t for t, _ in priced])
+
+
+def residual_fields(raw: dict[str, Any], p: Platform) -> dict[str, Any]:
+    """The platform fields that are measured against the platform's other entries (each is
+    what a probe took beyond the model's own price of it on `p`), from `raw`, the probes'
+    measured inputs (`measure_platform`'s raw_out): elementwise_bandwidth (the layer times at
+    BLOCK_TOKENS), ep_layer_overhead (the EP layer's extra minus 4 all-to-all intercepts),
+    zero3_layer_overhead and zero3_optimizer_overhead (ZeRO-3's measured extras), and
+    shared_pipeline_factor (the pipeline probe's summary; 1 without one). Fitting them
+    again against a median platform keeps each consistent with the entries it was fitted
+    against (a field-wise median of residuals from different measurements is not)."""
+    from model import presets
+
+    p1 = dataclasses.replace(p, elementwise_bandwidth=_elementwise_from_blocks(
+        raw["block_s"], p, bool(raw["quick"])))
+    out = {
+        "elementwise_bandwidth": p1.elementwise_bandwidth,
+        # what the EP path adds beyond the model's own price of the probe's four exchanges (a
+        # dispatch and a combine, forward and backward; their bytes are negligible at 4 tokens)
+        "ep_layer_overhead": max(0.0, raw["ep_extra_s"] - 4 * max(p.intra_node_latency, 0.0)),
+        "zero3_layer_overhead": zero3_layer_overhead(raw["zero3_extra_s"], raw["n_procs"], p1),
+        "zero3_optimizer_overhead": max(0.0, raw["zero3_opt_extra_s"]
+                                        / presets.get("tiny").n_layers),
+        "shared_pipeline_factor": 1.0,
+    }
+    if raw.get("pipeline"):
+        out["shared_pipeline_factor"] = shared_pipeline_factor(raw["pipeline"], p1)
+    return out
 
 
 def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
-                     verbose: bool = True) -> Path:
+                     verbose: bool = True, raw_out: Path | None = None) -> Path:
     """Run the micro-benchmarks (a few minutes; well under one with `quick`) and write `out`;
-    `verbose` reports progress on stderr."""
+    `verbose` reports progress on stderr. `raw_out`: also write the measured inputs of the
+    fields fitted against the platform's other entries (`residual_fields`) as JSON there,
+    so that `median_platform` can fit them again against a median of several measurements."""
     from comm import run_local
 
     if n_procs < 2:
@@ -915,9 +961,6 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     # the slowest rank's median: a collective ends when its last member arrives
     fields["sync_latency"] = max(r["sync"] for r in per_rank_comm)
     a2a_lat, a2a_bw_total = fit_latency_bandwidth(sizes, res["a2a"])
-    # what the EP path adds beyond the model's own price of the probe's four exchanges (a
-    # dispatch and a combine, forward and backward; their bytes are negligible at 4 tokens)
-    fields["ep_layer_overhead"] = max(0.0, res["ep_extra"] - 4 * max(a2a_lat, 0.0))
     p2p_lat, p2p_bw = fit_latency_bandwidth(sizes, res["p2p"])
     # An all-to-all of B bytes per rank moves B (n-1)/n off each rank: report per-rank
     # injection bandwidth, the quantity the model divides by.
@@ -932,22 +975,27 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         collectives=tuple(collectives), cores_per_node=cores, threads_per_process=threads,
         **fields,
     )
-    p = dataclasses.replace(p, elementwise_bandwidth=_elementwise_from_blocks(per_rank, p, quick))
-    if n_procs > 1:
-        from model import presets
-
-        p = dataclasses.replace(
-            p, zero3_layer_overhead=zero3_layer_overhead(
-                statistics.median(r["zero3_extra"] for r in per_rank_comm), n_procs, p),
-            zero3_optimizer_overhead=max(0.0, statistics.median(
-                r["zero3_opt_extra"] for r in per_rank_comm) / presets.get("tiny").n_layers))
+    tokens = BLOCK_TOKENS[1 if quick else 0]
+    raw: dict[str, Any] = {
+        "n_procs": n_procs, "quick": quick,
+        "block_s": [statistics.median(r["block"][i] for r in per_rank)
+                    for i in range(len(tokens))],
+        "ep_extra_s": res["ep_extra"],
+        "zero3_extra_s": statistics.median(r["zero3_extra"] for r in per_rank_comm),
+        "zero3_opt_extra_s": statistics.median(r["zero3_opt_extra"] for r in per_rank_comm),
+        "pipeline": None,
+    }
     piped = n_procs % 2 == 0 and p.shares_cores(n_procs)
     if piped:
         _say(0, verbose, f"pipeline on shared cores: 1F1B, 2 stages x {n_procs // 2} "
                          f"processes (~{3 if quick else 10} s)")
-        per_rank_pipe = run_local(pipeline_probe_worker, n_procs, 4 if quick else 15,
-                                  threads=threads, timeout_s=600.0)
-        p = dataclasses.replace(p, shared_pipeline_factor=shared_pipeline_factor(per_rank_pipe, p))
+        raw["pipeline"] = pipeline_probe_summary(run_local(
+            pipeline_probe_worker, n_procs, 4 if quick else 15, threads=threads,
+            timeout_s=600.0))
+    p = dataclasses.replace(p, **residual_fields(raw, p))
+    if raw_out is not None:
+        raw_out.parent.mkdir(parents=True, exist_ok=True)
+        raw_out.write_text(json.dumps(raw, indent=1) + "\n")
     n_rates = len(per_rank[0]["rates"])
     notes = {
         "peak_tflops": f"best fp32 GEMM of {n_rates} shapes, {threads} "
@@ -1049,22 +1097,36 @@ def _value_comments(path: Path) -> dict[str, str]:
     return out
 
 
-def median_platform(paths: Sequence[Path], out: Path) -> Path:
+def median_platform(paths: Sequence[Path], out: Path, raws: Sequence[Path] = ()) -> Path:
     """One platform file from several measurements of the same machine (`measure_platform`
     run at different moments: this VM's speed drifts by 10-30 % over minutes): every
     measured number is the median of the files' (tables and collective fits element by
-    element), counts and names must agree. Written to `out` with the first file's comments
-    and a header naming the files."""
+    element), counts and names must agree. `raws`: the measurements' raw_out files, one per
+    path; then the fields fitted against the platform's other entries (`residual_fields`)
+    are fitted again, from the medians of their measured inputs, against the median
+    platform. Written to `out` with the first file's comments and a header naming the files."""
     from tuner.platform import load_platform
 
     if not paths:
         raise ValueError("median_platform: no platform files")
+    if raws and len(raws) != len(paths):
+        raise ValueError(f"median_platform: {len(raws)} raw files for {len(paths)} platforms; "
+                         f"give one per platform or none")
     dicts = [load_platform(p).to_dict() for p in paths]
     p = Platform.from_dict(_median_value(dicts, ""), source=str(out))
+    how = "value by value"
+    if raws:
+        loaded = [json.loads(Path(r).read_text()) for r in raws]
+        if any((r.get("pipeline") is None) != (loaded[0].get("pipeline") is None)
+               for r in loaded):
+            raise ValueError("median_platform: the raw files disagree on the pipeline probe "
+                             "(measured in some, not in others)")
+        p = dataclasses.replace(p, **residual_fields(_median_value(loaded, "raw"), p))
+        how += "; the fitted fields (residual_fields) fitted again against the medians"
     write_platform_toml(p, out, _value_comments(Path(paths[0])))
     text = out.read_text()
     names = ", ".join(Path(q).name for q in paths)
-    out.write_text(f"# The median of {len(paths)} measurements ({names}), value by value.\n" + text)
+    out.write_text(f"# The median of {len(paths)} measurements ({names}), {how}.\n" + text)
     return out
 
 
