@@ -59,9 +59,11 @@ as the median of repeats after a warm-up:
                   (`tuner.sharing`) of the same schedule with its forward and backward timed
                   with every process computing -> shared_pipeline_factor (measured / replayed;
                   the estimate scales its replayed pipeline by it). On this project's 2-core
-                  VM a pipeline of 4 processes ran 1.12-1.27x its replay (2026-12-06): its
-                  processes took 2-8 % more CPU time for the same actions than in lock-step,
-                  and the cores idled 2-6 % of the step, and the replay credits neither
+                  VM a pipeline of 4 processes ran 1.02-1.22x its replay with the P2P
+                  hand-overs priced as the estimate prices them, 1.12-1.27x without them
+                  (2026-12-06): its processes took 2-8 % more CPU time for the same actions
+                  than in lock-step, and the cores idled 2-6 % of the step; the replay
+                  credits neither
     optimizer     the trainer's AdamW step (foreach=False, fp32) over the tiny preset's
                   parameters, in all processes at once -> optimizer_bandwidth (state bytes
                   updated per second: 16 per parameter, weights + gradients + 2 moments)
@@ -687,8 +689,8 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: 
 PIPE_PROBE = {"microbatches": 4, "tokens": 512, "blocks": 2}  # per stage: tiny blocks
 
 
-def pipeline_probe_worker(rank: int, world: int, group: dist.ProcessGroup | None, rounds: int
-                     ) -> dict[str, list[float]]:
+def pipeline_probe_worker(rank: int, world: int, group: dist.ProcessGroup | None,
+                          rounds: int) -> dict[str, list[float]]:
     """`shared_pipeline_factor`'s probe on one of `world` processes: a real 1F1B pipeline of
     2 stages (`pipeline.PipelineRuntime`, gloo P2P), `world` / 2 processes per stage (ranks
     below world / 2 run stage 0, rank r pairs with r + world / 2), each stage

@@ -28,8 +28,8 @@ taken as fluid shares; the waiting part of an action comes after its work.
 
 Checked against a real pipeline (`tuner.measure`'s pipeline probe: 1F1B, 2 stages of 2
 processes on 2 cores, each action timed with all processes computing, then replayed here),
-the replay is optimistic: the pipelined step ran 1.02-1.27x the replay on this project's VM
-(2026-12-06). Its processes took 2-8 % more CPU time for the same actions than in lock-step,
+the replay is optimistic: the pipelined step ran 1.02-1.22x the replay on this project's VM
+(2026-12-06; 1.12-1.27x with the P2P hand-overs left out). Its processes took 2-8 % more CPU time for the same actions than in lock-step,
 and the cores idled 2-6 % of the step; neither is in the rule above. `tuner measure` writes
 the measured ratio as `Platform.shared_pipeline_factor`, and `tuner.estimate` scales the
 replayed pipeline by it (docs/planner.md, "Shared cores").
