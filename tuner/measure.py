@@ -769,12 +769,14 @@ def shared_pipeline_factor(summary: dict[str, float], pf: Platform) -> float:
     import pipeline
     from model import presets
     from tuner.comms import p2p_time
+    from tuner.layout import FP32_TRAINER_PRECISION
     from tuner.sharing import shared_makespan
 
     half = int(summary["procs"]) // 2
     cost = {(s, k): summary[f"{k}{s}"] for s in (0, 1) for k in ("F", "B")}
     cfg = presets.get("tiny")
-    hop = p2p_time(PIPE_PROBE["tokens"] * cfg.d_model * 4, False, pf)
+    hop = p2p_time(PIPE_PROBE["tokens"] * cfg.d_model * FP32_TRAINER_PRECISION.p2p_bytes,
+                   False, pf)
     # one cpu_share for the replay: the busier stage's (the estimate passes the busiest's)
     busiest = max((0, 1), key=lambda s: cost[(s, "F")] + cost[(s, "B")])
     cpu = ((cost[(busiest, "F")] + cost[(busiest, "B")])
@@ -907,20 +909,18 @@ def residual_fields(raw: dict[str, Any], p: Platform) -> dict[str, Any]:
     against (a field-wise median of residuals from different measurements is not)."""
     from model import presets
 
-    p1 = dataclasses.replace(p, elementwise_bandwidth=_elementwise_from_blocks(
-        raw["block_s"], p, bool(raw["quick"])))
     out = {
-        "elementwise_bandwidth": p1.elementwise_bandwidth,
+        "elementwise_bandwidth": _elementwise_from_blocks(raw["block_s"], p, bool(raw["quick"])),
         # what the EP path adds beyond the model's own price of the probe's four exchanges (a
         # dispatch and a combine, forward and backward; their bytes are negligible at 4 tokens)
         "ep_layer_overhead": max(0.0, raw["ep_extra_s"] - 4 * max(p.intra_node_latency, 0.0)),
-        "zero3_layer_overhead": zero3_layer_overhead(raw["zero3_extra_s"], raw["n_procs"], p1),
+        "zero3_layer_overhead": zero3_layer_overhead(raw["zero3_extra_s"], raw["n_procs"], p),
         "zero3_optimizer_overhead": max(0.0, raw["zero3_opt_extra_s"]
                                         / presets.get("tiny").n_layers),
         "shared_pipeline_factor": 1.0,
     }
     if raw.get("pipeline"):
-        out["shared_pipeline_factor"] = shared_pipeline_factor(raw["pipeline"], p1)
+        out["shared_pipeline_factor"] = shared_pipeline_factor(raw["pipeline"], p)
     return out
 
 
@@ -977,11 +977,10 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         collectives=tuple(collectives), cores_per_node=cores, threads_per_process=threads,
         **fields,
     )
-    tokens = BLOCK_TOKENS[1 if quick else 0]
     raw: dict[str, Any] = {
         "n_procs": n_procs, "quick": quick,
-        "block_s": [statistics.median(r["block"][i] for r in per_rank)
-                    for i in range(len(tokens))],
+        "block_s": [statistics.median(ts)
+                    for ts in zip(*(r["block"] for r in per_rank), strict=True)],
         "ep_extra_s": res["ep_extra"],
         "zero3_extra_s": statistics.median(r["zero3_extra"] for r in per_rank_comm),
         "zero3_opt_extra_s": statistics.median(r["zero3_opt_extra"] for r in per_rank_comm),
