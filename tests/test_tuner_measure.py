@@ -131,9 +131,12 @@ def test_quick_measurement_on_this_machine(tmp_path):
     raw = json.loads((tmp_path / "local.raw.json").read_text())
     assert raw["n_procs"] == 2 and raw["quick"] is True and len(raw["block_s"]) == 2
     # the fitted fields written are the raw inputs fitted against the file's own entries
-    # (2 processes on this machine's cores: the pipeline probe runs only where they share)
+    # (2 processes on this machine's cores: the pipeline probe runs only where they share).
+    # The file keeps 6 significant digits of every entry, and a fitted field is a difference
+    # (measured minus the entries' price), which magnifies that rounding: refitted from the
+    # file the elementwise rate moved by 1.5e-4 to 7e-4 (relative) in four runs; 1e-2 bounds it
     for k, v in residual_fields(raw, p).items():
-        assert getattr(p, k) == pytest.approx(v, rel=1e-5), k
+        assert getattr(p, k) == pytest.approx(v, rel=1e-2), k
     assert p.backend == "gloo" and p.gpus_per_node == 2
     assert 1e8 < p.peak_flops < 1e14  # a CPU process: between 0.1 GFLOP/s and 100 TFLOP/s
     assert 0 < p.gemm_efficiency <= 1 and 0 < p.intra_node_bandwidth < 1e12
