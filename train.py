@@ -111,6 +111,12 @@ def main(argv: list[str]) -> int:
     try:
         cfg = parse_args(argv)
         check_local_gpus(local_world, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world)
+        if not torch.cuda.is_available():  # before the gloo threads start: they inherit it
+            from comm.tools.affinity import pin_local_rank
+
+            pin_local_rank(cfg.train.cpu_affinity, int(os.environ.get("LOCAL_RANK", "0")),
+                           local_world, threads, world)
         # elastic restarts: the layout of this attempt's world size (re-planned by rank 0 when
         # it differs from the checkpoint's: the one step that needs the process group early)
         cfg, record = resolve(cfg, world, rank, _planner,
@@ -123,7 +129,6 @@ def main(argv: list[str]) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
         return code
-    threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
     _init_process_group(cfg, rank, world)
     try:

@@ -95,6 +95,8 @@ CLI = {
                        ["train.global_batch=-8", "positive multiple of the 1 data shards"]),
     "zero timeout": (["--train.timeout_s=0"], 1, ["train.timeout_s=0", "> 0"]),
     "nan policy": (["--train.nan_policy=ignore"], 1, ["'ignore'", "valid: skip, stop"]),
+    "cpu affinity": (["--train.cpu_affinity=cores"], 1,
+                     ["train.cpu_affinity='cores'", "valid: auto, none"]),
     "dtype": (["--train.dtype=fp8"], 1, ["train.dtype='fp8'", "valid: auto, fp32, bf16"]),
     "val fraction": (["--data.val_fraction=0.7"], 1, ["val_fraction=0.7", "(0, 0.5)"]),
     "data sampling": (["--data.sampling=shuffle"], 1,

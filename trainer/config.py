@@ -237,6 +237,10 @@ class TrainConfig:
                              '"" or "A,B" (1 <= A <= B <= steps)')
     threads: int = opt(0, "torch intra-op threads per process", "int >= 0 (0 = cores / local "
                                                                 "processes)")
+    cpu_affinity: str = opt("auto", "single-node CPU runs: pin each rank to its own cores "
+                                    "when the processes x threads fill the cores exactly "
+                                    "(comm/tools/affinity.py); none leaves placement to the "
+                                    "OS; GPU runs are never pinned", "auto, none")
     timeout_s: float = opt(600.0, "a collective or P2P waiting longer than this many seconds "
                                   "fails the run", "> 0")
     nan_policy: str = opt("skip", "a non-finite loss or gradient: skip the step (up to "

@@ -1,7 +1,8 @@
 """`python -m tuner measure`: micro-benchmark this machine into `configs/platforms/local.toml`.
 
 On a CPU machine a "device" is one training process: `n_procs` of them share the cores, each
-with max(1, cores // n_procs) intra-op threads (what train.py gives each rank). The compute
+with max(1, cores // n_procs) intra-op threads and each pinned to its own cores where they
+fill them (what train.py gives each rank: `comm.tools.affinity`). The compute
 micro-benchmarks run in all `n_procs` processes at once, and the platform takes the median
 rank's rate: with 4 processes on 2 cores each process gets about half a core, which a
 benchmark run in one process alone would not see (it measured ~2x too fast). Measured, each
@@ -86,6 +87,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from comm.tools.affinity import rank_cores
 from tuner.layout import CPU_TRAFFIC_PASSES
 from tuner.platform import Grid, Platform
 
@@ -390,7 +392,7 @@ def speed_probe(n_procs: int, rounds: int = 15) -> float:
         raise ValueError(f"rounds={rounds} must be >= 1")
     threads = max(1, (os.cpu_count() or 1) // n_procs)
     return statistics.median(run_local(_speed_worker, n_procs, threads, rounds,
-                                       threads=threads)[0])
+                                       threads=threads, cpu_affinity="auto")[0])
 
 
 def copy_bandwidth(nbytes: int, repeats: int) -> float:
@@ -937,13 +939,17 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     cores = os.cpu_count() or 1
     threads = max(1, cores // n_procs)
     reps = 3 if quick else 7
+    pinned = rank_cores(0, n_procs, threads, sorted(os.sched_getaffinity(0))) is not None \
+        if hasattr(os, "sched_getaffinity") else False
+    # every worker placed as train.py places its ranks (pinned where they fill the cores)
     per_rank = run_local(_compute_worker, n_procs, threads, quick, reps, verbose,
-                         timeout_s=1200.0)
+                         timeout_s=1200.0, threads=threads, cpu_affinity="auto")
 
     fields = compute_fields(per_rank, quick)
     sizes = [2**12, 2**16, 2**20] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22]
     coll_sizes = COLL_SIZES[1 if quick else 0]
-    per_rank_comm = run_local(_comm_worker, n_procs, sizes, reps, coll_sizes)
+    per_rank_comm = run_local(_comm_worker, n_procs, sizes, reps, coll_sizes, threads=threads,
+                              cpu_affinity="auto")
     res = per_rank_comm[0]
     # each fit from the median over ranks of the per-size times (the slowest rank sets a
     # collective's end, but one lucky or unlucky rank does not set the fit)
@@ -969,7 +975,8 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     a2a_bw = a2a_bw_total * (n_procs - 1) / n_procs
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     p = Platform(
-        name="local", description=f"this machine: {n_procs} processes x {threads} threads, gloo",
+        name="local", description=f"this machine: {n_procs} processes x {threads} threads, gloo"
+                                  + (", each pinned to its cores" if pinned else ""),
         device=f"CPU process ({threads} threads)", backend="gloo", launcher="torchrun",
         hbm_bytes=ram / n_procs, gpus_per_node=n_procs,
         nic_bandwidth=p2p_bw, nics_per_node=n_procs, intra_node_bandwidth=a2a_bw,
@@ -992,7 +999,7 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                          f"processes (~{3 if quick else 10} s)")
         raw["pipeline"] = pipeline_probe_summary(run_local(
             pipeline_probe_worker, n_procs, 4 if quick else 15, threads=threads,
-            timeout_s=600.0))
+            timeout_s=600.0, cpu_affinity="auto"))
     p = dataclasses.replace(p, **residual_fields(raw, p))
     if raw_out is not None:
         raw_out.parent.mkdir(parents=True, exist_ok=True)

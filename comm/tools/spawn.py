@@ -21,6 +21,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from comm.tools.affinity import check_mode
+
 __all__ = ["run_local"]
 
 
@@ -33,11 +35,15 @@ def _worker(
     args: tuple[Any, ...],
     results: Any,
     threads: int,
+    cpu_affinity: str,
 ) -> None:
     # One intra-op thread per rank by default: up to 9 ranks share 2 cores in CI, and
     # oversubscription makes collective timings and test runtimes erratic.
     import torch
 
+    from comm.tools.affinity import pin_local_rank
+
+    pin_local_rank(cpu_affinity, rank, world, threads)  # before torch's and gloo's threads
     torch.set_num_threads(threads)
     try:
         dist.init_process_group(
@@ -67,19 +73,22 @@ def run_local(
     timeout_s: float = 120.0,
     start_method: str = "forkserver",
     threads: int = 1,
+    cpu_affinity: str = "none",
 ) -> list[Any]:
     """Call `fn(rank, world_size, group, *args)` on `world_size` spawned processes.
 
     `fn` must be importable by name (a module-level function); `group` is the WORLD group,
     also the default one. `start_method="spawn"` gives each rank a fresh interpreter (slower;
     use it where a fork server is unwanted); `threads` is each rank's torch intra-op thread
-    count. Returns the per-rank results in rank order; raises RuntimeError with the first
+    count; `cpu_affinity="auto"` pins the ranks as train.py does (`comm.tools.affinity`: each
+    rank its own cores where world x threads fill them). Returns the per-rank results in rank order; raises RuntimeError with the first
     failing rank's traceback, or on timeout.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    check_mode(cpu_affinity, "cpu_affinity")
     if start_method not in ("forkserver", "spawn"):
         raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
     ctx: ForkServerContext | SpawnContext  # a literal name each: typeshed types them
@@ -96,7 +105,8 @@ def run_local(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, init_file, backend, fn, args, results, threads),
+                args=(r, world_size, init_file, backend, fn, args, results, threads,
+                      cpu_affinity),
                 daemon=True,
             )
             for r in range(world_size)
