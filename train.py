@@ -112,10 +112,11 @@ def main(argv: list[str]) -> int:
         cfg = parse_args(argv)
         check_local_gpus(local_world, torch.cuda.device_count() if torch.cuda.is_available() else 0)
         threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world)
+        pinned = None
         if not torch.cuda.is_available():  # before the gloo threads start: they inherit it
             from comm.tools.affinity import pin_local_rank
 
-            pin_local_rank(cfg.train.cpu_affinity, int(os.environ.get("LOCAL_RANK", "0")),
+            pinned = pin_local_rank(cfg.train.cpu_affinity, int(os.environ.get("LOCAL_RANK", "0")),
                            local_world, threads, world)
         # elastic restarts: the layout of this attempt's world size (re-planned by rank 0 when
         # it differs from the checkpoint's: the one step that needs the process group early)
@@ -124,6 +125,7 @@ def main(argv: list[str]) -> int:
         prep = prepare(cfg, world, rank)  # every check on the request happens here, before any work
         prep.elastic = record
         prep.fb_memory = _fb_memory
+        prep.cpu_cores = pinned
     except ValueError as e:
         code = _report_bad_request(e, rank)
         if dist.is_initialized():

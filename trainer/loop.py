@@ -54,6 +54,7 @@ class Trainer:
         self.cfg, self.mcfg, self.mesh, self.corpus = prep.cfg, prep.mcfg, prep.mesh, prep.corpus
         self.resume_path, self.hf, self.rank = prep.resume_path, prep.hf, prep.mesh.rank
         self.elastic = prep.elastic  # the record checkpoints carry (trainer/elastic.py)
+        self.cpu_cores = prep.cpu_cores
         t = self.cfg.train
         self.device = pick_device()
         # compute / weight / reduction dtypes (trainer/distributed/precision.py); never silently fp32
@@ -197,8 +198,9 @@ class Trainer:
         zero = effective_zero(self.cfg.parallel.zero, self.mesh)
         log(f"precision: {self.precision.describe()} | ZeRO-{zero}"
             f"{' (FSDP2)' if zero == 3 else ''}"
-            f"{f' | {self.compiled} regions compiled (torch.compile)' if self.compiled else ''}",
-            self.rank)
+            f"{f' | {self.compiled} regions compiled (torch.compile)' if self.compiled else ''}"
+            + (f" | CPU affinity: each rank pinned to {len(self.cpu_cores)} core(s) of its own "
+               f"(rank 0: {self.cpu_cores})" if self.cpu_cores else ""), self.rank)
         end = min(t.steps, t.stop_after) if t.stop_after > 0 else t.steps
         sinks = Sinks(t, self.out, self.cfg.to_dict(), st.step, self.rank,
                       lambda msg: log(msg, self.rank))

@@ -90,6 +90,9 @@ class Prepared:
     # `tuner.fb_memory.fb_memory_of_run`, the trainer sits below the tuner); None: not known,
     # so auto does not pick fb (`trainer.build.resolve_a2a`)
     fb_memory: Callable[..., tuple[float, float]] | None = None
+    # the cores train.py pinned this rank to (--train.cpu_affinity, comm.tools.affinity);
+    # None: placement left to the OS
+    cpu_cores: list[int] | None = None
 
 
 def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:

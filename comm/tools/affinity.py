@@ -1,14 +1,14 @@
 """Pinning each local CPU rank to its own cores (`--train.cpu_affinity`).
 
 On a single-node CPU run whose processes x intra-op threads exactly fill the cores this job
-may use (its affinity mask), "auto" pins local rank r to the r-th block of `threads` cores. Left to
-the OS, two ranks on two cores lose 10-15 % of an EP step on this project's 2-core VM: a
-rank that wakes from a gloo all-to-all is placed on whichever core is free, and its gloo
-threads preempt the peer that is still computing (docs/planner.md, "Pinned ranks"). Where
-the processes share cores, leave some to other jobs, or the job spans several nodes (which
-may be emulated on one machine, `comm.emulate`), nothing is pinned: a fixed split would stack
-the other processes on the same cores. GPU runs are not touched (their CPU binding is
-the launcher's: `torchrun --numa-binding`, `srun --cpu-bind`).
+may use (its affinity mask), "auto" pins local rank r to the r-th block of `threads` cores.
+Left to the OS, two ranks on this project's 2-core VM ran an EP step 6-15 % and a DP step
+2-9 % longer, and a profiled DP step showed the same work taking ~25 % longer on one rank
+than on the other (docs/planner.md, "Pinned ranks"; which OS placement costs it was not
+separated). Where the processes share cores, leave some to other jobs, or the job spans
+several nodes (which may be emulated on one machine, `comm.emulate`), nothing is pinned: a
+fixed split would stack the other processes on the same cores. GPU runs are not touched
+(their CPU binding is the launcher's, e.g. `srun --cpu-bind`).
 
 `tuner measure` pins its workers by the same rule, so a platform is measured the way the
 trainer runs.
