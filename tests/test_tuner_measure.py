@@ -118,6 +118,17 @@ def test_zero_copy_rate_times_the_trainers_pack_and_unpack():
     assert all(torch.equal(a, b) for a, b in zip(ws, before, strict=True))
 
 
+def test_loss_rate_times_the_trainers_cross_entropy():
+    """`loss_rate`: logit bytes per second of `model.cross_entropy` forward + backward; the
+    same logits at twice the tokens take about twice as long (the rate is per byte), within
+    the 3x a loaded 2-core machine's timing spread allows."""
+    from tuner.measure import loss_rate
+
+    small, large = loss_rate(5, 256, 1024), loss_rate(5, 1024, 1024)
+    assert small > 0 and large > 0
+    assert 1 / 3 < large / small < 3
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_quick_measurement_on_this_machine(tmp_path):
@@ -144,6 +155,8 @@ def test_quick_measurement_on_this_machine(tmp_path):
     assert p.grouped_table is not None and p.attention_table is not None
     # ZeRO's pack / unpack pass: a copy of each byte, so within a few x of the copy rate
     assert 0 < p.zero_copy_bandwidth < 4 * p.hbm_bandwidth
+    # the loss: a few passes over the logits (log-softmax, its gradient), below a copy's rate
+    assert 0 < p.loss_bandwidth < 4 * p.hbm_bandwidth
     # 8 rows per expert: each expert's [8, 128] x [128, 256] GEMMs are dominated by per-call
     # costs, so they run below 128 rows per expert (16x more work per call)
     assert p.grouped_eff(8, 256, 128) < p.grouped_eff(128, 256, 128)

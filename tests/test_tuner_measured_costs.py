@@ -199,6 +199,38 @@ def test_zero_copy_rate_measured_else_half_the_copy_bandwidth(tmp_path) -> None:
         _local(zero_copy_bandwidth=-1.0)
 
 
+def test_loss_time_measured_else_not_priced(tmp_path) -> None:
+    """`loss_bandwidth_gbs`: the file round trip, the named error, the time by hand (fp32
+    logits: tokens x vocab x 4 B at the rate), 0 where not measured (every GPU file)."""
+    p = _local(loss_bandwidth=2.0e9)
+    back = load_platform(write_platform_toml(p, tmp_path / "m.toml", {}))
+    assert back.loss_bandwidth == pytest.approx(2.0e9)
+    assert back.loss_time(512, 2048) == pytest.approx(512 * 2048 * 4 / 2.0e9, rel=1e-9)
+    assert _local().loss_time(512, 2048) == 0.0
+    assert load_platform("dgx-h100").loss_time(4096, 129280) == 0.0
+    with pytest.raises(ValueError, match="loss_bandwidth=-1.0 must be >= 0"):
+        _local(loss_bandwidth=-1.0)
+
+
+@pytest.mark.parametrize("pp, m", [(1, 1), (1, 4), (2, 4)])
+def test_estimate_prices_the_loss_once_per_micro_batch_on_the_last_stage(pp: int, m: int) -> None:
+    """The loss term: each micro-batch's logits (its tokens x vocab, fp32) once, on the last
+    stage only. With PP 1 the step grows by exactly m x that time; with PP 2 (one device per
+    rank) the busiest stage's compute does: the last one, which holds the head."""
+    cfg = presets.get("tiny")
+    plan = ParallelPlan(pp=pp, ep=1, dp=1, microbatches=m, global_batch=8, seq_len=128)
+    asm = Assumptions(activation_set="trainer", shared_cores=False)
+    rate = 1.5e9
+    runs = {r: estimate(cfg, plan, _local(gpus_per_node=pp, nics_per_node=pp, loss_bandwidth=r),
+                        FP32_TRAINER_PRECISION, asm) for r in (0.0, rate)}
+    one = (8 // m) * 128 * cfg.vocab_size * 4 / rate  # a micro-batch's logits at the rate
+    if pp == 1:
+        assert runs[rate].step_time - runs[0.0].step_time == pytest.approx(m * one, rel=1e-9)
+    else:  # the busiest rank's parts: the last stage (2 of the 4 layers and the head)
+        assert runs[rate].time["compute"] - runs[0.0].time["compute"] == pytest.approx(
+            m * one, rel=1e-9)
+
+
 def _tiny_numel(expert: bool | None = None) -> int:
     """Elements of the tiny preset's parameters, counted on the torch module (all, or only
     the routed experts' / only the others')."""

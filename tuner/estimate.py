@@ -972,7 +972,7 @@ def step_time_lower_bound(cfg: ModelConfig, plan: ParallelPlan, platform: Platfo
     fastest rate the closed form allows (intra-node share at the intra-node rate, off-node
     share, x the dedup factor for dedup and auto, at the NIC rate, whichever takes longer; no
     latency: flat, halo and dedup take at least that; 0 when overlapped), the pipeline bubble,
-    and the optimizer. Dropped (all >= 0): latencies, P2P, DP sync, TP/CP/ETP/ZeRO-3
+    and the optimizer. Dropped (all >= 0): the loss's elementwise work, latencies, P2P, DP sync, TP/CP/ETP/ZeRO-3
     collectives, the algorithm's extra phases, the host floor (`Assumptions.host_floor`). Valid for the closed-form all-to-all model
     only; the planner uses it to skip full evaluations of points that cannot beat its
     incumbent. `stages`: `stage_memory(...)` of the same arguments when the caller has it."""
@@ -1120,6 +1120,10 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                 # platform's measured fraction (0 unless measured); the first stage, fed token
                 # ids, has no input gradient and runs its backward plain
                 chunk *= 1.0 + pf.split_backward_extra
+            if stage == plan.pp * plan.n_virtual - 1:
+                # the loss's log-softmax over the vocab, forward + backward, per output layer
+                # (vocab-parallel under TP: t_attn x tp tokens x V / tp; measured on CPU, else 0)
+                chunk += (1 + asm.mtp_layers) * pf.loss_time(t_attn, cfg.vocab_size)
             acc["compute"] += chunk
             if asm.activation_traffic_passes:
                 act = sum(sum(_layer_act(kinds[cfg.is_moe_layer(i)], plan.checkpointing, t_attn,

@@ -44,6 +44,9 @@ as the median of repeats after a warm-up:
                   preset's weights, in all processes at once: torch.cat of the weights into
                   one buffer, then one copy_ per parameter back out of it ->
                   zero_copy_bandwidth (weight bytes per second of one pass)
+    loss          `model.cross_entropy` forward + backward over fp32 logits [1024, 2048]
+                  (the trainer's loss), in all processes at once -> loss_bandwidth (logit
+                  bytes per second)
     small all-reduce  all_reduce of 16 fp64 values over all `n_procs` processes (the step's
                   loss, norm and metrics all-reduces) -> sync_latency (the slowest rank's
                   median)
@@ -95,7 +98,7 @@ __all__ = ["compute_fields", "elementwise_bandwidth_fit", "ep_layer_extra", "ep_
            "measure_platform", "fit_latency_bandwidth", "write_platform_toml",
            "p2p_one_way_s", "emulator_platform", "emulator_payload_share", "parse_emulator_shape",
            "write_emulator_platform", "copy_bandwidth", "tiny_params_with_grads",
-           "zero_copy_rate", "optimizer_rate", "collective_times", "median_platform",
+           "zero_copy_rate", "loss_rate", "optimizer_rate", "collective_times", "median_platform",
            "shared_pipeline_factor", "PIPE_PROBE", "pipeline_probe_worker",
            "pipeline_probe_summary", "residual_fields"]
 
@@ -471,13 +474,16 @@ def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, thre
     grad_flatten, grad_norm = _grad_pass_rates(grads, reps)
     dist.barrier(group)
     zero_copy = zero_copy_rate(params, reps)
+    dist.barrier(group)
+    loss = loss_rate(reps)
     _say(rank, verbose, f"decoder layer at {BLOCK_TOKENS[q]} tokens ({time.perf_counter() - t0:.0f} s so far)")
     block = _block_times(BLOCK_TOKENS[q], reps, group)
     return {"block": block, "rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
             "overhead": overhead, "widths": widths, "grid": grid, "grouped_rows": grouped_rows,
             "attn_grid": attn_grid, "optimizer": optimizer, "split_extra": split_extra,
             "split_share": split_share,
-            "grad_flatten": grad_flatten, "grad_norm": grad_norm, "zero_copy": zero_copy}
+            "grad_flatten": grad_flatten, "grad_norm": grad_norm, "zero_copy": zero_copy,
+            "loss": loss}
 
 
 def _block_times(tokens: Sequence[int], repeats: int, group: dist.ProcessGroup | None) -> list[float]:
@@ -587,6 +593,23 @@ def _grad_pass_rates(grads: list[torch.Tensor], repeats: int) -> tuple[float, fl
 
     return (nbytes / _median_time(flatten, repeats, warmup=2),
             nbytes / _median_time(norm, repeats, warmup=2))
+
+
+def loss_rate(repeats: int, tokens: int = 1024, vocab: int = 2048) -> float:
+    """fp32 logit bytes per second of the trainer's loss, `model.cross_entropy`, forward +
+    backward over [tokens, vocab] logits (log-softmax over the vocab and its gradient: the
+    loss's elementwise work, beside the head GEMM that `tuner.costs.head_fwd` prices)."""
+    from model.transformer import cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(tokens, vocab, generator=g).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+
+    def step() -> None:
+        logits.grad = None
+        cross_entropy(logits, targets).backward()
+
+    return tokens * vocab * 4 / _median_time(step, repeats, warmup=2)
 
 
 def zero_copy_rate(params: Sequence[torch.Tensor], repeats: int) -> float:
@@ -966,6 +989,7 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     fields["grad_flatten_bandwidth"] = statistics.median(r["grad_flatten"] for r in per_rank)
     fields["grad_norm_bandwidth"] = statistics.median(r["grad_norm"] for r in per_rank)
     fields["zero_copy_bandwidth"] = statistics.median(r["zero_copy"] for r in per_rank)
+    fields["loss_bandwidth"] = statistics.median(r["loss"] for r in per_rank)
     # the slowest rank's median: a collective ends when its last member arrives
     fields["sync_latency"] = max(r["sync"] for r in per_rank_comm)
     a2a_lat, a2a_bw_total = fit_latency_bandwidth(sizes, res["a2a"])
@@ -1038,6 +1062,8 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         "grad_norm_bandwidth_gbs": "fp32 grad bytes / s of the fp64 squared norm, tiny preset",
         "zero_copy_bandwidth_gbs": "fp32 weight bytes / s of one pass of ZeRO's broadcast "
                                    "pack (cat) / unpack (copy_ per parameter), tiny preset",
+        "loss_bandwidth_gbs": "fp32 logit bytes / s of model.cross_entropy fwd+bwd, [1024, "
+                              "2048] logits",
         "elementwise_bandwidth_gbs": f"{CPU_TRAFFIC_PASSES:g} passes over the saved activations "
                                      f"/ s: tiny layer fwd+bwd at {BLOCK_TOKENS[0]} tokens minus "
                                      f"its GEMM / attention / overhead price (0: not positive)",

@@ -44,7 +44,9 @@ absent: the step is memory bound, 2 x the state bytes / hbm_bandwidth (`optimize
 `[memory] elementwise_bandwidth_gbs` (measured on CPU): the rate of the activation traffic term,
 see the field; absent: hbm_bandwidth. `[memory] zero_copy_bandwidth_gbs` (measured on CPU):
 weight bytes per second of one pass of per-parameter ZeRO's broadcast pack / unpack, see the
-field; absent: hbm_bandwidth / 2 (`zero_copy_rate`).
+field; absent: hbm_bandwidth / 2 (`zero_copy_rate`). `[memory] loss_bandwidth_gbs` (measured
+on CPU): fp32 logit bytes per second of the trainer's cross-entropy forward + backward, see
+the field; absent: the loss's elementwise work is not priced (every GPU file).
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("memory", "grad_norm_bandwidth_gbs", "grad_norm_bandwidth", 1e9),
     ("memory", "elementwise_bandwidth_gbs", "elementwise_bandwidth", 1e9),
     ("memory", "zero_copy_bandwidth_gbs", "zero_copy_bandwidth", 1e9),
+    ("memory", "loss_bandwidth_gbs", "loss_bandwidth", 1e9),
     ("node", "gpus_per_node", "gpus_per_node", 1),
     ("node", "nodes_per_domain", "nodes_per_domain", 1),
     ("node", "nodes_per_group", "nodes_per_group", 1),
@@ -326,6 +329,11 @@ class Platform:
     # so each byte of such a bucket takes one pass on every rank of its group
     # (`zero_copy_rate`, `tuner.estimate._dp_collectives`)
     zero_copy_bandwidth: float = 0.0
+    # Measured on CPU (0 = not measured, not priced): fp32 logit bytes (tokens x vocab x 4)
+    # per second of `model.cross_entropy`'s forward + backward (log-softmax over the vocab,
+    # its gradient), which no GEMM or activation term holds: ~10 ms per step of the README's
+    # tiny Mixtral (vocab 2048, 512 tokens per rank) on 4 processes here (`loss_time`)
+    loss_bandwidth: float = 0.0
     # CPU platforms (`tuner measure`: the machine's cores as the OS reports them and the
     # intra-op threads each process got): with more processes x threads than cores the
     # processes share the cores, and a rank waiting in the pipeline gives its share to the
@@ -395,7 +403,7 @@ class Platform:
             raise ValueError(f"platform {self.name!r}: optimizer_bandwidth="
                              f"{self.optimizer_bandwidth} must be >= 0 (0 = memory bound)")
         for key in ("grad_flatten_bandwidth", "grad_norm_bandwidth", "sync_latency",
-                    "elementwise_bandwidth", "zero_copy_bandwidth"):
+                    "elementwise_bandwidth", "zero_copy_bandwidth", "loss_bandwidth"):
             if getattr(self, key) < 0:
                 raise ValueError(f"platform {self.name!r}: {key}={getattr(self, key)} must be "
                                  f">= 0 (0 = not measured)")
@@ -536,6 +544,11 @@ class Platform:
         if self.optimizer_bandwidth:
             return state_bytes / self.optimizer_bandwidth
         return 2 * state_bytes / self.hbm_bandwidth
+
+    def loss_time(self, tokens: float, vocab: int) -> float:
+        """Seconds of the cross-entropy's forward + backward over `tokens` x `vocab` fp32
+        logits at the measured `loss_bandwidth`; 0 where it was not measured."""
+        return tokens * vocab * 4 / self.loss_bandwidth if self.loss_bandwidth else 0.0
 
     @property
     def zero_copy_rate(self) -> float:
