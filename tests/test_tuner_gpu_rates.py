@@ -191,3 +191,23 @@ def test_zero3_on_cpu_hides_nothing_and_adds_the_measured_overhead() -> None:
     assert zero3_layer_overhead(0.0, 2, cpu) == 0.0
     with pytest.raises(ValueError, match="zero3_layer_overhead_us"):
         dataclasses.replace(PF, zero3_layer_overhead=-1e-3)
+
+
+def test_zero3_constant_of_the_fsdp_group_size() -> None:
+    """`zero3_pair_overhead`: the constant measured over concurrent pairs prices layouts whose
+    FSDP groups (a stage's ranks) are pairs; any other group size takes the one measured over
+    all processes, as does every layout where no pair value was measured."""
+    cfg = _mha(L=4)
+    pb = PUBLISHED_PRECISION
+    base = dataclasses.replace(PF, gpus_per_node=4, cores_per_node=4, threads_per_process=1)
+    both = dataclasses.replace(base, zero3_layer_overhead=0.08, zero3_pair_overhead=0.03)
+    pairs = ParallelPlan(pp=2, ep=1, dp=2, microbatches=2, global_batch=8, seq_len=16, zero=3)
+    fours = ParallelPlan(pp=1, ep=1, dp=4, microbatches=2, global_batch=8, seq_len=16, zero=3)
+    assert both.zero3_overhead(2) == 0.03 and both.zero3_overhead(4) == 0.08
+    assert base.zero3_overhead(2) == 0.0
+    only = {v: dataclasses.replace(base, zero3_layer_overhead=v) for v in (0.03, 0.08)}
+    # the reference: a platform whose one constant is the value the group size should take
+    assert estimate(cfg, pairs, both, pb).step_time == estimate(cfg, pairs, only[0.03], pb).step_time
+    assert estimate(cfg, fours, both, pb).step_time == estimate(cfg, fours, only[0.08], pb).step_time
+    with pytest.raises(ValueError, match="zero3_pair_overhead_us"):
+        dataclasses.replace(PF, zero3_pair_overhead=-1e-3)

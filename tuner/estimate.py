@@ -1068,7 +1068,9 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
     w_layer = {moe: _layer_weights(kinds[moe], plan, cfg) for moe in kinds}
     # fixed compute per layer and micro-batch: the platform's per-layer overhead and, under
     # ZeRO-3, FSDP2's own work (measured on CPU, else 0); compute, so it shares the cores
-    fixed = pf.layer_overhead + (pf.zero3_layer_overhead if plan.zero == 3 else 0.0)
+    # (the constant of FSDP groups of this size: a stage's ranks)
+    fixed = pf.layer_overhead + (pf.zero3_overhead(plan.n_gpus // plan.pp)
+                                 if plan.zero == 3 else 0.0)
 
     keys = ("compute", "alltoall", "p2p", "tp", "cp", "etp", "zero3", "host")
     per_rank = []

@@ -269,15 +269,17 @@ def ep_layer_times(group: dist.ProcessGroup | None, world: int, rounds: int, cfg
     return statistics.median(times["local"]), statistics.median(times["ep"])
 
 
-def zero3_layer_times(world: int, rounds: int, tokens: int = 1024, warmup: int = 2
-                      ) -> dict[str, float] | None:
+def zero3_layer_times(world: int, rounds: int, tokens: int = 1024, warmup: int = 2,
+                      group: int = 0) -> dict[str, float] | None:
     """Median seconds of the tiny preset's forward + backward (`tokens` tokens per rank in
     sequences of its max_seq_len) and of the trainer's AdamW step (foreach=False) over it:
     the same model twice from one seed, one sharded over all `world` processes by the
     trainer's FSDP2 wrapping (`trainer.distributed.zero3.shard_model`, fp32), one plain;
     alternated round by round, each round's time the slowest rank's. Keys: plain, zero3
     (fwd + bwd), plain_opt, zero3_opt. Every rank makes the same calls (the mesh's groups,
-    the gathers). None with one process (nothing to shard over)."""
+    the gathers). None with one process (nothing to shard over). `group` (dividing `world`;
+    0 = all): shard over concurrent groups of that many processes instead (the mesh's stage
+    groups: a PP mesh of world / group stages, each holding the whole model here)."""
     if world < 2:
         return None
     from model import MoETransformer, presets
@@ -288,7 +290,10 @@ def zero3_layer_times(world: int, rounds: int, tokens: int = 1024, warmup: int =
 
     cfg = presets.get("tiny")
     rank = dist.get_rank()
-    mesh = Mesh.plan(world, rank, pp=1, ep=1).build_groups()
+    g = group or world
+    if world % g:
+        raise ValueError(f"group={group} must divide world={world}")
+    mesh = Mesh.plan(world, rank, pp=world // g, ep=1).build_groups()
     models: dict[str, Any] = {}
     opts: dict[str, torch.optim.Optimizer] = {}
     for kind in ("plain", "zero3"):
@@ -691,6 +696,9 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: 
     z3 = zero3_layer_times(world, 3 * repeats)
     out["zero3_extra"] = 0.0 if z3 is None else z3["zero3"] - z3["plain"]
     out["zero3_opt_extra"] = 0.0 if z3 is None else z3["zero3_opt"] - z3["plain_opt"]
+    if world >= 4 and world % 2 == 0:  # the same over concurrent pairs (the constant's size)
+        z3p = zero3_layer_times(world, 3 * repeats, group=2)
+        out["zero3_pair_extra"] = 0.0 if z3p is None else z3p["zero3"] - z3p["plain"]
     if coll_sizes:
         out["coll"] = {world: collective_times(rank, group, 0, coll_sizes, repeats)}
         if world >= 4 and world % 2 == 0:  # every rank in a pair: same barrier count
@@ -940,6 +948,9 @@ def residual_fields(raw: dict[str, Any], p: Platform) -> dict[str, Any]:
         # dispatch and a combine, forward and backward; their bytes are negligible at 4 tokens)
         "ep_layer_overhead": max(0.0, raw["ep_extra_s"] - 4 * max(p.intra_node_latency, 0.0)),
         "zero3_layer_overhead": zero3_layer_overhead(raw["zero3_extra_s"], raw["n_procs"], p),
+        # raw files from before the pair probe lack it: 0, not measured
+        "zero3_pair_overhead": zero3_layer_overhead(raw["zero3_pair_extra_s"], 2, p)
+        if raw.get("zero3_pair_extra_s") else 0.0,
         "zero3_optimizer_overhead": max(0.0, raw["zero3_opt_extra_s"]
                                         / presets.get("tiny").n_layers),
         "shared_pipeline_factor": 1.0,
@@ -1015,6 +1026,8 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         "ep_extra_s": res["ep_extra"],
         "zero3_extra_s": statistics.median(r["zero3_extra"] for r in per_rank_comm),
         "zero3_opt_extra_s": statistics.median(r["zero3_opt_extra"] for r in per_rank_comm),
+        "zero3_pair_extra_s": statistics.median(r.get("zero3_pair_extra", 0.0)
+                                                for r in per_rank_comm),
         "pipeline": None,
     }
     piped = n_procs % 2 == 0 and p.shares_cores(n_procs)
@@ -1043,6 +1056,8 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         "zero3_layer_overhead_us": "ZeRO-3 (the trainer's FSDP2) tiny model fwd+bwd over the "
                                    "processes minus plain, per layer, minus its modelled "
                                    "gathers and reduce-scatter",
+        "zero3_pair_overhead_us": "the same over concurrent groups of 2 processes (0: fewer "
+                                  "than 4 processes, not measured)",
         "zero3_optimizer_overhead_us": "AdamW step over those DTensor shards minus over the "
                                        "plain model, per layer",
         "shared_pipeline_factor": (f"1F1B pipeline, 2 stages x {n_procs // 2} processes "

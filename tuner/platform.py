@@ -74,6 +74,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("compute", "split_backward_extra", "split_backward_extra", 1.0),
     ("compute", "split_backward_input_share", "split_backward_input_share", 1.0),
     ("compute", "zero3_layer_overhead_us", "zero3_layer_overhead", 1e-6),
+    ("compute", "zero3_pair_overhead_us", "zero3_pair_overhead", 1e-6),
     ("compute", "shared_pipeline_factor", "shared_pipeline_factor", 1.0),
     ("memory", "zero3_optimizer_overhead_us", "zero3_optimizer_overhead", 1e-6),
     ("memory", "hbm_gb", "hbm_bytes", 1e9),
@@ -277,6 +278,11 @@ class Platform:
     # (the trainer's FSDP2) adds beyond the model's price of its gathers and reduce-scatter
     # (FSDP2's per-group copies and DTensor work in Python); 0 where not measured (GPU files)
     zero3_layer_overhead: float = 0.0
+    # The same, measured with the processes sharded in concurrent groups of 2 (FSDP2 over each
+    # pair): the constant depends on the group's size (4 processes on this project's 2 cores:
+    # 45-47 ms per layer over pairs, 63-81 over one group of 4); used for layouts whose FSDP
+    # groups are pairs (`zero3_overhead`). 0 where not measured (fewer than 4 processes, GPU)
+    zero3_pair_overhead: float = 0.0
     # Measured on CPU where processes share the cores (`tuner measure`): a real pipeline's
     # step / the shared-core replay's price of it (`tuner.sharing`, its actions timed with
     # every process computing); the estimate scales a replayed pipeline by it. 1 where not
@@ -389,6 +395,7 @@ class Platform:
             raise ValueError(f"platform {self.name!r}: split_backward_extra="
                              f"{self.split_backward_extra} must be >= 0")
         for name, v in (("zero3_layer_overhead_us", self.zero3_layer_overhead),
+                        ("zero3_pair_overhead_us", self.zero3_pair_overhead),
                         ("zero3_optimizer_overhead_us", self.zero3_optimizer_overhead)):
             if v < 0:
                 raise ValueError(f"platform {self.name!r}: {name}={v * 1e6} must be >= 0")
@@ -544,6 +551,12 @@ class Platform:
         if self.optimizer_bandwidth:
             return state_bytes / self.optimizer_bandwidth
         return 2 * state_bytes / self.hbm_bandwidth
+
+    def zero3_overhead(self, group: int) -> float:
+        """ZeRO-3's measured per-layer constant for FSDP groups of `group` ranks: the pair
+        value where groups are pairs and it was measured, else `zero3_layer_overhead`."""
+        return self.zero3_pair_overhead if group == 2 and self.zero3_pair_overhead \
+            else self.zero3_layer_overhead
 
     def loss_time(self, tokens: float, vocab: int) -> float:
         """Seconds of the cross-entropy's forward + backward over `tokens` x `vocab` fp32
