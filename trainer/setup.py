@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from comm.tools.affinity import AFFINITY_MODES
+from comm.tools.affinity import check_mode
 from model.attention import DOC_ATTENTION
 
 from .checkpoint import CheckpointError, check_same_model, find_latest, read_meta
@@ -211,8 +211,7 @@ def prepare(cfg: RunConfig, world_size: int, rank: int) -> Prepared:
             raise ConfigError(f"balance.method={bal.method!r}; valid: default, {', '.join(METHODS)}")
         MigrationPolicy(threshold=bal.threshold, window=bal.window, cooldown=bal.cooldown,
                         max_swaps=bal.max_swaps)  # raises ValueError naming a bad value
-    if t.cpu_affinity not in AFFINITY_MODES:
-        raise ConfigError(f"train.cpu_affinity={t.cpu_affinity!r}; valid: {', '.join(AFFINITY_MODES)}")
+    check_mode(t.cpu_affinity)  # the affinity module's own check (ValueError naming the value)
     if t.nan_policy not in ("skip", "stop"):
         raise ConfigError(f"train.nan_policy={t.nan_policy!r}; valid: skip, stop")
     if t.timeout_s <= 0:
