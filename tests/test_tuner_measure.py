@@ -185,8 +185,12 @@ def test_shared_pipeline_factor_by_hand():
     def rank(step):
         return {"F": [1.0, 1.0, 1.0], "B": [2.0, 2.0, 2.0], "step": [step, 14.0, 16.0]}
 
+    # the step: the median over the first stage's ranks (0, 1) and rounds: 14, 14, 15,
+    # 15.5, 16, 16 -> 15.25; the second stage's (ranks 2, 3: 99 s) do not count
+    summary = pipeline_probe_summary([rank(15.0), rank(15.5), rank(99.0), rank(99.0)])
+    assert summary == {"procs": 4.0, "F0": 1.0, "B0": 2.0, "F1": 1.0, "B1": 2.0, "step": 15.25}
     summary = pipeline_probe_summary([rank(15.0) for _ in range(4)])
-    assert summary == {"procs": 4.0, "F0": 1.0, "B0": 2.0, "F1": 1.0, "B1": 2.0, "step": 15.0}
+    assert summary["step"] == 15.0
     pf = _no_hop_platform()
     assert shared_pipeline_factor(summary, pf) == pytest.approx(15.0 / 12.0, rel=1e-9)
     # priced hand-overs make the replay longer, so the same step is a smaller factor
@@ -242,8 +246,8 @@ def test_median_platform_fits_the_fitted_fields_again_against_the_median(tmp_pat
 @pytest.mark.multiproc
 def test_pipeline_probe_runs_a_real_pipeline():
     # the probe on 4 gloo processes (2 stages x 2): every rank reports its stage's forward
-    # and backward and the same (slowest) step per round; the factor is a ratio of a real
-    # pipeline to its replay, which on any machine lies well inside (0.3, 3)
+    # and backward and its own step per round; the factor is a ratio of a real pipeline to
+    # its replay, which on any machine lies well inside (0.3, 3)
     from comm import run_local
     from tuner.measure import (
         PIPE_PROBE,
@@ -254,7 +258,7 @@ def test_pipeline_probe_runs_a_real_pipeline():
 
     per_rank = run_local(pipeline_probe_worker, 4, 2, threads=1, timeout_s=300.0)
     assert all(len(r[k]) == 2 for r in per_rank for k in ("F", "B", "step"))
-    assert all(r["step"] == per_rank[0]["step"] for r in per_rank)
+    assert all(t > 0 for r in per_rank for t in r["step"])
     f = [min(r["F"]) for r in per_rank]
     # a step holds every micro-batch's forward of a stage, each no faster than with its
     # stage alone on the cores (2x the all-computing rate)

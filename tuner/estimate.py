@@ -1074,9 +1074,11 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
 
     keys = ("compute", "alltoall", "p2p", "tp", "cp", "etp", "zero3", "host")
     per_rank = []
+    ep_cpu = []  # per rank: the EP path's fixed cost, CPU work inside the "alltoall" key
     hidden = 0.0
     for r, chunks in enumerate(_rank_chunks(cfg, plan, asm.mtp_layers)):
         acc = dict.fromkeys(keys, 0.0)
+        ep_fixed = 0.0
         a2a_total = 0.0
         for s_local, c in enumerate(chunks):
             fwd = rec = 0.0
@@ -1103,6 +1105,7 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                                                   plan, pf, groups["ep"], asm)
                     if groups["ep"].size > 1:  # the EP path's fixed cost (platform, measured)
                         acc["alltoall"] += pf.ep_layer_overhead
+                        ep_fixed += pf.ep_layer_overhead
                         device += pf.ep_layer_overhead
                 for k, v in layer_collectives(lc, parts, rc, t_attn, t_exp, cfg, plan, pf, pb,
                                                groups, w_layer[lc.is_moe],
@@ -1134,6 +1137,7 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                     / pf.traffic_bandwidth
             acc["p2p"] += 2 * hop * (1 - asm.p2p_overlap)
         per_rank.append({k: v * plan.microbatches for k, v in acc.items()})
+        ep_cpu.append(ep_fixed * plan.microbatches)
         hidden = max(hidden, (a2a_total - acc["alltoall"]) * plan.microbatches)
     busiest = max(range(plan.pp), key=lambda r: sum(per_rank[r].values()))
     busy = sum(per_rank[busiest].values())
@@ -1141,9 +1145,13 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
     shared = asm.shared_cores and plan.pp > 1 and pf.shares_cores(plan.n_gpus)
     if shared:
         # processes share the node's cores: replay the schedule with the waiting ranks' share
-        # given to the busy ones (`tuner.sharing`); compute is the part that uses a core
-        # and scale it by what the platform measured a real pipeline to take over the replay
-        pipe = busy * shared_span(plan, pf, per_rank[busiest]["compute"] / busy if busy else 1.0) \
+        # given to the busy ones (`tuner.sharing`); compute is the part that uses a core,
+        # and so is the EP path's measured fixed cost (the dispatcher's work and the waits
+        # for partner processes to get a core, measured with every process computing: with
+        # fewer computing it shrinks like compute); the exchanges' own price waits without
+        # one. Scaled by what the platform measured a real pipeline to take over the replay
+        cpu = per_rank[busiest]["compute"] + ep_cpu[busiest]
+        pipe = busy * shared_span(plan, pf, cpu / busy if busy else 1.0) \
             * pf.shared_pipeline_factor
 
     dp_sync, dp_parts = -1.0, {}

@@ -731,7 +731,8 @@ def pipeline_probe_worker(rank: int, world: int, group: dist.ProcessGroup | None
     ["microbatches"] micro-batches of PIPE_PROBE["tokens"] tokens. Each round first times the
     stage's forward and backward of one micro-batch with every process computing at once (the
     rate the platform's other entries are measured at), then one pipelined step. Returns this
-    rank's per-round times: "F", "B" and "step" (the step the slowest process's)."""
+    rank's per-round times: "F", "B" and "step" (this rank's own pipelined step, as the
+    trainer times a step on each rank)."""
     import pipeline
     from model import presets
     from model.transformer import Block
@@ -768,20 +769,26 @@ def pipeline_probe_worker(rank: int, world: int, group: dist.ProcessGroup | None
         dist.barrier(group)
         t3 = time.perf_counter()
         rt.step(None if stage else xs, ys if stage else None)
-        step = torch.tensor([time.perf_counter() - t3])
-        dist.all_reduce(step, dist.ReduceOp.MAX, group=group)
+        step = time.perf_counter() - t3
         mod.zero_grad(set_to_none=True)
         if i >= 2:
             out["F"].append(t1 - t0)
             out["B"].append(t2 - t1)
-            out["step"].append(float(step))
+            out["step"].append(step)
     return out
 
 
 def pipeline_probe_summary(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
     """`pipeline_probe_worker`'s results of every rank -> {"procs": processes, "F0", "B0",
     "F1", "B1": each stage's forward and backward at the all-computing rate (medians over the
-    stage's processes and the rounds), "step": the median round's pipelined step}."""
+    stage's processes and the rounds), "step": the pipelined step as the trainer reports it,
+    its first stage's (1F1B ends with that stage's last backward; the trainer's step times
+    are rank 0's): the median over the first stage's processes and the rounds}.
+
+    The first stage's own time, not the slowest process's: the stage's processes run
+    independent pipelines here (each pairs with one process of the other stage), and the
+    slowest of them read 1-4 % above the first stage's median in three probes on this
+    project's VM (2026-12-06, docs/planner.md "Shared cores")."""
     world = len(per_rank)
     if world < 2 or world % 2:
         raise ValueError(f"pipeline probe results of {world} ranks; need an even count >= 2")
@@ -789,7 +796,8 @@ def pipeline_probe_summary(per_rank: list[dict[str, list[float]]]) -> dict[str, 
     med = statistics.median
     out = {f"{k}{s}": med(v for r in per_rank[s * half:(s + 1) * half] for v in r[k])
            for s in (0, 1) for k in ("F", "B")}
-    return {"procs": float(world), **out, "step": med(per_rank[0]["step"])}
+    return {"procs": float(world), **out,
+            "step": med(v for r in per_rank[:half] for v in r["step"])}
 
 
 def shared_pipeline_factor(summary: dict[str, float], pf: Platform) -> float:
