@@ -221,6 +221,13 @@ def test_estimate_prices_auto_as_the_mode_it_resolves_to():
             note = next(n for n in e.notes if n.startswith("a2a_overlap auto: "))
             if want == "none":
                 assert f"the trial would keep none: {mode} prices" in note
+                # the plain plan's estimate whole, with auto's note after the precision note
+                why = resolve_overlap(cfg, plan, pf, precision, asm)[2]
+                assert why in note
+                assert dataclasses.replace(e, notes=()) == dataclasses.replace(same, notes=())
+                at = next(i for i, n in enumerate(e.notes) if n.startswith("precision: ")) + 1
+                assert e.notes[at] == note
+                assert e.notes[:at] + e.notes[at + 1:] == same.notes
             else:
                 assert note.startswith(f"a2a_overlap auto: {mode} / 2 chunks")
     assert seen == {True, False}  # both outcomes

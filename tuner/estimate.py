@@ -1038,12 +1038,24 @@ def estimate(model_cfg: ModelConfig, parallel_cfg: ParallelPlan, platform: Platf
     if parallel_cfg.a2a_overlap == "auto" and plan.a2a_overlap != "none":
         plain = _estimate(model_cfg, plan.replace(a2a_overlap="none"), platform, precision,
                           asm, "")
-        if got.step_time >= plain.step_time:
-            return _estimate(model_cfg, plan.replace(a2a_overlap="none"), platform, precision,
-                             asm, f"{auto_why}; the trial would keep none: {plan.a2a_overlap} "
-                                  f"prices {got.step_time:.4g} s against none's "
-                                  f"{plain.step_time:.4g} s")
+        if got.step_time >= plain.step_time:  # the plain estimate, with auto's note
+            why = (f"{auto_why}; the trial would keep none: {plan.a2a_overlap} prices "
+                   f"{got.step_time:.4g} s against none's {plain.step_time:.4g} s")
+            return dataclasses.replace(plain, notes=_with_auto_note(
+                plain.notes, _auto_note(plain.plan, asm, why)))
     return got
+
+
+def _auto_note(plan: ParallelPlan, asm: Assumptions, why: str) -> str:
+    """The estimate's note on what a2a_overlap "auto" resolved to, and why."""
+    chunks = f" / {asm.a2a_chunks} chunks" if plan.a2a_overlap != "none" else ""
+    return f"a2a_overlap auto: {plan.a2a_overlap}{chunks} ({why}; trainer.layout.auto_overlap)"
+
+
+def _with_auto_note(notes: tuple[str, ...], note: str) -> tuple[str, ...]:
+    """`notes` with auto's `note` after the precision note (where `_estimate` puts it)."""
+    at = next(i for i, n in enumerate(notes) if n.startswith("precision: ")) + 1
+    return notes[:at] + (note,) + notes[at:]
 
 
 def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
@@ -1206,10 +1218,7 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
         + ("; ZeRO-3: the fp32 master shard is the weight held (FSDP2's mixed precision), "
            "layers gathered at the wire width" if plan.zero == 3 and pb.fsdp_master_shard
            else ""),
-    ) + ((f"a2a_overlap auto: {plan.a2a_overlap}"
-          f"{f' / {asm.a2a_chunks} chunks' if plan.a2a_overlap != 'none' else ''} ({auto_why};"
-          f" trainer.layout.auto_overlap)",) if auto_why else ()) \
-        + (("all-to-all dedup: closed form (comm.netsim has no dedup exchange)",)
+    ) + (("all-to-all dedup: closed form (comm.netsim has no dedup exchange)",)
          if asm.alltoall_model == "netsim" and plan.alltoall == "dedup" else ()) \
         + ((f"parallel folding: dense side tp={plan.tp} x cp={plan.cp} x dp={plan.attn_dp}, "
           f"expert side etp={plan.etp} x ep={plan.ep} x edp={plan.dp}; TP with sequence "
@@ -1219,6 +1228,8 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
             f"replicas by one all-to-all per MoE layer in the EP group of {plan.ep}, each rank "
             f"sending {plan.redundant} x {asm.replicas_per_expert} rows",)
            if plan.redundant else ())
+    if auto_why:
+        notes = _with_auto_note(notes, _auto_note(plan, asm, auto_why))
     return Estimate(
         model=cfg.name, platform=pf.name, plan=plan, stages=tuple(stages), time=time,
         step_time=step, model_flops=flops, tflops_per_gpu=tflops / 1e12,
