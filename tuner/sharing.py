@@ -13,7 +13,10 @@ blocked on a receive or a collective takes no core, and the busy ones get its sh
 - an action of cost c (seconds at the rate every process gets while *all* the node's
   processes compute: how `tuner measure` measures a CPU platform) is `cpu_share` x c of work
   on the cores, then (1 - `cpu_share`) x c of waiting (the action's all-to-alls and P2P
-  hand-overs, priced by their measured times) that takes no core;
+  hand-overs, priced by their measured times) that takes no core; `tuner.estimate` counts
+  the EP path's measured fixed cost (`Platform.ep_layer_overhead`) as work: measured with
+  every process computing, it is mostly waiting for partner processes to get a core, and
+  shrinks like compute when fewer compute;
 - at any moment, with k processes doing work, each gets min(threads, cores / k) cores, so its
   work runs min(threads, cores / k) / min(threads, cores / N) times as fast as at the
   measured rate (N = every process of the node);
