@@ -1086,7 +1086,7 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
 
     keys = ("compute", "alltoall", "p2p", "tp", "cp", "etp", "zero3", "host")
     per_rank = []
-    ep_cpu = []  # per rank: the EP path's fixed cost, CPU work inside the "alltoall" key
+    core_work = []  # per rank: the seconds that use a core (compute + the EP path's fixed cost)
     hidden = 0.0
     for r, chunks in enumerate(_rank_chunks(cfg, plan, asm.mtp_layers)):
         acc = dict.fromkeys(keys, 0.0)
@@ -1149,7 +1149,7 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                     / pf.traffic_bandwidth
             acc["p2p"] += 2 * hop * (1 - asm.p2p_overlap)
         per_rank.append({k: v * plan.microbatches for k, v in acc.items()})
-        ep_cpu.append(ep_fixed * plan.microbatches)
+        core_work.append((acc["compute"] + ep_fixed) * plan.microbatches)
         hidden = max(hidden, (a2a_total - acc["alltoall"]) * plan.microbatches)
     busiest = max(range(plan.pp), key=lambda r: sum(per_rank[r].values()))
     busy = sum(per_rank[busiest].values())
@@ -1162,8 +1162,7 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
         # for partner processes to get a core, measured with every process computing: with
         # fewer computing it shrinks like compute); the exchanges' own price waits without
         # one. Scaled by what the platform measured a real pipeline to take over the replay
-        cpu = per_rank[busiest]["compute"] + ep_cpu[busiest]
-        pipe = busy * shared_span(plan, pf, cpu / busy if busy else 1.0) \
+        pipe = busy * shared_span(plan, pf, core_work[busiest] / busy if busy else 1.0) \
             * pf.shared_pipeline_factor
 
     dp_sync, dp_parts = -1.0, {}
