@@ -144,7 +144,7 @@ def test_quick_measurement_on_this_machine(tmp_path):
     raw = json.loads((tmp_path / "local.raw.json").read_text())
     assert raw["n_procs"] == 2 and raw["quick"] is True and len(raw["block_s"]) == 2
     # the fitted fields written are the raw inputs fitted against the file's own entries
-    # (2 processes on this machine's cores: the pipeline probe runs only where they share).
+    # (2 processes on this machine's cores: the pipeline probe fits the per-action overhead).
     # The file keeps 6 significant digits of every entry, and a fitted field is a difference
     # (measured minus the entries' price), which magnifies that rounding: refitted from the
     # file the elementwise rate moved by 1.5e-4 to 7e-4 (relative) in four runs; 1e-2 bounds it

@@ -47,7 +47,9 @@ Step time (seconds), for the busiest rank:
     overhead (measured on CPU, 0 on GPUs), + `Assumptions.activation_traffic_passes` passes
     over the chunk's saved activations at the platform's `traffic_bandwidth` (measured
     elementwise rate on CPU, else the memory bandwidth; 0 passes by default); 4 all-to-alls per MoE layer (6 with
-    full recompute); P2P of the activation and its gradient; none overlapped unless the
+    full recompute); P2P of the activation and its gradient, and with pp > 1 the pipeline
+    runtime's measured work per action (`Platform.pipeline_action_overhead`: x 2 per stage
+    and micro-batch, x 3 under zb-h1; 0 unless measured; in the "p2p" part); none overlapped unless the
     `Assumptions` say so; a MoE layer whose device time (compute, exposed all-to-all, its
     TP/CP/ETP/ZeRO-3 collectives) is below `Assumptions.host_floor` takes the floor (the
     difference is the "host" part: a host-bound eager framework, 0 by default)
@@ -1086,11 +1088,13 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
 
     keys = ("compute", "alltoall", "p2p", "tp", "cp", "etp", "zero3", "host")
     per_rank = []
-    core_work = []  # per rank: the seconds that use a core (compute + the EP path's fixed cost)
+    # per rank: the seconds that use a core (compute, the EP path's fixed cost and the
+    # pipeline runtime's per-action work)
+    core_work = []
     hidden = 0.0
     for r, chunks in enumerate(_rank_chunks(cfg, plan, asm.mtp_layers)):
         acc = dict.fromkeys(keys, 0.0)
-        ep_fixed = 0.0
+        host_work = 0.0
         a2a_total = 0.0
         for s_local, c in enumerate(chunks):
             fwd = rec = 0.0
@@ -1117,7 +1121,7 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                                                   plan, pf, groups["ep"], asm)
                     if groups["ep"].size > 1:  # the EP path's fixed cost (platform, measured)
                         acc["alltoall"] += pf.ep_layer_overhead
-                        ep_fixed += pf.ep_layer_overhead
+                        host_work += pf.ep_layer_overhead
                         device += pf.ep_layer_overhead
                 for k, v in layer_collectives(lc, parts, rc, t_attn, t_exp, cfg, plan, pf, pb,
                                                groups, w_layer[lc.is_moe],
@@ -1148,8 +1152,15 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                 acc["compute"] += asm.activation_traffic_passes * act * pb.activation_bytes \
                     / pf.traffic_bandwidth
             acc["p2p"] += 2 * hop * (1 - asm.p2p_overlap)
+            if plan.pp > 1:
+                # the pipeline runtime's own work per action (the boundary batch, the
+                # stage's autograd set-up and release), measured on CPU, else 0: each
+                # (stage, micro-batch) runs F and B, and W under zb-h1
+                runtime = (3 if plan.schedule == "zb-h1" else 2) * pf.pipeline_action_overhead
+                acc["p2p"] += runtime
+                host_work += runtime
         per_rank.append({k: v * plan.microbatches for k, v in acc.items()})
-        core_work.append((acc["compute"] + ep_fixed) * plan.microbatches)
+        core_work.append((acc["compute"] + host_work) * plan.microbatches)
         hidden = max(hidden, (a2a_total - acc["alltoall"]) * plan.microbatches)
     busiest = max(range(plan.pp), key=lambda r: sum(per_rank[r].values()))
     busy = sum(per_rank[busiest].values())

@@ -68,6 +68,11 @@ as the median of repeats after a warm-up:
                   (2026-12-06): its processes took 2-8 % more CPU time for the same actions
                   than in lock-step, and the cores idled 2-6 % of the step; the replay
                   credits neither
+    pipeline      where each process has cores of its own (an even count): the same probe,
+                  against the plain replay of its schedule (`pipeline.analysis.simulate`)
+                  with its measured actions and P2P hand-overs as priced -> pipeline_action_
+                  overhead (what each action adds for the replay to take the measured step;
+                  the estimate adds it to every action of a pipelined plan)
     optimizer     the trainer's AdamW step (foreach=False, fp32) over the tiny preset's
                   parameters, in all processes at once -> optimizer_bandwidth (state bytes
                   updated per second: 16 per parameter, weights + gradients + 2 moments)
@@ -99,7 +104,7 @@ __all__ = ["compute_fields", "elementwise_bandwidth_fit", "ep_layer_extra", "ep_
            "p2p_one_way_s", "emulator_platform", "emulator_payload_share", "parse_emulator_shape",
            "write_emulator_platform", "copy_bandwidth", "tiny_params_with_grads",
            "zero_copy_rate", "loss_rate", "optimizer_rate", "collective_times", "median_platform",
-           "shared_pipeline_factor", "PIPE_PROBE", "pipeline_probe_worker",
+           "shared_pipeline_factor", "pipeline_action_overhead", "PIPE_PROBE", "pipeline_probe_worker",
            "pipeline_probe_summary", "residual_fields"]
 
 
@@ -939,13 +944,49 @@ def _elementwise_from_blocks(measured: Sequence[float], probe: Platform, quick: 
                                      [t for t, _ in priced])
 
 
+def pipeline_action_overhead(summary: dict[str, float], pf: Platform) -> float:
+    """Seconds each pipeline action takes beyond its measured compute and the estimate's
+    price of its P2P hand-overs, on processes with cores of their own: the d >= 0 with which
+    the replay of the probe's 1F1B schedule (`pipeline.analysis.simulate`: each action its
+    stage's measured forward or backward + one hand-over as `tuner.comms.p2p_time` prices it
+    (the estimate's two per stage and micro-batch) + d; a dependency on the other stage waits
+    for it to end) takes the measured step
+    (`pipeline_probe_summary`'s). The replay's span grows with d by the number of actions on
+    its critical path, piecewise linearly: solved by bisection. 0 where the replay already
+    takes the measured step or longer."""
+    import pipeline
+    from model import presets
+    from pipeline.analysis import simulate
+    from tuner.comms import p2p_time
+    from tuner.layout import FP32_TRAINER_PRECISION
+
+    cost = {(s, k): summary[f"{k}{s}"] for s in (0, 1) for k in ("F", "B")}
+    hop = p2p_time(PIPE_PROBE["tokens"] * presets.get("tiny").d_model
+                   * FP32_TRAINER_PRECISION.p2p_bytes, False, pf)
+    sched = pipeline.build("1f1b", 2, PIPE_PROBE["microbatches"])
+
+    def span(d: float) -> float:
+        return max(s.end for s in simulate(sched, lambda a: cost[(a.stage, a.kind)]
+                                           + hop + d))
+
+    target = summary["step"]
+    if span(0.0) >= target:
+        return 0.0
+    lo, hi = 0.0, target  # span(target) > target: every action then takes longer than it
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if span(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
 def residual_fields(raw: dict[str, Any], p: Platform) -> dict[str, Any]:
     """The platform fields that are measured against the platform's other entries (each is
     what a probe took beyond the model's own price of it on `p`), from `raw`, the probes'
     measured inputs (`measure_platform`'s raw_out): elementwise_bandwidth (the layer times at
     BLOCK_TOKENS), ep_layer_overhead (the EP layer's extra minus 4 all-to-all intercepts),
-    zero3_layer_overhead and zero3_optimizer_overhead (ZeRO-3's measured extras), and
-    shared_pipeline_factor (the pipeline probe's summary; 1 without one). Fitting them
+    zero3_layer_overhead and zero3_optimizer_overhead (ZeRO-3's measured extras), and from
+    the pipeline probe's summary shared_pipeline_factor where its processes share the cores
+    (1 otherwise) or pipeline_action_overhead where they do not (0 otherwise). Fitting them
     again against a median platform keeps each consistent with the entries it was fitted
     against (a field-wise median of residuals from different measurements is not)."""
     from model import presets
@@ -962,9 +1003,14 @@ def residual_fields(raw: dict[str, Any], p: Platform) -> dict[str, Any]:
         "zero3_optimizer_overhead": max(0.0, raw["zero3_opt_extra_s"]
                                         / presets.get("tiny").n_layers),
         "shared_pipeline_factor": 1.0,
+        "pipeline_action_overhead": 0.0,
     }
-    if raw.get("pipeline"):
-        out["shared_pipeline_factor"] = shared_pipeline_factor(raw["pipeline"], p)
+    summary = raw.get("pipeline")
+    if summary:
+        if p.shares_cores(int(summary["procs"])):
+            out["shared_pipeline_factor"] = shared_pipeline_factor(summary, p)
+        else:
+            out["pipeline_action_overhead"] = pipeline_action_overhead(summary, p)
     return out
 
 
@@ -1038,10 +1084,11 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                                                 for r in per_rank_comm),
         "pipeline": None,
     }
-    piped = n_procs % 2 == 0 and p.shares_cores(n_procs)
+    piped = n_procs % 2 == 0
+    shared = p.shares_cores(n_procs)
     if piped:
-        _say(0, verbose, f"pipeline on shared cores: 1F1B, 2 stages x {n_procs // 2} "
-                         f"processes (~{3 if quick else 10} s)")
+        _say(0, verbose, f"pipeline on {'shared' if shared else 'dedicated'} cores: 1F1B, 2 "
+                         f"stages x {n_procs // 2} processes (~{3 if quick else 10} s)")
         raw["pipeline"] = pipeline_probe_summary(run_local(
             pipeline_probe_worker, n_procs, 4 if quick else 15, threads=threads,
             timeout_s=600.0, cpu_affinity="auto"))
@@ -1073,8 +1120,15 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                                    f"tiny blocks per stage, {PIPE_PROBE['microbatches']} x "
                                    f"{PIPE_PROBE['tokens']} tokens): measured step / the "
                                    f"shared-core replay of its measured actions"
-                                   if piped else "not measured: the processes do not share "
-                                   "the cores (or are an odd count); 1 = the replay as is"),
+                                   if piped and shared else "not measured: the processes do "
+                                   "not share the cores (or are an odd count); 1 = the replay "
+                                   "as is"),
+        "pipeline_action_overhead_us": ("the same pipeline probe on cores of their own: what "
+                                        "each action adds for the replay of its measured "
+                                        "actions to take the measured step"
+                                        if piped and not shared else "not measured: the "
+                                        "processes share the cores (shared_pipeline_factor "
+                                        "instead) or are an odd count"),
         "hbm_gb": "physical RAM / processes",
         "hbm_bandwidth_gbs": "tensor copy, read + write",
         "split_backward_extra": "zero-bubble split backward's extra time / plain fwd+bwd, "

@@ -76,6 +76,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("compute", "zero3_layer_overhead_us", "zero3_layer_overhead", 1e-6),
     ("compute", "zero3_pair_overhead_us", "zero3_pair_overhead", 1e-6),
     ("compute", "shared_pipeline_factor", "shared_pipeline_factor", 1.0),
+    ("compute", "pipeline_action_overhead_us", "pipeline_action_overhead", 1e-6),
     ("memory", "zero3_optimizer_overhead_us", "zero3_optimizer_overhead", 1e-6),
     ("memory", "hbm_gb", "hbm_bytes", 1e9),
     ("memory", "hbm_bandwidth_gbs", "hbm_bandwidth", 1e9),
@@ -288,6 +289,15 @@ class Platform:
     # every process computing); the estimate scales a replayed pipeline by it. 1 where not
     # measured (dedicated devices: no replay)
     shared_pipeline_factor: float = 1.0
+    # Measured on CPU where each process has cores of its own (`tuner measure`): seconds one
+    # pipeline action (a stage's forward, backward or weight pass of one micro-batch) takes
+    # in a real pipeline beyond its compute and its P2P hand-overs as priced: the runtime's
+    # per-action work (the boundary batch of sends and receives, the autograd set-up of a
+    # stage's micro-batch, the release of its activations). Fitted so that the replay of the
+    # pipeline probe's 1F1B schedule with its measured actions, plus this per action, takes
+    # the measured step. 0 where not measured (GPU files; where the processes share cores,
+    # `shared_pipeline_factor` calibrates the replay as a whole instead)
+    pipeline_action_overhead: float = 0.0
     # Measured on CPU (`tuner measure`): seconds per decoder layer on a rank that the AdamW
     # step over ZeRO-3's DTensor shards takes beyond a plain AdamW step over the same model
     # (torch's per-tensor DTensor dispatch); 0 where not measured
@@ -394,7 +404,8 @@ class Platform:
         if self.split_backward_extra < 0:
             raise ValueError(f"platform {self.name!r}: split_backward_extra="
                              f"{self.split_backward_extra} must be >= 0")
-        for name, v in (("zero3_layer_overhead_us", self.zero3_layer_overhead),
+        for name, v in (("pipeline_action_overhead_us", self.pipeline_action_overhead),
+                        ("zero3_layer_overhead_us", self.zero3_layer_overhead),
                         ("zero3_pair_overhead_us", self.zero3_pair_overhead),
                         ("zero3_optimizer_overhead_us", self.zero3_optimizer_overhead)):
             if v < 0:
