@@ -49,6 +49,7 @@ from model.transformer import Block  # noqa: E402
 from pipeline.analysis import simulate  # noqa: E402
 from tuner import load_platform  # noqa: E402
 from tuner.comms import p2p_time  # noqa: E402
+from tuner.measure import fit_action_overhead  # noqa: E402
 
 # (schedule, micro-batches, tokens per micro-batch, blocks per stage, virtual stages per rank)
 CASES = [("1f1b", 4, 512, 2, 1), ("1f1b", 4, 1024, 2, 1), ("gpipe", 4, 1024, 2, 1),
@@ -104,23 +105,19 @@ def measure(name: str, m: int, tokens: int, blocks: int, v: int, rounds: int) ->
 
 def per_action(row: dict, hop: float) -> tuple[float, float, float]:
     """(replay s, critical actions, d s): the replay with the measured actions + one hop each,
-    its slope in d, and the d >= 0 that makes it take the measured step."""
+    its slope in d, and the d >= 0 that makes it take the measured step (`tuner measure`'s
+    fit, `tuner.measure.fit_action_overhead`)."""
     sched = pipeline.build(row["schedule"], 2, row["microbatches"],
                            **({"n_virtual": row["n_virtual"]} if row["n_virtual"] > 1 else {}))
-    cost = row["actions_s"]
+
+    def cost(a: object) -> float:
+        return row["actions_s"][f"{a.kind}{a.stage}"] + hop  # type: ignore[attr-defined]
 
     def span(d: float) -> float:
-        return max(s.end for s in simulate(sched, lambda a: cost[f"{a.kind}{a.stage}"] + hop + d))
+        return max(s.end for s in simulate(sched, lambda a: cost(a) + d))
 
-    base, target = span(0.0), row["step_s"]
-    slope = (span(1e-3) - base) / 1e-3
-    if base >= target:
-        return base, slope, 0.0
-    lo, hi = 0.0, target
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if span(mid) < target else (lo, mid)
-    return base, slope, (lo + hi) / 2
+    base = span(0.0)
+    return base, (span(1e-3) - base) / 1e-3, fit_action_overhead(sched, cost, row["step_s"])
 
 
 def parser() -> argparse.ArgumentParser:

@@ -104,7 +104,7 @@ __all__ = ["compute_fields", "elementwise_bandwidth_fit", "ep_layer_extra", "ep_
            "p2p_one_way_s", "emulator_platform", "emulator_payload_share", "parse_emulator_shape",
            "write_emulator_platform", "copy_bandwidth", "tiny_params_with_grads",
            "zero_copy_rate", "loss_rate", "optimizer_rate", "collective_times", "median_platform",
-           "shared_pipeline_factor", "pipeline_action_overhead", "PIPE_PROBE", "pipeline_probe_worker",
+           "shared_pipeline_factor", "pipeline_action_overhead", "fit_action_overhead", "PIPE_PROBE", "pipeline_probe_worker",
            "pipeline_probe_summary", "residual_fields"]
 
 
@@ -944,39 +944,42 @@ def _elementwise_from_blocks(measured: Sequence[float], probe: Platform, quick: 
                                      [t for t, _ in priced])
 
 
+def fit_action_overhead(schedule: Any, cost: Any, step: float) -> float:
+    """The d >= 0 that, added to every action of `schedule` replayed with `cost(action)`
+    seconds each (`pipeline.analysis.simulate`: an action starts when its rank is free and
+    its inputs have ended), makes the replay take `step` seconds. The replay's span grows with
+    d by the number of actions on its critical path, piecewise linearly: solved by bisection.
+    0 where the replay takes `step` or longer already."""
+    from pipeline.analysis import simulate
+
+    def span(d: float) -> float:
+        return max(s.end for s in simulate(schedule, lambda a: cost(a) + d))
+
+    if span(0.0) >= step:
+        return 0.0
+    lo, hi = 0.0, step  # span(step) > step: every action then takes longer than it
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if span(mid) < step else (lo, mid)
+    return (lo + hi) / 2
+
+
 def pipeline_action_overhead(summary: dict[str, float], pf: Platform) -> float:
     """Seconds each pipeline action takes beyond its measured compute and the estimate's
-    price of its P2P hand-overs, on processes with cores of their own: the d >= 0 with which
-    the replay of the probe's 1F1B schedule (`pipeline.analysis.simulate`: each action its
-    stage's measured forward or backward + one hand-over as `tuner.comms.p2p_time` prices it
-    (the estimate's two per stage and micro-batch) + d; a dependency on the other stage waits
-    for it to end) takes the measured step
-    (`pipeline_probe_summary`'s). The replay's span grows with d by the number of actions on
-    its critical path, piecewise linearly: solved by bisection. 0 where the replay already
-    takes the measured step or longer."""
+    price of its P2P hand-overs, on processes with cores of their own (`fit_action_overhead`
+    on the probe's 1F1B schedule, each action its stage's measured forward or backward + one
+    hand-over as `tuner.comms.p2p_time` prices it: the estimate's two per stage and
+    micro-batch; the step `pipeline_probe_summary`'s)."""
     import pipeline
     from model import presets
-    from pipeline.analysis import simulate
     from tuner.comms import p2p_time
     from tuner.layout import FP32_TRAINER_PRECISION
 
     cost = {(s, k): summary[f"{k}{s}"] for s in (0, 1) for k in ("F", "B")}
     hop = p2p_time(PIPE_PROBE["tokens"] * presets.get("tiny").d_model
                    * FP32_TRAINER_PRECISION.p2p_bytes, False, pf)
-    sched = pipeline.build("1f1b", 2, PIPE_PROBE["microbatches"])
-
-    def span(d: float) -> float:
-        return max(s.end for s in simulate(sched, lambda a: cost[(a.stage, a.kind)]
-                                           + hop + d))
-
-    target = summary["step"]
-    if span(0.0) >= target:
-        return 0.0
-    lo, hi = 0.0, target  # span(target) > target: every action then takes longer than it
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if span(mid) < target else (lo, mid)
-    return (lo + hi) / 2
+    return fit_action_overhead(pipeline.build("1f1b", 2, PIPE_PROBE["microbatches"]),
+                               lambda a: cost[(a.stage, a.kind)] + hop, summary["step"])
 
 
 def residual_fields(raw: dict[str, Any], p: Platform) -> dict[str, Any]:
