@@ -46,10 +46,9 @@ from _common import (  # noqa: E402
 import pipeline  # noqa: E402
 from model import presets  # noqa: E402
 from model.transformer import Block  # noqa: E402
-from pipeline.analysis import simulate  # noqa: E402
 from tuner import load_platform  # noqa: E402
 from tuner.comms import p2p_time  # noqa: E402
-from tuner.measure import fit_action_overhead  # noqa: E402
+from tuner.measure import fit_action_overhead, replay_span  # noqa: E402
 
 # (schedule, micro-batches, tokens per micro-batch, blocks per stage, virtual stages per rank)
 CASES = [("1f1b", 4, 512, 2, 1), ("1f1b", 4, 1024, 2, 1), ("gpipe", 4, 1024, 2, 1),
@@ -113,11 +112,9 @@ def per_action(row: dict, hop: float) -> tuple[float, float, float]:
     def cost(a: object) -> float:
         return row["actions_s"][f"{a.kind}{a.stage}"] + hop  # type: ignore[attr-defined]
 
-    def span(d: float) -> float:
-        return max(s.end for s in simulate(sched, lambda a: cost(a) + d))
-
-    base = span(0.0)
-    return base, (span(1e-3) - base) / 1e-3, fit_action_overhead(sched, cost, row["step_s"])
+    base = replay_span(sched, cost)
+    return (base, (replay_span(sched, cost, 1e-3) - base) / 1e-3,
+            fit_action_overhead(sched, cost, row["step_s"]))
 
 
 def parser() -> argparse.ArgumentParser:

@@ -104,7 +104,8 @@ __all__ = ["compute_fields", "elementwise_bandwidth_fit", "ep_layer_extra", "ep_
            "p2p_one_way_s", "emulator_platform", "emulator_payload_share", "parse_emulator_shape",
            "write_emulator_platform", "copy_bandwidth", "tiny_params_with_grads",
            "zero_copy_rate", "loss_rate", "optimizer_rate", "collective_times", "median_platform",
-           "shared_pipeline_factor", "pipeline_action_overhead", "fit_action_overhead", "PIPE_PROBE", "pipeline_probe_worker",
+           "shared_pipeline_factor", "pipeline_action_overhead", "fit_action_overhead", "replay_span",
+           "PIPE_PROBE", "pipeline_probe_worker",
            "pipeline_probe_summary", "residual_fields"]
 
 
@@ -805,6 +806,20 @@ def pipeline_probe_summary(per_rank: list[dict[str, list[float]]]) -> dict[str, 
             "step": med(v for r in per_rank[:half] for v in r["step"])}
 
 
+def _probe_costs(summary: dict[str, float], pf: Platform
+                 ) -> tuple[dict[tuple[int, str], float], float]:
+    """The pipeline probe's measured actions by (stage, kind) and one P2P hand-over of its
+    micro-batch as the estimate prices it on `pf` (`tuner.comms.p2p_time`)."""
+    from model import presets
+    from tuner.comms import p2p_time
+    from tuner.layout import FP32_TRAINER_PRECISION
+
+    cost = {(s, k): summary[f"{k}{s}"] for s in (0, 1) for k in ("F", "B")}
+    hop = p2p_time(PIPE_PROBE["tokens"] * presets.get("tiny").d_model
+                   * FP32_TRAINER_PRECISION.p2p_bytes, False, pf)
+    return cost, hop
+
+
 def shared_pipeline_factor(summary: dict[str, float], pf: Platform) -> float:
     """Measured pipelined step / the shared-core replay's price of it
     (`pipeline_probe_summary` of the probe on `pf`'s processes, `pf` the platform being
@@ -813,16 +828,10 @@ def shared_pipeline_factor(summary: dict[str, float], pf: Platform) -> float:
     two P2P hand-overs priced as the estimate prices them (`tuner.comms.p2p_time`, waiting
     that takes no core)."""
     import pipeline
-    from model import presets
-    from tuner.comms import p2p_time
-    from tuner.layout import FP32_TRAINER_PRECISION
     from tuner.sharing import shared_makespan
 
     half = int(summary["procs"]) // 2
-    cost = {(s, k): summary[f"{k}{s}"] for s in (0, 1) for k in ("F", "B")}
-    cfg = presets.get("tiny")
-    hop = p2p_time(PIPE_PROBE["tokens"] * cfg.d_model * FP32_TRAINER_PRECISION.p2p_bytes,
-                   False, pf)
+    cost, hop = _probe_costs(summary, pf)
     # one cpu_share for the replay: the busier stage's (the estimate passes the busiest's)
     busiest = max((0, 1), key=lambda s: cost[(s, "F")] + cost[(s, "B")])
     cpu = ((cost[(busiest, "F")] + cost[(busiest, "B")])
@@ -944,23 +953,27 @@ def _elementwise_from_blocks(measured: Sequence[float], probe: Platform, quick: 
                                      [t for t, _ in priced])
 
 
+def replay_span(schedule: Any, cost: Any, d: float = 0.0) -> float:
+    """Seconds `schedule` takes replayed with `cost(action)` + d seconds per action
+    (`pipeline.analysis.simulate`: an action starts when its rank is free and its inputs
+    have ended)."""
+    from pipeline.analysis import simulate
+
+    return max(s.end for s in simulate(schedule, lambda a: cost(a) + d))
+
+
 def fit_action_overhead(schedule: Any, cost: Any, step: float) -> float:
     """The d >= 0 that, added to every action of `schedule` replayed with `cost(action)`
     seconds each (`pipeline.analysis.simulate`: an action starts when its rank is free and
     its inputs have ended), makes the replay take `step` seconds. The replay's span grows with
     d by the number of actions on its critical path, piecewise linearly: solved by bisection.
-    0 where the replay takes `step` or longer already."""
-    from pipeline.analysis import simulate
-
-    def span(d: float) -> float:
-        return max(s.end for s in simulate(schedule, lambda a: cost(a) + d))
-
-    if span(0.0) >= step:
+    0 where the replay takes `step` or longer already (`replay_span`)."""
+    if replay_span(schedule, cost) >= step:
         return 0.0
     lo, hi = 0.0, step  # span(step) > step: every action then takes longer than it
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if span(mid) < step else (lo, mid)
+        lo, hi = (mid, hi) if replay_span(schedule, cost, mid) < step else (lo, mid)
     return (lo + hi) / 2
 
 
@@ -971,13 +984,8 @@ def pipeline_action_overhead(summary: dict[str, float], pf: Platform) -> float:
     hand-over as `tuner.comms.p2p_time` prices it: the estimate's two per stage and
     micro-batch; the step `pipeline_probe_summary`'s)."""
     import pipeline
-    from model import presets
-    from tuner.comms import p2p_time
-    from tuner.layout import FP32_TRAINER_PRECISION
 
-    cost = {(s, k): summary[f"{k}{s}"] for s in (0, 1) for k in ("F", "B")}
-    hop = p2p_time(PIPE_PROBE["tokens"] * presets.get("tiny").d_model
-                   * FP32_TRAINER_PRECISION.p2p_bytes, False, pf)
+    cost, hop = _probe_costs(summary, pf)
     return fit_action_overhead(pipeline.build("1f1b", 2, PIPE_PROBE["microbatches"]),
                                lambda a: cost[(a.stage, a.kind)] + hop, summary["step"])
 
