@@ -31,7 +31,9 @@ SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"
 # Writes no file: it reads runs' metrics.jsonl and prints (checked below, not assumed).
 WRITES_NOTHING = {"gpu_check_losses.py"}
 # Scripts that may name the records, and why: reading them, never writing.
-READS_RECORDS = {"bench_netsim.py": "validates against the recorded alltoall.jsonl rows"}
+READS_RECORDS = {"bench_netsim.py": "validates against the recorded alltoall.jsonl rows",
+                 "repredict_tuner_records.py": "re-predicts the recorded validation rows, "
+                                               "platforms from their git history"}
 
 
 def _git(*args: str) -> subprocess.CompletedProcess:
