@@ -16,7 +16,7 @@ from tuner.estimate import step_time_lower_bound
 from tuner.layout import FP32_TRAINER_PRECISION
 from tuner.measure import write_platform_toml
 from tuner.platform import Platform
-from tuner.sharing import core_speed, exchange_tail_saving, shared_makespan
+from tuner.sharing import core_speed, exchange_tail_saving, shared_makespan, spread_speed
 
 FB = {"F": 1.0, "B": 2.0}
 
@@ -44,6 +44,34 @@ def test_waiting_part_takes_no_core_by_hand() -> None:
     assert got == pytest.approx(4.5)
 
 
+def test_spread_waits_overlap_other_ranks_work_by_hand() -> None:
+    # GPipe 2 stages x 2 micro-batches, F = 1, B = 2, half of each action waiting; one process
+    # per stage on one core (the all-busy rate: half a core each). Waits spread through the
+    # action: a rank computing alone at twice the rate computes 1/3 of its time, so two such
+    # ranks (2/3 of a process computing on average) never contend: every action takes
+    # work / 2 + wait. F: 0.25 + 0.5 = 0.75, B: 0.5 + 1 = 1.5, along the critical path
+    # F0 s0, F1 s0 (beside F0 s1), F1 s1, B1 s1, B1 s0 (beside B0 s1), B0 s0:
+    # 3 x 0.75 + 3 x 1.5 = 6.75. With the waits after the work, the two ranks computing
+    # together share the core (rate 1) and then wait together: the F pair takes 0.5 + 0.5,
+    # the B pair 1 + 1: 0.75 + 1 + 0.75 + 1.5 + 2 + 1.5 = 7.5.
+    sched = build("gpipe", 2, 2)
+    spread = shared_makespan(sched, FB, {0: 1, 1: 1}, cores=1, threads=1, cpu_share=0.5)
+    after = shared_makespan(sched, FB, {0: 1, 1: 1}, cores=1, threads=1, cpu_share=0.5,
+                            waits="after")
+    assert (spread, after) == (pytest.approx(6.75), pytest.approx(7.5))
+
+
+def test_spread_speed_fixed_point_by_hand() -> None:
+    # two ranks of 2 processes on 2 cores (all-busy rate: half a core each), each with work
+    # 0.8 and wait 0.2 left: at speed s a rank computes 0.8 / (0.8 + 0.2 s) of the time, so
+    # 3.2 / (0.8 + 0.2 s) processes compute on average; above 2 of them each gets 2 / busy
+    # cores, speed 4 / busy = (0.8 + 0.2 s) / 0.8, whose fixed point is s = 4 / 3 (3 busy)
+    assert spread_speed([(2, 0.8, 0.2), (2, 0.8, 0.2)], 4, 2, 1) == pytest.approx(4 / 3)
+    # nothing waits: every process computes, the all-busy rate (1); one rank alone: 2
+    assert spread_speed([(2, 1.0, 0.0), (2, 1.0, 0.0)], 4, 2, 1) == pytest.approx(1.0)
+    assert spread_speed([(2, 1.0, 0.0)], 4, 2, 1) == pytest.approx(2.0)
+
+
 @pytest.mark.parametrize("name,m,kw", [("1f1b", 4, {}), ("gpipe", 3, {}), ("zb-h1", 6, {}),
                                        ("interleaved-1f1b", 6, {"n_virtual": 2})])
 def test_enough_cores_is_the_dedicated_simulator(name, m, kw) -> None:
@@ -68,6 +96,8 @@ def test_bad_inputs_are_named() -> None:
     sched = build("1f1b", 2, 2)
     with pytest.raises(ValueError, match="cpu_share=1.5"):
         shared_makespan(sched, FB, {0: 1, 1: 1}, 2, 1, cpu_share=1.5)
+    with pytest.raises(ValueError, match="waits='before'; valid: spread, after"):
+        shared_makespan(sched, FB, {0: 1, 1: 1}, 2, 1, waits="before")
     with pytest.raises(ValueError, match=r"procs has ranks \[0\]"):
         shared_makespan(sched, FB, {0: 1}, 2, 1)
     with pytest.raises(ValueError, match="cores=0"):

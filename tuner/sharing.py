@@ -12,8 +12,11 @@ blocked on a receive or a collective takes no core, and the busy ones get its sh
   all doing the same action at the same time;
 - an action of cost c (seconds at the rate every process gets while *all* the node's
   processes compute: how `tuner measure` measures a CPU platform) is `cpu_share` x c of work
-  on the cores, then (1 - `cpu_share`) x c of waiting (the action's all-to-alls and P2P
-  hand-overs, priced by their measured times) that takes no core; `tuner.estimate` counts
+  on the cores and (1 - `cpu_share`) x c of waiting (the action's all-to-alls and P2P
+  hand-overs, priced by their measured times) that takes no core, the two finely
+  interleaved (an MoE stage exchanges twice per layer and pass): a rank computes the part
+  w / s of its w / s + v seconds, and the computing processes are counted by those shares
+  (`spread_speed`); `tuner.estimate` counts
   the EP path's measured fixed cost (`Platform.ep_layer_overhead`) as work: measured with
   every process computing, it is mostly waiting for partner processes to get a core, and
   shrinks like compute when fewer compute;
@@ -27,7 +30,14 @@ With every rank computing the whole time the replay is the plain sum of costs; i
 where some ranks wait. Worked by hand (tests/test_tuner_sharing.py): a 2-stage GPipe over 2
 micro-batches, F = 1, B = 2, 2 processes per stage on 2 cores (1 thread each) ends at 6, the
 busy work of one rank (on dedicated devices: 9). Approximations: the OS's time slices are
-taken as fluid shares; the waiting part of an action comes after its work.
+taken as fluid shares, and so are an action's waits (spread evenly through it).
+
+Where the waits lie matters where ranks run in lock-step. Until 2026-12-07 the replay put
+each action's waiting after its work (`waits="after"`, kept for comparison); GPipe's stages
+then waited at the same moments, leaving cores idle, and the replay priced a GPipe step 6 %
+above 1F1B's for PP 2 x EP 2 on 4 processes (cpu_share 0.86), where ten records measured the
+two within 1 % of each other on average (`benchmarks/repredict_tuner_records.py`: the GPipe
+row's bias +12.5 % with the waits after, +5.7 % spread; docs/planner.md, "Shared cores").
 
 Checked against a real pipeline (`tuner.measure`'s pipeline probe: 1F1B, 2 stages of 2
 processes on 2 cores, each action timed with all processes computing, then replayed here),
@@ -45,7 +55,8 @@ from collections.abc import Callable, Mapping
 from pipeline import Action, Schedule
 from pipeline.schedule import dependencies, n_stages, stage2rank
 
-__all__ = ["core_speed", "exchange_tail_saving", "shared_imbalance", "shared_makespan"]
+__all__ = ["WAITS", "core_speed", "exchange_tail_saving", "shared_imbalance", "shared_makespan",
+           "spread_speed"]
 
 _EPS = 1e-12
 
@@ -124,17 +135,52 @@ def exchange_tail_saving(work: float, tail: float, procs: int, waiting: int, cor
     return (work - left) * (1.0 - 1.0 / s2)
 
 
+def spread_speed(active: list[tuple[int, float, float]], total: int, cores: int,
+                 threads: int) -> float:
+    """The speed (`core_speed`'s unit) at which the computing parts of `active` actions run
+    when each interleaves its work and its waits finely (WAITS "spread"): `active` holds
+    (processes, work left, wait left) per rank. A rank that must do work w at speed s and
+    wait v computes w / s of the w / s + v seconds both take, so it keeps
+    procs x w / (w + s v) processes computing on average; the speed is the one that this
+    average count of computing processes gives (`core_speed` with a fractional count): the
+    fixed point of an increasing map, iterated from the all-computing speed (its smallest)."""
+    base = min(threads, cores / total)
+
+    def speed(busy: float) -> float:
+        return min(threads, cores / busy) / base if busy > _EPS else min(threads, cores) / base
+
+    s = speed(float(sum(n for n, w, _ in active if w > _EPS)))
+    for _ in range(200):
+        busy = sum(n * w / (w + s * v) for n, w, v in active if w > _EPS)
+        nxt = speed(busy)
+        if abs(nxt - s) <= 1e-12 * nxt:
+            return nxt
+        s = nxt
+    return s
+
+
+WAITS = ("spread", "after")
+
+
 def shared_makespan(schedule: Schedule, cost: Callable[[Action], float] | Mapping[str, float],
                     procs: Mapping[int, int], cores: int, threads: int,
-                    cpu_share: float = 1.0, transfer: float = 0.0) -> float:
+                    cpu_share: float = 1.0, transfer: float = 0.0,
+                    waits: str = "spread") -> float:
     """End time of `schedule` replayed on `cores` shared cores (module docstring).
 
     `cost`: seconds per action at the all-busy rate (a function of the Action, or per kind
     {"F": .., "B": .., "W": ..}); `procs[r]`: processes pipeline rank r stands for;
     `threads`: intra-op threads per process; `cpu_share` in [0, 1]: the part of each action
-    that computes; `transfer` >= 0: P2P hand-over between ranks (not in the costs)."""
+    that computes; `transfer` >= 0: P2P hand-over between ranks (not in the costs).
+    `waits`: where an action's waiting part lies: "spread" (the default) finely interleaved
+    with its work (an MoE stage's exchanges: two per layer and pass), so the ranks' waits
+    overlap the other ranks' work however the actions line up (`spread_speed`); "after" in
+    one block after the work (the replay before 2026-12-07: ranks whose actions run in
+    lock-step, as GPipe's stages do, then wait at the same moments and leave cores idle)."""
     if not 0.0 <= cpu_share <= 1.0:
         raise ValueError(f"cpu_share={cpu_share} must be in [0, 1]")
+    if waits not in WAITS:
+        raise ValueError(f"waits={waits!r}; valid: {', '.join(WAITS)}")
     if not transfer >= 0:
         raise ValueError(f"transfer={transfer} must be >= 0 seconds")
     if set(procs) != set(schedule):
@@ -179,11 +225,18 @@ def shared_makespan(schedule: Schedule, cost: Callable[[Action], float] | Mappin
                 ready_at[r] = t
         if all(pos[r] == len(o) for r, o in orders.items()):
             return now
-        busy = sum(procs[r] for r, d in doing.items() if d is not None and d[0] == "cpu")
-        speed = core_speed(busy, total, cores, threads) if busy else 0.0
-        # the next event: a work or wait part ending, or an input arriving
-        steps = [d[1] / speed if d[0] == "cpu" else d[1] for d in doing.values() if d is not None]
-        steps += [t - now for t in ready_at.values()]
+        if waits == "spread":
+            active = [(procs[r], d[1], d[2]) for r, d in doing.items() if d is not None]
+            speed = spread_speed(active, total, cores, threads) if active else 0.0
+            # each action ends when its work (at `speed`) and its waits are both done
+            steps = [d[1] / speed + d[2] for d in doing.values() if d is not None]
+        else:
+            busy = sum(procs[r] for r, d in doing.items() if d is not None and d[0] == "cpu")
+            speed = core_speed(busy, total, cores, threads) if busy else 0.0
+            # the next event: a work or wait part ending
+            steps = [d[1] / speed if d[0] == "cpu" else d[1]
+                     for d in doing.values() if d is not None]
+        steps += [t - now for t in ready_at.values()]  # or an input arriving
         if not steps:
             blocked = {r: str(o[pos[r]]) for r, o in orders.items() if pos[r] < len(o)}
             raise ValueError(f"schedule deadlocks: each rank's next action waits: {blocked}")
@@ -192,9 +245,17 @@ def shared_makespan(schedule: Schedule, cost: Callable[[Action], float] | Mappin
         for r, d in doing.items():
             if d is None:
                 continue
-            d[1] -= dt * speed if d[0] == "cpu" else dt
-            if d[1] <= _EPS and d[0] == "cpu":
-                d[0], d[1] = "wait", d[2]
+            if waits == "spread":
+                # the share of dt this rank's processes compute: both parts end together
+                w, v = d[1], d[2]
+                p = w / (w + speed * v) if w > _EPS else 0.0
+                d[1], d[2] = max(0.0, w - dt * speed * p), max(0.0, v - dt * (1.0 - p))
+                if d[1] <= _EPS and d[2] <= _EPS:
+                    d[0], d[1] = "wait", 0.0
+            else:
+                d[1] -= dt * speed if d[0] == "cpu" else dt
+                if d[1] <= _EPS and d[0] == "cpu":
+                    d[0], d[1] = "wait", d[2]
             if d[1] <= _EPS and d[0] == "wait":
                 end[orders[r][pos[r]]] = now
                 pos[r] += 1
