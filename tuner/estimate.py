@@ -1087,6 +1087,7 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                                  if plan.zero == 3 else 0.0)
 
     keys = ("compute", "alltoall", "p2p", "tp", "cp", "etp", "zero3", "host")
+    skew = pf.rank_skew if plan.stage_size > 1 else 1.0
     per_rank = []
     # per rank: the seconds that use a core (compute, the EP path's fixed cost and the
     # pipeline runtime's per-action work)
@@ -1159,6 +1160,9 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                 runtime = (3 if plan.schedule == "zb-h1" else 2) * pf.pipeline_action_overhead
                 acc["p2p"] += runtime
                 host_work += runtime
+        # ranks of a stage meet in a collective every layer (EP) or step (DP): each segment
+        # ends with the slowest (the platform's measured spread; 1 off dedicated CPU cores)
+        acc["compute"] *= skew
         per_rank.append({k: v * plan.microbatches for k, v in acc.items()})
         core_work.append((acc["compute"] + host_work) * plan.microbatches)
         hidden = max(hidden, (a2a_total - acc["alltoall"]) * plan.microbatches)
@@ -1220,6 +1224,9 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
            f"{pf.threads_per_process} threads): waiting ranks' share goes to the busy ones"
            if shared else ""),
         _zero_note(plan, asm),
+        *((f"compute x {skew:.3f}: the slowest of a stage's {plan.stage_size} processes over "
+           f"their mean on the same work (the platform's measured rank_skew)",)
+          if skew != 1.0 else ()),
         f"precision: {pb.name or 'custom'} state ({pb.weight_bytes} B weights, {pb.grad_bytes} B "
         f"grads, {pb.master_bytes} B master, {pb.optimizer_bytes} B moments per parameter); "
         f"wire: grads {pb.grad_comm_bytes} B, weights {pb.param_comm_bytes} B, dispatch "

@@ -68,6 +68,11 @@ as the median of repeats after a warm-up:
                   (2026-12-06): its processes took 2-8 % more CPU time for the same actions
                   than in lock-step, and the cores idled 2-6 % of the step; the replay
                   credits neither
+    rank skew     where each process has cores of its own (2 or more): one tiny-preset decoder
+                  layer's forward + backward at RANK_SKEW_TOKENS tokens, the same input on
+                  every process, after a barrier, RANK_SKEW_ROUNDS rounds: the slowest
+                  process's time over the mean, median over rounds -> rank_skew (the
+                  estimate scales the compute of plans whose stages hold several ranks by it)
     pipeline      where each process has cores of its own (an even count): the same probe,
                   against the plain replay of its schedule (`pipeline.analysis.simulate`)
                   with its measured actions and P2P hand-overs as priced -> pipeline_action_
@@ -105,6 +110,7 @@ __all__ = ["compute_fields", "elementwise_bandwidth_fit", "ep_layer_extra", "ep_
            "write_emulator_platform", "copy_bandwidth", "tiny_params_with_grads",
            "zero_copy_rate", "loss_rate", "optimizer_rate", "collective_times", "median_platform",
            "shared_pipeline_factor", "pipeline_action_overhead", "fit_action_overhead", "replay_span",
+           "rank_skew",
            "PIPE_PROBE", "pipeline_probe_worker",
            "pipeline_probe_summary", "residual_fields"]
 
@@ -424,6 +430,8 @@ GROUPED_ROWS = ((2, 8, 32, 128, 512), (8, 128))
 # tokens of the elementwise probe's layer (sequences of 256, the tiny preset's): the validation
 # rows' micro-batches hold 512-2048 tokens per rank (benchmarks/bench_tuner_validate.py)
 BLOCK_TOKENS = ((512, 1024, 2048), (256, 512))
+RANK_SKEW_TOKENS = 512
+RANK_SKEW_ROUNDS = (30, 8)  # full, quick
 GROUPED_SHAPE = (8, 128, 256)  # experts, D, F of the rows-per-expert table
 ATTN_SEQ = ((64, 256, 1024), (128, 512))
 ATTN_HEAD_DIM = ((32, 64), (32,))
@@ -489,7 +497,8 @@ def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, thre
     loss = loss_rate(reps)
     _say(rank, verbose, f"decoder layer at {BLOCK_TOKENS[q]} tokens ({time.perf_counter() - t0:.0f} s so far)")
     block = _block_times(BLOCK_TOKENS[q], reps, group)
-    return {"block": block, "rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
+    skew = rank_skew(group, world, RANK_SKEW_ROUNDS[q])
+    return {"block": block, "skew": skew, "rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
             "overhead": overhead, "widths": widths, "grid": grid, "grouped_rows": grouped_rows,
             "attn_grid": attn_grid, "optimizer": optimizer, "split_extra": split_extra,
             "split_share": split_share,
@@ -516,6 +525,38 @@ def _block_times(tokens: Sequence[int], repeats: int, group: dist.ProcessGroup |
         dist.barrier(group)
         out.append(_median_time(step, repeats, warmup=2))
     return out
+
+
+def rank_skew(group: dist.ProcessGroup | None, world: int, rounds: int,
+              tokens: int = RANK_SKEW_TOKENS, warmup: int = 2) -> float:
+    """The slowest process's time over the mean of the `world` processes of `group` on the
+    same work between two synchronizations: every process runs the tiny preset's first
+    decoder layer (experts local) forward + backward on the same `tokens` tokens after a
+    barrier; per round max / mean of the times (all-reduced), the median over `rounds`.
+    1.0 with one process. Every rank must call it (collectives inside)."""
+    if world < 2:
+        return 1.0
+    from model import presets
+    from model.transformer import Block
+
+    cfg = presets.get("tiny")
+    torch.manual_seed(0)
+    block = Block(cfg, 0)
+    g = torch.Generator().manual_seed(1)  # one input for every process: identical work
+    x = torch.randn(max(1, tokens // cfg.max_seq_len), min(tokens, cfg.max_seq_len),
+                    cfg.d_model, generator=g).requires_grad_()
+    ratios = []
+    for i in range(warmup + rounds):
+        dist.barrier(group)
+        t = time.perf_counter()
+        block(x).sum().backward()
+        dt = time.perf_counter() - t
+        mx, tot = torch.tensor([dt], dtype=torch.float64), torch.tensor([dt], dtype=torch.float64)
+        dist.all_reduce(mx, dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(tot, group=group)
+        if i >= warmup:
+            ratios.append(float(mx) / (float(tot) / world))
+    return statistics.median(ratios)
 
 
 def elementwise_bandwidth_fit(act_bytes: Sequence[float], measured_s: Sequence[float],
@@ -1066,6 +1107,10 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     fields["grad_norm_bandwidth"] = statistics.median(r["grad_norm"] for r in per_rank)
     fields["zero_copy_bandwidth"] = statistics.median(r["zero_copy"] for r in per_rank)
     fields["loss_bandwidth"] = statistics.median(r["loss"] for r in per_rank)
+    # the processes' spread on identical work: where each has cores of its own (on shared
+    # cores the measured shared-core terms hold it); every rank computed the same ratio
+    fields["rank_skew"] = (1.0 if n_procs < 2 or n_procs * threads > cores  # shared cores
+                           else max(1.0, per_rank[0]["skew"]))
     # the slowest rank's median: a collective ends when its last member arrives
     fields["sync_latency"] = max(r["sync"] for r in per_rank_comm)
     a2a_lat, a2a_bw_total = fit_latency_bandwidth(sizes, res["a2a"])
@@ -1134,6 +1179,12 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                                    if piped and shared else "not measured: the processes do "
                                    "not share the cores (or are an odd count); 1 = the replay "
                                    "as is"),
+        "rank_skew": (f"the slowest process / the mean on one tiny decoder layer fwd+bwd at "
+                      f"{RANK_SKEW_TOKENS} tokens, the same input everywhere, median of "
+                      f"{RANK_SKEW_ROUNDS[1 if quick else 0]} rounds"
+                      if n_procs > 1 and n_procs * threads <= cores else "not measured: the "
+                      "processes share the cores (their jitter is in the shared-core terms) "
+                      "or there is one; 1 = all equally fast"),
         "pipeline_action_overhead_us": ("the same pipeline probe on cores of their own: what "
                                         "each action adds for the replay of its measured "
                                         "actions to take the measured step"

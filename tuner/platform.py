@@ -77,6 +77,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("compute", "zero3_pair_overhead_us", "zero3_pair_overhead", 1e-6),
     ("compute", "shared_pipeline_factor", "shared_pipeline_factor", 1.0),
     ("compute", "pipeline_action_overhead_us", "pipeline_action_overhead", 1e-6),
+    ("compute", "rank_skew", "rank_skew", 1.0),
     ("memory", "zero3_optimizer_overhead_us", "zero3_optimizer_overhead", 1e-6),
     ("memory", "hbm_gb", "hbm_bytes", 1e9),
     ("memory", "hbm_bandwidth_gbs", "hbm_bandwidth", 1e9),
@@ -298,6 +299,17 @@ class Platform:
     # the measured step. 0 where not measured (GPU files; where the processes share cores,
     # `shared_pipeline_factor` calibrates the replay as a whole instead)
     pipeline_action_overhead: float = 0.0
+    # Measured on CPU where each process has cores of its own (`tuner measure`): the slowest
+    # process's time over the processes' mean on identical work between two synchronizations
+    # (one decoder layer's forward + backward on every process after a barrier; the median
+    # over rounds). Processes of one machine do not run equally fast (measured on this
+    # project's 2-core VM: one process 0-8 % slower than the other for a whole run, the side
+    # changing between runs, plus a few % of jitter per layer), and ranks that meet in a
+    # collective every layer or step wait for the slowest: the estimate scales the compute of
+    # plans whose stages hold several ranks (DP, EP) by it. 1 where not measured (GPU files,
+    # and where the processes share the cores: there the shared-core terms are measured with
+    # every process computing, their jitter included)
+    rank_skew: float = 1.0
     # Measured on CPU (`tuner measure`): seconds per decoder layer on a rank that the AdamW
     # step over ZeRO-3's DTensor shards takes beyond a plain AdamW step over the same model
     # (torch's per-tensor DTensor dispatch); 0 where not measured
@@ -401,6 +413,10 @@ class Platform:
             raise ValueError(f"platform {self.name!r}: shared_pipeline_factor="
                              f"{self.shared_pipeline_factor} must be a finite number > 0 "
                              f"(measured step / replayed step; 1 = the replay as is)")
+        if not (math.isfinite(self.rank_skew) and self.rank_skew >= 1.0):
+            raise ValueError(f"platform {self.name!r}: rank_skew={self.rank_skew} must be a "
+                             f"finite number >= 1 (the slowest process over the mean; 1 = "
+                             f"not measured)")
         if self.split_backward_extra < 0:
             raise ValueError(f"platform {self.name!r}: split_backward_extra="
                              f"{self.split_backward_extra} must be >= 0")
