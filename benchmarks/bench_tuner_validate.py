@@ -40,6 +40,8 @@ predicted), so the scaled error is a diagnostic, not the check.
         rows of tuner_validate.jsonl against the current model and platform files
     .venv/bin/python benchmarks/bench_tuner_validate.py --repredict --dedicated-bubble  # the
         same, the bubble priced as on dedicated devices (no `tuner.sharing` replay)
+    .venv/bin/python benchmarks/repredict_tuner_records.py --records 11   # every stored
+        record re-predicted on its own platforms: the model's bias per layout
     flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_validate.py \
         --reuse-platforms --only zero        # the ZeRO rows only (names starting with "zero")
     flock /tmp/piper-bench.lock .venv/bin/python benchmarks/bench_tuner_validate.py \
