@@ -48,6 +48,7 @@ from model import presets  # noqa: E402
 from model.transformer import Block  # noqa: E402
 from tuner import load_platform  # noqa: E402
 from tuner.comms import p2p_time  # noqa: E402
+from tuner.layout import FP32_TRAINER_PRECISION  # noqa: E402
 from tuner.measure import fit_action_overhead, replay_span  # noqa: E402
 
 # (schedule, micro-batches, tokens per micro-batch, blocks per stage, virtual stages per rank)
@@ -148,7 +149,8 @@ def main() -> None:
         with out.open("a") as f:
             for r in rows:
                 assert r is not None
-                hop = p2p_time(r["tokens"] * cfg.d_model * 4, False, pf)
+                hop = p2p_time(r["tokens"] * cfg.d_model * FP32_TRAINER_PRECISION.p2p_bytes,
+                               False, pf)
                 base, slope, d = per_action(r, hop)
                 r.update(replay_s=base, critical_actions=slope, action_overhead_s=d,
                          hop_s=hop, platform=args.platform, git_sha=git_sha(),

@@ -52,8 +52,12 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _run_git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+
+
 def _git(*args: str) -> str:
-    p = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+    p = _run_git(*args)
     if p.returncode != 0:
         raise RuntimeError(f"git {' '.join(args)}: {p.stderr.strip()}")
     return p.stdout
@@ -61,8 +65,7 @@ def _git(*args: str) -> str:
 
 def _show(commit: str, name: str) -> str | None:
     """The file `benchmarks/results/<name>` at `commit`, or None where it did not exist."""
-    p = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:{RESULTS}/{name}"],
-                       capture_output=True, text=True)
+    p = _run_git("show", f"{commit}:{RESULTS}/{name}")
     return p.stdout if p.returncode == 0 else None
 
 

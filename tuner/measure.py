@@ -443,8 +443,9 @@ def _say(rank: int, verbose: bool, msg: str) -> None:
 
 
 def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, threads: int, quick: bool,
-                    reps: int, verbose: bool = False) -> dict:
-    """Every compute rate, measured in each of the `world` processes at the same time."""
+                    reps: int, verbose: bool = False, skew: bool = False) -> dict:
+    """Every compute rate, measured in each of the `world` processes at the same time;
+    `skew`: also `rank_skew` (where the processes have cores of their own), else 1.0."""
     torch.set_num_threads(threads)
     q = 1 if quick else 0
     shapes = [(256, 256, 256), (512, 512, 512)] if quick else \
@@ -497,8 +498,8 @@ def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, thre
     loss = loss_rate(reps)
     _say(rank, verbose, f"decoder layer at {BLOCK_TOKENS[q]} tokens ({time.perf_counter() - t0:.0f} s so far)")
     block = _block_times(BLOCK_TOKENS[q], reps, group)
-    skew = rank_skew(group, world, RANK_SKEW_ROUNDS[q])
-    return {"block": block, "skew": skew, "rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
+    spread = rank_skew(group, world, RANK_SKEW_ROUNDS[q]) if skew else 1.0
+    return {"block": block, "skew": spread, "rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
             "overhead": overhead, "widths": widths, "grid": grid, "grouped_rows": grouped_rows,
             "attn_grid": attn_grid, "optimizer": optimizer, "split_extra": split_extra,
             "split_share": split_share,
@@ -1078,11 +1079,14 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         raise ValueError(f"n_procs={n_procs}: collectives need at least 2 processes")
     cores = os.cpu_count() or 1
     threads = max(1, cores // n_procs)
+    # processes with cores of their own (`Platform.shares_cores` of the platform written):
+    # the rank-skew probe runs there only; on shared cores the shared-core terms hold it
+    dedicated = n_procs * threads <= cores
     reps = 3 if quick else 7
     pinned = rank_cores(0, n_procs, threads, sorted(os.sched_getaffinity(0))) is not None \
         if hasattr(os, "sched_getaffinity") else False
     # every worker placed as train.py places its ranks (pinned where they fill the cores)
-    per_rank = run_local(_compute_worker, n_procs, threads, quick, reps, verbose,
+    per_rank = run_local(_compute_worker, n_procs, threads, quick, reps, verbose, dedicated,
                          timeout_s=1200.0, threads=threads, cpu_affinity="auto")
 
     fields = compute_fields(per_rank, quick)
@@ -1107,10 +1111,9 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     fields["grad_norm_bandwidth"] = statistics.median(r["grad_norm"] for r in per_rank)
     fields["zero_copy_bandwidth"] = statistics.median(r["zero_copy"] for r in per_rank)
     fields["loss_bandwidth"] = statistics.median(r["loss"] for r in per_rank)
-    # the processes' spread on identical work: where each has cores of its own (on shared
-    # cores the measured shared-core terms hold it); every rank computed the same ratio
-    fields["rank_skew"] = (1.0 if n_procs < 2 or n_procs * threads > cores  # shared cores
-                           else max(1.0, per_rank[0]["skew"]))
+    # the processes' spread on identical work (every rank computed the same ratio; 1.0 where
+    # the cores are shared)
+    fields["rank_skew"] = max(1.0, per_rank[0]["skew"])
     # the slowest rank's median: a collective ends when its last member arrives
     fields["sync_latency"] = max(r["sync"] for r in per_rank_comm)
     a2a_lat, a2a_bw_total = fit_latency_bandwidth(sizes, res["a2a"])
@@ -1182,9 +1185,9 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         "rank_skew": (f"the slowest process / the mean on one tiny decoder layer fwd+bwd at "
                       f"{RANK_SKEW_TOKENS} tokens, the same input everywhere, median of "
                       f"{RANK_SKEW_ROUNDS[1 if quick else 0]} rounds"
-                      if n_procs > 1 and n_procs * threads <= cores else "not measured: the "
-                      "processes share the cores (their jitter is in the shared-core terms) "
-                      "or there is one; 1 = all equally fast"),
+                      if dedicated else "not measured: the "
+                      "processes share the cores (their jitter is in the shared-core terms); "
+                      "1 = all equally fast"),
         "pipeline_action_overhead_us": ("the same pipeline probe on cores of their own: what "
                                         "each action adds for the replay of its measured "
                                         "actions to take the measured step"

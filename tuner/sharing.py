@@ -69,7 +69,14 @@ def core_speed(busy: int, total: int, cores: int, threads: int) -> float:
             raise ValueError(f"core_speed: {name}={v!r} must be an int >= 1")
     if busy > total:
         raise ValueError(f"core_speed: busy={busy} exceeds total={total} processes")
-    return min(threads, cores / busy) / min(threads, cores / total)
+    return _rate(busy, total, cores, threads)
+
+
+def _rate(busy: float, total: int, cores: int, threads: int) -> float:
+    """`core_speed` for a count of computing processes that may be fractional (> 0); no
+    computing process at all: the speed of the first one to start, one alone."""
+    cores_each = cores / busy if busy > _EPS else cores
+    return min(threads, cores_each) / min(threads, cores / total)
 
 
 def shared_imbalance(imbalance: float, group: int, procs: int, cores: int,
@@ -144,15 +151,10 @@ def spread_speed(active: list[tuple[int, float, float]], total: int, cores: int,
     procs x w / (w + s v) processes computing on average; the speed is the one that this
     average count of computing processes gives (`core_speed` with a fractional count): the
     fixed point of an increasing map, iterated from the all-computing speed (its smallest)."""
-    base = min(threads, cores / total)
-
-    def speed(busy: float) -> float:
-        return min(threads, cores / busy) / base if busy > _EPS else min(threads, cores) / base
-
-    s = speed(float(sum(n for n, w, _ in active if w > _EPS)))
+    s = _rate(float(sum(n for n, w, _ in active if w > _EPS)), total, cores, threads)
     for _ in range(200):
         busy = sum(n * w / (w + s * v) for n, w, v in active if w > _EPS)
-        nxt = speed(busy)
+        nxt = _rate(busy, total, cores, threads)
         if abs(nxt - s) <= 1e-12 * nxt:
             return nxt
         s = nxt
@@ -250,13 +252,13 @@ def shared_makespan(schedule: Schedule, cost: Callable[[Action], float] | Mappin
                 w, v = d[1], d[2]
                 p = w / (w + speed * v) if w > _EPS else 0.0
                 d[1], d[2] = max(0.0, w - dt * speed * p), max(0.0, v - dt * (1.0 - p))
-                if d[1] <= _EPS and d[2] <= _EPS:
-                    d[0], d[1] = "wait", 0.0
+                done = d[1] <= _EPS and d[2] <= _EPS
             else:
                 d[1] -= dt * speed if d[0] == "cpu" else dt
                 if d[1] <= _EPS and d[0] == "cpu":
                     d[0], d[1] = "wait", d[2]
-            if d[1] <= _EPS and d[0] == "wait":
+                done = d[1] <= _EPS and d[0] == "wait"
+            if done:
                 end[orders[r][pos[r]]] = now
                 pos[r] += 1
                 doing[r] = None
