@@ -712,7 +712,10 @@ def p2p_one_way_s(rank: int, buf: torch.Tensor, repeats: int) -> float:
     return _median_time(ping, repeats, min_s=0.0) / 2
 
 
-COLL_SIZES = ((2**16, 2**18, 2**20, 2**22, 2**24), (2**18, 2**20, 2**22))  # (full, quick)
+# (full, quick). The quick sweep spans 256x in size with 3 repeats: over 16x (2**18..2**22)
+# this VM's jitter (a 1 MB reduce measured 0.56-3.6 ms) gave negative slopes
+SWEEP_REPEATS = 7  # the full measurement's repeats
+COLL_SIZES = ((2**16, 2**18, 2**20, 2**22, 2**24), (2**16, 2**20, 2**24))
 
 
 def collective_times(rank: int, group: dist.ProcessGroup | None, root: int, sizes: Sequence[int],
@@ -747,12 +750,15 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: 
     if world >= 4 and world % 2 == 0:  # the same over concurrent pairs (the constant's size)
         z3p = zero3_layer_times(world, 3 * repeats, group=2)
         out["zero3_pair_extra"] = 0.0 if z3p is None else z3p["zero3"] - z3p["plain"]
+    # the size sweeps take at least SWEEP_REPEATS (a fit of 3-4 sizes on fewer repeats, the
+    # quick measurement's 3, came out with negative slopes on this VM's jitter)
+    sweep = max(repeats, SWEEP_REPEATS)
     if coll_sizes:
-        out["coll"] = {world: collective_times(rank, group, 0, coll_sizes, repeats)}
+        out["coll"] = {world: collective_times(rank, group, 0, coll_sizes, sweep)}
         if world >= 4 and world % 2 == 0:  # every rank in a pair: same barrier count
             pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
             out["coll"][2] = collective_times(rank, pairs[rank // 2], rank - rank % 2,
-                                               coll_sizes, repeats)
+                                               coll_sizes, sweep)
     for nb in sizes:
         n = max(world, nb // 4 // world * world)
         x, y = torch.ones(n), torch.empty(n)
@@ -761,8 +767,8 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: 
         def a2a(x: torch.Tensor = x, y: torch.Tensor = y) -> object:
             return dist.all_to_all_single(y, x, group=group)
 
-        out["a2a"].append(_median_time(a2a, repeats, min_s=0.0))
-        out["p2p"].append(p2p_one_way_s(rank, torch.ones(max(1, nb // 4)), repeats))
+        out["a2a"].append(_median_time(a2a, sweep, min_s=0.0))
+        out["p2p"].append(p2p_one_way_s(rank, torch.ones(max(1, nb // 4)), sweep))
         dist.barrier()
     return out
 
@@ -1067,6 +1073,30 @@ def residual_fields(raw: dict[str, Any], p: Platform) -> dict[str, Any]:
     return out
 
 
+COMM_ATTEMPTS = 3  # measurements of the communication sweeps before giving up on noise
+
+
+def _sweep_fits(per_rank_comm: list[dict], sizes: Sequence[int], coll_sizes: Sequence[int]
+                ) -> tuple[list[tuple[str, int, float, float]], tuple[float, float],
+                           tuple[float, float]]:
+    """(collectives as (kind, group size, latency, bandwidth), all-to-all (latency,
+    bandwidth), P2P (latency, bandwidth)) fitted to `_comm_worker`'s results; ValueError
+    where a sweep's times do not grow with size (`fit_latency_bandwidth`). The collectives
+    from the median over ranks of the per-size times (the slowest rank sets a collective's
+    end, but one lucky or unlucky rank does not set the fit); all-to-all and P2P from rank
+    0's."""
+    res = per_rank_comm[0]
+    collectives = []
+    for n in sorted(res["coll"]):
+        for kind in ("all_reduce", "reduce", "broadcast"):
+            ts = [statistics.median(r["coll"][n][kind][i] for r in per_rank_comm if n in r["coll"])
+                  for i in range(len(coll_sizes))]
+            lat, bw = fit_latency_bandwidth(coll_sizes, ts)
+            collectives.append((kind, n, lat, bw))
+    return (collectives, fit_latency_bandwidth(sizes, res["a2a"]),
+            fit_latency_bandwidth(sizes, res["p2p"]))
+
+
 def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                      verbose: bool = True, raw_out: Path | None = None) -> Path:
     """Run the micro-benchmarks (a few minutes; well under one with `quick`) and write `out`;
@@ -1090,20 +1120,24 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                          timeout_s=1200.0, threads=threads, cpu_affinity="auto")
 
     fields = compute_fields(per_rank, quick)
-    sizes = [2**12, 2**16, 2**20] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22]
+    # all-to-all / P2P sweep; the quick one reaches 4 MB as well: up to 1 MB the size's effect
+    # was within this VM's jitter at 3 repeats and the fit's slope came out negative
+    sizes = [2**12, 2**16, 2**20, 2**22] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22]
     coll_sizes = COLL_SIZES[1 if quick else 0]
-    per_rank_comm = run_local(_comm_worker, n_procs, sizes, reps, coll_sizes, threads=threads,
-                              cpu_affinity="auto")
-    res = per_rank_comm[0]
-    # each fit from the median over ranks of the per-size times (the slowest rank sets a
-    # collective's end, but one lucky or unlucky rank does not set the fit)
-    collectives = []
-    for n in sorted(res["coll"]):
-        for kind in ("all_reduce", "reduce", "broadcast"):
-            ts = [statistics.median(r["coll"][n][kind][i] for r in per_rank_comm if n in r["coll"])
-                  for i in range(len(coll_sizes))]
-            lat, bw = fit_latency_bandwidth(coll_sizes, ts)
-            collectives.append((kind, n, lat, bw))
+    for attempt in range(1, COMM_ATTEMPTS + 1):
+        per_rank_comm = run_local(_comm_worker, n_procs, sizes, reps, coll_sizes,
+                                  threads=threads, cpu_affinity="auto")
+        try:
+            collectives, (a2a_lat, a2a_bw_total), (p2p_lat, p2p_bw) = _sweep_fits(
+                per_rank_comm, sizes, coll_sizes)
+            break
+        except ValueError as e:  # a sweep whose times do not grow with size: noise
+            if attempt == COMM_ATTEMPTS:
+                raise ValueError(f"the communication sweeps were noise in {attempt} "
+                                 f"attempts ({e}); measure on a quieter machine") from e
+            if verbose:
+                print(f"[tuner measure] {e}: measuring the communication again (attempt "
+                      f"{attempt + 1} of {COMM_ATTEMPTS})", file=sys.stderr, flush=True)
     fields["optimizer_bandwidth"] = statistics.median(r["optimizer"] for r in per_rank)
     fields["split_backward_extra"] = statistics.median(r["split_extra"] for r in per_rank)
     fields["split_backward_input_share"] = statistics.median(r["split_share"] for r in per_rank)
@@ -1116,8 +1150,6 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     fields["rank_skew"] = max(1.0, per_rank[0]["skew"])
     # the slowest rank's median: a collective ends when its last member arrives
     fields["sync_latency"] = max(r["sync"] for r in per_rank_comm)
-    a2a_lat, a2a_bw_total = fit_latency_bandwidth(sizes, res["a2a"])
-    p2p_lat, p2p_bw = fit_latency_bandwidth(sizes, res["p2p"])
     # An all-to-all of B bytes per rank moves B (n-1)/n off each rank: report per-rank
     # injection bandwidth, the quantity the model divides by.
     a2a_bw = a2a_bw_total * (n_procs - 1) / n_procs
@@ -1136,7 +1168,7 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         "n_procs": n_procs, "quick": quick,
         "block_s": [statistics.median(ts)
                     for ts in zip(*(r["block"] for r in per_rank), strict=True)],
-        "ep_extra_s": res["ep_extra"],
+        "ep_extra_s": per_rank_comm[0]["ep_extra"],
         "zero3_extra_s": statistics.median(r["zero3_extra"] for r in per_rank_comm),
         "zero3_opt_extra_s": statistics.median(r["zero3_opt_extra"] for r in per_rank_comm),
         "zero3_pair_extra_s": statistics.median(r.get("zero3_pair_extra", 0.0)
