@@ -24,7 +24,10 @@ optimizer, 0 without either; `--dispatch` flat for NCCL all-to-all, dedup for De
 (FSDP2 under torch.distributed.pipelining: "step") and `--zero3-runs` its `zero3_runs` (the
 table's gradient-accumulation count of whole schedule runs); `--host-floor-ms` by the run's
 `framework` (HOST_FLOOR_MS: Megatron-Core's measured host floor per MoE layer and
-micro-batch; its forward share, `forward_host_floor_ms`, with `--host-floor-scope forward`). Where the source leaves a field unknown the run's `assumed` value is used, else this script's default
+micro-batch; its forward share, `forward_host_floor_ms`, with `--host-floor-scope forward`),
+or by the run's own `host_floor` (a step of its recipe measured outside the file,
+`own_host_floor_ms`). A run marked `floor_layout` (its layout is the one its floor was
+measured on) is predicted and ranked but left out of the error summary. Where the source leaves a field unknown the run's `assumed` value is used, else this script's default
 (DEFAULTS); each row lists the fields it assumed. Where this checkout's estimate CLI offers them,
 `--precision-policy megatron --zero-sharding flat` are added (Megatron-Core's state bytes and its
 flat distributed-optimizer shards: every source here is Megatron-Core or FSDP2).
@@ -127,8 +130,61 @@ def _choice(run: dict[str, Any], key: str, value: Any, table: dict[str, str]) ->
     return table[value]
 
 
-def estimate_flags(run: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """`tuner estimate` flags for a run and the fields it had to assume (module docstring)."""
+def estimate_flags(run: dict[str, Any], runs: dict[str, dict[str, Any]] | None = None
+                   ) -> tuple[list[str], list[str]]:
+    """`tuner estimate` flags for a run and the fields it had to assume (module docstring).
+    `runs`: the file's runs by id, for a run whose `host_floor` names the layout it was
+    measured on (default: the published-runs file's)."""
+    flags, assumed = _layout_flags(run)
+    framework = run.get("framework", UNKNOWN)
+    if framework not in HOST_FLOOR_MS:
+        raise ValueError(f"run {run['id']}: framework={framework!r}; valid: "
+                         f"{', '.join(HOST_FLOOR_MS)}")
+    own = run.get("host_floor")
+    if own is not None:
+        floor = own_host_floor_ms(run, runs if runs is not None else
+                                  {r["id"]: r for r in load_runs()})
+    elif HOST_FLOOR_MS[framework]:
+        floor = forward_host_floor_ms(HOST_FLOOR_MS[framework])
+    else:
+        floor = 0.0
+    if floor:
+        flags[flags.index("--zero"):flags.index("--zero")] = [
+            "--host-floor-ms", f"{floor:.4g}", "--host-floor-scope", "forward"]
+    return flags, assumed
+
+
+def own_host_floor_ms(run: dict[str, Any], runs: dict[str, dict[str, Any]]) -> float:
+    """The forward host floor (ms) of a run with its own `host_floor` = {step_time_s, layout,
+    source}: the measured step of the run `layout` (a pipeline of one stage) per MoE layer
+    and micro-batch of that layout (its global batch / (micro-batch x data-parallel ranks)
+    micro-batches), its forward share by `forward_host_floor_ms` on that layout's flags."""
+    from model import presets
+
+    hf = run["host_floor"]
+    if not isinstance(hf, dict) or set(hf) != {"step_time_s", "layout", "source"}:
+        raise ValueError(f"run {run['id']}: host_floor={hf!r} must be a table of step_time_s, "
+                         "layout and source")
+    step = hf["step_time_s"]
+    if isinstance(step, bool) or not isinstance(step, int | float) or step <= 0:
+        raise ValueError(f"run {run['id']}: host_floor.step_time_s={step!r} must be seconds > 0")
+    src = runs.get(hf["layout"])
+    if src is None:
+        raise ValueError(f"run {run['id']}: host_floor.layout={hf['layout']!r} is no run id "
+                         "of the file")
+    if src["pp"] != 1 or src["vp"] != 1:
+        raise ValueError(f"run {run['id']}: host_floor.layout {src['id']} has pp={src['pp']}, "
+                         f"vp={src['vp']}; the floor is derived from a one-stage layout only")
+    cfg = presets.get(src["model"])
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    dp = src["gpus"] // (src["tp"] * src["cp"])
+    microbatches = src["global_batch"] // (src["mbs"] * dp)
+    per = moe_layers * microbatches
+    return forward_host_floor_ms(1e3 * step / per, tuple(_layout_flags(src)[0]), per)
+
+
+def _layout_flags(run: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The run's `tuner estimate` flags without its host floor, and the fields assumed."""
     assumed: list[str] = []
     f = functools.partial(_field, run, assumed=assumed)
     fsdp = f("fsdp")
@@ -162,13 +218,6 @@ def estimate_flags(run: dict[str, Any]) -> tuple[list[str], list[str]]:
         if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
             raise ValueError(f"run {run['id']}: zero3_runs={runs!r} must be an int >= 1")
         flags += ["--zero3-runs", str(runs)]
-    framework = run.get("framework", UNKNOWN)
-    if framework not in HOST_FLOOR_MS:
-        raise ValueError(f"run {run['id']}: framework={framework!r}; valid: "
-                         f"{', '.join(HOST_FLOOR_MS)}")
-    if HOST_FLOOR_MS[framework]:
-        flags += ["--host-floor-ms", f"{forward_host_floor_ms(HOST_FLOOR_MS[framework]):.4g}",
-                  "--host-floor-scope", "forward"]
     mtp = run.get("mtp_layers", 0)  # absent: the run has none; "unknown": not priced
     if isinstance(mtp, int) and not isinstance(mtp, bool) and mtp > 0:
         flags += ["--mtp-layers", str(mtp)]
@@ -299,14 +348,17 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @functools.cache
-def forward_host_floor_ms(layer_ms: float) -> float:
+def forward_host_floor_ms(layer_ms: float, source: tuple[str, ...] = tuple(FLOOR_SOURCE_FLAGS),
+                          layers_x_microbatches: int = FLOOR_SOURCE_LAYERS_X_MICROBATCHES
+                          ) -> float:
     """The host's share of a measured host-bound layer time `layer_ms` (forward + backward of
-    one MoE layer and micro-batch, the FLOOR_SOURCE run): `layer_ms` minus the backward's
-    device time the estimate gives that run without a floor (2/3 of its compute + exchange
-    per layer and micro-batch: recompute none)."""
-    est = run_estimate(FLOOR_SOURCE_FLAGS, timeout=300.0)
+    one MoE layer and micro-batch of the run whose `tuner estimate` flags are `source`: by
+    default FLOOR_SOURCE_FLAGS): `layer_ms` minus the backward's device time the estimate
+    gives that run without a floor (2/3 of its compute + exchange per layer and micro-batch:
+    recompute none)."""
+    est = run_estimate(list(source), timeout=300.0)
     device = est["time_s"]["compute"] + est["time_s"]["alltoall"]
-    backward_ms = 1e3 * device * 2 / 3 / FLOOR_SOURCE_LAYERS_X_MICROBATCHES
+    backward_ms = 1e3 * device * 2 / 3 / layers_x_microbatches
     if not 0 < backward_ms < layer_ms:
         raise RuntimeError(f"host floor: backward device {backward_ms:.3g} ms per layer is not "
                            f"below the measured {layer_ms} ms; the source row is not host-bound")
@@ -391,7 +443,12 @@ def evaluate(run: dict[str, Any], extra: list[str], timeout: float,
         row["status"] = "predicted: nothing to compare in the source's terms"
         return row
     row["metric"], row["pred_value"], row["meas_value"] = cmp_
-    row["error"] = cmp_[1] / cmp_[2] - 1
+    err = cmp_[1] / cmp_[2] - 1
+    if run.get("floor_layout"):  # its layout is its host floor's source: ranked, not summarised
+        row["status"] = "predicted: the layout its host floor was measured on (not summarised)"
+        row["floor_layout_error"] = err
+        return row
+    row["error"] = err
     return row
 
 
@@ -410,6 +467,13 @@ def markdown(rows: list[dict[str, Any]], s: dict[str, Any]) -> str:
            "| run | metric | measured | predicted | error | Megatron formula / printed | "
            "fits | runnable (missing) | assumed |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("floor_layout_error") is not None:
+            out.append(f"| `{r['id']}` | {r['metric']} | {r['meas_value']:.4g} | "
+                       f"{r['pred_value']:.4g} | ({100 * r['floor_layout_error']:+.1f} %: its "
+                       f"host floor's layout, not summarised) | "
+                       f"{_fmt(r['megatron_formula_ratio'], '.3f')} | {r.get('fits')} | "
+                       f"{r.get('runnable')} | {', '.join(r['assumed'])} |")
+            continue
         if r.get("error") is None:
             out.append(f"| `{r['id']}` | {r['status']} | | | | "
                        f"{_fmt(r['megatron_formula_ratio'], '.3f')} | | | |")

@@ -150,6 +150,57 @@ def test_megatron_rows_get_the_host_floor() -> None:
     assert b.HOST_FLOOR_MS["megatron-core"] == pytest.approx(1e3 * step / (64 * 48), rel=1e-3)
 
 
+def test_a_run_with_its_own_host_floor_takes_it_from_its_recipes_measured_step() -> None:
+    """PR 5094's rows take the floor from their recipe's overlap-off step measured a week
+    before (25.118 s): per MoE layer and micro-batch of that layout (48 layers x 1024 / 16
+    micro-batches), its forward share by the same subtraction as the framework's floor."""
+    by_id = {r["id"]: r for r in RUNS}
+    off, on = by_id["mb5094-qwen3-30b-h100-bf16-ep16-graphs"], \
+        by_id["mb5094-qwen3-30b-h100-bf16-ep16-graphs-overlap"]
+    assert off["floor_layout"] and "floor_layout" not in on
+    assert on["host_floor"] == off["host_floor"] and off["host_floor"]["layout"] == off["id"]
+    flags_off, flags_on = b.estimate_flags(off)[0], b.estimate_flags(on)[0]
+    floor = float(_flag(flags_on, "--host-floor-ms"))
+    assert _flag(flags_off, "--host-floor-ms") == _flag(flags_on, "--host-floor-ms")
+    # by hand: the off layout's estimate without a floor, its backward = 2/3 of compute +
+    # exchange per layer and micro-batch
+    plain = list(flags_off)
+    i = plain.index("--host-floor-ms")
+    del plain[i:i + 4]
+    est = b.run_estimate(plain, timeout=300.0)
+    per = 48 * (1024 // 16)
+    back = 1e3 * (est["time_s"]["compute"] + est["time_s"]["alltoall"]) * 2 / 3 / per
+    assert floor == pytest.approx(1e3 * 25.118 / per - back, rel=1e-3)  # printed to 4 digits
+    # the run's own floor replaces the framework's (without it: Megatron-Core's eager one)
+    framework_floor = _flag(b.estimate_flags({k: v for k, v in on.items()
+                                              if k != "host_floor"})[0], "--host-floor-ms")
+    assert flags_on.count("--host-floor-ms") == 1
+    assert floor != pytest.approx(float(framework_floor), rel=1e-2)
+
+
+def test_bad_host_floor_tables_are_refused() -> None:
+    runs = {"src": _run(id="src", pp=1, vp=1)}
+    hf = {"step_time_s": 10.0, "layout": "src", "source": "https://x"}
+    for bad, match in (({**hf, "extra": 1}, "must be a table of step_time_s, layout and source"),
+                       ({**hf, "step_time_s": 0}, "step_time_s=0 must be seconds > 0"),
+                       ({**hf, "layout": "nope"}, "layout='nope' is no run id"),
+                       ({**hf, "layout": "pp2"}, "pp=2, vp=2; the floor is derived from a "
+                                                 "one-stage layout only")):
+        with pytest.raises(ValueError, match=match):
+            b.estimate_flags(_run(host_floor=bad), {**runs, "pp2": _run(id="pp2")})
+
+
+def test_floor_layout_rows_are_ranked_but_not_summarised() -> None:
+    rows = [{"id": "a", "error": 0.10, "rank_group": "g", "rank_metric": "tokens",
+             "meas_tokens": 100.0, "pred_tokens": 110.0, "meas_tflops": None},
+            {"id": "b", "error": None, "floor_layout_error": -0.5, "rank_group": "g",
+             "rank_metric": "tokens", "meas_tokens": 80.0, "pred_tokens": 40.0,
+             "meas_tflops": None}]
+    s = b.summarise(rows)
+    assert s["compared"] == 1 and s["median_abs_error"] == pytest.approx(0.10)
+    assert s["groups"]["g"]["pairs"] == 1 and s["groups"]["g"]["pairs_agree"] == 1
+
+
 def test_order_agreement_counts_pairs() -> None:
     meas = [3.0, 2.0, 1.0]
     assert b.order_agreement(meas, [30.0, 20.0, 10.0]) == (3, 3)
