@@ -27,7 +27,9 @@ table's gradient-accumulation count of whole schedule runs); `--host-floor-ms` b
 micro-batch; its forward share, `forward_host_floor_ms`, with `--host-floor-scope forward`),
 or by the run's own `host_floor` (a step of its recipe measured outside the file,
 `own_host_floor_ms`). A run marked `floor_layout` (its layout is the one its floor was
-measured on) is predicted and ranked but left out of the error summary. Where the source leaves a field unknown the run's `assumed` value is used, else this script's default
+measured on) is predicted and ranked but left out of the error summary. Megatron-Core rows with the all-to-all overlap
+(fb) get `--fb-pairing layer` (its combined 1F1B interleaves the paired micro-batches layer by
+layer). Where the source leaves a field unknown the run's `assumed` value is used, else this script's default
 (DEFAULTS); each row lists the fields it assumed. Where this checkout's estimate CLI offers them,
 `--precision-policy megatron --zero-sharding flat` are added (Megatron-Core's state bytes and its
 flat distributed-optimizer shards: every source here is Megatron-Core or FSDP2).
@@ -151,6 +153,10 @@ def estimate_flags(run: dict[str, Any], runs: dict[str, dict[str, Any]] | None =
     if floor:
         flags[flags.index("--zero"):flags.index("--zero")] = [
             "--host-floor-ms", f"{floor:.4g}", "--host-floor-scope", "forward"]
+    if framework == "megatron-core" and _flag_value(flags, "--a2a-overlap") == "fb":
+        # Megatron-Core's combined 1F1B pairs two micro-batches layer by layer: one layer's
+        # activations more than the plain schedule (Assumptions.fb_pairing)
+        flags += ["--fb-pairing", "layer"]
     return flags, assumed
 
 

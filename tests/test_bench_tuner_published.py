@@ -178,6 +178,15 @@ def test_a_run_with_its_own_host_floor_takes_it_from_its_recipes_measured_step()
     assert floor != pytest.approx(float(framework_floor), rel=1e-2)
 
 
+def test_megatron_fb_rows_pair_layer_by_layer() -> None:
+    """Megatron-Core's combined 1F1B holds one layer more than the plain schedule, not a
+    second micro-batch (Assumptions.fb_pairing "layer"); other rows keep the default."""
+    assert _flag(b.estimate_flags(_run(framework="megatron-core"))[0], "--fb-pairing") == "layer"
+    assert "--fb-pairing" not in b.estimate_flags(_run())[0]  # AutoModel
+    assert "--fb-pairing" not in b.estimate_flags(_run(framework="megatron-core",
+                                                        a2a_overlap="none"))[0]
+
+
 def test_bad_host_floor_tables_are_refused() -> None:
     runs = {"src": _run(id="src", pp=1, vp=1)}
     hf = {"step_time_s": 10.0, "layout": "src", "source": "https://x"}

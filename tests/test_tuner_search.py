@@ -9,7 +9,7 @@ import pytest
 
 from model import presets
 from trainer.layout import AUTO_OVERLAP_CHUNKS, fb_problems
-from tuner import load_platform
+from tuner import ParallelPlan, load_platform
 from tuner.estimate import estimate, fb_inflight, stage_memory, step_time_lower_bound
 from tuner.layout import CPU_TRAFFIC_PASSES, ZERO_LEVELS, Assumptions, precision_policy
 from tuner.search import Evaluator, exhaustive, optuna_search
@@ -271,3 +271,28 @@ def test_the_neighbour_walk_steps_onto_the_kept_variant():
         got = optuna_search(Evaluator(sp, cfg, pf, prec, asm, prune=True), n_trials=100,
                             seed=seed, enqueue=[lean[1]])
         assert got.best.step_time == ref.best.step_time, (seed, got.best.point, ref.best.point)
+
+
+def test_fb_pairing_layer_holds_one_layer_more_than_the_plain_schedule():
+    """Assumptions.fb_pairing "layer" (Megatron-Core's combined 1F1B, interleaved layer by
+    layer): the plain schedule's activations plus one layer's; "trainer" (the default) keeps
+    this trainer's paired schedule, whole micro-batches (`fb_inflight`)."""
+    cfg = presets.get("qwen3-30b-a3b")  # every layer the same MoE layer
+    pf = load_platform("dgx-h100")
+    pol = precision_policy("megatron", "nccl")
+    base = ParallelPlan(pp=1, ep=16, dp=1, microbatches=64, global_batch=1024, seq_len=4096)
+    plain = stage_memory(cfg, base, pf, pol, Assumptions())[0].act_by_part
+    layer = stage_memory(cfg, base.replace(a2a_overlap="fb"), pf, pol,
+                         Assumptions(fb_pairing="layer"))[0].act_by_part
+    trainer = stage_memory(cfg, base.replace(a2a_overlap="fb"), pf, pol, Assumptions())[0]
+    # the 48 layers' parts of the plain schedule (one micro-batch in flight at PP 1), and the
+    # parts outside the layers (logits) unchanged
+    per_layer = {p: v / cfg.n_layers for p, v in plain.items() if p != "logits"}
+    assert set(layer) == set(plain) | {"fb_pair_layer"}
+    assert layer["fb_pair_layer"] == pytest.approx(sum(per_layer.values()), rel=1e-12)
+    assert {p: v for p, v in layer.items() if p != "fb_pair_layer"} == plain
+    # the trainer's pairs hold two whole micro-batches at PP 1 (fb_inflight)
+    assert fb_inflight("1f1b", 1, 64, 1) == (2,)
+    assert trainer.act_by_part["experts"] == pytest.approx(2 * plain["experts"], rel=1e-12)
+    with pytest.raises(ValueError, match="fb_pairing='both'; valid: trainer, layer"):
+        Assumptions(fb_pairing="both")

@@ -279,7 +279,8 @@ def _estimate(args: argparse.Namespace) -> int:
                       zero_sharding=args.zero_sharding, fp8_peak_factor=args.fp8_peak_factor,
                       fp8_cast_bytes=args.fp8_cast_bytes, zero3_gather=args.zero3_gather, zero3_runs=args.zero3_runs,
                       host_floor=args.host_floor_ms / 1e3,
-                      host_floor_scope=args.host_floor_scope, mtp_layers=args.mtp_layers)
+                      host_floor_scope=args.host_floor_scope, fb_pairing=args.fb_pairing,
+                      mtp_layers=args.mtp_layers)
     from tuner.estimate import estimate
 
     e = estimate(cfg, plan, platform, precision_policy(args.precision_policy, platform.backend,
@@ -438,6 +439,7 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
         A2A_OVERLAP,
         ALLTOALL_ALGORITHMS,
         EP_PLACEMENTS,
+        FB_PAIRINGS,
         HOST_FLOOR_SCOPES,
         PRECISION_POLICIES,
         PRECISIONS,
@@ -512,6 +514,11 @@ def _estimate_parser(sub) -> None:  # noqa: ANN001 - argparse's private subparse
                    help="what --host-floor-ms bounds: the layer's forward + backward (layer) or "
                         "each pass that syncs the host, the forward and a recomputed forward, "
                         "the backward at its device time (forward; Assumptions.host_floor_scope)")
+    e.add_argument("--fb-pairing", default="trainer", choices=FB_PAIRINGS,
+                   help="activations held by --a2a-overlap fb's paired micro-batches: whole "
+                        "micro-batches as train.py pairs them (trainer, default), or the plain "
+                        "schedule's plus one layer, as Megatron-Core's combined 1F1B "
+                        "interleaves the pair layer by layer (layer; Assumptions.fb_pairing)")
     e.add_argument("--mtp-layers", type=int, default=0, metavar="N",
                    help="multi-token-prediction modules to price on the last stage (time "
                         "only; DeepSeek-V3 runs train 1; train.py builds none: default 0; "

@@ -541,7 +541,10 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform | None
     t_attn = plan.attention_tokens(assumptions.attention)
     t_exp = plan.expert_tokens * assumptions.routing_imbalance
     _, inflight = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
-    if fb_pairs(plan):
+    # fb's pairs: whole micro-batches in flight (this trainer), or one layer more than the
+    # plain schedule (Megatron-Core's layer-interleaved pairs: Assumptions.fb_pairing)
+    fb_layer = fb_pairs(plan) and assumptions.fb_pairing == "layer"
+    if fb_pairs(plan) and not fb_layer:
         inflight = fb_inflight(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
     emb, head = head_params(cfg)
     aset = assumptions.activation_set
@@ -562,11 +565,14 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform | None
         # Activations: the largest chunk times the micro-batches alive at the peak.
         act: dict[str, float] = {}
         best = -1.0
+        one_layer = 0.0  # the largest layer's, one micro-batch (fb_pairing "layer")
         for c in chunks:
             per: dict[str, float] = {}
             for i in c:
                 lc = kinds[cfg.is_moe_layer(i)]
-                for p, v in _layer_act(lc, plan.checkpointing, t_attn, t_exp, D, aset).items():
+                la = _layer_act(lc, plan.checkpointing, t_attn, t_exp, D, aset)
+                one_layer = max(one_layer, sum(la.values()) * pb.activation_bytes)
+                for p, v in la.items():
                     per[p] = per.get(p, 0.0) + v * pb.activation_bytes
                 if plan.etp > 1 and lc.is_moe and plan.checkpointing not in ("full", "moe"):
                     # ETP gathers each routed row to the etp ranks of its expert: the D-wide
@@ -579,6 +585,8 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform | None
             if sum(per.values()) > best:
                 best, act = sum(per.values()), per
         act = {p: v * inflight[r] for p, v in act.items()}
+        if fb_layer:  # the paired forward's newest layer beside the backward's oldest
+            act["fb_pair_layer"] = one_layer
         if plan.checkpointing != "none":
             # Recomputing a layer rebuilds its full activations for one micro-batch ("moe":
             # the MoE module's, router and experts)

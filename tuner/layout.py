@@ -49,6 +49,7 @@ __all__ = [
     "PUBLISHED_PRECISION",
     "CHECKPOINTING",
     "EP_PLACEMENTS",
+    "FB_PAIRINGS",
     "HOST_FLOOR_SCOPES",
     "ParallelPlan",
     "PrecisionPolicy",
@@ -70,6 +71,7 @@ ZERO2_GRAD_SYNC = ("last", "each")
 ZERO_SHARDING = ("flat", "per-parameter")
 ZERO3_GATHER = ("microbatch", "step")  # Assumptions.zero3_gather
 HOST_FLOOR_SCOPES = ("layer", "forward")  # Assumptions.host_floor_scope
+FB_PAIRINGS = ("trainer", "layer")  # Assumptions.fb_pairing
 
 
 _ZERO_MEANING = {0: "replicated state", 1: "optimizer state sharded",
@@ -370,6 +372,15 @@ class Assumptions:
         it takes its device time: max(forward device, floor) + backward device (+ the same
         max for the recompute). Each pass's device share is the layer's device time split
         as its compute is (forward f, backward 2f, recompute rc of 3f + rc).
+    fb_pairing: how a2a_overlap fb's paired forward and backward (two micro-batches) hold
+        activations. "trainer" (default): this trainer's paired schedule
+        (`pipeline.schedule.build_fb`), a pair's whole forward alive beside its backward:
+        `fb_inflight` micro-batches. "layer": Megatron-Core's combined 1F1B
+        (--overlap-moe-expert-parallel-comm), which interleaves the pair layer by layer, the
+        forward of one layer beside the backward of another layer of the other micro-batch,
+        so the backward frees a layer as the forward allocates one: the plain schedule's
+        in-flight micro-batches plus one layer's activations (`--fb-pairing`; the published
+        runs' Megatron-Core rows).
     mtp_layers: multi-token-prediction modules (DeepSeek-V3's MTP) the run trains, priced in
         the step time only: each is one more decoder layer of the last layer's kind (with its
         all-to-all, collectives and host floor) and one more pass of the shared output layer,
@@ -410,6 +421,7 @@ class Assumptions:
     shared_cores: bool = True
     host_floor: float = 0.0
     host_floor_scope: str = "layer"
+    fb_pairing: str = "trainer"
     mtp_layers: int = 0
 
     def __post_init__(self) -> None:
@@ -417,6 +429,8 @@ class Assumptions:
                 or self.mtp_layers < 0:
             raise ValueError(f"mtp_layers={self.mtp_layers!r} must be an int >= 0 (multi-token-"
                              f"prediction modules priced on the last stage; 0: none)")
+        if self.fb_pairing not in FB_PAIRINGS:
+            raise ValueError(f"fb_pairing={self.fb_pairing!r}; valid: {', '.join(FB_PAIRINGS)}")
         if self.host_floor_scope not in HOST_FLOOR_SCOPES:
             raise ValueError(f"host_floor_scope={self.host_floor_scope!r}; valid: "
                              f"{', '.join(HOST_FLOOR_SCOPES)}")
