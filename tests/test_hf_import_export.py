@@ -464,7 +464,11 @@ def test_readme_fine_tune_recipe_runs_as_written(tmp_path) -> None:
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == "mixtral"
+    lines = r.stdout.strip().splitlines()
+    # transformers loads the export as a Mixtral (the python -c line's print), and the chat
+    # variant after it trains its 20 steps into its own folder
+    assert "mixtral" in lines
+    assert lines[-1].startswith("done: 20 steps") and "runs/ft-chat/checkpoints" in lines[-1]
 
 
 def test_export_type_follows_what_transformers_implements() -> None:
