@@ -409,9 +409,11 @@ def _megatron_check(run: dict[str, Any], meas: dict[str, Any]) -> float | None:
 
 
 def evaluate(run: dict[str, Any], extra: list[str], timeout: float,
-             fp8_peak_factor: float | None = None) -> dict[str, Any]:
+             fp8_peak_factor: float | None = None,
+             runs: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """One result row: the run, its flags, the prediction and the comparison.
-    `fp8_peak_factor`: passed as `--fp8-peak-factor` to FP8 runs (an assumption, listed)."""
+    `fp8_peak_factor`: passed as `--fp8-peak-factor` to FP8 runs (an assumption, listed);
+    `runs`: the runs file's runs by id (`estimate_flags`)."""
     meas = measured(run)
     row: dict[str, Any] = {
         "bench": "tuner_published", "sha": git_sha(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -426,7 +428,7 @@ def evaluate(run: dict[str, Any], extra: list[str], timeout: float,
     if why:
         row["status"] = f"skipped: {why}"
         return row
-    flags, row["assumed"] = estimate_flags(run)
+    flags, row["assumed"] = estimate_flags(run, runs)
     if fp8_peak_factor is not None and _flag_value(flags, "--precision") == "fp8":
         flags += ["--fp8-peak-factor", str(fp8_peak_factor)]
         row["assumed"].append(f"fp8_peak_factor={fp8_peak_factor} (--fp8-peak-factor)")
@@ -523,7 +525,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    runs = [r for r in load_runs(args.runs) if r["id"].startswith(args.only)]
+    every = load_runs(args.runs)
+    by_id = {r["id"]: r for r in every}  # a run's host_floor may name one --only leaves out
+    runs = [r for r in every if r["id"].startswith(args.only)]
     if not runs:
         raise SystemExit(f"no run id starts with {args.only!r} in {args.runs}")
     help_text = _cli_help()
@@ -535,7 +539,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.jobs < 1:
         raise SystemExit(f"--jobs {args.jobs} must be >= 1")
     with ThreadPoolExecutor(args.jobs) as pool:  # threads only wait on the subprocesses
-        rows = list(pool.map(lambda r: evaluate(r, extra, args.timeout, args.fp8_peak_factor),
+        rows = list(pool.map(lambda r: evaluate(r, extra, args.timeout, args.fp8_peak_factor,
+                                                by_id),
                              runs))
     for row in rows:
         e = row["error"]

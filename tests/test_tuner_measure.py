@@ -9,11 +9,11 @@ import pytest
 from tuner import load_platform
 from tuner.measure import (
     GEMM_GRID,
-    _sweep_fits,
     compute_fields,
     fit_latency_bandwidth,
     measure_platform,
     median_platform,
+    sweep_fits,
     write_platform_toml,
 )
 
@@ -39,7 +39,7 @@ def test_sweep_fits_each_collective_from_the_median_rank_and_refuse_noise():
                 "coll": {2: {k: line for k in ("all_reduce", "reduce", "broadcast")}}}
 
     # three ranks, one late by 1 ms: the median rank sets each collective's fit
-    colls, a2a, p2p = _sweep_fits([rank(0.0), rank(0.0), rank(1e-3)], sizes, coll)
+    colls, a2a, p2p = sweep_fits([rank(0.0), rank(0.0), rank(1e-3)], sizes, coll)
     assert [(k, n) for k, n, _, _ in colls] == [("all_reduce", 2), ("reduce", 2), ("broadcast", 2)]
     for _, _, lat, bw in colls:
         assert lat == pytest.approx(1e-4, rel=1e-6) and bw == pytest.approx(1e9, rel=1e-6)
@@ -47,7 +47,7 @@ def test_sweep_fits_each_collective_from_the_median_rank_and_refuse_noise():
     assert p2p == pytest.approx((1e-5, 4e9), rel=1e-6)
     # an all-to-all sweep that does not grow with size is noise (measure_platform measures again)
     with pytest.raises(ValueError, match="time does not grow with size"):
-        _sweep_fits([rank(0.0, a2a=[3e-3, 2e-3, 1e-3])], sizes, coll)
+        sweep_fits([rank(0.0, a2a=[3e-3, 2e-3, 1e-3])], sizes, coll)
 
 
 def test_written_file_loads_back(tmp_path):

@@ -105,7 +105,7 @@ from tuner.layout import CPU_TRAFFIC_PASSES
 from tuner.platform import Grid, Platform
 
 __all__ = ["compute_fields", "elementwise_bandwidth_fit", "ep_layer_extra", "ep_layer_times", "probe_config",
-           "measure_platform", "fit_latency_bandwidth", "write_platform_toml",
+           "measure_platform", "fit_latency_bandwidth", "sweep_fits", "write_platform_toml",
            "p2p_one_way_s", "emulator_platform", "emulator_payload_share", "parse_emulator_shape",
            "write_emulator_platform", "copy_bandwidth", "tiny_params_with_grads",
            "zero_copy_rate", "loss_rate", "optimizer_rate", "collective_times", "median_platform",
@@ -1076,7 +1076,7 @@ def residual_fields(raw: dict[str, Any], p: Platform) -> dict[str, Any]:
 COMM_ATTEMPTS = 3  # measurements of the communication sweeps before giving up on noise
 
 
-def _sweep_fits(per_rank_comm: list[dict], sizes: Sequence[int], coll_sizes: Sequence[int]
+def sweep_fits(per_rank_comm: list[dict], sizes: Sequence[int], coll_sizes: Sequence[int]
                 ) -> tuple[list[tuple[str, int, float, float]], tuple[float, float],
                            tuple[float, float]]:
     """(collectives as (kind, group size, latency, bandwidth), all-to-all (latency,
@@ -1128,7 +1128,7 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         per_rank_comm = run_local(_comm_worker, n_procs, sizes, reps, coll_sizes,
                                   threads=threads, cpu_affinity="auto")
         try:
-            collectives, (a2a_lat, a2a_bw_total), (p2p_lat, p2p_bw) = _sweep_fits(
+            collectives, (a2a_lat, a2a_bw_total), (p2p_lat, p2p_bw) = sweep_fits(
                 per_rank_comm, sizes, coll_sizes)
             break
         except ValueError as e:  # a sweep whose times do not grow with size: noise
