@@ -151,8 +151,7 @@ def estimate_flags(run: dict[str, Any], runs: dict[str, dict[str, Any]] | None =
     else:
         floor = 0.0
     if floor:
-        flags[flags.index("--zero"):flags.index("--zero")] = [
-            "--host-floor-ms", f"{floor:.4g}", "--host-floor-scope", "forward"]
+        flags += ["--host-floor-ms", f"{floor:.4g}", "--host-floor-scope", "forward"]
     if framework == "megatron-core" and _flag_value(flags, "--a2a-overlap") == "fb":
         # Megatron-Core's combined 1F1B pairs two micro-batches layer by layer: one layer's
         # activations more than the plain schedule (Assumptions.fb_pairing)

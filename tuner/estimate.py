@@ -543,8 +543,9 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform | None
     _, inflight = schedule_stats(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
     # fb's pairs: whole micro-batches in flight (this trainer), or one layer more than the
     # plain schedule (Megatron-Core's layer-interleaved pairs: Assumptions.fb_pairing)
-    fb_layer = fb_pairs(plan) and assumptions.fb_pairing == "layer"
-    if fb_pairs(plan) and not fb_layer:
+    paired = fb_pairs(plan)
+    fb_layer = paired and assumptions.fb_pairing == "layer"
+    if paired and not fb_layer:
         inflight = fb_inflight(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual)
     emb, head = head_params(cfg)
     aset = assumptions.activation_set
@@ -571,7 +572,8 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform | None
             for i in c:
                 lc = kinds[cfg.is_moe_layer(i)]
                 la = _layer_act(lc, plan.checkpointing, t_attn, t_exp, D, aset)
-                one_layer = max(one_layer, sum(la.values()) * pb.activation_bytes)
+                if fb_layer:  # only there: stage_memory is the search's inner loop
+                    one_layer = max(one_layer, sum(la.values()) * pb.activation_bytes)
                 for p, v in la.items():
                     per[p] = per.get(p, 0.0) + v * pb.activation_bytes
                 if plan.etp > 1 and lc.is_moe and plan.checkpointing not in ("full", "moe"):

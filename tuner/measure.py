@@ -712,10 +712,11 @@ def p2p_one_way_s(rank: int, buf: torch.Tensor, repeats: int) -> float:
     return _median_time(ping, repeats, min_s=0.0) / 2
 
 
-# (full, quick). The quick sweep spans 256x in size with 3 repeats: over 16x (2**18..2**22)
-# this VM's jitter (a 1 MB reduce measured 0.56-3.6 ms) gave negative slopes
-SWEEP_REPEATS = 7  # the full measurement's repeats
-COLL_SIZES = ((2**16, 2**18, 2**20, 2**22, 2**24), (2**16, 2**20, 2**24))
+# The size sweeps (collectives, all-to-all, P2P: `_sweep_worker`) take SWEEP_REPEATS repeats
+# and the quick ones span 256x in size: over 16x at the quick measurement's 3 repeats, this
+# VM's jitter (a 1 MB reduce measured 0.56-3.6 ms) gave negative fitted slopes.
+SWEEP_REPEATS = 7
+COLL_SIZES = ((2**16, 2**18, 2**20, 2**22, 2**24), (2**16, 2**20, 2**24))  # (full, quick)
 
 
 def collective_times(rank: int, group: dist.ProcessGroup | None, root: int, sizes: Sequence[int],
@@ -734,11 +735,11 @@ def collective_times(rank: int, group: dist.ProcessGroup | None, root: int, size
     return out
 
 
-def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: list[int], repeats: int,
-                 coll_sizes: Sequence[int] = ()) -> dict:
-    """Median seconds of all_to_all_single and of a 0 <-> 1 ping-pong per message size, and of
-    the collectives (`collective_times`) on all ranks and on concurrent pairs."""
-    out: dict[str, Any] = {"a2a": [], "p2p": []}
+def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, repeats: int) -> dict:
+    """Median seconds of a small all-reduce (the step's syncs), and the EP and ZeRO-3 paths'
+    extra over the plain layer (`ep_layer_extra`, `zero3_layer_times`; ZeRO-3 also over
+    concurrent pairs)."""
+    out: dict[str, Any] = {}
     small = torch.zeros(16, dtype=torch.float64)  # the step's loss / norm / metrics values
     dist.barrier()
     out["sync"] = _median_time(lambda: dist.all_reduce(small, group=group), 5 * repeats,
@@ -750,15 +751,20 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: 
     if world >= 4 and world % 2 == 0:  # the same over concurrent pairs (the constant's size)
         z3p = zero3_layer_times(world, 3 * repeats, group=2)
         out["zero3_pair_extra"] = 0.0 if z3p is None else z3p["zero3"] - z3p["plain"]
-    # the size sweeps take at least SWEEP_REPEATS (a fit of 3-4 sizes on fewer repeats, the
-    # quick measurement's 3, came out with negative slopes on this VM's jitter)
-    sweep = max(repeats, SWEEP_REPEATS)
-    if coll_sizes:
-        out["coll"] = {world: collective_times(rank, group, 0, coll_sizes, sweep)}
-        if world >= 4 and world % 2 == 0:  # every rank in a pair: same barrier count
-            pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
-            out["coll"][2] = collective_times(rank, pairs[rank // 2], rank - rank % 2,
-                                               coll_sizes, sweep)
+    return out
+
+
+def _sweep_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: list[int],
+                  coll_sizes: Sequence[int]) -> dict:
+    """Median seconds (SWEEP_REPEATS repeats) of all_to_all_single and of a 0 <-> 1 ping-pong
+    per message size, and of the collectives (`collective_times`) on all ranks and on
+    concurrent pairs: the size sweeps `sweep_fits` fits."""
+    out: dict[str, Any] = {"a2a": [], "p2p": []}
+    out["coll"] = {world: collective_times(rank, group, 0, coll_sizes, SWEEP_REPEATS)}
+    if world >= 4 and world % 2 == 0:  # every rank in a pair: same barrier count
+        pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+        out["coll"][2] = collective_times(rank, pairs[rank // 2], rank - rank % 2,
+                                           coll_sizes, SWEEP_REPEATS)
     for nb in sizes:
         n = max(world, nb // 4 // world * world)
         x, y = torch.ones(n), torch.empty(n)
@@ -767,8 +773,8 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes: 
         def a2a(x: torch.Tensor = x, y: torch.Tensor = y) -> object:
             return dist.all_to_all_single(y, x, group=group)
 
-        out["a2a"].append(_median_time(a2a, sweep, min_s=0.0))
-        out["p2p"].append(p2p_one_way_s(rank, torch.ones(max(1, nb // 4)), sweep))
+        out["a2a"].append(_median_time(a2a, SWEEP_REPEATS, min_s=0.0))
+        out["p2p"].append(p2p_one_way_s(rank, torch.ones(max(1, nb // 4)), SWEEP_REPEATS))
         dist.barrier()
     return out
 
@@ -1076,20 +1082,20 @@ def residual_fields(raw: dict[str, Any], p: Platform) -> dict[str, Any]:
 COMM_ATTEMPTS = 3  # measurements of the communication sweeps before giving up on noise
 
 
-def sweep_fits(per_rank_comm: list[dict], sizes: Sequence[int], coll_sizes: Sequence[int]
+def sweep_fits(per_rank_sweep: list[dict], sizes: Sequence[int], coll_sizes: Sequence[int]
                 ) -> tuple[list[tuple[str, int, float, float]], tuple[float, float],
                            tuple[float, float]]:
     """(collectives as (kind, group size, latency, bandwidth), all-to-all (latency,
-    bandwidth), P2P (latency, bandwidth)) fitted to `_comm_worker`'s results; ValueError
+    bandwidth), P2P (latency, bandwidth)) fitted to `_sweep_worker`'s results; ValueError
     where a sweep's times do not grow with size (`fit_latency_bandwidth`). The collectives
     from the median over ranks of the per-size times (the slowest rank sets a collective's
     end, but one lucky or unlucky rank does not set the fit); all-to-all and P2P from rank
     0's."""
-    res = per_rank_comm[0]
+    res = per_rank_sweep[0]
     collectives = []
     for n in sorted(res["coll"]):
         for kind in ("all_reduce", "reduce", "broadcast"):
-            ts = [statistics.median(r["coll"][n][kind][i] for r in per_rank_comm if n in r["coll"])
+            ts = [statistics.median(r["coll"][n][kind][i] for r in per_rank_sweep if n in r["coll"])
                   for i in range(len(coll_sizes))]
             lat, bw = fit_latency_bandwidth(coll_sizes, ts)
             collectives.append((kind, n, lat, bw))
@@ -1120,16 +1126,17 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                          timeout_s=1200.0, threads=threads, cpu_affinity="auto")
 
     fields = compute_fields(per_rank, quick)
-    # all-to-all / P2P sweep; the quick one reaches 4 MB as well: up to 1 MB the size's effect
-    # was within this VM's jitter at 3 repeats and the fit's slope came out negative
+    # the all-to-all / P2P sweep (the quick one up to 4 MB too, as COLL_SIZES says why)
     sizes = [2**12, 2**16, 2**20, 2**22] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22]
     coll_sizes = COLL_SIZES[1 if quick else 0]
-    for attempt in range(1, COMM_ATTEMPTS + 1):
-        per_rank_comm = run_local(_comm_worker, n_procs, sizes, reps, coll_sizes,
-                                  threads=threads, cpu_affinity="auto")
+    per_rank_comm = run_local(_comm_worker, n_procs, reps, threads=threads,
+                              cpu_affinity="auto")
+    for attempt in range(1, COMM_ATTEMPTS + 1):  # only the sweeps again on noise
+        per_rank_sweep = run_local(_sweep_worker, n_procs, sizes, coll_sizes,
+                                   threads=threads, cpu_affinity="auto")
         try:
             collectives, (a2a_lat, a2a_bw_total), (p2p_lat, p2p_bw) = sweep_fits(
-                per_rank_comm, sizes, coll_sizes)
+                per_rank_sweep, sizes, coll_sizes)
             break
         except ValueError as e:  # a sweep whose times do not grow with size: noise
             if attempt == COMM_ATTEMPTS:
