@@ -11,8 +11,9 @@
 #         differently and Adam carries the differences on; a first bound, to be tightened
 #         from the first run's numbers (its table is in compare-bf16.log).
 # A rank that waits longer than 90 s on a collective or P2P fails the run (a deadlock shows as
-# an error, not a hang). Budget: about 6 minutes (the step limits add up to 420 s), plus up to
-# 250 s of step limits for the fb cases and 260 s for auto's.
+# an error, not a hang). Budget: none by default (GPU_CHECK_BUDGET_S, benchmarks/gpu_env.sh);
+# the step limits add up to 2260 s with 4 GPUs and 2120 s with 2 (the fb case in the
+# pipeline needs 4); the runs themselves take a fraction of that.
 #
 #   benchmarks/gpu_check_multi.sh [OUT_DIR]    (default runs/bench/gpu-multi-<date>, ignored)
 #   STEPS=20 PY=python benchmarks/gpu_check_multi.sh /tmp/multi
@@ -32,6 +33,10 @@ source "$ROOT/benchmarks/gpu_env.sh"
   "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "hip", torch.version.hip, "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else None); print("gpus", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else 0)'
   nvidia-smi topo -m 2>/dev/null || rocm-smi 2>/dev/null || true
 } >> "$OUT/env.txt" 2>&1
+
+# What the runs import (the elastic step plans with tuner, which needs optuna), before any run.
+require_modules torch numpy tokenizers safetensors tqdm optuna model piper_kernels pipeline \
+  comm trainer tuner
 
 n_gpu="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)"
 if [ "${n_gpu:-0}" -lt 2 ]; then
@@ -64,6 +69,13 @@ for dtype in fp32 bf16; do
     --train.dtype="$dtype" --train.out_dir="$OUT/zero3-$dtype"
   step "compare-zero3-$dtype" 20 "$PY" benchmarks/gpu_check_losses.py compare \
     "$OUT/ref-$dtype" "$OUT/zero3-$dtype" --rtol "$rtol"
+  # Tensor parallel (trainer/distributed/tensor_parallel.py) over 2 GPUs: attention heads and
+  # the experts' FFN split, their all-reduces on NCCL, against the one-GPU run
+  step "tp2-$dtype" 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+    train.py "${COMMON[@]}" --parallel.pp=1 --parallel.ep=1 --parallel.tp=2 \
+    --train.dtype="$dtype" --train.out_dir="$OUT/tp2-$dtype"
+  step "compare-tp2-$dtype" 20 "$PY" benchmarks/gpu_check_losses.py compare \
+    "$OUT/ref-$dtype" "$OUT/tp2-$dtype" --rtol "$rtol"
 done
 
 # The expert all-to-all overlapped (chunk pipeline on NCCL's stream, HALO on a communication

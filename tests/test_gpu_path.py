@@ -275,12 +275,97 @@ def test_gpu_scripts_parse(script: str) -> None:
 @pytest.mark.integration
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_gpu_scripts_exit_2_without_a_gpu(tmp_path: Path, script: str) -> None:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PY=sys.executable)
+    """No GPU: exit 2 with the reason, and GPU_CHECK_ARCHIVE still packs what there is (the
+    summary beside the archive), as a lent machine's $OUT would bring it back."""
+    import tarfile
+
+    archive = tmp_path / "back" / "gpu-check.tar.gz"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PY=sys.executable,
+               GPU_CHECK_ARCHIVE=str(archive))
     r = subprocess.run(["bash", script, str(tmp_path / "out")], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "GPU" in r.stderr
-    assert (tmp_path / "out" / "summary.txt").exists()
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "GPU" in summary
+    assert (tmp_path / "back" / "summary.txt").read_text() == summary
+    with tarfile.open(archive) as t:
+        names = set(t.getnames())
+    assert {"out/summary.txt", "out/env.txt"} <= names, names
+
+
+def _python_without_site(tmp_path: Path) -> Path:
+    """An interpreter that imports nothing from site-packages (no torch): python -S."""
+    wrapper = tmp_path / "bare-python"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_gpu_scripts_name_missing_modules_before_any_step(tmp_path: Path, script: str) -> None:
+    """A Python without the packages the steps import (a lent machine's image has no registry)
+    stops with exit 3 naming them, before any step runs."""
+    env = dict(os.environ, PY=str(_python_without_site(tmp_path)))
+    r = subprocess.run(["bash", script, str(tmp_path / "out")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "cannot import: torch (ModuleNotFoundError" in r.stderr, r.stderr
+    assert "== " not in r.stdout  # no step started
+    assert "cannot import" in (tmp_path / "out" / "summary.txt").read_text()
+
+
+def _budget_driver(tmp_path: Path, budget: str, steps: str) -> subprocess.CompletedProcess:
+    """gpu_env.sh's `step` as the scripts use it, with GPU_CHECK_BUDGET_S set."""
+    driver = tmp_path / "driver.sh"
+    driver.write_text(f'ROOT="{ROOT}"; OUT="{tmp_path / "out"}"\n'
+                      'source "$ROOT/benchmarks/gpu_env.sh"\n' + steps + "\nexit $status\n")
+    env = dict(os.environ, PY=sys.executable, GPU_CHECK_BUDGET_S=budget)
+    return subprocess.run(["bash", str(driver)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.integration
+def test_gpu_check_budget_bounds_the_steps(tmp_path: Path) -> None:
+    """GPU_CHECK_BUDGET_S=55: the first step's 100 s limit is cut to what the budget leaves
+    (55 - 20 s of grace = 35 s); once under 30 s are left the next step is not started, its
+    row says so, and the check fails."""
+    r = _budget_driver(tmp_path, "55", "step first 100 sleep 1\nstep second 100 sleep 6\n"
+                                       "step third 100 true")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "== first (limit 35s)" in r.stdout, r.stdout
+    assert "== second (limit 3" in r.stdout, r.stdout
+    rows = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    assert [row.split()[0] for row in rows] == ["first", "second", "third"], rows
+    assert "rc=0" in rows[0] and "rc=0" in rows[1]
+    assert "skipped: 55s budget spent" in rows[2], rows
+
+
+@pytest.mark.integration
+def test_gpu_check_bad_settings_are_refused(tmp_path: Path) -> None:
+    r = _budget_driver(tmp_path, "9 minutes", "step first 10 true")
+    assert r.returncode == 64 and "GPU_CHECK_BUDGET_S=9 minutes" in r.stderr, r.stderr
+    env = dict(os.environ, PY=sys.executable, GPU_CHECK_ARCHIVE=str(tmp_path / "gc.zip"))
+    r = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(tmp_path / "o")], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 64 and ".tar.gz or .tgz" in r.stderr, r.stderr
+    env["GPU_CHECK_ARCHIVE"] = str(tmp_path / "o" / "gc.tar.gz")
+    r = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(tmp_path / "o")], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 64 and "lies inside OUT" in r.stderr, r.stderr
+
+
+def test_gpu_check_fits_one_device_call() -> None:
+    """A lent machine runs one command for at most 10 minutes: the single-GPU check's default
+    budget leaves room for the machine's start and the transfers, and the tests run first."""
+    text = (ROOT / "benchmarks/gpu_check.sh").read_text()
+    budget = int(re.search(r'GPU_CHECK_BUDGET_S="\$\{GPU_CHECK_BUDGET_S:-(\d+)\}"', text)[1])
+    assert 0 < budget <= 570, budget
+    steps = re.findall(r"^(?:SHOW=\d+ )?step ([a-z0-9-]+) (\d+) ", text, re.M)
+    assert steps[0][0] == "gpu-tests" and steps[1][0] == "train-bf16", steps
+    total = sum(int(limit) for _, limit in steps)
+    assert f"The step limits add up to {total} s" in text.replace("\n# ", " "), total
 
 
 def _metrics(path: Path, losses: list[float], tok_s: float = 1000.0) -> Path:
