@@ -11,7 +11,8 @@
 #                       "skipped", and the check fails. The scripts run their steps most
 #                       important first, so a short budget drops the benchmarks, not the tests.
 #   GPU_CHECK_ARCHIVE   a .tar.gz path: on exit, whatever the exit status, OUT (without the
-#                       Triton compile cache) is packed into it and summary.txt copied beside it.
+#                       Triton compile cache and the runs' checkpoints) is packed into it and
+#                       summary.txt copied beside it.
 if [ -z "${PY:-}" ]; then
   if [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; else PY="$(command -v python3 || command -v python)"; fi
 fi
@@ -50,10 +51,14 @@ START_S=$SECONDS
 pack_results() {  # the EXIT trap: OUT into GPU_CHECK_ARCHIVE (if set), summary.txt beside it
   local rc=$?
   if [ -n "${GPU_CHECK_ARCHIVE:-}" ]; then
+    # without the compile cache and the runs' checkpoints (~40 MB each for the tiny model)
     tar -czf "$GPU_CHECK_ARCHIVE" --exclude="$(basename "$OUT")/triton-cache" \
-      -C "$(dirname "$OUT")" "$(basename "$OUT")" \
+      --exclude="$(basename "$OUT")/*/checkpoints" -C "$(dirname "$OUT")" "$(basename "$OUT")" \
       && cp "$OUT/summary.txt" "$(dirname "$GPU_CHECK_ARCHIVE")/summary.txt" 2>/dev/null
-    echo "packed $OUT into $GPU_CHECK_ARCHIVE ($(du -h "$GPU_CHECK_ARCHIVE" | cut -f1))"
+    local kib
+    kib=$(du -k "$GPU_CHECK_ARCHIVE" | cut -f1)
+    echo "packed $OUT into $GPU_CHECK_ARCHIVE (${kib} KiB)"
+    [ "$kib" -le 16384 ] || echo "warning: the archive is over 16 MiB, what one file brought back from a lent machine may be" >&2
   fi
   return $rc
 }

@@ -316,14 +316,34 @@ def test_gpu_scripts_name_missing_modules_before_any_step(tmp_path: Path, script
     assert "cannot import" in (tmp_path / "out" / "summary.txt").read_text()
 
 
-def _budget_driver(tmp_path: Path, budget: str, steps: str) -> subprocess.CompletedProcess:
+def _budget_driver(tmp_path: Path, budget: str, steps: str, **env_extra: str
+                   ) -> subprocess.CompletedProcess:
     """gpu_env.sh's `step` as the scripts use it, with GPU_CHECK_BUDGET_S set."""
     driver = tmp_path / "driver.sh"
     driver.write_text(f'ROOT="{ROOT}"; OUT="{tmp_path / "out"}"\n'
                       'source "$ROOT/benchmarks/gpu_env.sh"\n' + steps + "\nexit $status\n")
-    env = dict(os.environ, PY=sys.executable, GPU_CHECK_BUDGET_S=budget)
+    env = dict(os.environ, PY=sys.executable, GPU_CHECK_BUDGET_S=budget, **env_extra)
     return subprocess.run(["bash", str(driver)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
+
+
+@pytest.mark.integration
+def test_gpu_check_archive_leaves_out_caches_and_checkpoints(tmp_path: Path) -> None:
+    """The archive keeps the logs and the runs' metrics, not the Triton cache or the trainings'
+    checkpoints (40 MB each: past what one file brought back from a lent machine may be)."""
+    import tarfile
+
+    steps = ('mkdir -p "$OUT/train-bf16/checkpoints/step_1" "$OUT/triton-cache/ab"\n'
+             'echo x > "$OUT/train-bf16/checkpoints/step_1/model.safetensors"\n'
+             'echo x > "$OUT/triton-cache/ab/k.cubin"\n'
+             'step run 30 sh -c "echo {} > $OUT/train-bf16/metrics.jsonl"')
+    archive = tmp_path / "back" / "gc.tgz"
+    r = _budget_driver(tmp_path, "0", steps, GPU_CHECK_ARCHIVE=str(archive))
+    assert r.returncode == 0, r.stdout + r.stderr
+    with tarfile.open(archive) as t:
+        names = set(t.getnames())
+    assert {"out/summary.txt", "out/run.log", "out/train-bf16/metrics.jsonl"} <= names, names
+    assert not [n for n in names if "checkpoints" in n or "triton-cache" in n], names
 
 
 @pytest.mark.integration
