@@ -236,8 +236,13 @@ def test_pruned_search_with_overlap_equals_exhaustive(case):
     assert pruned.best.point == ref.best.point
     assert pruned.best.step_time == ref.best.step_time
     assert pruned.best_runnable.point == ref.best_runnable.point
-    assert pruned.rejected["bound"] > 0
-    assert pruned.evaluations + pruned.rejected["bound"] == ref.evaluations
+    bounded = pruned.rejected.get("bound", 0)
+    if not platform.endswith(".toml"):
+        # the platform files: the bound prunes points. The measured local platform (the latest
+        # record's) may not: at d4ad3ee's no lower bound passes the optimum (0.4222 s against
+        # 0.4249 s), at 8f08b2e's two did; the equalities above hold either way.
+        assert bounded > 0
+    assert pruned.evaluations + bounded == ref.evaluations
     assert ref.best.point["a2a_overlap"] == (wins or "none")
 
 
