@@ -15,6 +15,11 @@ import torch
 from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parents[1]
+# Measured CPU platforms (2 and 4 processes on this 2-core VM), frozen for the tests: the
+# validation record's own files (benchmarks/results/tuner_validate_platform_w*.toml) are
+# replaced by every record, and a verdict that depends on measured numbers moves with them.
+CPU_W2 = ROOT / "tests" / "data" / "cpu_platform_w2.toml"
+CPU_W4 = ROOT / "tests" / "data" / "cpu_platform_w4.toml"
 
 # The CI machine has 2 shared cores: wall-clock deadlines would make property tests flaky.
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])

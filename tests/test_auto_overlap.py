@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import CPU_W4
 
 from comm.topology import Topology
 from model import presets
@@ -109,10 +109,10 @@ def _platform(hbm_bytes: float, base: str = "local"):
                                hbm_bytes=hbm_bytes)
 
 
-# a recorded CPU platform (benchmarks/bench_tuner_validate.py's 4-process one), not this
-# machine's freshly measured `local`, whose overlap-vs-none verdict moves with each measurement
-RECORDED_W4 = str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-                  / "tuner_validate_platform_w4.toml")
+# a recorded CPU platform (benchmarks/bench_tuner_validate.py's 4-process one, frozen in
+# tests/data), not this machine's freshly measured `local`, whose overlap-vs-none verdict
+# moves with each measurement
+RECORDED_W4 = str(CPU_W4)
 
 
 GRID = list(itertools.product((1, 2), (1, 2, 4), (1, 2), (1, 2), ("none", "full"),

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import CPU_W4
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -34,10 +35,10 @@ ROW = {"bench": "moe_overlap", "git_sha": "d86e4ee", "nodes": 2, "gpus_per_node"
 
 
 def local4():
-    # measured on this VM with 4 processes and kept with the validation rows (a file that
-    # stays put: configs/platforms/local.toml is re-measured, and its per-message latency,
-    # 1-2 ms, moves the ~2 % the exchange test below allows for)
-    return load_platform(str(ROOT / "benchmarks/results/tuner_validate_platform_w4.toml"))
+    # measured on this VM with 4 processes, frozen in tests/data (configs/platforms/local.toml
+    # is re-measured, and its per-message latency, 1-2 ms, moves the ~2 % the exchange test
+    # below allows for)
+    return load_platform(str(CPU_W4))
 
 
 def test_payload_share_matches_the_emulators_stated_and_measured_share():

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from conftest import CPU_W2, CPU_W4
 
 from tuner import load_platform
 from tuner.measure import (
@@ -76,8 +75,7 @@ def test_median_platform_takes_each_measured_value_s_median(tmp_path):
     file's comments kept; counts that differ are refused, naming the field."""
     import dataclasses
 
-    base = load_platform(Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-                         / "tuner_validate_platform_w2.toml")
+    base = load_platform(CPU_W2)
     files = []
     for i, f in enumerate((1.0, 3.0, 2.0)):
         coll = tuple((kind, n, lat * f, bw / f) for kind, n, lat, bw in base.collectives)
@@ -190,8 +188,7 @@ def _no_hop_platform(**kw):
     """The recorded 4-process platform of this machine with P2P made free (latency 0)."""
     import dataclasses
 
-    p = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / \
-        "tuner_validate_platform_w4.toml"
+    p = CPU_W4
     base = dict(intra_node_bandwidth=1e30, intra_node_latency=0.0, cores_per_node=2,
                 threads_per_process=1)
     return dataclasses.replace(load_platform(p), **{**base, **kw})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from conftest import CPU_W4
 
 from model import presets
 from trainer.layout import AUTO_OVERLAP_CHUNKS, fb_problems
@@ -207,7 +208,7 @@ PRUNE_CASES = {
                                schedule=("1f1b", "zb-h1", "interleaved-1f1b:2"),
                                alltoall=("flat", "dedup"), checkpointing=("none", "full"),
                                placement=("local",), zero=(1,)), "fb"),
-    "tiny-local-4": ("tiny", "benchmarks/results/tuner_validate_platform_w4.toml", 4, 16,
+    "tiny-local-4": ("tiny", str(CPU_W4), 4, 16,
                      dict(zero=(0, 1)), None),
 }
 
@@ -238,9 +239,9 @@ def test_pruned_search_with_overlap_equals_exhaustive(case):
     assert pruned.best_runnable.point == ref.best_runnable.point
     bounded = pruned.rejected.get("bound", 0)
     if not platform.endswith(".toml"):
-        # the platform files: the bound prunes points. The measured local platform (the latest
-        # record's) may not: at d4ad3ee's no lower bound passes the optimum (0.4222 s against
-        # 0.4249 s), at 8f08b2e's two did; the equalities above hold either way.
+        # the platform files: the bound prunes points. A measured local platform may not: on
+        # d4ad3ee's (the frozen copy) no lower bound passes the optimum (0.4222 s against
+        # 0.4249 s), on 8f08b2e's two did; the equalities above hold either way.
         assert bounded > 0
     assert pruned.evaluations + bounded == ref.evaluations
     assert ref.best.point["a2a_overlap"] == (wins or "none")

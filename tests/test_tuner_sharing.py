@@ -5,9 +5,9 @@ only; GPU platforms unchanged)."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
+from conftest import CPU_W4
 
 from model import presets
 from pipeline import build, simulate
@@ -112,10 +112,8 @@ def test_bad_inputs_are_named() -> None:
 
 
 def _cpu(**kw) -> Platform:
-    """The recorded 4-process platform of this machine (benchmarks/results), as written."""
-    p = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / \
-        "tuner_validate_platform_w4.toml"
-    return dataclasses.replace(load_platform(p), **kw)
+    """The recorded 4-process platform of this machine (frozen in tests/data), as written."""
+    return dataclasses.replace(load_platform(CPU_W4), **kw)
 
 
 PP_DP = ParallelPlan(pp=2, ep=1, dp=2, microbatches=2, global_batch=16, seq_len=256)
