@@ -97,9 +97,9 @@ clean-venv:
 gpu-check:
 	@if [ ! -f $(STAMP) ] && $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
 	  echo "[gpu-check] $(PYTHON) has torch $$($(PYTHON) -c 'import torch; print(torch.__version__)') with a GPU and there is no $(VENV): using it as is"; \
-	  PY="$$(command -v $(PYTHON))" GPU_CHECK_ARCHIVE="$(ARCHIVE)" bash benchmarks/gpu_check.sh $(OUT_DIR); \
-	else $(MAKE) --no-print-directory $(STAMP) && \
-	  PATH=$(abspath $(VENV))/bin:$$PATH GPU_CHECK_ARCHIVE="$(ARCHIVE)" bash benchmarks/gpu_check.sh $(OUT_DIR); fi
+	  py="$$(command -v $(PYTHON))"; \
+	else $(MAKE) --no-print-directory $(STAMP) || exit 1; py=$(abspath $(PY)); fi; \
+	PATH=$(abspath $(VENV))/bin:$$PATH PY="$$py" GPU_CHECK_ARCHIVE="$(ARCHIVE)" bash benchmarks/gpu_check.sh $(OUT_DIR)
 
 # Several GPUs: PP=2 x EP=2 (4 GPUs) or PP=2 (2 GPUs), ZeRO-3, TP=2, the all-to-all overlap
 # and dedup, elastic re-planning on NCCL, losses against one process in fp32 and bf16; exits

@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import tomllib
 from pathlib import Path
 
@@ -277,8 +278,6 @@ def test_gpu_scripts_parse(script: str) -> None:
 def test_gpu_scripts_exit_2_without_a_gpu(tmp_path: Path, script: str) -> None:
     """No GPU: exit 2 with the reason, and GPU_CHECK_ARCHIVE still packs what there is (the
     summary beside the archive), as a lent machine's $OUT would bring it back."""
-    import tarfile
-
     archive = tmp_path / "back" / "gpu-check.tar.gz"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PY=sys.executable,
                GPU_CHECK_ARCHIVE=str(archive))
@@ -331,8 +330,6 @@ def _budget_driver(tmp_path: Path, budget: str, steps: str, **env_extra: str
 def test_gpu_check_archive_leaves_out_caches_and_checkpoints(tmp_path: Path) -> None:
     """The archive keeps the logs and the runs' metrics, not the Triton cache or the trainings'
     checkpoints (40 MB each: past what one file brought back from a lent machine may be)."""
-    import tarfile
-
     steps = ('mkdir -p "$OUT/train-bf16/checkpoints/step_1" "$OUT/triton-cache/ab"\n'
              'echo x > "$OUT/train-bf16/checkpoints/step_1/model.safetensors"\n'
              'echo x > "$OUT/triton-cache/ab/k.cubin"\n'
