@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -245,3 +246,60 @@ def test_bench_reads_what_auto_ran_from_the_trainers_log(capsys):
     got = bench_moe_overlap.auto_picks(log)
     assert got == {"picked_alltoall": "flat", "picked_overlap": "none", "picked_chunks": "1",
                    "trial_steps": 3, "auto_trial": msg.split(": ", 1)[1]}
+
+
+def test_rows_without_a_base_take_the_stored_one_nearest_their_time(tmp_path):
+    """A row measured before --measure-base existed is predicted from the stamped base of its
+    process count nearest its time (either side, within NEAREST_BASE_H), else from the
+    invocation's base; the result says which."""
+    from tuner.measure import write_platform_toml
+
+    fast = dataclasses.replace(local4(), peak_flops=2 * local4().peak_flops)
+    slow = dataclasses.replace(local4(), peak_flops=local4().peak_flops / 2)
+    write_platform_toml(fast, tmp_path / "tuner_emulator_platform_w4.20261206T050000.toml", {})
+    write_platform_toml(slow, tmp_path / "tuner_emulator_platform_w4.20261206T033000.toml", {})
+    # an 8-process stamp nearer in time, and a name that is not a stamp: neither is a candidate
+    write_platform_toml(slow, tmp_path / "tuner_emulator_platform_w8.20261206T043000.toml", {})
+    write_platform_toml(slow, tmp_path / "tuner_emulator_platform_w4.fast.toml", {})
+    stored = b.stored_bases([tmp_path])
+    assert sorted(n for n in stored) == [4, 8] and len(stored[4]) == 2
+    row = {**ROW, "time": "2026-12-06T04:20:00"}  # 40 min before the fast one, 50 after the slow
+    assert b.nearest_base(row, stored) == "tuner_emulator_platform_w4.20261206T050000.toml"
+    assert b.nearest_base({**ROW, "time": "2026-12-06T03:40:00"}, stored).endswith("T033000.toml")
+    assert b.nearest_base({**ROW, "time": "2026-12-06T09:00:00"}, stored) is None  # 4 h away
+    assert b.nearest_base({k: v for k, v in ROW.items() if k != "time"}, stored) is None
+
+    got, _ = b.compare([row], {4: local4()}, [tmp_path])
+    # ROW has no time: the invocation's base, here the same file loaded
+    want, _ = b.compare([ROW], {4: load_platform(
+        tmp_path / "tuner_emulator_platform_w4.20261206T050000.toml")}, [tmp_path])
+    assert got[0]["pred_step_s"] == pytest.approx(want[0]["pred_step_s"], rel=1e-12)
+    assert (got[0]["base_rule"], want[0]["base_rule"]) == ("nearest", "default")
+    assert b._base_label(got[0]) == "nearest 20261206T050000"
+    # a row's own base still wins over a nearer stamped one
+    own, _ = b.compare([{**row, "base_platform": "tuner_emulator_platform_w4.20261206T033000.toml"}],
+                       {4: local4()}, [tmp_path])
+    assert own[0]["base_rule"] == "own" and own[0]["pred_step_s"] > got[0]["pred_step_s"]
+
+
+def test_quiet_repeated_leaves_out_single_runs_and_loaded_records():
+    res = [{"repeats": 2, "measured_sha": "ca9dc75"}, {"repeats": 1, "measured_sha": "ca9dc75"},
+           {"repeats": 3, "measured_sha": "a5d7bd2"}]
+    assert b.quiet_repeated(res) == [res[0]]
+
+
+def test_default_base_is_the_frozen_copy_not_the_records_file(tmp_path, capsys):
+    """main's default --base is tuner_emulator_platform_w4.toml (a frozen copy), not the
+    local validation record's file, which every record replaces."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(ROW) + "\n")  # no time: predicted from the default base
+    assert b.main(["--rows", str(rows), "--out", str(tmp_path / "out")]) == 0
+    md = (tmp_path / "out" / "tuner_emulator.md").read_text()
+    assert "on tuner_emulator_platform_w4.toml;" in md and "tuner_validate" not in md
+    got = json.loads((tmp_path / "out" / "tuner_emulator.jsonl").read_text().splitlines()[0])
+    frozen = ROOT / "benchmarks" / "results" / "tuner_emulator_platform_w4.toml"
+    want, _ = b.compare([ROW], {4: load_platform(frozen)}, [])
+    assert got["pred_step_s"] == pytest.approx(want[0]["pred_step_s"], rel=1e-12)
+    # one arm, a single run of a loaded-VM record: counted in the first line only
+    assert re.search(r"\n[01] of 1 arms within 20%\.\n", md)
+    assert "\n0 of 0 arms measured with >= 2 repeats" in md
