@@ -367,7 +367,9 @@ def parser() -> argparse.ArgumentParser:
                         "near their time (default: tuner_emulator_platform_w4.toml, a frozen "
                         "copy of a local validation record's 4-process platform)")
     p.add_argument("--base-8", type=Path, default=None,
-                   help="a measured 8-process platform (`tuner measure --procs 8`) for 4x2 rows")
+                   help="a measured 8-process platform (`tuner measure --procs 8`) for 4x2 rows "
+                        "with no stored base near their time (default: "
+                        "tuner_emulator_platform_w8.toml, measured before the cad6ea4 rows)")
     p.add_argument("--run", default="", metavar="SETUP:ARM:M[:EXPERTS:TOPK],...",
                    help="first run these bench_moe_overlap arms (needs root; hold "
                         "/tmp/piper-bench.lock), e.g. 2x2@200:dedup/none:1, appending rows "
@@ -413,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rows = [previous(here, "moe_overlap.jsonl"), previous(here, RUNS_FILE)]
     if args.base is None:
         args.base = previous(here, "tuner_emulator_platform_w4.toml")
+    if args.base_8 is None:
+        args.base_8 = previous(here, "tuner_emulator_platform_w8.toml")
     bases: dict[int, Platform] = {}
     for path in (args.base, args.base_8):
         if path is not None:
