@@ -171,6 +171,11 @@ def test_quick_measurement_on_this_machine(tmp_path):
     for k, v in residual_fields(raw, p).items():
         assert getattr(p, k) == pytest.approx(v, rel=1e-2), k
     assert p.backend == "gloo" and p.gpus_per_node == 2
+    # the rank-skew probe's value goes to one of the two fields, by whether the cores are shared
+    if p.shares_cores(2):
+        assert p.rank_skew == 1.0 and 1.0 <= p.shared_rank_skew < 2.0
+    else:
+        assert p.shared_rank_skew == 1.0 and 1.0 <= p.rank_skew < 2.0
     assert 1e8 < p.peak_flops < 1e14  # a CPU process: between 0.1 GFLOP/s and 100 TFLOP/s
     assert 0 < p.gemm_efficiency <= 1 and 0 < p.intra_node_bandwidth < 1e12
     assert p.gemm_table is not None and len(p.gemm_table.values) == 8

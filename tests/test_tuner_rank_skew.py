@@ -2,16 +2,19 @@
 where each process has cores of its own): the estimate scales the compute of plans whose
 stages hold several ranks (they meet in a collective every layer or step, and each meeting
 waits for the slowest) and of no other plan; the probe is the slowest process's time over the
-mean, per round, its median over rounds."""
+mean, per round, its median over rounds. Where the processes share the cores the same probe
+gives `Platform.shared_rank_skew`, which scales only plans with neither a pipeline nor EP
+(the shared-core pipeline factor and the EP constants hold that wait for the others)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-from conftest import toy_moe_config, toy_platform
+from conftest import CPU_W4, toy_moe_config, toy_platform
 
-from tuner import ParallelPlan, Platform, estimate
+from model import presets
+from tuner import Assumptions, ParallelPlan, Platform, estimate, load_platform
 
 PF = toy_platform()
 CFG = toy_moe_config()
@@ -67,3 +70,39 @@ def test_probe_on_real_processes():
 
     got = run_local(_probe, 2, threads=1, timeout_s=300.0)
     assert got[0] == got[1] and 1.0 <= got[0] < 2.0
+
+
+def test_shared_skew_scales_only_plans_with_neither_pipeline_nor_ep():
+    """On the measured 4-process platform (4 processes on 2 cores): PP 1 x EP 1 x DP 4 takes
+    the shared skew on its compute; PP 1 x EP 2, PP 2 x DP 2 and one process do not, nor
+    does any plan with Assumptions.shared_cores off or on dedicated cores."""
+    pf = load_platform(CPU_W4)
+    assert pf.shares_cores(4) and pf.shared_rank_skew == 1.0  # frozen before the field
+    skewed = dataclasses.replace(pf, shared_rank_skew=1.12)
+    cfg = presets.get("tiny")
+    dp4 = ParallelPlan(pp=1, ep=1, dp=4, microbatches=1, global_batch=16, seq_len=256, zero=2)
+    a, b = estimate(cfg, dp4, pf), estimate(cfg, dp4, skewed)
+    assert b.time["compute"] == pytest.approx(1.12 * a.time["compute"], rel=1e-12)
+    assert b.step_time - a.step_time == pytest.approx(0.12 * a.time["compute"], rel=1e-9)
+    assert any("shared_rank_skew" in n for n in b.notes)
+    assert not any("rank_skew" in n for n in a.notes)
+    off = Assumptions(shared_cores=False)
+    assert estimate(cfg, dp4, skewed, assumptions=off).step_time == \
+        estimate(cfg, dp4, pf, assumptions=off).step_time
+    for plan in (ParallelPlan(pp=1, ep=2, dp=2, microbatches=1, global_batch=16, seq_len=256),
+                 ParallelPlan(pp=2, ep=1, dp=2, microbatches=2, global_batch=16, seq_len=256),
+                 ParallelPlan(pp=1, ep=1, dp=1, microbatches=1, global_batch=4, seq_len=256)):
+        assert estimate(cfg, plan, skewed).step_time == estimate(cfg, plan, pf).step_time, plan
+    # two processes on two cores have cores of their own: rank_skew's, not this field's
+    two = ParallelPlan(pp=1, ep=1, dp=2, microbatches=1, global_batch=16, seq_len=256)
+    assert not pf.shares_cores(2)
+    assert estimate(cfg, two, skewed).step_time == estimate(cfg, two, pf).step_time
+
+
+def test_shared_skew_field_round_trip_and_validation():
+    p = dataclasses.replace(PF, shared_rank_skew=1.09)
+    assert Platform.from_dict(p.to_dict()).shared_rank_skew == pytest.approx(1.09)
+    assert Platform.from_dict(PF.to_dict()).shared_rank_skew == 1.0  # not measured
+    for bad in (0.9, float("inf")):
+        with pytest.raises(ValueError, match=f"shared_rank_skew={bad} must be a finite number"):
+            dataclasses.replace(PF, shared_rank_skew=bad)

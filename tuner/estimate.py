@@ -889,6 +889,16 @@ def compute_imbalance(plan: ParallelPlan, pf: Platform, asm: Assumptions) -> flo
                             pf.cores_per_node, pf.threads_per_process)
 
 
+def skew_shared(plan: ParallelPlan, pf: Platform, asm: Assumptions) -> bool:
+    """Whether the plan's compute takes `Platform.shared_rank_skew`: its processes share the
+    host's cores (`Assumptions.shared_cores`, `Platform.shares_cores`), its stage holds
+    several ranks, and neither the pipeline replay (PP > 1: `shared_pipeline_factor`) nor
+    the EP path's constants (EP > 1: `ep_layer_overhead`, measured with every process
+    computing) already hold the wait of the ranks for the slowest."""
+    return (asm.shared_cores and plan.pp == 1 and plan.ep == 1 and plan.stage_size > 1
+            and pf.shares_cores(plan.n_gpus))
+
+
 def overlap_share(pf: Platform, ep: GroupPlacement, asm: Assumptions) -> float:
     """The `share` of an overlapped exchange that cannot hide (`tuner.costs.a2a_exposed`):
     `Assumptions.overlap_compute_share` (the communication kernels' share of a GPU), except
@@ -1098,6 +1108,8 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
 
     keys = ("compute", "alltoall", "p2p", "tp", "cp", "etp", "zero3", "host")
     skew = pf.rank_skew if plan.stage_size > 1 else 1.0
+    if skew_shared(plan, pf, asm):
+        skew = max(skew, pf.shared_rank_skew)
     per_rank = []
     # per rank: the seconds that use a core (compute, the EP path's fixed cost and the
     # pipeline runtime's per-action work)
@@ -1235,7 +1247,8 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
            if shared else ""),
         _zero_note(plan, asm),
         *((f"compute x {skew:.3f}: the slowest of a stage's {plan.stage_size} processes over "
-           f"their mean on the same work (the platform's measured rank_skew)",)
+           f"their mean on the same work (the platform's measured "
+           f"{'shared_rank_skew: they share the cores' if skew_shared(plan, pf, asm) else 'rank_skew'})",)
           if skew != 1.0 else ()),
         f"precision: {pb.name or 'custom'} state ({pb.weight_bytes} B weights, {pb.grad_bytes} B "
         f"grads, {pb.master_bytes} B master, {pb.optimizer_bytes} B moments per parameter); "

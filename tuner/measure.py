@@ -68,11 +68,13 @@ as the median of repeats after a warm-up:
                   (2026-12-06): its processes took 2-8 % more CPU time for the same actions
                   than in lock-step, and the cores idled 2-6 % of the step; the replay
                   credits neither
-    rank skew     where each process has cores of its own (2 or more): one tiny-preset decoder
-                  layer's forward + backward at RANK_SKEW_TOKENS tokens, the same input on
-                  every process, after a barrier, RANK_SKEW_ROUNDS rounds: the slowest
-                  process's time over the mean, median over rounds -> rank_skew (the
-                  estimate scales the compute of plans whose stages hold several ranks by it)
+    rank skew     one tiny-preset decoder layer's forward + backward at RANK_SKEW_TOKENS
+                  tokens, the same input on every process, after a barrier, RANK_SKEW_ROUNDS
+                  rounds: the slowest process's time over the mean, median over rounds ->
+                  rank_skew where each process has cores of its own (the estimate scales the
+                  compute of plans whose stages hold several ranks by it), shared_rank_skew
+                  where they share the cores (the estimate scales plans with neither a
+                  pipeline nor EP by it: the other shared-core terms hold the wait)
     pipeline      where each process has cores of its own (an even count): the same probe,
                   against the plain replay of its schedule (`pipeline.analysis.simulate`)
                   with its measured actions and P2P hand-overs as priced -> pipeline_action_
@@ -445,7 +447,7 @@ def _say(rank: int, verbose: bool, msg: str) -> None:
 def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, threads: int, quick: bool,
                     reps: int, verbose: bool = False, skew: bool = False) -> dict:
     """Every compute rate, measured in each of the `world` processes at the same time;
-    `skew`: also `rank_skew` (where the processes have cores of their own), else 1.0."""
+    `skew`: also the rank-skew probe (`rank_skew`), else 1.0."""
     torch.set_num_threads(threads)
     q = 1 if quick else 0
     shapes = [(256, 256, 256), (512, 512, 512)] if quick else \
@@ -1116,13 +1118,13 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     cores = os.cpu_count() or 1
     threads = max(1, cores // n_procs)
     # processes with cores of their own (`Platform.shares_cores` of the platform written):
-    # the rank-skew probe runs there only; on shared cores the shared-core terms hold it
+    # the rank-skew probe's value is rank_skew there, shared_rank_skew on shared cores
     dedicated = n_procs * threads <= cores
     reps = 3 if quick else 7
     pinned = rank_cores(0, n_procs, threads, sorted(os.sched_getaffinity(0))) is not None \
         if hasattr(os, "sched_getaffinity") else False
     # every worker placed as train.py places its ranks (pinned where they fill the cores)
-    per_rank = run_local(_compute_worker, n_procs, threads, quick, reps, verbose, dedicated,
+    per_rank = run_local(_compute_worker, n_procs, threads, quick, reps, verbose, True,
                          timeout_s=1200.0, threads=threads, cpu_affinity="auto")
 
     fields = compute_fields(per_rank, quick)
@@ -1152,9 +1154,11 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     fields["grad_norm_bandwidth"] = statistics.median(r["grad_norm"] for r in per_rank)
     fields["zero_copy_bandwidth"] = statistics.median(r["zero_copy"] for r in per_rank)
     fields["loss_bandwidth"] = statistics.median(r["loss"] for r in per_rank)
-    # the processes' spread on identical work (every rank computed the same ratio; 1.0 where
-    # the cores are shared)
-    fields["rank_skew"] = max(1.0, per_rank[0]["skew"])
+    # the processes' spread on identical work (every rank computed the same ratio): on
+    # dedicated cores rank_skew, on shared ones shared_rank_skew (the other 1.0)
+    spread = max(1.0, per_rank[0]["skew"])
+    fields["rank_skew"] = spread if dedicated else 1.0
+    fields["shared_rank_skew"] = 1.0 if dedicated else spread
     # the slowest rank's median: a collective ends when its last member arrives
     fields["sync_latency"] = max(r["sync"] for r in per_rank_comm)
     # An all-to-all of B bytes per rank moves B (n-1)/n off each rank: report per-rank
@@ -1225,8 +1229,13 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                       f"{RANK_SKEW_TOKENS} tokens, the same input everywhere, median of "
                       f"{RANK_SKEW_ROUNDS[1 if quick else 0]} rounds"
                       if dedicated else "not measured: the "
-                      "processes share the cores (their jitter is in the shared-core terms); "
-                      "1 = all equally fast"),
+                      "processes share the cores (shared_rank_skew); 1 = all equally fast"),
+        "shared_rank_skew": (f"the slowest process / the mean on one tiny decoder layer "
+                             f"fwd+bwd at {RANK_SKEW_TOKENS} tokens, the same input "
+                             f"everywhere, the processes sharing the cores, median of "
+                             f"{RANK_SKEW_ROUNDS[1 if quick else 0]} rounds"
+                             if not dedicated else "not measured: the processes have cores "
+                             "of their own (rank_skew); 1 = all equally fast"),
         "pipeline_action_overhead_us": ("the same pipeline probe on cores of their own: what "
                                         "each action adds for the replay of its measured "
                                         "actions to take the measured step"

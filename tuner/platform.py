@@ -78,6 +78,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("compute", "shared_pipeline_factor", "shared_pipeline_factor", 1.0),
     ("compute", "pipeline_action_overhead_us", "pipeline_action_overhead", 1e-6),
     ("compute", "rank_skew", "rank_skew", 1.0),
+    ("compute", "shared_rank_skew", "shared_rank_skew", 1.0),
     ("memory", "zero3_optimizer_overhead_us", "zero3_optimizer_overhead", 1e-6),
     ("memory", "hbm_gb", "hbm_bytes", 1e9),
     ("memory", "hbm_bandwidth_gbs", "hbm_bandwidth", 1e9),
@@ -310,6 +311,15 @@ class Platform:
     # and where the processes share the cores: there the shared-core terms are measured with
     # every process computing, their jitter included)
     rank_skew: float = 1.0
+    # The same probe where the processes share the cores (CPU, more processes x threads than
+    # cores): the slowest process over the mean on identical work between two
+    # synchronizations, each process getting its share of the cores as the scheduler deals
+    # it (1.07-1.24 for 4 processes on this project's 2-core VM, 2026-12-07). The pipeline
+    # replay (shared_pipeline_factor) and the EP path's constants (ep_layer_overhead) are
+    # measured with every process computing and hold this wait; a plan with neither (PP 1,
+    # EP 1: its first collective after the backward is where the ranks meet) is scaled by it
+    # (`tuner.estimate`). 1 where not measured (GPU files, dedicated cores, files before it)
+    shared_rank_skew: float = 1.0
     # Measured on CPU (`tuner measure`): seconds per decoder layer on a rank that the AdamW
     # step over ZeRO-3's DTensor shards takes beyond a plain AdamW step over the same model
     # (torch's per-tensor DTensor dispatch); 0 where not measured
@@ -417,6 +427,10 @@ class Platform:
             raise ValueError(f"platform {self.name!r}: rank_skew={self.rank_skew} must be a "
                              f"finite number >= 1 (the slowest process over the mean; 1 = "
                              f"not measured)")
+        if not (math.isfinite(self.shared_rank_skew) and self.shared_rank_skew >= 1.0):
+            raise ValueError(f"platform {self.name!r}: shared_rank_skew={self.shared_rank_skew} "
+                             f"must be a finite number >= 1 (the slowest of the processes "
+                             f"sharing the cores over their mean; 1 = not measured)")
         if self.split_backward_extra < 0:
             raise ValueError(f"platform {self.name!r}: split_backward_extra="
                              f"{self.split_backward_extra} must be >= 0")
