@@ -309,7 +309,8 @@ class Platform:
     # collective every layer or step wait for the slowest: the estimate scales the compute of
     # plans whose stages hold several ranks (DP, EP) by it. 1 where not measured (GPU files,
     # and where the processes share the cores: there the shared-core terms are measured with
-    # every process computing, their jitter included)
+    # every process computing, their jitter included, and `shared_rank_skew` covers the plans
+    # none of those terms prices)
     rank_skew: float = 1.0
     # The same probe where the processes share the cores (CPU, more processes x threads than
     # cores): the slowest process over the mean on identical work between two
