@@ -445,9 +445,9 @@ def _say(rank: int, verbose: bool, msg: str) -> None:
 
 
 def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, threads: int, quick: bool,
-                    reps: int, verbose: bool = False, skew: bool = False) -> dict:
-    """Every compute rate, measured in each of the `world` processes at the same time;
-    `skew`: also the rank-skew probe (`rank_skew`), else 1.0."""
+                    reps: int, verbose: bool = False) -> dict:
+    """Every compute rate, measured in each of the `world` processes at the same time, and
+    the rank-skew probe (`rank_skew`: `rank_skew` or `shared_rank_skew` by the cores)."""
     torch.set_num_threads(threads)
     q = 1 if quick else 0
     shapes = [(256, 256, 256), (512, 512, 512)] if quick else \
@@ -500,7 +500,7 @@ def _compute_worker(rank: int, world: int, group: dist.ProcessGroup | None, thre
     loss = loss_rate(reps)
     _say(rank, verbose, f"decoder layer at {BLOCK_TOKENS[q]} tokens ({time.perf_counter() - t0:.0f} s so far)")
     block = _block_times(BLOCK_TOKENS[q], reps, group)
-    spread = rank_skew(group, world, RANK_SKEW_ROUNDS[q]) if skew else 1.0
+    spread = rank_skew(group, world, RANK_SKEW_ROUNDS[q])
     return {"block": block, "skew": spread, "rates": rates, "grouped": grouped, "attn": attn, "copy": copy, "shapes": len(shapes),
             "overhead": overhead, "widths": widths, "grid": grid, "grouped_rows": grouped_rows,
             "attn_grid": attn_grid, "optimizer": optimizer, "split_extra": split_extra,
@@ -1124,7 +1124,7 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     pinned = rank_cores(0, n_procs, threads, sorted(os.sched_getaffinity(0))) is not None \
         if hasattr(os, "sched_getaffinity") else False
     # every worker placed as train.py places its ranks (pinned where they fill the cores)
-    per_rank = run_local(_compute_worker, n_procs, threads, quick, reps, verbose, True,
+    per_rank = run_local(_compute_worker, n_procs, threads, quick, reps, verbose,
                          timeout_s=1200.0, threads=threads, cpu_affinity="auto")
 
     fields = compute_fields(per_rank, quick)
