@@ -38,13 +38,15 @@ def test_single_rank_stages_and_one_rank_unchanged():
         assert estimate(CFG, plan, skewed).step_time == estimate(CFG, plan, PF).step_time
 
 
-def test_platform_field_round_trip_and_validation():
-    p = dataclasses.replace(PF, rank_skew=1.045)
-    assert Platform.from_dict(p.to_dict()).rank_skew == pytest.approx(1.045)
-    assert Platform.from_dict(PF.to_dict()).rank_skew == 1.0  # not measured
-    for bad in (0.97, float("nan")):
-        with pytest.raises(ValueError, match=f"rank_skew={bad} must be a finite number >= 1"):
-            dataclasses.replace(PF, rank_skew=bad)
+@pytest.mark.parametrize("field,value,bads", [("rank_skew", 1.045, (0.97, float("nan"))),
+                                              ("shared_rank_skew", 1.09, (0.9, float("inf")))])
+def test_platform_field_round_trip_and_validation(field, value, bads):
+    p = dataclasses.replace(PF, **{field: value})
+    assert getattr(Platform.from_dict(p.to_dict()), field) == pytest.approx(value)
+    assert getattr(Platform.from_dict(PF.to_dict()), field) == 1.0  # not measured
+    for bad in bads:
+        with pytest.raises(ValueError, match=f"{field}={bad} must be a finite number >= 1"):
+            dataclasses.replace(PF, **{field: bad})
 
 
 def test_one_process_has_no_spread():
@@ -98,11 +100,3 @@ def test_shared_skew_scales_only_plans_with_neither_pipeline_nor_ep():
     assert not pf.shares_cores(2)
     assert estimate(cfg, two, skewed).step_time == estimate(cfg, two, pf).step_time
 
-
-def test_shared_skew_field_round_trip_and_validation():
-    p = dataclasses.replace(PF, shared_rank_skew=1.09)
-    assert Platform.from_dict(p.to_dict()).shared_rank_skew == pytest.approx(1.09)
-    assert Platform.from_dict(PF.to_dict()).shared_rank_skew == 1.0  # not measured
-    for bad in (0.9, float("inf")):
-        with pytest.raises(ValueError, match=f"shared_rank_skew={bad} must be a finite number"):
-            dataclasses.replace(PF, shared_rank_skew=bad)

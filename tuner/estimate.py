@@ -1108,7 +1108,8 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
 
     keys = ("compute", "alltoall", "p2p", "tp", "cp", "etp", "zero3", "host")
     skew = pf.rank_skew if plan.stage_size > 1 else 1.0
-    if skew_shared(plan, pf, asm):
+    shared_skew = skew_shared(plan, pf, asm)
+    if shared_skew:
         skew = max(skew, pf.shared_rank_skew)
     per_rank = []
     # per rank: the seconds that use a core (compute, the EP path's fixed cost and the
@@ -1248,7 +1249,7 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
         _zero_note(plan, asm),
         *((f"compute x {skew:.3f}: the slowest of a stage's {plan.stage_size} processes over "
            f"their mean on the same work (the platform's measured "
-           f"{'shared_rank_skew: they share the cores' if skew_shared(plan, pf, asm) else 'rank_skew'})",)
+           f"{'shared_rank_skew: they share the cores' if shared_skew else 'rank_skew'})",)
           if skew != 1.0 else ()),
         f"precision: {pb.name or 'custom'} state ({pb.weight_bytes} B weights, {pb.grad_bytes} B "
         f"grads, {pb.master_bytes} B master, {pb.optimizer_bytes} B moments per parameter); "

@@ -424,14 +424,12 @@ class Platform:
             raise ValueError(f"platform {self.name!r}: shared_pipeline_factor="
                              f"{self.shared_pipeline_factor} must be a finite number > 0 "
                              f"(measured step / replayed step; 1 = the replay as is)")
-        if not (math.isfinite(self.rank_skew) and self.rank_skew >= 1.0):
-            raise ValueError(f"platform {self.name!r}: rank_skew={self.rank_skew} must be a "
-                             f"finite number >= 1 (the slowest process over the mean; 1 = "
-                             f"not measured)")
-        if not (math.isfinite(self.shared_rank_skew) and self.shared_rank_skew >= 1.0):
-            raise ValueError(f"platform {self.name!r}: shared_rank_skew={self.shared_rank_skew} "
-                             f"must be a finite number >= 1 (the slowest of the processes "
-                             f"sharing the cores over their mean; 1 = not measured)")
+        for name, v, what in (("rank_skew", self.rank_skew, "the slowest process over the mean"),
+                              ("shared_rank_skew", self.shared_rank_skew, "the slowest of the "
+                               "processes sharing the cores over their mean")):
+            if not (math.isfinite(v) and v >= 1.0):
+                raise ValueError(f"platform {self.name!r}: {name}={v} must be a finite number "
+                                 f">= 1 ({what}; 1 = not measured)")
         if self.split_backward_extra < 0:
             raise ValueError(f"platform {self.name!r}: split_backward_extra="
                              f"{self.split_backward_extra} must be >= 0")
