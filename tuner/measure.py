@@ -49,7 +49,7 @@ as the median of repeats after a warm-up:
                   bytes per second)
     small all-reduce  all_reduce of 16 fp64 values over all `n_procs` processes (the step's
                   loss, norm and metrics all-reduces) -> sync_latency (the slowest rank's
-                  median)
+                  mean over SYNC_CALLS single calls: their tail is part of a step's price)
     elementwise   the tiny preset's first decoder layer (MoE, experts local) forward + backward
                   at BLOCK_TOKENS tokens in all processes at once, minus what this platform's
                   GEMM, attention and overhead entries price for it (`tuner.estimate.
@@ -737,15 +737,37 @@ def collective_times(rank: int, group: dist.ProcessGroup | None, root: int, size
     return out
 
 
+# Small all-reduces timed one call at a time (every rank makes the same number of calls,
+# as a collective needs). Their times have a heavy tail: on 2 processes with a core each
+# (this 2-vCPU VM, 2026-12-07) the median call took 0.5-0.8 ms and the mean 1.7-2.1 ms, a
+# call now and then waiting 2-5 ms (a blocked process's wake-up late by up to a 4 ms
+# scheduler tick); a trainer step makes 1-3 such calls and paid 3-6 ms for them (its
+# "other" part, benchmarks/bench_tuner_validate.py), so the price is the mean.
+SYNC_CALLS = 60
+
+
+def _mean_call_time(fn: Callable[[], object], calls: int, warmup: int = 1) -> float:
+    """Mean seconds of `calls` single calls of `fn` after `warmup` calls: what a step that
+    makes a few such calls pays for each on average, tail included (`SYNC_CALLS`)."""
+    for _ in range(warmup):
+        fn()
+    total = 0.0
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        total += time.perf_counter() - t0
+    return total / calls
+
+
 def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, repeats: int) -> dict:
-    """Median seconds of a small all-reduce (the step's syncs), and the EP and ZeRO-3 paths'
+    """Mean seconds of a small all-reduce (the step's syncs), and the EP and ZeRO-3 paths'
     extra over the plain layer (`ep_layer_extra`, `zero3_layer_times`; ZeRO-3 also over
     concurrent pairs)."""
     out: dict[str, Any] = {}
     small = torch.zeros(16, dtype=torch.float64)  # the step's loss / norm / metrics values
     dist.barrier()
-    out["sync"] = _median_time(lambda: dist.all_reduce(small, group=group), 5 * repeats,
-                               warmup=3, min_s=0.0)
+    out["sync"] = _mean_call_time(lambda: dist.all_reduce(small, group=group),
+                                  SYNC_CALLS, warmup=3)
     out["ep_extra"] = ep_layer_extra(group, world, repeats)
     z3 = zero3_layer_times(world, 3 * repeats)
     out["zero3_extra"] = 0.0 if z3 is None else z3["zero3"] - z3["plain"]
@@ -1159,7 +1181,7 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     spread = max(1.0, per_rank[0]["skew"])
     fields["rank_skew"] = spread if dedicated else 1.0
     fields["shared_rank_skew"] = 1.0 if dedicated else spread
-    # the slowest rank's median: a collective ends when its last member arrives
+    # the slowest rank's mean: a collective ends when its last member arrives
     fields["sync_latency"] = max(r["sync"] for r in per_rank_comm)
     # An all-to-all of B bytes per rank moves B (n-1)/n off each rank: report per-rank
     # injection bandwidth, the quantity the model divides by.
@@ -1259,7 +1281,8 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                                      f"its GEMM / attention / overhead price (0: not positive)",
         "cores_per_node": "os.cpu_count() of this machine",
         "threads_per_process": f"torch intra-op threads per process (cores // {n_procs}, >= 1)",
-        "sync_latency_us": f"all_reduce of 16 fp64 values over the {n_procs} processes",
+        "sync_latency_us": f"all_reduce of 16 fp64 values over the {n_procs} processes, mean of "
+                           f"{SYNC_CALLS} single calls",
         "collectives": f"measured: gloo collectives over groups of n of the {n_procs} "
                        f"processes (concurrent pairs below {n_procs}), t = latency + bytes per "
                        f"rank / bandwidth fitted over {coll_sizes[0] >> 10} KB - "
