@@ -180,9 +180,40 @@ def test_grad_passes_and_small_all_reduces() -> None:
     assert owned < 0.6 * held  # the owner's share, about half
     assert ez.time["grad_post"] == pytest.approx(
         (held + 2 * owned) / (3 * fl) + owned / nm + lat, rel=1e-9)
-    for key in ("grad_flatten_bandwidth", "grad_norm_bandwidth", "sync_latency"):
-        with pytest.raises(ValueError, match=key):
-            _local(**{key: -1.0})
+    for key in ("grad_flatten_bandwidth", "grad_norm_bandwidth", "sync_latency",
+                "collective_tail"):
+        for bad in (-1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=key):
+                _local(**{key: bad})
+
+
+def test_collective_tail_once_per_call_after_the_backward(tmp_path) -> None:
+    """`Platform.collective_tail`: ZeRO-0's all-reduce pays it once per group it reduces
+    over (2 at EP 1 x DP 2: the non-expert and the expert gradients; 1 at EP 2 x DP 1, where
+    the experts have no replica), ZeRO-1/2's weight broadcast once per bucket
+    (`StageMemory.bcast_calls`, pinned to the trainer's buckets in
+    tests/test_tuner_trainer_model.py), ZeRO-1's all-reduce and ZeRO-2's reduce (launched
+    from the backward's hooks) not at all; and the file round-trips it."""
+    cfg, tail = presets.get("tiny"), 1.5e-3
+    p0 = _local(gpus_per_node=2, nics_per_node=2)
+    p1 = dataclasses.replace(p0, collective_tail=tail)
+    asm = Assumptions(activation_set="trainer", zero_sharding="per-parameter")
+    for (ep, dp, zero), calls in {(1, 2, 0): {"all_reduce": 2}, (2, 1, 0): {"all_reduce": 1},
+                                  (1, 2, 1): {"all_reduce": 0, "broadcast": None},
+                                  (1, 2, 2): {"reduce": 0, "broadcast": None}}.items():
+        plan = ParallelPlan(pp=1, ep=ep, dp=dp, microbatches=1, global_batch=8, seq_len=128,
+                            zero=zero)
+        e0, e1 = (estimate(cfg, plan, q, FP32_TRAINER_PRECISION, asm) for q in (p0, p1))
+        for key, n in calls.items():
+            n = e1.stages[0].bcast_calls if n is None else n
+            assert n > 0 or key != "broadcast"
+            assert e1.dp_collectives[key] - e0.dp_collectives[key] == pytest.approx(
+                n * tail, abs=1e-12), (ep, dp, zero, key)
+        assert e1.step_time - e0.step_time == pytest.approx(
+            sum(e1.stages[0].bcast_calls if n is None else n for n in calls.values()) * tail,
+            abs=1e-12)
+    back = load_platform(write_platform_toml(p1, tmp_path / "p.toml", {}))
+    assert back.collective_tail == pytest.approx(tail, rel=1e-6)
 
 
 def test_zero_copy_rate_measured_else_half_the_copy_bandwidth(tmp_path) -> None:

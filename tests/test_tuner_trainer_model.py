@@ -275,8 +275,9 @@ def _bcast_bucket_worker(rank: int, world: int, _group, ep: int, caps: list[int]
     out = {}
     for cap in caps:
         sync = GradSync(model, mesh, zero=1, bucket_bytes=cap)
-        out[cap] = sum(local(p).numel() for b in sync.bcast if len(b.params) > 1
-                       and sync.groups[b.kind] is not None for p in b.params)
+        out[cap] = (sum(local(p).numel() for b in sync.bcast if len(b.params) > 1
+                        and sync.groups[b.kind] is not None for p in b.params),
+                    sum(1 for b in sync.bcast if sync.groups[b.kind] is not None))
     return out
 
 
@@ -284,10 +285,11 @@ def _bcast_bucket_worker(rank: int, world: int, _group, ep: int, caps: list[int]
 @pytest.mark.parametrize("world,ep", [(2, 1), (4, 2)])
 def test_planner_bcast_copies_equal_the_trainers_buckets(world, ep):
     """The parameters the planner prices as packed / unpacked around ZeRO's weight broadcast
-    (`StageMemory.bcast_copy_params`) equal what the trainer's own `GradSync` buckets hold
-    on every rank: at its default 25 MiB (every bucket several parameters), at 1 MiB (at
-    EP = 1 each 1 MiB expert tensor fills a bucket alone: broadcast in place, not copied)
-    and at 64 KiB (more buckets of one parameter)."""
+    (`StageMemory.bcast_copy_params`) and the broadcasts it counts (`bcast_calls`) equal
+    what the trainer's own `GradSync` buckets hold and send on every rank: at its default
+    25 MiB (every bucket several parameters), at 1 MiB (at EP = 1 each 1 MiB expert tensor
+    fills a bucket alone: broadcast in place, not copied) and at 64 KiB (more buckets of
+    one parameter)."""
     from comm import run_local
 
     caps = [25 << 20, 1 << 20, 64 << 10]
@@ -298,6 +300,8 @@ def test_planner_bcast_copies_equal_the_trainers_buckets(world, ep):
     for cap in caps:
         asm = Assumptions(zero_sharding="per-parameter", grad_bucket_bytes=cap)
         st = stage_memory(cfg, plan, pf, FP32_TRAINER_PRECISION, asm)[0]
-        assert {r[cap] for r in got} == {st.bcast_copy_params}, (cap, got)
-    n = [got[0][cap] for cap in caps]  # smaller buckets: more of them hold one parameter
+        assert {r[cap] for r in got} == {(st.bcast_copy_params, st.bcast_calls)}, (cap, got)
+    n = [got[0][cap][0] for cap in caps]  # smaller buckets: more of them hold one parameter
     assert n[0] >= n[1] >= n[2] > 0 and n[0] > n[2]
+    calls = [got[0][cap][1] for cap in caps]  # and there are more of them
+    assert 0 < calls[0] < calls[1] < calls[2]

@@ -222,6 +222,9 @@ class StageMemory:
     # per-parameter ZeRO-1/2: parameters whose updated weights this rank packs or unpacks
     # around the weight broadcast (`_bcast_copy_params`)
     bcast_copy_params: float = 0.0
+    # per-parameter ZeRO-1/2: the weight broadcast's calls on this rank (buckets whose group
+    # has more than one rank), each paying `Platform.collective_tail`
+    bcast_calls: int = 0
 
     @property
     def redundant_bytes(self) -> float:
@@ -642,6 +645,8 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform | None
             grads += big * pb.grad_bytes
         optim = sum(h[2] for h in held.values()) * (pb.master_bytes + pb.optimizer_bytes)
         full_go = n * (pb.grad_bytes + pb.master_bytes + pb.optimizer_bytes)
+        bcast = _bcast_copies(cfg, plan, assumptions, tuple(layers), r == 0, r == plan.pp - 1,
+                              pb.param_comm_bytes)
         out.append(StageMemory(
             rank=r, layers=tuple(layers), params=int(n), weights=weights,
             grads=grads, optimizer=optim, activations=sum(act.values()), buffers=buffers,
@@ -654,8 +659,7 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform | None
             zero_saved=full_go + n * pb.weight_bytes - weights - grads - optim,
             redundant=plan.redundant,
             moe_layers=sum(1 for i in layers if cfg.is_moe_layer(i)),
-            bcast_copy_params=_bcast_copies(cfg, plan, assumptions, tuple(layers), r == 0,
-                                            r == plan.pp - 1, pb.param_comm_bytes),
+            bcast_copy_params=bcast[0], bcast_calls=bcast[1],
         ))
     return out
 
@@ -778,15 +782,17 @@ def _shares(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions, layers: tupl
 
 @functools.lru_cache(maxsize=8192)
 def _bcast_copy_params(key: str, layers: tuple[int, ...], first: bool, last: bool,
-                       slots: float, g_rep: int, g_exp: int, wb: int, cap: int) -> float:
-    """Parameters per-parameter ZeRO-1/2 copies on each rank of a stage around its weight
-    broadcast, as trainer/distributed/grad_sync.py builds and sends it (`_make_buckets`,
-    `broadcast_params`): each parameter owned as `trainer.distributed.zero.assign_owners`
-    assigns it within its kind (non-expert over `g_rep` ranks, expert over `g_exp`), buckets
-    of one (kind, owner) filled in forward order up to `cap` bytes of `wb`-byte weights; a
-    bucket of several parameters is packed (torch.cat) on its owner and unpacked (copy_ per
-    parameter) on every other rank, one pass over its weights on each rank; a bucket of one
-    parameter is broadcast in place, and a group of one rank broadcasts nothing."""
+                       slots: float, g_rep: int, g_exp: int, wb: int,
+                       cap: int) -> tuple[float, int]:
+    """(parameters, calls): the parameters per-parameter ZeRO-1/2 copies on each rank of a
+    stage around its weight broadcast, and the broadcasts it makes, as trainer/distributed/
+    grad_sync.py builds and sends it (`_make_buckets`, `broadcast_params`): each parameter
+    owned as `trainer.distributed.zero.assign_owners` assigns it within its kind (non-expert
+    over `g_rep` ranks, expert over `g_exp`), buckets of one (kind, owner) filled in forward
+    order up to `cap` bytes of `wb`-byte weights, one broadcast each; a bucket of several
+    parameters is packed (torch.cat) on its owner and unpacked (copy_ per parameter) on
+    every other rank, one pass over its weights on each rank; a bucket of one parameter is
+    broadcast in place, and a group of one rank broadcasts nothing."""
     from trainer.distributed.zero import assign_owners
 
     where = {str(i) for i in layers} | ({"first"} if first else set()) | ({"last"} if last else set())
@@ -806,14 +812,16 @@ def _bcast_copy_params(key: str, layers: tuple[int, ...], first: bool, last: boo
             open_[(e, owner[i])] = b
         b[0] += 1
         b[1] += n
-    return float(sum(n for k, n, g in buckets if k > 1 and g > 1))
+    return (float(sum(n for k, n, g in buckets if k > 1 and g > 1)),
+            sum(1 for _, _, g in buckets if g > 1))
 
 
 def _bcast_copies(cfg: ModelConfig, plan: ParallelPlan, asm: Assumptions,
-                  layers: tuple[int, ...], first: bool, last: bool, wb: int) -> float:
-    """`_bcast_copy_params` of a stage under `plan` (0 unless per-parameter ZeRO-1/2)."""
+                  layers: tuple[int, ...], first: bool, last: bool,
+                  wb: int) -> tuple[float, int]:
+    """`_bcast_copy_params` of a stage under `plan` ((0, 0) unless per-parameter ZeRO-1/2)."""
     if plan.zero not in (1, 2) or asm.zero_sharding != "per-parameter":
-        return 0.0
+        return 0.0, 0
     g_rep, g_exp = plan.replica_groups(asm.attention)
     _model_tensors(cfg)
     E = cfg.n_routed_experts
@@ -834,7 +842,8 @@ def _dp_sync(sm: StageMemory, plan: ParallelPlan, groups: dict[str, GroupPlaceme
         out["replica_sum"] = _replica_sum_time(sm, plan, groups["ep"], platform, gb, asm)
     if plan.zero == 3:  # reduce-scattered per layer and micro-batch (`layer_collectives`)
         return out
-    return {**_dp_collectives(plan, pairs, platform, gb, wb, asm, sm.bcast_copy_params), **out}
+    return {**_dp_collectives(plan, pairs, platform, gb, wb, asm, sm.bcast_copy_params,
+                              sm.bcast_calls), **out}
 
 
 def _replica_sum_time(sm: StageMemory, plan: ParallelPlan, group: GroupPlacement,
@@ -853,19 +862,28 @@ def _replica_sum_time(sm: StageMemory, plan: ParallelPlan, group: GroupPlacement
 
 
 def _dp_collectives(plan: ParallelPlan, pairs: tuple, platform: Platform, gb: int, wb: int,
-                    asm: Assumptions, copied: float = 0.0) -> dict[str, float]:
+                    asm: Assumptions, copied: float = 0.0, bcast_calls: int = 0
+                    ) -> dict[str, float]:
     """`copied`: parameters whose weights per-parameter ZeRO packs / unpacks around its
     broadcast on this rank (`StageMemory.bcast_copy_params`), one pass each at the
-    platform's `zero_copy_rate` ("broadcast_copy")."""
+    platform's `zero_copy_rate` ("broadcast_copy"). The calls made after the backward pay
+    the platform's `collective_tail` each (0 on every GPU file): ZeRO-0's all-reduce, one per
+    group (the trainer reduces after the backward there on CPU: `--parallel.grad_overlap`
+    auto), and ZeRO-1/2's `bcast_calls` weight broadcasts (`StageMemory.bcast_calls`).
+    ZeRO-1/2's reductions, launched from the backward's hooks, pay none."""
+    tail = platform.collective_tail
     if plan.zero == 0:
-        return {"all_reduce": sum(allreduce_time(n * gb, g, platform) for n, g in pairs)}
+        calls = sum(1 for n, g in pairs if n > 0 and g.size > 1)
+        return {"all_reduce": sum(allreduce_time(n * gb, g, platform) for n, g in pairs)
+                + calls * tail}
     n_rs = plan.microbatches if plan.zero == 2 and asm.zero2_grad_sync == "each" else 1
     rs = n_rs * sum(reduce_scatter_time(n * gb, g, platform) for n, g in pairs)
     ag = sum(all_gather_time(n * wb, g, platform) for n, g in pairs)
     if asm.zero_sharding == "per-parameter":
         # owners' whole tensors: the backend's reduce and broadcast (measured fits where the
         # platform has them, `tuner.comms`; else the ring halves above)
-        bc = {"broadcast": sum(broadcast_time(n * wb, g, platform) for n, g in pairs)}
+        bc = {"broadcast": sum(broadcast_time(n * wb, g, platform) for n, g in pairs)
+              + bcast_calls * tail}
         if copied:  # the owner's pack and the receivers' unpack of each bucket
             bc["broadcast_copy"] = copied * wb / platform.zero_copy_rate
         if plan.zero == 1:

@@ -50,6 +50,7 @@ as the median of repeats after a warm-up:
     small all-reduce  all_reduce of 16 fp64 values over all `n_procs` processes (the step's
                   loss, norm and metrics all-reduces) -> sync_latency (the slowest rank's
                   mean over SYNC_CALLS single calls: their tail is part of a step's price)
+                  and collective_tail (that mean minus the slowest rank's median)
     elementwise   the tiny preset's first decoder layer (MoE, experts local) forward + backward
                   at BLOCK_TOKENS tokens in all processes at once, minus what this platform's
                   GEMM, attention and overhead entries price for it (`tuner.estimate.
@@ -746,17 +747,19 @@ def collective_times(rank: int, group: dist.ProcessGroup | None, root: int, size
 SYNC_CALLS = 60
 
 
-def _mean_call_time(fn: Callable[[], object], calls: int, warmup: int = 1) -> float:
-    """Mean seconds of `calls` single calls of `fn` after `warmup` calls: what a step that
-    makes a few such calls pays for each on average, tail included (`SYNC_CALLS`)."""
+def _call_times(fn: Callable[[], object], calls: int, warmup: int = 1) -> tuple[float, float]:
+    """(mean, median) seconds of `calls` single calls of `fn` after `warmup` calls. The
+    mean is what a step that makes a few such calls pays for each, tail included
+    (`SYNC_CALLS`); the mean minus the median is what a call pays beyond the median-based
+    fits of the other collectives (`Platform.collective_tail`)."""
     for _ in range(warmup):
         fn()
-    total = 0.0
+    ts = []
     for _ in range(calls):
         t0 = time.perf_counter()
         fn()
-        total += time.perf_counter() - t0
-    return total / calls
+        ts.append(time.perf_counter() - t0)
+    return statistics.fmean(ts), statistics.median(ts)
 
 
 def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, repeats: int) -> dict:
@@ -766,8 +769,8 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, repeats
     out: dict[str, Any] = {}
     small = torch.zeros(16, dtype=torch.float64)  # the step's loss / norm / metrics values
     dist.barrier()
-    out["sync"] = _mean_call_time(lambda: dist.all_reduce(small, group=group),
-                                  SYNC_CALLS, warmup=3)
+    out["sync"], out["sync_median"] = _call_times(lambda: dist.all_reduce(small, group=group),
+                                                  SYNC_CALLS, warmup=3)
     out["ep_extra"] = ep_layer_extra(group, world, repeats)
     z3 = zero3_layer_times(world, 3 * repeats)
     out["zero3_extra"] = 0.0 if z3 is None else z3["zero3"] - z3["plain"]
@@ -1181,8 +1184,11 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     spread = max(1.0, per_rank[0]["skew"])
     fields["rank_skew"] = spread if dedicated else 1.0
     fields["shared_rank_skew"] = 1.0 if dedicated else spread
-    # the slowest rank's mean: a collective ends when its last member arrives
+    # the slowest rank's mean: a collective ends when its last member arrives; the tail
+    # beyond the slowest rank's median
     fields["sync_latency"] = max(r["sync"] for r in per_rank_comm)
+    fields["collective_tail"] = max(
+        0.0, fields["sync_latency"] - max(r["sync_median"] for r in per_rank_comm))
     # An all-to-all of B bytes per rank moves B (n-1)/n off each rank: report per-rank
     # injection bandwidth, the quantity the model divides by.
     a2a_bw = a2a_bw_total * (n_procs - 1) / n_procs
@@ -1283,6 +1289,8 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
         "threads_per_process": f"torch intra-op threads per process (cores // {n_procs}, >= 1)",
         "sync_latency_us": f"all_reduce of 16 fp64 values over the {n_procs} processes, mean of "
                            f"{SYNC_CALLS} single calls",
+        "collective_tail_us": "that all_reduce's mean minus its median (slowest ranks): what "
+                              "a blocking collective call pays beyond the median-based fits",
         "collectives": f"measured: gloo collectives over groups of n of the {n_procs} "
                        f"processes (concurrent pairs below {n_procs}), t = latency + bytes per "
                        f"rank / bandwidth fitted over {coll_sizes[0] >> 10} KB - "

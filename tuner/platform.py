@@ -95,6 +95,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("node", "intra_node_bandwidth_gbs", "intra_node_bandwidth", 1e9),
     ("node", "intra_node_latency_us", "intra_node_latency", 1e-6),
     ("node", "sync_latency_us", "sync_latency", 1e-6),
+    ("node", "collective_tail_us", "collective_tail", 1e-6),
     ("node", "cores_per_node", "cores_per_node", 1),
     ("node", "threads_per_process", "threads_per_process", 1),
     ("node", "host_nodes", "host_nodes", 1),
@@ -354,6 +355,12 @@ class Platform:
     grad_flatten_bandwidth: float = 0.0
     grad_norm_bandwidth: float = 0.0
     sync_latency: float = 0.0
+    # Measured on CPU (0 = not measured, no term): what a blocking collective call pays on
+    # average beyond a fit over the medians of single calls: the small all-reduce's mean
+    # minus its median (`tuner.measure.SYNC_CALLS`; a process blocked in a collective on an
+    # idle core is now and then woken late). Added once per such call after the backward
+    # (`tuner.estimate._dp_collectives`)
+    collective_tail: float = 0.0
     # Measured on CPU (0 = not measured: `hbm_bandwidth`): bytes per second at which an eager
     # decoder layer's work outside its GEMMs, attention and fixed per-op cost runs, counted as
     # `tuner.layout.CPU_TRAFFIC_PASSES` passes over its saved activations (the estimate's
@@ -450,10 +457,10 @@ class Platform:
             raise ValueError(f"platform {self.name!r}: optimizer_bandwidth="
                              f"{self.optimizer_bandwidth} must be >= 0 (0 = memory bound)")
         for key in ("grad_flatten_bandwidth", "grad_norm_bandwidth", "sync_latency",
-                    "elementwise_bandwidth", "zero_copy_bandwidth", "loss_bandwidth"):
-            if getattr(self, key) < 0:
+                    "collective_tail", "elementwise_bandwidth", "zero_copy_bandwidth", "loss_bandwidth"):
+            if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
                 raise ValueError(f"platform {self.name!r}: {key}={getattr(self, key)} must be "
-                                 f">= 0 (0 = not measured)")
+                                 f">= 0 and finite (0 = not measured)")
         if (self.cores_per_node == 0) != (self.threads_per_process == 0):
             raise ValueError(f"platform {self.name!r}: cores_per_node={self.cores_per_node} and "
                              f"threads_per_process={self.threads_per_process}: give both "
