@@ -152,13 +152,13 @@ def test_loss_rate_times_the_trainers_cross_entropy():
 
 
 def test_call_times_mean_keeps_the_tail_the_median_drops():
-    """`_call_times` (the small all-reduce's price and `collective_tail`): one call in five
+    """`call_times` (the small all-reduce's price and `collective_tail`): one call in five
     sleeps 20 ms, the others return at once; the mean of the timed calls carries the slow
     ones (>= 4 ms per call, the sleeps' floor), the median does not (the fast calls are
     16 of 20). The warm-up calls are not timed."""
     import time
 
-    from tuner.measure import _call_times
+    from tuner.measure import call_times
 
     n = [0]
 
@@ -167,7 +167,7 @@ def test_call_times_mean_keeps_the_tail_the_median_drops():
         if n[0] > 2 and (n[0] - 2) % 5 == 0:
             time.sleep(0.02)
 
-    mean, median = _call_times(call, 20, warmup=2)
+    mean, median = call_times(call, 20, warmup=2)
     assert n[0] == 22
     assert 0.004 <= mean < 0.02  # 4 sleeps of >= 20 ms over 20 calls; far below one each
     assert median < 0.002  # a call that returns at once; the 20 ms sleeps are 4 of 20

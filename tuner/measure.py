@@ -113,7 +113,7 @@ __all__ = ["compute_fields", "elementwise_bandwidth_fit", "ep_layer_extra", "ep_
            "write_emulator_platform", "copy_bandwidth", "tiny_params_with_grads",
            "zero_copy_rate", "loss_rate", "optimizer_rate", "collective_times", "median_platform",
            "shared_pipeline_factor", "pipeline_action_overhead", "fit_action_overhead", "replay_span",
-           "rank_skew",
+           "rank_skew", "call_times", "SYNC_CALLS",
            "PIPE_PROBE", "pipeline_probe_worker",
            "pipeline_probe_summary", "residual_fields"]
 
@@ -747,7 +747,7 @@ def collective_times(rank: int, group: dist.ProcessGroup | None, root: int, size
 SYNC_CALLS = 60
 
 
-def _call_times(fn: Callable[[], object], calls: int, warmup: int = 1) -> tuple[float, float]:
+def call_times(fn: Callable[[], object], calls: int, warmup: int = 1) -> tuple[float, float]:
     """(mean, median) seconds of `calls` single calls of `fn` after `warmup` calls. The
     mean is what a step that makes a few such calls pays for each, tail included
     (`SYNC_CALLS`); the mean minus the median is what a call pays beyond the median-based
@@ -769,7 +769,7 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, repeats
     out: dict[str, Any] = {}
     small = torch.zeros(16, dtype=torch.float64)  # the step's loss / norm / metrics values
     dist.barrier()
-    out["sync"], out["sync_median"] = _call_times(lambda: dist.all_reduce(small, group=group),
+    out["sync"], out["sync_median"] = call_times(lambda: dist.all_reduce(small, group=group),
                                                   SYNC_CALLS, warmup=3)
     out["ep_extra"] = ep_layer_extra(group, world, repeats)
     z3 = zero3_layer_times(world, 3 * repeats)
