@@ -76,6 +76,11 @@ def test_emulator_platform_link_from_parameters_compute_from_base():
     lat = emulator_platform(base, 2, 2, 200.0, latency_ms=1.5)
     assert lat.network_latency == pytest.approx(base.network_latency + 3e-3)
     assert lat.sync_latency == pytest.approx(base.sync_latency + 6 * 3e-3)
+    # a pair's syncs: the base's pair price on one node; across nodes (a pair may span two)
+    # none measured, so the whole group's
+    paired = dataclasses.replace(base, pair_sync_latency=2e-3)
+    assert emulator_platform(paired, 1, 4, 200.0).pair_sync_latency == 2e-3
+    assert emulator_platform(paired, 2, 2, 200.0).pair_sync_latency == 0.0
     with pytest.raises(ValueError, match="--procs 8"):
         emulator_platform(base, 4, 2, 200.0)  # an 8-process emulator needs an 8-process base
 

@@ -181,10 +181,43 @@ def test_grad_passes_and_small_all_reduces() -> None:
     assert ez.time["grad_post"] == pytest.approx(
         (held + 2 * owned) / (3 * fl) + owned / nm + lat, rel=1e-9)
     for key in ("grad_flatten_bandwidth", "grad_norm_bandwidth", "sync_latency",
-                "collective_tail"):
+                "collective_tail", "pair_sync_latency"):
         for bad in (-1.0, float("nan"), float("inf")):
             with pytest.raises(ValueError, match=key):
                 _local(**{key: bad})
+
+
+def test_small_all_reduces_priced_by_their_group() -> None:
+    """`step_sync_groups` by hand (trainer/step.py, trainer/observe/stats.py and metrics.py,
+    trainer/distributed/grad_sync.py `clip`), and `Platform.sync_time`: a pair in a larger job
+    at `pair_sync_latency` where measured, every other group at `sync_latency`, none over one
+    rank; the estimate sums the syncs at their groups' prices."""
+    from tuner.costs import step_sync_groups
+
+    def plan(**kw) -> ParallelPlan:
+        return ParallelPlan(**{"pp": 1, "ep": 1, "dp": 1, "microbatches": 4,
+                               "global_batch": 16, "seq_len": 128, **kw})
+
+    # PP 2 x EP 2: the norm over EP and PP; the loss over all 4, the counts over the stage
+    # (the EP pair), the metrics over PP
+    assert step_sync_groups(plan(pp=2, ep=2)) == ((2, 2), (4, 2, 2))
+    assert step_sync_groups(plan(pp=2, ep=2), moe_on_rank=False) == ((2, 2), (4, 2))
+    # DP 4, ZeRO-2: the norm over the stage (4); ZeRO-0: no EP, no PP, no norm all-reduce
+    assert step_sync_groups(plan(dp=4, zero=2)) == ((4,), (4, 4))
+    assert step_sync_groups(plan(dp=4)) == ((), (4, 4))
+    assert step_sync_groups(plan()) == ((), ())
+    lat, pair = 6e-3, 2e-3
+    p = _local(sync_latency=lat, pair_sync_latency=pair)
+    assert p.sync_time(2, 4) == pair and p.sync_time(4, 4) == lat and p.sync_time(2, 2) == lat
+    assert p.sync_time(1, 4) == 0.0 and p.sync_time(4, 8) == lat
+    assert _local(sync_latency=lat).sync_time(2, 4) == lat  # no pair measured
+    cfg = presets.get("tiny")
+    e = estimate(cfg, plan(pp=2, ep=2), p, FP32_TRAINER_PRECISION)
+    e0 = estimate(cfg, plan(pp=2, ep=2), _local(sync_latency=lat), FP32_TRAINER_PRECISION)
+    assert e.time["step_syncs"] == pytest.approx(lat + 2 * pair, rel=1e-12)
+    assert e0.time["step_syncs"] == pytest.approx(3 * lat, rel=1e-12)
+    assert e0.time["grad_post"] - e.time["grad_post"] == pytest.approx(2 * (lat - pair),
+                                                                        rel=1e-9)
 
 
 def test_collective_tail_once_per_call_after_the_backward(tmp_path) -> None:
@@ -212,8 +245,10 @@ def test_collective_tail_once_per_call_after_the_backward(tmp_path) -> None:
         assert e1.step_time - e0.step_time == pytest.approx(
             sum(e1.stages[0].bcast_calls if n is None else n for n in calls.values()) * tail,
             abs=1e-12)
-    back = load_platform(write_platform_toml(p1, tmp_path / "p.toml", {}))
+    back = load_platform(write_platform_toml(
+        dataclasses.replace(p1, pair_sync_latency=2.5e-3), tmp_path / "p.toml", {}))
     assert back.collective_tail == pytest.approx(tail, rel=1e-6)
+    assert back.pair_sync_latency == pytest.approx(2.5e-3, rel=1e-6)
 
 
 def test_zero_copy_rate_measured_else_half_the_copy_bandwidth(tmp_path) -> None:

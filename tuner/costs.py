@@ -28,7 +28,7 @@ from tuner.platform import Platform
 __all__ = ["a2a_exposed", "a2a_one", "all_gather_time", "fp8_cast_time", "fp8_effs", "gemm_peak", "grad_post_time",
            "head_fwd", "place_groups", "kv_width", "layer_collectives", "layer_fwd", "layer_parts",
            "moe_module_time", "recompute_time", "recomputes_a2a", "reduce_scatter_time",
-           "step_syncs", "zero3_time"]
+           "step_sync_groups", "step_syncs", "zero3_time"]
 
 
 def reduce_scatter_time(nbytes: float, group: GroupPlacement, platform: Platform) -> float:
@@ -383,6 +383,17 @@ def grad_post_time(held: float, owned: float, plan: ParallelPlan, pf: Platform,
     return flat + owned / pf.grad_norm_bandwidth + (owned * third if clipped else 0.0)
 
 
+def step_sync_groups(plan: ParallelPlan, moe_on_rank: bool = True
+                     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The group sizes of `step_syncs`' all-reduces, in its order: (gradient sync: the
+    norm's over EP, or the stage under ZeRO-2, then over PP; the rest: the loss over every
+    rank, the expert counts over the stage, the metrics over PP), groups of one left out."""
+    stage = plan.stage_size
+    clip = ([plan.ep] if plan.zero != 2 else [stage]) + [plan.pp]
+    rest = [plan.n_gpus] + ([stage] if moe_on_rank else []) + [plan.pp]
+    return tuple(g for g in clip if g > 1), tuple(g for g in rest if g > 1)
+
+
 def step_syncs(plan: ParallelPlan, moe_on_rank: bool = True) -> tuple[int, int]:
     """Small all-reduces of one trainer step (a few fp64 values each, so their time is the
     platform's `sync_latency`): (in the gradient sync, in the rest of the step).
@@ -393,7 +404,5 @@ def step_syncs(plan: ParallelPlan, moe_on_rank: bool = True) -> tuple[int, int]:
                        stage group, the per-layer metrics over the PP group
                        (trainer/step.py, trainer/observe/stats.py, trainer/observe/metrics.py)
     """
-    stage = plan.stage_size
-    clip = (plan.ep > 1 if plan.zero != 2 else stage > 1) + (plan.pp > 1)
-    rest = (plan.n_gpus > 1) + (stage > 1 and moe_on_rank) + (plan.pp > 1)
-    return int(clip), int(rest)
+    clip, rest = step_sync_groups(plan, moe_on_rank)
+    return len(clip), len(rest)

@@ -89,8 +89,9 @@ Step time (seconds), for the busiest rank:
     + the trainer's gradient passes after the backward (flatten / scale / copy back, the fp64
       norm, the clip's scale: `tuner.costs.grad_post_time`) and the step's small all-reduces
       (the norm's over EP / PP, the loss's, the expert counts', the metrics':
-      `tuner.costs.step_syncs`), at the platform's measured grad_flatten_bandwidth,
-      grad_norm_bandwidth and sync_latency (time keys "grad_post", "step_syncs"; absent where
+      `tuner.costs.step_sync_groups`), at the platform's measured grad_flatten_bandwidth,
+      grad_norm_bandwidth and sync_latency (pair_sync_latency for a 2-rank group in a
+      larger job: `Platform.sync_time`) (time keys "grad_post", "step_syncs"; absent where
       the platform has none of them, e.g. every GPU file)
     + the other dimensions, per layer and micro-batch (`layer_collectives`), on the links
       of their groups (`groups`: TP innermost, then CP, as trainer.layout places them):
@@ -158,7 +159,7 @@ from tuner.costs import (
     recompute_time,
     recomputes_a2a,
     reduce_scatter_time,
-    step_syncs,
+    step_sync_groups,
 )
 from tuner.counts import LayerCounts, chunk_layers, head_params, layer_counts
 from tuner.layout import (
@@ -1233,15 +1234,17 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                 + (len(sm.layers) * pf.zero3_optimizer_overhead if plan.zero == 3 else 0.0)
                 for sm in stages)
     # the trainer's gradient passes and small all-reduces (measured on CPU platforms, else 0)
-    post, n_clip, n_rest = 0.0, 0, 0
+    # (each small all-reduce at its group's price, `Platform.sync_time`)
+    post, t_clip, t_rest = 0.0, 0.0, 0.0
     for sm in stages:
         held = sm.params * pb.grad_bytes
         owned = sm.grads if plan.zero == 2 else held
-        clip_n, rest_n = step_syncs(plan, sm.moe_layers > 0)
+        clip_g, rest_g = step_sync_groups(plan, sm.moe_layers > 0)
         post = max(post, grad_post_time(held, owned, plan, pf))
-        n_clip, n_rest = max(n_clip, clip_n), max(n_rest, rest_n)
-    grad_post = post + n_clip * pf.sync_latency
-    syncs = n_rest * pf.sync_latency
+        t_clip = max(t_clip, sum(pf.sync_time(g, plan.n_gpus) for g in clip_g))
+        t_rest = max(t_rest, sum(pf.sync_time(g, plan.n_gpus) for g in rest_g))
+    grad_post = post + t_clip
+    syncs = t_rest
     step = pipe + dp_sync + optim + grad_post + syncs
     used = {"tp": plan.tp > 1, "cp": plan.cp > 1, "etp": plan.etp > 1, "zero3": plan.zero == 3,
             "host": asm.host_floor > 0}

@@ -50,7 +50,8 @@ as the median of repeats after a warm-up:
     small all-reduce  all_reduce of 16 fp64 values over all `n_procs` processes (the step's
                   loss, norm and metrics all-reduces) -> sync_latency (the slowest rank's
                   mean over SYNC_CALLS single calls: their tail is part of a step's price)
-                  and collective_tail (that mean minus the slowest rank's median)
+                  and collective_tail (that mean minus the slowest rank's median); the
+                  same over concurrent pairs (4+ processes) -> pair_sync_latency
     elementwise   the tiny preset's first decoder layer (MoE, experts local) forward + backward
                   at BLOCK_TOKENS tokens in all processes at once, minus what this platform's
                   GEMM, attention and overhead entries price for it (`tuner.estimate.
@@ -771,6 +772,12 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, repeats
     dist.barrier()
     out["sync"], out["sync_median"] = call_times(lambda: dist.all_reduce(small, group=group),
                                                   SYNC_CALLS, warmup=3)
+    if world >= 4 and world % 2 == 0:  # the same over concurrent pairs (a step's 2-rank syncs)
+        pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+        pair = pairs[rank // 2]
+        dist.barrier()
+        out["pair_sync"] = call_times(lambda: dist.all_reduce(small, group=pair), SYNC_CALLS,
+                                      warmup=3)[0]
     out["ep_extra"] = ep_layer_extra(group, world, repeats)
     z3 = zero3_layer_times(world, 3 * repeats)
     out["zero3_extra"] = 0.0 if z3 is None else z3["zero3"] - z3["plain"]
@@ -1189,6 +1196,9 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
     fields["sync_latency"] = max(r["sync"] for r in per_rank_comm)
     fields["collective_tail"] = max(
         0.0, fields["sync_latency"] - max(r["sync_median"] for r in per_rank_comm))
+    # every pair at once (the slowest rank's mean): the 2-rank syncs of a step on more ranks
+    fields["pair_sync_latency"] = max((r.get("pair_sync", 0.0) for r in per_rank_comm),
+                                      default=0.0)
     # An all-to-all of B bytes per rank moves B (n-1)/n off each rank: report per-rank
     # injection bandwidth, the quantity the model divides by.
     a2a_bw = a2a_bw_total * (n_procs - 1) / n_procs
@@ -1291,6 +1301,9 @@ def measure_platform(out: Path, n_procs: int = 2, quick: bool = False,
                            f"{SYNC_CALLS} single calls",
         "collective_tail_us": "that all_reduce's mean minus its median (slowest ranks): what "
                               "a blocking collective call pays beyond the median-based fits",
+        "pair_sync_latency_us": f"the same all_reduce over concurrent pairs of the {n_procs} "
+                                f"processes, mean of {SYNC_CALLS} single calls (0: 2 processes, "
+                                f"the pair is the whole group)",
         "collectives": f"measured: gloo collectives over groups of n of the {n_procs} "
                        f"processes (concurrent pairs below {n_procs}), t = latency + bytes per "
                        f"rank / bandwidth fitted over {coll_sizes[0] >> 10} KB - "
@@ -1451,6 +1464,8 @@ def emulator_platform(base: Platform, nodes: int, gpus_per_node: int, nic_mbit: 
         nic_bandwidth=nic_mbit * 1e6 / 8 * emulator_payload_share(mtu),
         network_latency=base.network_latency + delay,
         sync_latency=base.sync_latency + 2 * (n - 1) * delay if nodes > 1 else base.sync_latency,
+        # a pair may span two emulated nodes: its syncs take the whole group's price there
+        pair_sync_latency=base.pair_sync_latency if nodes == 1 else 0.0,
         collectives=tuple(c for c in base.collectives if c[1] <= gpus_per_node))
 
 

@@ -96,6 +96,7 @@ _FIELDS: tuple[tuple[str, str, str, float], ...] = (
     ("node", "intra_node_latency_us", "intra_node_latency", 1e-6),
     ("node", "sync_latency_us", "sync_latency", 1e-6),
     ("node", "collective_tail_us", "collective_tail", 1e-6),
+    ("node", "pair_sync_latency_us", "pair_sync_latency", 1e-6),
     ("node", "cores_per_node", "cores_per_node", 1),
     ("node", "threads_per_process", "threads_per_process", 1),
     ("node", "host_nodes", "host_nodes", 1),
@@ -361,6 +362,10 @@ class Platform:
     # idle core is now and then woken late). Added once per such call after the backward
     # (`tuner.estimate._dp_collectives`)
     collective_tail: float = 0.0
+    # Measured on CPU with 4+ processes (0 = not measured: `sync_latency`): the small
+    # all-reduce over concurrent pairs of the processes, every pair at once; the price of a
+    # step's syncs over 2-rank groups in a larger job (`sync_time`)
+    pair_sync_latency: float = 0.0
     # Measured on CPU (0 = not measured: `hbm_bandwidth`): bytes per second at which an eager
     # decoder layer's work outside its GEMMs, attention and fixed per-op cost runs, counted as
     # `tuner.layout.CPU_TRAFFIC_PASSES` passes over its saved activations (the estimate's
@@ -457,7 +462,7 @@ class Platform:
             raise ValueError(f"platform {self.name!r}: optimizer_bandwidth="
                              f"{self.optimizer_bandwidth} must be >= 0 (0 = memory bound)")
         for key in ("grad_flatten_bandwidth", "grad_norm_bandwidth", "sync_latency",
-                    "collective_tail", "elementwise_bandwidth", "zero_copy_bandwidth", "loss_bandwidth"):
+                    "collective_tail", "pair_sync_latency", "elementwise_bandwidth", "zero_copy_bandwidth", "loss_bandwidth"):
             if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
                 raise ValueError(f"platform {self.name!r}: {key}={getattr(self, key)} must be "
                                  f">= 0 and finite (0 = not measured)")
@@ -622,6 +627,16 @@ class Platform:
         """Bytes per second of the activation traffic term (`Assumptions.
         activation_traffic_passes`): the measured `elementwise_bandwidth`, else `hbm_bandwidth`."""
         return self.elementwise_bandwidth or self.hbm_bandwidth
+
+    def sync_time(self, group_size: int, n_procs: int) -> float:
+        """Seconds of one small all-reduce over `group_size` of a job's `n_procs` ranks:
+        `pair_sync_latency` for a pair in a larger job where measured, else `sync_latency`
+        (measured over every process); 0 over one rank (no collective)."""
+        if group_size <= 1:
+            return 0.0
+        if group_size == 2 and n_procs > 2 and self.pair_sync_latency > 0:
+            return self.pair_sync_latency
+        return self.sync_latency
 
     def shares_cores(self, n_procs: int) -> bool:
         """Whether `n_procs` processes on one node of this platform share its cores (more
