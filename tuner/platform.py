@@ -462,7 +462,8 @@ class Platform:
             raise ValueError(f"platform {self.name!r}: optimizer_bandwidth="
                              f"{self.optimizer_bandwidth} must be >= 0 (0 = memory bound)")
         for key in ("grad_flatten_bandwidth", "grad_norm_bandwidth", "sync_latency",
-                    "collective_tail", "pair_sync_latency", "elementwise_bandwidth", "zero_copy_bandwidth", "loss_bandwidth"):
+                    "collective_tail", "pair_sync_latency", "elementwise_bandwidth",
+                    "zero_copy_bandwidth", "loss_bandwidth"):
             if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
                 raise ValueError(f"platform {self.name!r}: {key}={getattr(self, key)} must be "
                                  f">= 0 and finite (0 = not measured)")
