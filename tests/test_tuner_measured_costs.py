@@ -154,7 +154,7 @@ def _rank_grad_bytes(ep: int) -> float:
 
 def test_grad_passes_and_small_all_reduces() -> None:
     """The measured gradient passes and small all-reduces (`tuner.costs.grad_post_time`,
-    `step_syncs`) against the trainer's passes counted by hand: ZeRO-0 at PP 1 x EP 2 runs
+    `step_sync_groups`) against the trainer's passes counted by hand: ZeRO-0 at PP 1 x EP 2 runs
     the whole flatten (cat, mul_, clone) over its gradients, the fp64 norm, the clip's scale,
     one norm all-reduce over EP; the rest of the step all-reduces the loss over every rank
     and the expert counts over the stage; a platform without the rates prices none of it."""

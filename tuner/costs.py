@@ -28,7 +28,7 @@ from tuner.platform import Platform
 __all__ = ["a2a_exposed", "a2a_one", "all_gather_time", "fp8_cast_time", "fp8_effs", "gemm_peak", "grad_post_time",
            "head_fwd", "place_groups", "kv_width", "layer_collectives", "layer_fwd", "layer_parts",
            "moe_module_time", "recompute_time", "recomputes_a2a", "reduce_scatter_time",
-           "step_sync_groups", "step_syncs", "zero3_time"]
+           "step_sync_groups", "zero3_time"]
 
 
 def reduce_scatter_time(nbytes: float, group: GroupPlacement, platform: Platform) -> float:
@@ -385,18 +385,9 @@ def grad_post_time(held: float, owned: float, plan: ParallelPlan, pf: Platform,
 
 def step_sync_groups(plan: ParallelPlan, moe_on_rank: bool = True
                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The group sizes of `step_syncs`' all-reduces, in its order: (gradient sync: the
-    norm's over EP, or the stage under ZeRO-2, then over PP; the rest: the loss over every
-    rank, the expert counts over the stage, the metrics over PP), groups of one left out."""
-    stage = plan.stage_size
-    clip = ([plan.ep] if plan.zero != 2 else [stage]) + [plan.pp]
-    rest = [plan.n_gpus] + ([stage] if moe_on_rank else []) + [plan.pp]
-    return tuple(g for g in clip if g > 1), tuple(g for g in rest if g > 1)
-
-
-def step_syncs(plan: ParallelPlan, moe_on_rank: bool = True) -> tuple[int, int]:
-    """Small all-reduces of one trainer step (a few fp64 values each, so their time is the
-    platform's `sync_latency`): (in the gradient sync, in the rest of the step).
+    """Small all-reduces of one trainer step (a few fp64 values each, priced per group by
+    `Platform.sync_time`), as their group sizes, groups of one left out: (in the gradient
+    sync, in the rest of the step).
         gradient sync  the clipping's squared norm: over the EP group (ZeRO-0/1; ZeRO-2 over
                        the stage group instead) and over the PP group (trainer/distributed/
                        grad_sync.py `clip`)
@@ -404,5 +395,7 @@ def step_syncs(plan: ParallelPlan, moe_on_rank: bool = True) -> tuple[int, int]:
                        stage group, the per-layer metrics over the PP group
                        (trainer/step.py, trainer/observe/stats.py, trainer/observe/metrics.py)
     """
-    clip, rest = step_sync_groups(plan, moe_on_rank)
-    return len(clip), len(rest)
+    stage = plan.stage_size
+    clip = ([plan.ep] if plan.zero != 2 else [stage]) + [plan.pp]
+    rest = [plan.n_gpus] + ([stage] if moe_on_rank else []) + [plan.pp]
+    return tuple(g for g in clip if g > 1), tuple(g for g in rest if g > 1)

@@ -763,6 +763,12 @@ def call_times(fn: Callable[[], object], calls: int, warmup: int = 1) -> tuple[f
     return statistics.fmean(ts), statistics.median(ts)
 
 
+def _pair_groups(world: int) -> list[dist.ProcessGroup]:
+    """Groups of ranks (0, 1), (2, 3), ...: every rank creates all of them, as `new_group`
+    requires, and uses its own (`rank // 2`)."""
+    return [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+
+
 def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, repeats: int) -> dict:
     """Mean seconds of a small all-reduce (the step's syncs), and the EP and ZeRO-3 paths'
     extra over the plain layer (`ep_layer_extra`, `zero3_layer_times`; ZeRO-3 also over
@@ -773,8 +779,7 @@ def _comm_worker(rank: int, world: int, group: dist.ProcessGroup | None, repeats
     out["sync"], out["sync_median"] = call_times(lambda: dist.all_reduce(small, group=group),
                                                   SYNC_CALLS, warmup=3)
     if world >= 4 and world % 2 == 0:  # the same over concurrent pairs (a step's 2-rank syncs)
-        pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
-        pair = pairs[rank // 2]
+        pair = _pair_groups(world)[rank // 2]
         dist.barrier()
         out["pair_sync"] = call_times(lambda: dist.all_reduce(small, group=pair), SYNC_CALLS,
                                       warmup=3)[0]
@@ -796,8 +801,7 @@ def _sweep_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes:
     out: dict[str, Any] = {"a2a": [], "p2p": []}
     out["coll"] = {world: collective_times(rank, group, 0, coll_sizes, SWEEP_REPEATS)}
     if world >= 4 and world % 2 == 0:  # every rank in a pair: same barrier count
-        pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
-        out["coll"][2] = collective_times(rank, pairs[rank // 2], rank - rank % 2,
+        out["coll"][2] = collective_times(rank, _pair_groups(world)[rank // 2], rank - rank % 2,
                                            coll_sizes, SWEEP_REPEATS)
     for nb in sizes:
         n = max(world, nb // 4 // world * world)
