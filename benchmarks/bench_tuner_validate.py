@@ -265,6 +265,14 @@ def raw_path(platform: Path) -> Path:
     return platform.with_suffix(".raw.json")
 
 
+def stale_measurements(out: Path, world: int) -> list[Path]:
+    """The separate platform measurements of `world` processes (.m<k>.toml and the .raw.json
+    and .probe.json beside each) an earlier run left in `out`: removed before a run measures
+    its own, so a record of fewer passes than the one before keeps only its own files."""
+    return sorted(f for f in out.glob(f"tuner_validate_platform_w{world}.m*.*")
+                  if f.name.split(".")[1][1:].isdigit())
+
+
 def platform_probe(platform: Path) -> float | None:
     """Seconds of `speed_probe` timed right after `platform` was measured; None if never."""
     f = probe_path(platform)
@@ -490,6 +498,9 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--repredict: no platform file for {sorted(set(worlds) - set(platforms))}"
                              f" processes in {out} or among the recorded results")
         worlds = [w for w in worlds if w not in platforms]
+        for w in worlds:  # an earlier run's measurements beyond this run's passes would
+            for f in stale_measurements(out, w):  # stay beside its median and be read as its
+                f.unlink()                        # own (repredict_tuner_records.py)
         measure_round(1)
 
     rows = []

@@ -42,6 +42,7 @@ RESULTS = RECORDS.relative_to(ROOT).as_posix()  # the records' folder, as git na
 WORLDS = (2, 4)
 TOL = 0.15  # bench_tuner_validate's step-time target
 PLATFORM = "tuner_validate_platform_w{w}{m}.toml"
+MAX_MEASUREMENTS = 9  # separate platform measurements looked for per record and world size
 
 
 def parser() -> argparse.ArgumentParser:
@@ -91,6 +92,17 @@ def records(n: int) -> list[tuple[str, str]]:
     return out
 
 
+def measurements_of(commit: str, world: int) -> int:
+    """How many separate measurements `commit`'s median platform of `world` processes was
+    built from: the `of` list of its probe file, which names them (a record of fewer passes
+    than the one before it could find the earlier record's later .m<k> files beside its own
+    until bench_tuner_validate.py removed them); MAX_MEASUREMENTS where the record predates
+    that list (then the .m<k> files found, in order, are its own)."""
+    probe = _show(commit, PLATFORM.format(w=world, m="").replace(".toml", ".probe.json"))
+    of = json.loads(probe).get("of") if probe else None
+    return len(of) if of else MAX_MEASUREMENTS
+
+
 def platforms_of(commit: str, where: Path) -> dict[int, str]:
     """Write `commit`'s median platform of every world into `where`; rebuilt from its separate
     measurements and raw inputs with the current code where the record kept them. Returns
@@ -102,7 +114,7 @@ def platforms_of(commit: str, where: Path) -> dict[int, str]:
             raise SystemExit(f"record {commit[:7]}: no {PLATFORM.format(w=w, m='')}")
         target = where / PLATFORM.format(w=w, m="")
         paths, raws = [], []
-        for k in range(1, 10):
+        for k in range(1, measurements_of(commit, w) + 1):
             toml = _show(commit, PLATFORM.format(w=w, m=f".m{k}"))
             raw = _show(commit, PLATFORM.format(w=w, m=f".m{k}").replace(".toml", ".raw.json"))
             if toml is None or raw is None:

@@ -47,3 +47,17 @@ def test_zero_broadcast_and_its_copies_are_the_optimizers_part():
     assert parts["optim_s"] == pytest.approx(0.004 + 0.004 + 0.002)
     assert parts["grad_sync_s"] == pytest.approx(0.010 + 0.002)
     assert parts["fwd_bwd_s"] == pytest.approx(0.05) and parts["other_s"] == 0.001
+
+
+def test_an_earlier_runs_extra_measurements_are_found_for_removal(tmp_path):
+    """A record of 3 passes after one of 5 must not keep the 5-pass record's .m4 / .m5 files
+    beside its own median (repredict_tuner_records.py would read them as its own)."""
+    names = [f"tuner_validate_platform_w{w}.m{k}{ext}" for w in (2, 4) for k in range(1, 6)
+             for ext in (".toml", ".raw.json", ".probe.json")]
+    names += [f"tuner_validate_platform_w{w}{ext}" for w in (2, 4)
+              for ext in (".toml", ".probe.json")] + ["tuner_validate.jsonl"]
+    for n in names:
+        (tmp_path / n).write_text("x")
+    got = {f.name for f in b.stale_measurements(tmp_path, 2)}
+    assert got == {n for n in names if n.startswith("tuner_validate_platform_w2.m")}
+    assert len(got) == 15  # five measurements x (toml, raw, probe); the median and w4 kept

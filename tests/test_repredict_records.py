@@ -59,3 +59,30 @@ def test_newest_record_is_repredicted(tmp_path):
         assert r["record_sha"] == newest and r["record_commit"] == commit[:7]
         assert r["step_err"] == pytest.approx(r["pred_step_s"] / r["meas_step_s"] - 1)
     assert "| rows within 15 % |" in (tmp_path / "tuner_records.md").read_text()
+
+
+def test_a_record_is_rebuilt_from_its_own_measurements_only(tmp_path, monkeypatch):
+    """Where the median platform's probe file names the measurements it was built from
+    (`of`), later .m<k> files the commit still holds (an earlier record's) are not used."""
+    src = {}
+    for w in rr.WORLDS:
+        toml = RESULTS / rr.PLATFORM.format(w=w, m=".m1")
+        raw = toml.with_name(toml.name.replace(".toml", ".raw.json"))
+        if not (toml.is_file() and raw.is_file()):
+            pytest.skip("needs a recorded platform measurement with its raw inputs")
+        src[rr.PLATFORM.format(w=w, m="")] = toml.read_text()
+        for k in range(1, 6):  # five measurement files at the commit ...
+            src[rr.PLATFORM.format(w=w, m=f".m{k}")] = toml.read_text()
+            src[rr.PLATFORM.format(w=w, m=f".m{k}").replace(".toml", ".raw.json")] = \
+                raw.read_text()
+        names = [rr.PLATFORM.format(w=w, m=f".m{k}") for k in (1, 2, 3)]  # ... three its own
+        src[rr.PLATFORM.format(w=w, m="").replace(".toml", ".probe.json")] = json.dumps(
+            {"probe_s": 0.1, "of": names})
+    monkeypatch.setattr(rr, "_show", lambda commit, name: src.get(name))
+    assert rr.measurements_of("c", rr.WORLDS[0]) == 3
+    how = rr.platforms_of("c", tmp_path)
+    assert how == {w: "refitted from 3 measurements" for w in rr.WORLDS}
+    assert not list(tmp_path.glob("*.m4.*")) and (tmp_path / rr.PLATFORM.format(w=4, m=".m3")).is_file()
+    del src[rr.PLATFORM.format(w=2, m="").replace(".toml", ".probe.json")]  # no list: all five
+    assert rr.measurements_of("c", 2) == rr.MAX_MEASUREMENTS
+    assert rr.platforms_of("c", tmp_path)[2] == "refitted from 5 measurements"
