@@ -498,9 +498,11 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--repredict: no platform file for {sorted(set(worlds) - set(platforms))}"
                              f" processes in {out} or among the recorded results")
         worlds = [w for w in worlds if w not in platforms]
-        for w in worlds:  # an earlier run's measurements beyond this run's passes would
-            for f in stale_measurements(out, w):  # stay beside its median and be read as its
-                f.unlink()                        # own (repredict_tuner_records.py)
+        # an earlier run's measurements beyond this run's passes would stay beside this
+        # run's median and be read as its own (repredict_tuner_records.py)
+        for w in worlds:
+            for f in stale_measurements(out, w):
+                f.unlink()
         measure_round(1)
 
     rows = []

@@ -1235,16 +1235,15 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                 for sm in stages)
     # the trainer's gradient passes and small all-reduces (measured on CPU platforms, else 0)
     # (each small all-reduce at its group's price, `Platform.sync_time`)
-    post, t_clip, t_rest = 0.0, 0.0, 0.0
+    post, t_clip, syncs = 0.0, 0.0, 0.0
     for sm in stages:
         held = sm.params * pb.grad_bytes
         owned = sm.grads if plan.zero == 2 else held
         clip_g, rest_g = step_sync_groups(plan, sm.moe_layers > 0)
         post = max(post, grad_post_time(held, owned, plan, pf))
         t_clip = max(t_clip, sum(pf.sync_time(g, plan.n_gpus) for g in clip_g))
-        t_rest = max(t_rest, sum(pf.sync_time(g, plan.n_gpus) for g in rest_g))
+        syncs = max(syncs, sum(pf.sync_time(g, plan.n_gpus) for g in rest_g))
     grad_post = post + t_clip
-    syncs = t_rest
     step = pipe + dp_sync + optim + grad_post + syncs
     used = {"tp": plan.tp > 1, "cp": plan.cp > 1, "etp": plan.etp > 1, "zero3": plan.zero == 3,
             "host": asm.host_floor > 0}
