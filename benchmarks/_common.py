@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "benchmarks" / "results"  # tracked: written only with --record
 RUNS = ROOT / "runs" / "bench"  # ignored (.gitignore: runs/): the default for every run
 
-__all__ = ["RECORDS", "ROOT", "RUNS", "add_output_args", "cpu_name", "git_sha", "output_dir",
-           "previous", "print_written", "Probe", "probe_trainer", "record_ranks"]
+__all__ = ["RECORDS", "ROOT", "RUNS", "add_output_args", "cpu_name", "cpu_times", "git_sha",
+           "output_dir", "previous", "print_written", "Probe", "probe_trainer", "record_ranks",
+           "steal_fraction"]
 
 
 def add_output_args(p: argparse.ArgumentParser, name: str) -> None:
@@ -89,6 +90,34 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_times(stat: str | None = None) -> tuple[int, int] | None:
+    """(steal, total) clock ticks of all CPUs since boot, from the first line of /proc/stat (or
+    `stat`, its text). Steal is the time a virtual CPU was ready but the hypervisor ran
+    something else: a VM's slow spell that no probe inside it can see as load. None where
+    the file is missing or has no steal column (kernels before 2.6.11, not Linux)."""
+    try:
+        text = stat if stat is not None else Path("/proc/stat").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        f = line.split()
+        if f and f[0] == "cpu":
+            if len(f) < 9:
+                return None
+            ticks = [int(x) for x in f[1:]]
+            # guest and guest_nice (fields 9-10) are already counted in user and nice
+            return ticks[7], sum(ticks[:8])
+    return None
+
+
+def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time stolen by the hypervisor between two `cpu_times` readings;
+    None where either is missing or no tick passed."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 class Probe(NamedTuple):

@@ -105,10 +105,12 @@ from _common import (
     RUNS,
     add_output_args,
     cpu_name,
+    cpu_times,
     git_sha,
     output_dir,
     previous,
     print_written,
+    steal_fraction,
 )
 
 from model import ModelConfig, presets
@@ -474,10 +476,11 @@ def main(argv: list[str] | None = None) -> None:
         """Measure every world's platform once more (before pass k): file .m<k>.toml."""
         for w in worlds:
             f = platform_path(out, w).with_suffix(f".m{k}.toml")
-            t0, l0 = time.perf_counter(), os.getloadavg()[0]
+            t0, l0, c0 = time.perf_counter(), os.getloadavg()[0], cpu_times()
             measure_platform(f, n_procs=w, raw_out=raw_path(f))
             probe_path(f).write_text(json.dumps(
                 {"probe_s": speed_probe(w, PROBE_ROUNDS), "rounds": PROBE_ROUNDS,
+                 "steal": steal_fraction(c0, cpu_times()),
                  "time": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
             platform_load.setdefault(w, []).extend([l0, os.getloadavg()[0]])
             measurements.setdefault(w, []).append(f)
@@ -545,6 +548,8 @@ def main(argv: list[str] | None = None) -> None:
                              str(rec.hf_dir), rec.data, {"plan_file": rec.plan_file.read_text()}))
             runs: dict[str, list[tuple[Measured, dict, tuple[float, float], dict]]] = {
                 name: [] for name, *_ in jobs}
+            steals: dict[str, list[float | None]] = {name: [] for name, *_ in jobs}
+            pass_probes: dict[str, list[list[float]]] = {name: [] for name, *_ in jobs}
             for rep in range(args.repeats):  # passes over every row: a slow spell hits one pass
                 if measurements and rep > 0:
                     measure_round(rep + 1)
@@ -552,12 +557,16 @@ def main(argv: list[str] | None = None) -> None:
                     run_dir = Path(tmp) / name.replace(" ", "_").replace(":", "").replace("/", "_")
                     l0 = os.getloadavg()[0]
                     before = speed_probe(plan.n_gpus, PROBE_ROUNDS)
+                    c0 = cpu_times()
                     m = run_plan_locally(plan, model, run_dir, steps=args.steps,
                                          warmup=args.warmup, data=data,
                                          meter_every=args.meter_every)
+                    # the run's stolen CPU share: a slow spell of the host, not of the row
+                    steals[name].append(steal_fraction(c0, cpu_times()))
                     # the row's probes; against the platform's once the platform is final
                     probes = {"probe_before_s": before,
                               "probe_after_s": speed_probe(plan.n_gpus, PROBE_ROUNDS)}
+                    pass_probes[name].append([before, probes["probe_after_s"]])
                     runs[name].append((m, measured_parts(run_dir, args.warmup),
                                        (l0, os.getloadavg()[0]), probes))
                     if args.repeats > 1:
@@ -580,7 +589,9 @@ def main(argv: list[str] | None = None) -> None:
                 m, parts, load, speed = combine_passes(runs[name])
                 rows.append(_row(cfg, name, plan, m, args, platforms, parts, load,
                                  extra={**extra, "platform_load": platform_load,
-                                        "pass_step_s": [r[0].step_time_s for r in runs[name]]},
+                                        "pass_step_s": [r[0].step_time_s for r in runs[name]],
+                                        "pass_steal": steals[name],
+                                        "pass_probe_s": pass_probes[name]},
                                  speed=speed))
     _summary(rows)
     with open(out / "tuner_validate.jsonl", "a") as f:

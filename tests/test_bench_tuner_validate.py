@@ -61,3 +61,17 @@ def test_an_earlier_runs_extra_measurements_are_found_for_removal(tmp_path):
     got = {f.name for f in b.stale_measurements(tmp_path, 2)}
     assert got == {n for n in names if n.startswith("tuner_validate_platform_w2.m")}
     assert len(got) == 15  # five measurements x (toml, raw, probe); the median and w4 kept
+
+
+def test_stolen_cpu_share_from_proc_stat():
+    import _common as c
+    # /proc/stat of a 2-CPU guest: user nice system idle iowait irq softirq steal guest guest_nice
+    a = c.cpu_times("cpu  600 0 100 250 20 0 10 20 0 0\ncpu0 300 0 50 125 10 0 5 10 0 0\n")
+    b = c.cpu_times("cpu  700 0 120 330 20 0 10 70 5 0\ncpu0 350 0 60 165 10 0 5 35 5 0\n")
+    assert a == (20, 1000) and b == (70, 1250)  # guest ticks are inside user already
+    assert c.steal_fraction(a, b) == pytest.approx(50 / 250)
+    assert c.steal_fraction(a, a) is None and c.steal_fraction(None, b) is None
+    assert c.cpu_times("cpu  1 2 3 4\n") is None  # no steal column: unknown, not zero
+    now = c.cpu_times()  # this machine's own file, where there is one
+    if Path("/proc/stat").is_file():
+        assert now is not None and 0 <= now[0] <= now[1]
