@@ -66,11 +66,11 @@ def test_an_earlier_runs_extra_measurements_are_found_for_removal(tmp_path):
 def test_stolen_cpu_share_from_proc_stat():
     import _common as c
     # /proc/stat of a 2-CPU guest: user nice system idle iowait irq softirq steal guest guest_nice
-    a = c.cpu_times("cpu  600 0 100 250 20 0 10 20 0 0\ncpu0 300 0 50 125 10 0 5 10 0 0\n")
-    b = c.cpu_times("cpu  700 0 120 330 20 0 10 70 5 0\ncpu0 350 0 60 165 10 0 5 35 5 0\n")
-    assert a == (20, 1000) and b == (70, 1250)  # guest ticks are inside user already
-    assert c.steal_fraction(a, b) == pytest.approx(50 / 250)
-    assert c.steal_fraction(a, a) is None and c.steal_fraction(None, b) is None
+    first = c.cpu_times("cpu  600 0 100 250 20 0 10 20 0 0\ncpu0 300 0 50 125 10 0 5 10 0 0\n")
+    later = c.cpu_times("cpu  700 0 120 330 20 0 10 70 5 0\ncpu0 350 0 60 165 10 0 5 35 5 0\n")
+    assert first == (20, 1000) and later == (70, 1250)  # guest ticks are inside user already
+    assert c.steal_fraction(first, later) == pytest.approx(50 / 250)
+    assert c.steal_fraction(first, first) is None and c.steal_fraction(None, later) is None
     assert c.cpu_times("cpu  1 2 3 4\n") is None  # no steal column: unknown, not zero
     now = c.cpu_times()  # this machine's own file, where there is one
     if Path("/proc/stat").is_file():
