@@ -594,9 +594,9 @@ def main(argv: list[str] | None = None) -> None:
                                         "pass_probe_s": pass_probes[name]},
                                  speed=speed))
     _summary(rows)
-    with open(out / "tuner_validate.jsonl", "a") as f:
+    with open(out / "tuner_validate.jsonl", "a") as fh:
         for r in rows:
-            f.write(json.dumps(r) + "\n")
+            fh.write(json.dumps(r) + "\n")
     # The summary holds the latest row of every config in this folder, so a run of a few
     # (--only) keeps the rest.
     latest = {}
