@@ -549,7 +549,6 @@ def main(argv: list[str] | None = None) -> None:
             runs: dict[str, list[tuple[Measured, dict, tuple[float, float], dict]]] = {
                 name: [] for name, *_ in jobs}
             steals: dict[str, list[float | None]] = {name: [] for name, *_ in jobs}
-            pass_probes: dict[str, list[list[float]]] = {name: [] for name, *_ in jobs}
             for rep in range(args.repeats):  # passes over every row: a slow spell hits one pass
                 if measurements and rep > 0:
                     measure_round(rep + 1)
@@ -566,7 +565,6 @@ def main(argv: list[str] | None = None) -> None:
                     # the row's probes; against the platform's once the platform is final
                     probes = {"probe_before_s": before,
                               "probe_after_s": speed_probe(plan.n_gpus, PROBE_ROUNDS)}
-                    pass_probes[name].append([before, probes["probe_after_s"]])
                     runs[name].append((m, measured_parts(run_dir, args.warmup),
                                        (l0, os.getloadavg()[0]), probes))
                     if args.repeats > 1:
@@ -591,7 +589,9 @@ def main(argv: list[str] | None = None) -> None:
                                  extra={**extra, "platform_load": platform_load,
                                         "pass_step_s": [r[0].step_time_s for r in runs[name]],
                                         "pass_steal": steals[name],
-                                        "pass_probe_s": pass_probes[name]},
+                                        "pass_probe_s": [[r[3]["probe_before_s"],
+                                                          r[3]["probe_after_s"]]
+                                                         for r in runs[name]]},
                                  speed=speed))
     _summary(rows)
     with open(out / "tuner_validate.jsonl", "a") as fh:
