@@ -225,8 +225,11 @@ def test_shared_pipeline_factor_by_hand():
     # 1F1B, 2 stages x 2 processes on 2 cores, F = 1 s and B = 2 s at the all-computing rate:
     # whenever a stage waits, the other computes (its dependency), so the cores never idle
     # and the replay ends when all the work is done: 4 processes x 4 micro-batches x 3 s at
-    # half a core each = 24 core-seconds on 2 cores = 12 s. A measured step of 15 s: 1.25
-    from tuner.measure import pipeline_probe_summary, shared_pipeline_factor
+    # half a core each = 24 core-seconds on 2 cores = 12 s. A stage computes alone (a core
+    # per process, twice the rate) in [0, 0.5] (s0 F0), [1.5, 2.5] (s1 B0), [10.5, 11]
+    # (s1 B3's rest) and [11, 12] (s0 B3): 3 s; both stages compute the other 9 s. A measured
+    # step of 15 s puts its 3 s beyond the replay on those 9: 1 + 3 / 9
+    from tuner.measure import SHARED_FACTOR_FLOOR, pipeline_probe_summary, shared_pipeline_factor
 
     def rank(step):
         return {"F": [1.0, 1.0, 1.0], "B": [2.0, 2.0, 2.0], "step": [step, 14.0, 16.0]}
@@ -238,10 +241,13 @@ def test_shared_pipeline_factor_by_hand():
     summary = pipeline_probe_summary([rank(15.0) for _ in range(4)])
     assert summary["step"] == 15.0
     pf = _no_hop_platform()
-    assert shared_pipeline_factor(summary, pf) == pytest.approx(15.0 / 12.0, rel=1e-9)
+    assert shared_pipeline_factor(summary, pf) == pytest.approx(4.0 / 3.0, rel=1e-9)
     # priced hand-overs make the replay longer, so the same step is a smaller factor
     slow_p2p = _no_hop_platform(intra_node_latency=0.2)
-    assert shared_pipeline_factor(summary, slow_p2p) < 15.0 / 12.0
+    assert shared_pipeline_factor(summary, slow_p2p) < 4.0 / 3.0
+    # a step shorter than the replay: below 1, floored where the contended part cannot hold it
+    assert shared_pipeline_factor({**summary, "step": 7.5}, pf) == pytest.approx(0.5)
+    assert shared_pipeline_factor({**summary, "step": 1.0}, pf) == SHARED_FACTOR_FLOOR
     with pytest.raises(ValueError, match="even count"):
         pipeline_probe_summary([rank(15.0) for _ in range(3)])
 

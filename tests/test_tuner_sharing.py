@@ -16,7 +16,13 @@ from tuner.estimate import step_time_lower_bound
 from tuner.layout import FP32_TRAINER_PRECISION
 from tuner.measure import write_platform_toml
 from tuner.platform import Platform
-from tuner.sharing import core_speed, exchange_tail_saving, shared_makespan, spread_speed
+from tuner.sharing import (
+    core_speed,
+    exchange_tail_saving,
+    shared_makespan,
+    shared_replay,
+    spread_speed,
+)
 
 FB = {"F": 1.0, "B": 2.0}
 
@@ -33,6 +39,14 @@ def test_gpipe_two_stages_two_ranks_per_core_by_hand() -> None:
     sched = build("gpipe", 2, 2)
     assert shared_makespan(sched, FB, {0: 2, 1: 2}, cores=2, threads=1) == pytest.approx(6.0)
     assert shared_makespan(sched, FB, {0: 1, 1: 1}, cores=2, threads=1) == pytest.approx(9.0)
+    # contended (4 processes computing on 2 cores): [0.5, 1.5] and [3, 5]; with a core per
+    # process never
+    got = shared_replay(sched, FB, {0: 2, 1: 2}, cores=2, threads=1)
+    assert (got.span, got.contended) == (pytest.approx(6.0), pytest.approx(3.0))
+    assert shared_replay(sched, FB, {0: 1, 1: 1}, cores=2, threads=1).contended == 0.0
+    # one micro-batch: one stage computes at a time, never contended
+    one = shared_replay(build("1f1b", 2, 1), FB, {0: 2, 1: 2}, cores=2, threads=1)
+    assert (one.span, one.contended) == (pytest.approx(3.0), 0.0)
 
 
 def test_waiting_part_takes_no_core_by_hand() -> None:
@@ -142,20 +156,31 @@ def test_estimate_uses_it_on_shared_cores_only(tmp_path) -> None:
         assert estimate(cfg, PP_DP, p2, FP32_TRAINER_PRECISION, ASM).step_time == ded.step_time
 
 
-def test_measured_pipeline_factor_scales_the_replayed_pipeline_only(tmp_path) -> None:
-    # the replayed pipeline (busy + bubble) is scaled by the platform's measured factor; the
-    # rest of the step (DP sync, optimizer, the step's syncs) is not, and neither is a plan
-    # without a pipeline nor one on dedicated cores
+def test_measured_pipeline_factor_scales_the_contended_replay_only(tmp_path) -> None:
+    # the replayed pipeline's contended part (more processes computing than cores) is scaled
+    # by the platform's measured factor; the rest of the replay is not, nor the rest of the
+    # step (DP sync, optimizer, the step's syncs), nor a plan without a pipeline, nor one on
+    # dedicated cores
     cfg = presets.get("tiny")
-    one, slow = _cpu(shared_pipeline_factor=1.0), _cpu(shared_pipeline_factor=1.25)
+    one, slow, slower = (_cpu(shared_pipeline_factor=f) for f in (1.0, 1.25, 1.5))
     assert load_platform(write_platform_toml(slow, tmp_path / "p.toml", {})) \
         .shared_pipeline_factor == 1.25
-    e1, e2 = (estimate(cfg, PP_DP, p, FP32_TRAINER_PRECISION, ASM) for p in (one, slow))
+    e1, e2, e3 = (estimate(cfg, PP_DP, p, FP32_TRAINER_PRECISION, ASM)
+                  for p in (one, slow, slower))
     pipe1 = sum(v for k, v in e1.time.items()
                 if k not in ("dp_sync", "optimizer", "grad_post", "step_syncs"))
-    assert e2.step_time - e1.step_time == pytest.approx(0.25 * pipe1, rel=1e-9)
-    assert e2.time["bubble"] - e1.time["bubble"] == pytest.approx(0.25 * pipe1, rel=1e-9)
+    # linear in the factor's excess, and on a 2-micro-batch 1F1B (2 stages of 2 processes
+    # on 2 cores: the first forward and the last backward run alone, unscaled) only a part
+    # of the pipeline is scaled
+    extra = e2.step_time - e1.step_time
+    assert e3.step_time - e1.step_time == pytest.approx(2 * extra, rel=1e-9)
+    assert 0.1 * 0.25 * pipe1 < extra < 0.9 * 0.25 * pipe1
+    assert e2.time["bubble"] - e1.time["bubble"] == pytest.approx(extra, rel=1e-9)
     assert step_time_lower_bound(cfg, PP_DP, slow, FP32_TRAINER_PRECISION, ASM) <= e2.step_time
+    # one micro-batch: the stages never compute at once, the factor changes nothing
+    m1 = PP_DP.replace(microbatches=1)
+    assert estimate(cfg, m1, slow, FP32_TRAINER_PRECISION, ASM).step_time == \
+        estimate(cfg, m1, one, FP32_TRAINER_PRECISION, ASM).step_time
     flat = PP_DP.replace(pp=1, dp=4, microbatches=1)
     ded = dataclasses.replace(ASM, shared_cores=False)
     for plan, asm in ((flat, ASM), (PP_DP, ded)):

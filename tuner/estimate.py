@@ -171,7 +171,7 @@ from tuner.layout import (
     PrecisionPolicy,
 )
 from tuner.platform import Platform
-from tuner.sharing import core_speed, exchange_tail_saving, shared_imbalance, shared_makespan
+from tuner.sharing import core_speed, exchange_tail_saving, shared_imbalance, shared_replay
 
 __all__ = ["Estimate", "StageMemory", "estimate", "run_bubble", "stage_memory", "schedule_stats",
            "step_time_lower_bound", "reduce_scatter_time", "all_gather_time", "layer_device_time",
@@ -327,23 +327,30 @@ def shared_span(plan: ParallelPlan, pf: Platform, cpu_share: float) -> float:
     """Makespan of `plan`'s schedule replayed on `pf`'s shared cores (`tuner.sharing`), in
     units of the busiest rank's busy time: the factor that replaces 1 / (1 - bubble). Unit
     costs as `schedule_stats` (F=1, B=2; zb-h1 split by the platform's `zb_split`),
-    `plan.n_gpus / pp` processes per pipeline rank, `cpu_share` of each action computing."""
-    return _shared_span(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual,
-                        plan.n_gpus // plan.pp, plan.n_gpus, pf.cores_per_node,
-                        pf.threads_per_process, round(cpu_share, 4), zb_split(pf))
+    `plan.n_gpus / pp` processes per pipeline rank, `cpu_share` of each action computing.
+    The replay's contended part (more computing processes than cores) takes the platform's
+    measured excess: x `Platform.shared_pipeline_factor` (`tuner.measure.
+    shared_pipeline_factor`, fitted on the same split); the rest runs as replayed."""
+    span, contended = _shared_span(plan.schedule, plan.pp, plan.microbatches, plan.n_virtual,
+                                   plan.n_gpus // plan.pp, plan.n_gpus, pf.cores_per_node,
+                                   pf.threads_per_process, round(cpu_share, 4), zb_split(pf))
+    return span + (pf.shared_pipeline_factor - 1.0) * contended
 
 
 @functools.lru_cache(maxsize=1024)
 def _shared_span(name: str, pp: int, m: int, v: int, per_stage: int, n: int, cores: int,
-                 threads: int, cpu_share: float, split: tuple[float, float]) -> float:
+                 threads: int, cpu_share: float, split: tuple[float, float]
+                 ) -> tuple[float, float]:
+    """(replayed makespan, its contended part), each in units of the busiest rank's busy
+    time."""
     kw = {"n_virtual": v} if name == "interleaved-1f1b" else {}
     sched = build(name, pp, m, **kw)
     costs, unit = _unit_costs(name, split)
     if per_stage * pp != n:
         raise ValueError(f"{n} processes do not split evenly over {pp} pipeline ranks")
-    span = shared_makespan(sched, costs, dict.fromkeys(sched, per_stage), cores, threads,
-                           cpu_share)
-    return span / (m * v * unit)
+    got = shared_replay(sched, costs, dict.fromkeys(sched, per_stage), cores, threads,
+                        cpu_share)
+    return got.span / (m * v * unit), got.contended / (m * v * unit)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1218,9 +1225,9 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
         # and so is the EP path's measured fixed cost (the dispatcher's work and the waits
         # for partner processes to get a core, measured with every process computing: with
         # fewer computing it shrinks like compute); the exchanges' own price waits without
-        # one. Scaled by what the platform measured a real pipeline to take over the replay
-        pipe = busy * shared_span(plan, pf, core_work[busiest] / busy if busy else 1.0) \
-            * pf.shared_pipeline_factor
+        # one. Where more processes compute than the cores hold, the platform's measured
+        # excess of a real pipeline over the replay (`shared_span`)
+        pipe = busy * shared_span(plan, pf, core_work[busiest] / busy if busy else 1.0)
 
     dp_sync, dp_parts = -1.0, {}
     for sm in stages:

@@ -288,10 +288,13 @@ class Platform:
     # 45-47 ms per layer over pairs, 63-81 over one group of 4); used for layouts whose FSDP
     # groups are pairs (`zero3_overhead`). 0 where not measured (fewer than 4 processes, GPU)
     zero3_pair_overhead: float = 0.0
-    # Measured on CPU where processes share the cores (`tuner measure`): a real pipeline's
-    # step / the shared-core replay's price of it (`tuner.sharing`, its actions timed with
-    # every process computing); the estimate scales a replayed pipeline by it. 1 where not
-    # measured (dedicated devices: no replay)
+    # Measured on CPU where processes share the cores (`tuner measure`): what a real
+    # pipeline's step takes beyond the shared-core replay's price of it (`tuner.sharing`, its
+    # actions timed with every process computing), per second of the replay's contended part
+    # (more processes computing than cores): 1 + excess / contended seconds. The estimate
+    # scales a replayed pipeline's contended part by it (files before 2026-12-07 held the
+    # whole step's ratio, 1.09-1.19 on this project's VM). 1 where not measured (dedicated
+    # devices: no replay)
     shared_pipeline_factor: float = 1.0
     # Measured on CPU where each process has cores of its own (`tuner measure`): seconds one
     # pipeline action (a stage's forward, backward or weight pass of one micro-batch) takes

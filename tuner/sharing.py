@@ -42,21 +42,28 @@ row's bias +12.5 % with the waits after, +5.7 % spread; docs/planner.md, "Shared
 Checked against a real pipeline (`tuner.measure`'s pipeline probe: 1F1B, 2 stages of 2
 processes on 2 cores, each action timed with all processes computing, then replayed here),
 the replay is optimistic: the pipelined step ran 1.02-1.22x the replay on this project's VM
-(2026-12-06; 1.12-1.27x with the P2P hand-overs left out). Its processes took 2-8 % more CPU time for the same actions than in lock-step,
-and the cores idled 2-6 % of the step; neither is in the rule above. `tuner measure` writes
-the measured ratio as `Platform.shared_pipeline_factor`, and `tuner.estimate` scales the
-replayed pipeline by it (docs/planner.md, "Shared cores").
+(2026-12-06; 1.12-1.27x with the P2P hand-overs left out). Its processes took 2-8 % more
+CPU time for the same actions than in lock-step, and the cores idled 2-6 % of the step;
+neither is in the rule above. `shared_replay` also returns the replay's contended seconds
+(more processes computing than the cores hold); `tuner measure` puts the measured excess on
+them (`Platform.shared_pipeline_factor` = 1 + excess / contended), and `tuner.estimate`
+scales a plan's contended seconds by it. Until 2026-12-07 the factor was the whole step's
+ratio and scaled the whole replay, also where the stages never compute at once: the README
+recipe's plan (PP 2 x DP 2, one micro-batch, the two processes of one stage on the two
+cores) was priced +8.7 % slow on average over eight records, -1.4 % with the excess on the
+contended part (docs/planner.md, "Shared cores").
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from pipeline import Action, Schedule
 from pipeline.schedule import dependencies, n_stages, stage2rank
 
-__all__ = ["WAITS", "core_speed", "exchange_tail_saving", "shared_imbalance", "shared_makespan",
-           "spread_speed"]
+__all__ = ["WAITS", "Replay", "core_speed", "exchange_tail_saving", "shared_imbalance",
+           "shared_makespan", "shared_replay", "spread_speed"]
 
 _EPS = 1e-12
 
@@ -168,7 +175,28 @@ def shared_makespan(schedule: Schedule, cost: Callable[[Action], float] | Mappin
                     procs: Mapping[int, int], cores: int, threads: int,
                     cpu_share: float = 1.0, transfer: float = 0.0,
                     waits: str = "spread") -> float:
-    """End time of `schedule` replayed on `cores` shared cores (module docstring).
+    """End time of `schedule` replayed on `cores` shared cores (module docstring); the
+    arguments as `shared_replay`'s."""
+    return shared_replay(schedule, cost, procs, cores, threads, cpu_share, transfer,
+                         waits).span
+
+
+class Replay(NamedTuple):
+    """`shared_replay`'s result: `span`, the replayed schedule's end time, and `contended`,
+    the seconds of it during which the computing processes want more cores than the node
+    has (more than cores / threads of them computing, fractional counts under WAITS
+    "spread" as `spread_speed` counts them)."""
+
+    span: float
+    contended: float
+
+
+def shared_replay(schedule: Schedule, cost: Callable[[Action], float] | Mapping[str, float],
+                  procs: Mapping[int, int], cores: int, threads: int,
+                  cpu_share: float = 1.0, transfer: float = 0.0,
+                  waits: str = "spread") -> Replay:
+    """`schedule` replayed on `cores` shared cores (module docstring): its end time and the
+    part of it with the cores oversubscribed (`Replay`).
 
     `cost`: seconds per action at the all-busy rate (a function of the Action, or per kind
     {"F": .., "B": .., "W": ..}); `procs[r]`: processes pipeline rank r stands for;
@@ -206,7 +234,7 @@ def shared_makespan(schedule: Schedule, cost: Callable[[Action], float] | Mappin
     end: dict[Action, float] = {}
     # per rank: None (free) or [phase "cpu" | "wait", remaining work or seconds]
     doing: dict[int, list | None] = dict.fromkeys(orders, None)
-    now = 0.0
+    now = contended = 0.0
     while True:
         # start every action whose rank is free and whose inputs have arrived
         ready_at: dict[int, float] = {}
@@ -226,12 +254,13 @@ def shared_makespan(schedule: Schedule, cost: Callable[[Action], float] | Mappin
             else:
                 ready_at[r] = t
         if all(pos[r] == len(o) for r, o in orders.items()):
-            return now
+            return Replay(now, contended)
         if waits == "spread":
             active = [(procs[r], d[1], d[2]) for r, d in doing.items() if d is not None]
             speed = spread_speed(active, total, cores, threads) if active else 0.0
             # each action ends when its work (at `speed`) and its waits are both done
             steps = [d[1] / speed + d[2] for d in doing.values() if d is not None]
+            busy = sum(n * w / (w + speed * v) for n, w, v in active if w > _EPS)
         else:
             busy = sum(procs[r] for r, d in doing.items() if d is not None and d[0] == "cpu")
             speed = core_speed(busy, total, cores, threads) if busy else 0.0
@@ -244,6 +273,8 @@ def shared_makespan(schedule: Schedule, cost: Callable[[Action], float] | Mappin
             raise ValueError(f"schedule deadlocks: each rank's next action waits: {blocked}")
         dt = max(0.0, min(steps))
         now += dt
+        if busy * threads > cores + _EPS:
+            contended += dt
         for r, d in doing.items():
             if d is None:
                 continue
