@@ -71,7 +71,8 @@ as the median of repeats after a warm-up:
                   1.12-1.27x without them (2026-12-06): its processes took 2-8 % more CPU
                   time for the same actions than in lock-step, and the cores idled 2-6 % of
                   the step; the replay credits neither. The probe's replay is contended
-                  for ~69 % of its span, so the written factor is 1.18-1.27 (2026-12-07)
+                  for ~69 % of its span; the written factors were 1.18-1.27 (six probes,
+                  2026-12-07)
     rank skew     one tiny-preset decoder layer's forward + backward at RANK_SKEW_TOKENS
                   tokens, the same input on every process, after a barrier, RANK_SKEW_ROUNDS
                   rounds: the slowest process's time over the mean, median over rounds ->
@@ -821,8 +822,9 @@ def _sweep_worker(rank: int, world: int, group: dist.ProcessGroup | None, sizes:
 
 PIPE_PROBE = {"microbatches": 4, "tokens": 512, "blocks": 2}  # per stage: tiny blocks
 # the least shared_pipeline_factor written (the platform wants > 0): reached only by a probe
-# whose pipeline beat its replay by nearly the whole contended part (1.03-1.32 on this
-# project's VM, 2026-12-07)
+# whose pipeline beat its replay by nearly the whole contended part (measured on this
+# project's VM: 1.18-1.27, the five probes of the 2a5cdec validation record and
+# configs/platforms/local.toml, 2026-12-07)
 SHARED_FACTOR_FLOOR = 0.05
 
 
