@@ -149,6 +149,13 @@ def exchange_tail_saving(work: float, tail: float, procs: int, waiting: int, cor
     return (work - left) * (1.0 - 1.0 / s2)
 
 
+def _computing(active: list[tuple[int, float, float]], speed: float) -> float:
+    """How many processes of `active` (processes, work left, wait left per rank) compute on
+    average while their work runs at `speed` and their waits interleave with it
+    (`spread_speed`): procs x w / (w + speed v) per rank with work left."""
+    return sum(n * w / (w + speed * v) for n, w, v in active if w > _EPS)
+
+
 def spread_speed(active: list[tuple[int, float, float]], total: int, cores: int,
                  threads: int) -> float:
     """The speed (`core_speed`'s unit) at which the computing parts of `active` actions run
@@ -160,8 +167,7 @@ def spread_speed(active: list[tuple[int, float, float]], total: int, cores: int,
     fixed point of an increasing map, iterated from the all-computing speed (its smallest)."""
     s = _rate(float(sum(n for n, w, _ in active if w > _EPS)), total, cores, threads)
     for _ in range(200):
-        busy = sum(n * w / (w + s * v) for n, w, v in active if w > _EPS)
-        nxt = _rate(busy, total, cores, threads)
+        nxt = _rate(_computing(active, s), total, cores, threads)
         if abs(nxt - s) <= 1e-12 * nxt:
             return nxt
         s = nxt
@@ -260,10 +266,11 @@ def shared_replay(schedule: Schedule, cost: Callable[[Action], float] | Mapping[
             speed = spread_speed(active, total, cores, threads) if active else 0.0
             # each action ends when its work (at `speed`) and its waits are both done
             steps = [d[1] / speed + d[2] for d in doing.values() if d is not None]
-            busy = sum(n * w / (w + speed * v) for n, w, v in active if w > _EPS)
+            busy = _computing(active, speed)
         else:
-            busy = sum(procs[r] for r, d in doing.items() if d is not None and d[0] == "cpu")
-            speed = core_speed(busy, total, cores, threads) if busy else 0.0
+            n_cpu = sum(procs[r] for r, d in doing.items() if d is not None and d[0] == "cpu")
+            speed = core_speed(n_cpu, total, cores, threads) if n_cpu else 0.0
+            busy = float(n_cpu)
             # the next event: a work or wait part ending
             steps = [d[1] / speed if d[0] == "cpu" else d[1]
                      for d in doing.values() if d is not None]
