@@ -53,7 +53,8 @@ predicted), so the scaled error is a diagnostic, not the check.
    cores, so compute rates depend on W: `tuner.measure` is run with W processes at once for
    every world size used (2 and 4), once before every pass over the rows (`--repeats`), each
    written to tuner_validate_platform_w<W>.m<k>.toml in the output folder; the rows are
-   predicted on their field-wise median (`tuner.measure.median_platform`; the fields fitted
+   predicted on their field-wise median (`tuner.measure.median_platform`: each efficiency the
+   median of its measured rates over the median peak; the fields fitted
    against the platform's other entries, such as the elementwise rate, fitted again from
    the medians of their measured inputs, kept as tuner_validate_platform_w<W>.m<k>.raw.json),
    tuner_validate_platform_w<W>.toml, each config on the platform of its own world size

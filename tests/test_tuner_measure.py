@@ -108,6 +108,47 @@ def test_median_platform_takes_each_measured_value_s_median(tmp_path):
         median_platform([], tmp_path / "bad.toml")
 
 
+def test_median_platform_prices_each_shape_at_the_median_of_its_measured_rates(tmp_path):
+    """Each measurement writes its efficiencies relative to its own peak; the median file's
+    efficiency x its (median) peak is the median of the measured rates, not the median
+    ratio times the median peak. Three measurements, peak 5 / 10 / 8 (x base / 10), every
+    shape measured at 4.5 / 4.0 / 3.0 (efficiency 0.9 / 0.4 / 0.375): the median peak 8 and
+    the median rate 4.0 give 0.5, where the median ratio 0.4 would price 3.2. The same for
+    the single efficiencies, the width, GEMM, grouped and attention tables. (No clamp is
+    needed: each rate is at most its own file's peak, so their median is at most the median
+    peak.)"""
+    import dataclasses
+    import statistics
+
+    base = load_platform(CPU_W2)
+    peaks, rates = (5.0, 10.0, 8.0), (4.5, 4.0, 3.0)
+    files = []
+    for i, (pk, r) in enumerate(zip(peaks, rates, strict=True)):
+        e = r / pk
+        p = dataclasses.replace(
+            base, peak_flops=base.peak_flops * pk / 10, gemm_efficiency=e,
+            grouped_gemm_efficiency=e, attention_efficiency=e,
+            gemm_width_efficiency=tuple((w, e) for w, _ in base.gemm_width_efficiency),
+            **{t: dataclasses.replace(g, values=(e,) * len(g.values))
+               for t in ("gemm_table", "grouped_table", "attention_table")
+               for g in (getattr(base, t),)})
+        files.append(write_platform_toml(p, tmp_path / f"m{i}.toml", {}))
+    got = load_platform(median_platform(files, tmp_path / "median.toml"))
+    want = statistics.median(rates) / statistics.median(peaks)
+    ratios = [r / p for r, p in zip(rates, peaks, strict=True)]
+    assert want == 0.5 and statistics.median(ratios) == 0.4
+    assert got.peak_flops == pytest.approx(base.peak_flops * 0.8, rel=1e-6)
+    for f in ("gemm_efficiency", "grouped_gemm_efficiency", "attention_efficiency"):
+        assert getattr(got, f) == pytest.approx(want, rel=1e-6), f
+    assert [w for w, _ in got.gemm_width_efficiency] == [w for w, _ in
+                                                         base.gemm_width_efficiency]
+    assert [e for _, e in got.gemm_width_efficiency] == pytest.approx(
+        [want] * len(base.gemm_width_efficiency), rel=1e-6)
+    for t in ("gemm_table", "grouped_table", "attention_table"):
+        vals = getattr(got, t).values
+        assert vals == pytest.approx([want] * len(vals), rel=1e-6), t
+
+
 def test_compute_fields_medians_and_tables_by_hand():
     # three ranks at 0.5x, 1x, 3x: the median rank (1x) sets every rate
     f = compute_fields([_rank(0.5), _rank(1.0), _rank(3.0)], quick=True)

@@ -1364,6 +1364,49 @@ def _median_value(vals: list[Any], where: str) -> Any:
     raise ValueError(f"median_platform: cannot combine {where} = {vals!r}")
 
 
+# The efficiencies a measurement writes as its own rate / its own peak (`compute_fields`):
+# (section, key) of the platform file's layout.
+PEAK_RELATIVE = (("compute", "gemm_efficiency"), ("compute", "grouped_gemm_efficiency"),
+                 ("compute", "attention_efficiency"), ("gemm_table", "efficiency"),
+                 ("grouped_table", "efficiency"), ("attention_table", "efficiency"))
+
+
+def _scaled(v: Any, f: float) -> Any:
+    """A number, or a nested list of numbers, times f."""
+    return [_scaled(x, f) for x in v] if isinstance(v, list) else float(v) * f
+
+
+def _median_rates(dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    """`_median_value` of platform dicts, except the efficiencies relative to the peak
+    (`PEAK_RELATIVE`, `gemm_width_efficiency`): each file's are its rates / its own peak, the
+    best of a few reference shapes, which moves more between measurements than the rates do
+    (2026-12-07, c43d3be's five 4-process measurements: peaks 0.051-0.103 TFLOP/s, the mean
+    GEMM-table rate 46-51 GFLOP/s). A median of those ratios beside the median peak prices a
+    shape at a rate that no measurement had (a grouped-GEMM entry 22 % off the median of its
+    rates there). So each efficiency is the median of its measured rates (efficiency x that
+    file's peak) / the median peak; at most 1, since each rate is at most its own file's peak
+    (`compute_fields` clamps it there) and the median keeps that order."""
+    med = _median_value(dicts, "")
+    peaks = [float(d["compute"]["peak_tflops"]) for d in dicts]
+    peak = float(med["compute"]["peak_tflops"])
+    if peak <= 0.0 or any(p <= 0.0 for p in peaks):
+        return med
+
+    def eff(v: Any) -> Any:
+        return [eff(x) for x in v] if isinstance(v, list) else float(v) / peak
+
+    for section, key in PEAK_RELATIVE:
+        if key in med.get(section, {}):
+            rates = [_scaled(d[section][key], p) for d, p in zip(dicts, peaks, strict=True)]
+            med[section][key] = eff(_median_value(rates, f"{section}.{key}"))
+    if med["compute"].get("gemm_width_efficiency"):
+        rates = [[[w, e * p] for w, e in d["compute"]["gemm_width_efficiency"]]
+                 for d, p in zip(dicts, peaks, strict=True)]
+        med["compute"]["gemm_width_efficiency"] = [
+            [w, eff(r)] for w, r in _median_value(rates, "compute.gemm_width_efficiency")]
+    return med
+
+
 def _value_comments(path: Path) -> dict[str, str]:
     """The comments of a platform file as `write_platform_toml` writes them: after a value
     (by its key), above a table (by the table's name)."""
@@ -1401,8 +1444,8 @@ def median_platform(paths: Sequence[Path], out: Path, raws: Sequence[Path] = ())
         raise ValueError(f"median_platform: {len(raws)} raw files for {len(paths)} platforms; "
                          f"give one per platform or none")
     dicts = [load_platform(p).to_dict() for p in paths]
-    p = Platform.from_dict(_median_value(dicts, ""), source=str(out))
-    how = "value by value"
+    p = Platform.from_dict(_median_rates(dicts), source=str(out))
+    how = "value by value, each efficiency as the median of its measured rates / the median peak"
     if raws:
         loaded = [json.loads(Path(r).read_text()) for r in raws]
         if any((r.get("pipeline") is None) != (loaded[0].get("pipeline") is None)
