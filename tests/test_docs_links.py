@@ -18,16 +18,22 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 
 
+def _prose(page: Path):
+    """(line number, line) of `page` outside fenced code blocks."""
+    fenced = False
+    for i, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            yield i, line
+
+
 def heading_ids(page: Path) -> set[str]:
     """The anchors GitHub gives the headings of `page` (fenced code blocks skipped)."""
     ids: set[str] = set()
     seen: dict[str, int] = {}
-    fenced = False
-    for line in page.read_text(encoding="utf-8").splitlines():
-        if line.lstrip().startswith("```"):
-            fenced = not fenced
-            continue
-        m = None if fenced else HEADING.match(line)
+    for _, line in _prose(page):
+        m = HEADING.match(line)
         if m is None:
             continue
         slug = re.sub(r"[^\w\- ]", "", m.group(2).lower()).replace(" ", "-")
@@ -46,15 +52,8 @@ def test_heading_ids_follow_githubs_rule(tmp_path):
 
 
 def _links(page: Path) -> list[tuple[int, str]]:
-    out, fenced = [], False
-    for i, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
-        if line.lstrip().startswith("```"):
-            fenced = not fenced
-            continue
-        if not fenced:
-            out += [(i, t) for t in LINK.findall(line)
-                    if not re.match(r"[a-z][a-z0-9+.-]*:", t)]  # http:, https:, mailto:
-    return out
+    return [(i, t) for i, line in _prose(page) for t in LINK.findall(line)
+            if not re.match(r"[a-z][a-z0-9+.-]*:", t)]  # http:, https:, mailto:
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

@@ -1385,25 +1385,21 @@ def _median_rates(dicts: list[dict[str, Any]]) -> dict[str, Any]:
     shape at a rate that no measurement had (a grouped-GEMM entry 22 % off the median of its
     rates there). So each efficiency is the median of its measured rates (efficiency x that
     file's peak) / the median peak; at most 1, since each rate is at most its own file's peak
-    (`compute_fields` clamps it there) and the median keeps that order."""
+    (`compute_fields` clamps it there) and the median keeps that order. Every peak is > 0
+    (`Platform` refuses a file without one)."""
     med = _median_value(dicts, "")
     peaks = [float(d["compute"]["peak_tflops"]) for d in dicts]
-    peak = float(med["compute"]["peak_tflops"])
-    if peak <= 0.0 or any(p <= 0.0 for p in peaks):
-        return med
-
-    def eff(v: Any) -> Any:
-        return [eff(x) for x in v] if isinstance(v, list) else float(v) / peak
-
+    per_peak = 1.0 / float(med["compute"]["peak_tflops"])
     for section, key in PEAK_RELATIVE:
         if key in med.get(section, {}):
             rates = [_scaled(d[section][key], p) for d, p in zip(dicts, peaks, strict=True)]
-            med[section][key] = eff(_median_value(rates, f"{section}.{key}"))
+            med[section][key] = _scaled(_median_value(rates, f"{section}.{key}"), per_peak)
     if med["compute"].get("gemm_width_efficiency"):
         rates = [[[w, e * p] for w, e in d["compute"]["gemm_width_efficiency"]]
                  for d, p in zip(dicts, peaks, strict=True)]
         med["compute"]["gemm_width_efficiency"] = [
-            [w, eff(r)] for w, r in _median_value(rates, "compute.gemm_width_efficiency")]
+            [w, r * per_peak]
+            for w, r in _median_value(rates, "compute.gemm_width_efficiency")]
     return med
 
 
