@@ -143,6 +143,11 @@ CONFIGS: list[tuple[str, ParallelPlan]] = [
     ("pp2-ep2 zb-h1 m8", ParallelPlan(pp=2, ep=2, dp=1, microbatches=8, global_batch=B,
                                       seq_len=S, schedule="zb-h1")),
     ("pp2-ep1-dp2 1f1b m2", ParallelPlan(pp=2, ep=1, dp=2, microbatches=2, global_batch=B, seq_len=S)),
+    # recompute (model/checkpointing.py): the FFN intermediates, and whole blocks
+    ("selective pp1-ep1-dp2", ParallelPlan(pp=1, ep=1, dp=2, microbatches=1, global_batch=B,
+                                           seq_len=S, checkpointing="selective")),
+    ("full pp2-ep2 1f1b m4", ParallelPlan(pp=2, ep=2, dp=1, microbatches=4, global_batch=B,
+                                          seq_len=S, checkpointing="full")),
 ]
 
 
@@ -305,9 +310,14 @@ def predict(cfg: ModelConfig, plan: ParallelPlan, platform: Path,
     held = [(s.state, s.state_by_part.get("zero3_gathered", 0.0)) for s in e.stages]
     gathered = max(g for _, g in held)
     state = max(st - g for st, g in held)
-    act = max(s.activations for s in e.stages)
+    # Likewise what a recompute rebuilds in the backward (one layer's dropped activations):
+    # torch's checkpoint saves it under its own hooks, unseen by the meter (`rebuilt`, apart)
+    seen = [(s.activations - s.act_by_part.get("recompute", 0.0),
+             s.act_by_part.get("recompute", 0.0)) for s in e.stages]
+    act = max(a for a, _ in seen)
+    rebuilt = max(r for _, r in seen)
     return {"state": state, "act": act, "memory": state + act, "step_time": e.step_time,
-            "gathered": gathered,
+            "gathered": gathered, "rebuilt": rebuilt,
             "zero_saved": max(s.zero_saved for s in e.stages), "time": dict(e.time),
             "dp_collectives": dict(e.dp_collectives)}
 
@@ -384,6 +394,7 @@ def _row(cfg: ModelConfig, name: str, plan: ParallelPlan, m: Measured, args: arg
         "state_err": state_err, "zero": plan.zero, "pred_zero_saved_gb": p["zero_saved"] / 1e9,
         "pred_act_gb": p["act"] / 1e9, "meas_act_gb": m.act_peak_bytes / 1e9,
         "pred_zero3_gathered_gb": p["gathered"] / 1e9,
+        "pred_recompute_rebuilt_gb": p["rebuilt"] / 1e9,
         "meas_act_max_gb": m.act_peak_bytes_max / 1e9,
         "pred_mem_balanced_gb": p_bal["memory"] / 1e9,
         "pred_step_balanced_s": p_bal["step_time"], "meas_imbalance": m.imbalance,

@@ -69,6 +69,59 @@ def test_trainer_memory_matches_a_real_step(batch, seq, ckpt):
     assert seen == pytest.approx(meter.peak, rel=1e-3)
 
 
+@pytest.mark.integration
+def test_recompute_rebuilds_what_the_checkpoint_dropped():
+    """The recompute's working set ("recompute", one layer of one micro-batch) is what the
+    checkpoint dropped of a layer: measured as the saved bytes of a real step without
+    checkpointing less those with it, per layer (the tiny preset's four layers are alike).
+    Before, a whole layer's set was counted for "selective" too, 1.8x the FFN intermediates
+    it drops (the README recipe planned with selective on an Intel Xeon, 2026-12-08)."""
+    from model.checkpointing import set_checkpointing
+
+    cfg, batch, seq = presets.get("tiny"), 2, 64
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    peak = {}
+    for ckpt in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        model = MoETransformer(cfg)
+        set_checkpointing(model, ckpt)
+        meter = SavedTensorMeter(model)
+        with meter:
+            ce, aux = model(tokens, tokens)
+        (ce + aux).backward()
+        peak[ckpt] = meter.peak
+    for ckpt in ("selective", "full"):
+        plan = ParallelPlan(pp=1, ep=1, dp=1, microbatches=1, global_batch=batch, seq_len=seq,
+                            checkpointing=ckpt)
+        st = stage_memory(cfg, plan, load_platform("frontier"), FP32_TRAINER_PRECISION, TRAINER)[0]
+        dropped = (peak["none"] - peak[ckpt]) / cfg.n_layers
+        # "full" also drops each layer's rotary tables (2 s hd, counted per layer apart)
+        rope = 2 * seq * cfg.qk_head_dim * 4 if ckpt == "full" else 0
+        assert st.act_by_part["recompute"] == pytest.approx(dropped - rope, rel=1e-3), ckpt
+    assert peak["none"] - peak["selective"] < 0.6 * (peak["none"] - peak["full"])
+
+
+def test_recompute_is_never_priced_faster_than_keeping_the_activations():
+    """A recompute adds work: over the tiny preset's space on a measured CPU platform (where
+    the activations' memory traffic is priced) no recompute mode is cheaper than none. Before,
+    the traffic was priced over the kept activations only, and the search picked selective
+    recompute for speed (the README recipe on 2026-12-08; measured 1.17x none's step)."""
+    cfg, pf = presets.get("tiny"), load_platform("local")
+    asm = Assumptions(activation_set="trainer", activation_traffic_passes=4.0)
+    sp = SearchSpace.default(cfg, pf, 4, 16, 256)
+    n = 0
+    for pt in sp.points():
+        if sp.reject(pt) is None and pt["checkpointing"] == "none":
+            plan = sp.to_plan(pt)
+            t0 = estimate(cfg, plan, pf, FP32_TRAINER_PRECISION, asm).step_time
+            for ckpt in ("selective", "full"):
+                t = estimate(cfg, dataclasses.replace(plan, checkpointing=ckpt), pf,
+                             FP32_TRAINER_PRECISION, asm).step_time
+                assert t > t0, (plan, ckpt)
+            n += 1
+    assert n > 50
+
+
 def test_lower_bound_never_exceeds_the_estimate():
     cfg, pf = presets.get("mixtral-8x7b"), load_platform("frontier")
     sp = SearchSpace.default(cfg, pf, 64, 512, 4096, mbs=(1, 2))

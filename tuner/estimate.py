@@ -27,7 +27,8 @@ Memory of pipeline rank r (bytes):
                  like the other experts (replica group DP).
     activations  peak_inflight(schedule)[r] x the largest per-micro-batch activation of one of
                  its chunks (see `tuner.counts`; with a2a_overlap fb the paired schedule's
-                 in-flight count, `fb_inflight`), + one layer's working set when recomputing,
+                 in-flight count, `fb_inflight`), + what one layer's recompute rebuilds
+                 (its activations less those the checkpoint kept) when recomputing,
                  + the last stage's logits (bf16 and fp32 for the loss) for one micro-batch
                  With TP + SP and CP the tokens of a micro-batch are split over the whole
                  stage (b s / (M x stage ranks) per rank), so every activation is per rank
@@ -45,7 +46,8 @@ Step time (seconds), for the busiest rank:
     forward + 2 x forward (backward) [+ recompute] compute at the
     platform's GEMM / grouped-GEMM / attention efficiency, + the platform's fixed per-layer
     overhead (measured on CPU, 0 on GPUs), + `Assumptions.activation_traffic_passes` passes
-    over the chunk's saved activations at the platform's `traffic_bandwidth` (measured
+    over the chunk's activations as saved without recompute, and one more over those a
+    recompute writes again, at the platform's `traffic_bandwidth` (measured
     elementwise rate on CPU, else the memory bandwidth; 0 passes by default); 4 all-to-alls per MoE layer (6 with
     full recompute); P2P of the activation and its gradient, and with pp > 1 the pipeline
     runtime's measured work per action (`Platform.pipeline_action_overhead`: x 2 per stage
@@ -533,6 +535,19 @@ def _layer_act(lc: LayerCounts, ckpt: str, t_attn: float, t_exp: float, D: int,
 _MOE_MODULE_PARTS = ("router", "experts", "shared_experts")
 
 
+def _rebuilt(lc: LayerCounts, ckpt: str, t_attn: float, t_exp: float, D: int,
+             act_set: str = "published") -> float:
+    """Activation elements one layer's recompute rebuilds for one micro-batch: per part, the
+    layer's set without checkpointing less what `ckpt` kept of it (the FFN intermediates
+    under "selective", the router's and experts' tensors under "moe", all but the block's
+    input under "full"); 0 for "none"."""
+    if ckpt == "none":
+        return 0.0
+    kept = _layer_act(lc, ckpt, t_attn, t_exp, D, act_set)
+    return sum(max(0.0, v - kept.get(p, 0.0))
+               for p, v in _layer_act(lc, "none", t_attn, t_exp, D, act_set).items())
+
+
 def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform | None,
                  precision: PrecisionPolicy = PUBLISHED_PRECISION,
                  assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> list[StageMemory]:
@@ -601,15 +616,12 @@ def stage_memory(cfg: ModelConfig, plan: ParallelPlan, platform: Platform | None
         if fb_layer:  # the paired forward's newest layer beside the backward's oldest
             act["fb_pair_layer"] = one_layer
         if plan.checkpointing != "none":
-            # Recomputing a layer rebuilds its full activations for one micro-batch ("moe":
-            # the MoE module's, router and experts)
-            def rebuilt(i: int) -> float:
-                a = _layer_act(kinds[cfg.is_moe_layer(i)], "none", t_attn, t_exp, D, aset)
-                if plan.checkpointing == "moe":
-                    return sum(v for p, v in a.items() if p in _MOE_MODULE_PARTS)
-                return sum(a.values())
-
-            act["recompute"] = max(rebuilt(i) for i in layers) * pb.activation_bytes
+            # Recomputing a layer in the backward rebuilds, for one micro-batch, what its
+            # checkpoint dropped (`_rebuilt`: the FFN intermediates under "selective", the
+            # MoE module's tensors under "moe", all but the block's input under "full")
+            act["recompute"] = max(_rebuilt(kinds[cfg.is_moe_layer(i)], plan.checkpointing,
+                                            t_attn, t_exp, D, aset)
+                                   for i in layers) * pb.activation_bytes
         if aset == "trainer":
             # Every micro-batch in flight keeps its head (and token ids) until its backward.
             if r == plan.pp - 1:
@@ -1197,10 +1209,15 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                 chunk += (1 + asm.mtp_layers) * pf.loss_time(t_attn, cfg.vocab_size)
             acc["compute"] += chunk
             if asm.activation_traffic_passes:
-                act = sum(sum(_layer_act(kinds[cfg.is_moe_layer(i)], plan.checkpointing, t_attn,
-                                         t_exp, D, asm.activation_set).values()) for i in c)
-                acc["compute"] += asm.activation_traffic_passes * act * pb.activation_bytes \
-                    / pf.traffic_bandwidth
+                # every activation of the layer is written and read, and so is its gradient,
+                # whether the forward keeps it or the recompute writes it once more
+                act = 0.0
+                for i in c:
+                    lc = kinds[cfg.is_moe_layer(i)]
+                    act += asm.activation_traffic_passes * sum(
+                        _layer_act(lc, "none", t_attn, t_exp, D, asm.activation_set).values())
+                    act += _rebuilt(lc, plan.checkpointing, t_attn, t_exp, D, asm.activation_set)
+                acc["compute"] += act * pb.activation_bytes / pf.traffic_bandwidth
             acc["p2p"] += 2 * hop * (1 - asm.p2p_overlap)
             if plan.pp > 1:
                 # the pipeline runtime's own work per action (the boundary batch, the
