@@ -122,6 +122,24 @@ def test_recompute_is_never_priced_faster_than_keeping_the_activations():
     assert n > 50
 
 
+def test_full_recompute_reruns_the_forward_half_of_the_ep_path():
+    """Full recompute re-runs an EP layer's dispatch and combine (2 more of its 4 exchanges)
+    and with them the forward's half of the EP path's measured fixed cost: the all-to-all
+    part, exchanges and fixed cost together, is 1.5x none's (pp1-ep2 on the frozen
+    2-process CPU platform, whose `ep_layer_overhead` is 5.0 ms). Priced once before, full
+    recompute with EP ran 1.36-1.53x none's step against 1.22x priced (2026-12-08)."""
+    from conftest import CPU_W2
+
+    cfg, pf = presets.get("tiny"), load_platform(CPU_W2)
+    assert pf.ep_layer_overhead > 0
+    asm = Assumptions(activation_set="trainer", activation_traffic_passes=4.0)
+    plan = ParallelPlan(pp=1, ep=2, dp=1, microbatches=1, global_batch=16, seq_len=256)
+    e0, e1 = (estimate(cfg, dataclasses.replace(plan, checkpointing=c), pf,
+                       FP32_TRAINER_PRECISION, asm) for c in ("none", "full"))
+    assert e1.time["alltoall"] == pytest.approx(1.5 * e0.time["alltoall"], rel=1e-9)
+    assert e1.time["alltoall"] - e0.time["alltoall"] >= 0.5 * pf.ep_layer_overhead * cfg.n_layers
+
+
 def test_lower_bound_never_exceeds_the_estimate():
     cfg, pf = presets.get("mixtral-8x7b"), load_platform("frontier")
     sp = SearchSpace.default(cfg, pf, 64, 512, 4096, mbs=(1, 2))

@@ -1182,9 +1182,13 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                     acc["compute"] -= tail_saving(exp_ * (1 - asm.alltoall_overlap), parts, rc,
                                                   plan, pf, groups["ep"], asm)
                     if groups["ep"].size > 1:  # the EP path's fixed cost (platform, measured)
-                        acc["alltoall"] += pf.ep_layer_overhead
-                        host_work += pf.ep_layer_overhead
-                        device += pf.ep_layer_overhead
+                        # for a forward and a backward; a recompute that re-runs the layer's
+                        # exchanges runs the forward's half of it again, as it runs 2 of the
+                        # 4 exchanges again
+                        ep_fixed = pf.ep_layer_overhead * (1.5 if recomputes_a2a(plan) else 1.0)
+                        acc["alltoall"] += ep_fixed
+                        host_work += ep_fixed
+                        device += ep_fixed
                 for k, v in layer_collectives(lc, parts, rc, t_attn, t_exp, cfg, plan, pf, pb,
                                                groups, w_layer[lc.is_moe],
                                                asm.zero3_gather, asm.zero3_runs).items():
