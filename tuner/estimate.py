@@ -1138,6 +1138,14 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
     a2a = functools.partial(a2a_one, groups=groups, plan=plan, cfg=cfg, pf=pf, asm=asm)
     hop = p2p_time(t_attn * D * pb.p2p_bytes, pp_inter, pf) if plan.pp > 1 else 0.0
     w_layer = {moe: _layer_weights(kinds[moe], plan, cfg) for moe in kinds}
+    # the activations' memory traffic per layer and micro-batch (seconds; 0 passes off CPU):
+    # every activation of the layer is written and read, and so is its gradient, whether the
+    # forward keeps it or the recompute writes it once more
+    traffic = {moe: (asm.activation_traffic_passes * sum(
+        _layer_act(lc, "none", t_attn, t_exp, D, asm.activation_set).values())
+        + _rebuilt(lc, plan.checkpointing, t_attn, t_exp, D, asm.activation_set))
+        * pb.activation_bytes / pf.traffic_bandwidth
+        for moe, lc in kinds.items()} if asm.activation_traffic_passes else {}
     # fixed compute per layer and micro-batch: the platform's per-layer overhead and, under
     # ZeRO-3, FSDP2's own work (measured on CPU, else 0); compute, so it shares the cores
     # (the constant of FSDP groups of this size: a stage's ranks)
@@ -1212,16 +1220,8 @@ def _estimate(model_cfg: ModelConfig, plan: ParallelPlan, platform: Platform,
                 # (vocab-parallel under TP: t_attn x tp tokens x V / tp; measured on CPU, else 0)
                 chunk += (1 + asm.mtp_layers) * pf.loss_time(t_attn, cfg.vocab_size)
             acc["compute"] += chunk
-            if asm.activation_traffic_passes:
-                # every activation of the layer is written and read, and so is its gradient,
-                # whether the forward keeps it or the recompute writes it once more
-                act = 0.0
-                for i in c:
-                    lc = kinds[cfg.is_moe_layer(i)]
-                    act += asm.activation_traffic_passes * sum(
-                        _layer_act(lc, "none", t_attn, t_exp, D, asm.activation_set).values())
-                    act += _rebuilt(lc, plan.checkpointing, t_attn, t_exp, D, asm.activation_set)
-                acc["compute"] += act * pb.activation_bytes / pf.traffic_bandwidth
+            if traffic:
+                acc["compute"] += sum(traffic[cfg.is_moe_layer(i)] for i in c)
             acc["p2p"] += 2 * hop * (1 - asm.p2p_overlap)
             if plan.pp > 1:
                 # the pipeline runtime's own work per action (the boundary batch, the
